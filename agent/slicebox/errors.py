@@ -1,0 +1,71 @@
+"""The one exception tree of slicebox.
+
+Every error a caller can cause or meet carries a stable, machine-readable ``code`` and a human
+``message`` that says what to do. Foreign exceptions (D-Bus, Docker, OS) are mapped to this tree
+at the edge with ``raise ... from exc``.
+
+    SliceboxError                 code: a stable snake_case string, http: the API status
+    ├── InvalidRequest            the caller's input cannot be accepted as it is (400)
+    │   ├── InvalidName           a user or project name that cannot map to a unit name
+    │   ├── InvalidLimit          a size, cpu or pids value that is unparsable or out of range
+    │   └── PolicyViolation       a request the security policy refuses (privileged, host net...)
+    ├── AdmissionRefused          limits larger than a project or user ceiling allow (409)
+    ├── NotFound                  no such sandbox, or not the caller's (404)
+    ├── Unavailable               a backend or system service is not reachable (503)
+    └── HostError                 the host misbehaved (a systemd job failed, cgroupfs odd) (500)
+"""
+
+from __future__ import annotations
+
+
+class SliceboxError(Exception):
+    """Root of every slicebox error: a stable ``code`` and a message saying what to do."""
+
+    code = "internal"
+    http_status = 500
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+class InvalidRequest(SliceboxError):
+    code = "invalid_request"
+    http_status = 400
+
+
+class InvalidName(InvalidRequest):
+    code = "invalid_name"
+
+
+class InvalidLimit(InvalidRequest):
+    code = "invalid_limit"
+
+
+class PolicyViolation(InvalidRequest):
+    code = "policy_violation"
+
+
+class AdmissionRefused(SliceboxError):
+    code = "admission_refused"
+    http_status = 409
+
+
+class NotFound(SliceboxError):
+    code = "not_found"
+    http_status = 404
+
+
+class Unavailable(SliceboxError):
+    code = "unavailable"
+    http_status = 503
+
+
+class HostError(SliceboxError):
+    code = "host_error"
+    http_status = 500

@@ -1,0 +1,54 @@
+#!/bin/bash
+# Runs on the build machine with the guest's root file system as $1 (mmdebstrap customize hook).
+# Environment: KEY_PUB (the rig's ssh public key).
+set -euo pipefail
+root=$1
+
+echo slicebox-guest > "$root/etc/hostname"
+printf '127.0.0.1 localhost\n127.0.1.1 slicebox-guest\n' > "$root/etc/hosts"
+cat > "$root/etc/fstab" <<FSTAB
+/dev/vda / ext4 rw,discard,errors=remount-ro 0 1
+src /src 9p trans=virtio,version=9p2000.L,msize=262144,cache=none,nofail 0 0
+FSTAB
+mkdir -p "$root/src"
+
+# Networking: DHCP from QEMU's user-mode network.
+cat > "$root/etc/systemd/network/80-guest.network" <<NET
+[Match]
+Name=en* eth*
+[Network]
+DHCP=yes
+NET
+chroot "$root" systemctl enable systemd-networkd systemd-resolved ssh docker
+
+# ssh: key only, root allowed (this guest is a test host reachable only from 127.0.0.1).
+install -d -m 700 "$root/root/.ssh"
+echo "$KEY_PUB" > "$root/root/.ssh/authorized_keys"
+chmod 600 "$root/root/.ssh/authorized_keys"
+printf 'UseDNS no\nPermitRootLogin prohibit-password\n' > "$root/etc/ssh/sshd_config.d/guest.conf"
+
+# Docker with the systemd cgroup driver (the product's requirement), no userland proxy.
+install -d "$root/etc/docker"
+cat > "$root/etc/docker/daemon.json" <<JSON
+{"exec-opts": ["native.cgroupdriver=systemd"], "userland-proxy": false, "log-driver": "local"}
+JSON
+
+# Nothing in the background that competes with tests for two emulated CPUs.
+for unit in apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer fstrim.timer \
+            dpkg-db-backup.timer man-db.timer systemd-tmpfiles-clean.timer; do
+    chroot "$root" systemctl mask "$unit" >/dev/null 2>&1 || true
+done
+ln -sf /dev/null "$root/etc/systemd/system/serial-getty@ttyS0.service"
+
+# The checkout's agent/ is importable as the installed project (the rig adds the scripts).
+py=$(ls -d "$root"/usr/lib/python3/dist-packages)
+echo /src/agent > "$py/slicebox-checkout.pth"
+
+# A small initramfs: only what boots a virtio disk with ext4 and mounts 9p.
+printf 'virtio_pci\nvirtio_blk\nvirtio_net\next4\n9p\n9pnet_virtio\n' \
+    > "$root/etc/initramfs-tools/modules"
+echo MODULES=list > "$root/etc/initramfs-tools/conf.d/slicebox-guest"
+chroot "$root" update-initramfs -u -k all >/dev/null
+
+# Clean caches: they would only make the image bigger.
+rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*

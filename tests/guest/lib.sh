@@ -1,0 +1,171 @@
+# shellcheck shell=bash
+# Shared by tests/guest/{build,run,up,down}: where things live and how to reach a guest.
+# The image and its kernel are cached outside the clone, keyed by a hash of what builds them,
+# so a fresh clone on the same machine reuses them and a changed recipe rebuilds.
+
+GUEST_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO_ROOT=$(cd "$GUEST_DIR/../.." && pwd)
+CACHE_ROOT=${SLICEBOX_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/slicebox}
+GUEST_SUITE=${SLICEBOX_GUEST_SUITE:-trixie}
+GUEST_MEM=${SLICEBOX_GUEST_MEM:-4096}
+GUEST_CPUS=${SLICEBOX_GUEST_CPUS:-2}
+BOOT_TIMEOUT=${SLICEBOX_GUEST_BOOT_TIMEOUT:-300}
+
+say() { printf '[guest %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
+die() { say "error: $*"; exit 2; }
+
+# The image key: every file that decides what the image contains, plus the suite.
+image_key() {
+    { echo "$GUEST_SUITE"; cat "$GUEST_DIR/build" "$GUEST_DIR/packages.txt" "$GUEST_DIR"/image/*; } \
+        | sha256sum | cut -c1-16
+}
+
+image_dir() { echo "$CACHE_ROOT/guest/$(image_key)"; }
+
+# One running guest per checkout: its state lives under a directory named after the checkout.
+run_dir() { echo "$CACHE_ROOT/run/$(echo "$REPO_ROOT" | sha256sum | cut -c1-12)"; }
+
+# PVM (kvm_pvm) exposes /dev/kvm but cannot run a stock Debian kernel: use TCG there.
+qemu_accel() {
+    if [ -n "${SLICEBOX_GUEST_ACCEL:-}" ]; then
+        echo "$SLICEBOX_GUEST_ACCEL"
+    elif [ -w /dev/kvm ] && [ ! -d /sys/module/kvm_pvm ]; then
+        echo kvm
+    else
+        echo tcg
+    fi
+}
+
+qemu_accel_args() {
+    case "$(qemu_accel)" in
+        kvm) echo "-accel kvm -cpu host" ;;
+        *) echo "-accel tcg,thread=multi -cpu Nehalem" ;;
+    esac
+}
+
+free_port() {
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+
+ssh_opts() {
+    local dir=$1
+    echo "-i $(image_dir)/id_ed25519 -p $(cat "$dir/port") -o StrictHostKeyChecking=no" \
+        "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o ConnectTimeout=5" \
+        "-o ServerAliveInterval=15 -o ServerAliveCountMax=8"
+}
+
+guest_ssh() {
+    local dir=$1; shift
+    # shellcheck disable=SC2046
+    ssh $(ssh_opts "$dir") root@127.0.0.1 "$@"
+}
+
+guest_alive() {
+    local dir=$1
+    [ -f "$dir/pid" ] && kill -0 "$(cat "$dir/pid")" 2>/dev/null
+}
+
+# Boot DISK (format FMT) as the guest recorded in DIR; returns once ssh answers.
+# A guest that does not come up is a clear error with the console's tail, never a hang.
+boot_guest() {
+    local dir=$1 disk=$2 fmt=$3 img attempt
+    img=$(image_dir)
+    for attempt in 1 2; do
+        boot_once "$dir" "$disk" "$fmt" "$img" && return 0
+        # QEMU's multi-threaded TCG occasionally crashes early (see RIG.md): try once more.
+        say "boot attempt $attempt failed"
+        stop_qemu "$dir"
+    done
+    die "the guest did not boot; console tail above, logs in $dir"
+}
+
+boot_once() {
+    local dir=$1 disk=$2 fmt=$3 img=$4 port deadline
+    mkdir -p "$dir"
+    port=$(free_port)
+    echo "$port" > "$dir/port"
+    : > "$dir/console.log"
+    say "booting ($(qemu_accel), ${GUEST_CPUS} vCPU, ${GUEST_MEM} MB, ssh on 127.0.0.1:$port)"
+    # shellcheck disable=SC2046
+    qemu-system-x86_64 $(qemu_accel_args) -m "$GUEST_MEM" -smp "$GUEST_CPUS" \
+        -display none -monitor none -serial "file:$dir/console.log" -D "$dir/qemu.log" \
+        -daemonize -pidfile "$dir/pid" -no-reboot -rtc base=utc \
+        -kernel "$img/vmlinuz" -initrd "$img/initrd.img" \
+        -append "root=/dev/vda rw console=ttyS0 systemd.unified_cgroup_hierarchy=1 apparmor=0 quiet" \
+        -drive "file=$disk,format=$fmt,if=virtio,cache=${GUEST_DISK_CACHE:-unsafe},discard=unmap" \
+        -netdev "user,id=n0,hostfwd=tcp:127.0.0.1:$port-:22" -device virtio-net-pci,netdev=n0 \
+        -virtfs "local,path=$REPO_ROOT,mount_tag=src,security_model=passthrough,id=src" \
+        8>&- 9>&- || return 1  # QEMU outlives us: it must not inherit (and hold) our locks
+    deadline=$((SECONDS + BOOT_TIMEOUT))
+    until guest_ssh "$dir" true </dev/null 2>/dev/null; do
+        if ! guest_alive "$dir"; then
+            say "QEMU exited during boot"; show_logs "$dir"; return 1
+        fi
+        if grep -q "KVM internal error" "$dir/qemu.log" 2>/dev/null; then
+            say "KVM cannot run this guest; set SLICEBOX_GUEST_ACCEL=tcg"; show_logs "$dir"; return 1
+        fi
+        if [ $SECONDS -ge $deadline ]; then
+            say "no ssh after ${BOOT_TIMEOUT}s"; show_logs "$dir"; return 1
+        fi
+        sleep 2
+    done
+    say "ssh is up after $((SECONDS + BOOT_TIMEOUT - deadline))s"
+}
+
+show_logs() {
+    local dir=$1
+    say "console tail:"; tail -n 30 "$dir/console.log" >&2 2>/dev/null || true
+    [ -s "$dir/qemu.log" ] && { say "qemu log:"; tail -n 10 "$dir/qemu.log" >&2; }
+    return 0
+}
+
+# Wait until systemd has finished booting and dockerd answers.
+wait_ready() {
+    local dir=$1
+    guest_ssh "$dir" </dev/null 'systemctl is-system-running --wait >/dev/null 2>&1;
+        for i in $(seq 120); do docker info >/dev/null 2>&1 && exit 0; sleep 1; done;
+        echo "dockerd did not answer" >&2; systemctl --no-pager status docker >&2; exit 1' \
+        || { show_logs "$dir"; die "the guest booted but is not ready"; }
+}
+
+stop_qemu() {
+    local dir=$1 pid i
+    [ -f "$dir/pid" ] || return 0
+    pid=$(cat "$dir/pid")
+    if kill -0 "$pid" 2>/dev/null; then
+        guest_ssh "$dir" 'systemctl poweroff' </dev/null >/dev/null 2>&1 || true
+        for i in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+        kill -0 "$pid" 2>/dev/null && { say "guest did not power off; killing QEMU"; kill "$pid"; sleep 1; }
+    fi
+    rm -f "$dir/pid"
+}
+
+# Console scripts of the checkout, as an install would make them (agent/ is already on the path).
+prepare_guest() {
+    guest_ssh "$1" python3 - <<'PY'
+import tomllib, pathlib
+scripts = tomllib.loads(pathlib.Path("/src/pyproject.toml").read_text())["project"]["scripts"]
+for name, target in scripts.items():
+    module, func = target.split(":")
+    path = pathlib.Path("/usr/local/bin") / name
+    path.write_text(f"#!/usr/bin/python3\nimport sys\nfrom {module} import {func}\nsys.exit({func}())\n")
+    path.chmod(0o755)
+PY
+}
+
+start_guest() {
+    local dir=$1 img
+    img=$(image_dir)
+    rm -f "$dir/overlay.qcow2"
+    qemu-img create -q -f qcow2 -F raw -b "$img/disk.img" "$dir/overlay.qcow2"
+    boot_guest "$dir" "$dir/overlay.qcow2" qcow2
+    wait_ready "$dir"
+    prepare_guest "$dir" || die "could not install the checkout's scripts in the guest"
+    say "guest ready"
+}
+
+stop_guest() {
+    local dir=$1
+    stop_qemu "$dir"
+    rm -f "$dir/overlay.qcow2" "$dir/port"
+}

@@ -1,0 +1,38 @@
+"""Small helpers for tests that run on a real host (the guest)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+TEST_IMAGE = "slicebox-test/busybox:latest"
+
+
+def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), capture_output=True, text=True, check=check)
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:8]}"
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, step: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(step)
+
+
+def memory_events(cgroup: Path) -> dict[str, int]:
+    lines = (cgroup / "memory.events").read_text().splitlines()
+    return {key: int(value) for key, value in (line.split() for line in lines)}
+
+
+def stop_unit(name: str) -> None:
+    sh("systemctl", "stop", name, check=False)
+    sh("systemctl", "reset-failed", name, check=False)

@@ -1,0 +1,185 @@
+"""Facts about the real host that the rest of slicebox relies on.
+
+Each test pins one fact of issue 2 and fails when it does not hold: if the guest (or a future
+target host) changes, these say exactly which assumption broke.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import docker
+import pytest
+from docker.models.containers import Container
+
+from tests.host.helpers import (
+    CGROUP_ROOT,
+    TEST_IMAGE,
+    memory_events,
+    sh,
+    stop_unit,
+    unique,
+    wait_for,
+)
+
+pytestmark = pytest.mark.host
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[docker.DockerClient]:
+    c = docker.from_env()
+    yield c
+    c.close()
+
+
+def remove(container: Container) -> None:
+    container.remove(force=True)
+
+
+def test_pid1_is_systemd() -> None:
+    assert Path("/proc/1/comm").read_text().strip() == "systemd"
+
+
+def test_cgroup2_with_controllers_delegated() -> None:
+    assert sh("stat", "-fc", "%T", str(CGROUP_ROOT)).stdout.strip() == "cgroup2fs"
+    enabled = set((CGROUP_ROOT / "cgroup.subtree_control").read_text().split())
+    assert {"cpu", "memory", "pids", "io"} <= enabled
+
+
+def test_docker_uses_systemd_cgroup_driver_on_v2(client: docker.DockerClient) -> None:
+    info = client.info()
+    assert info["CgroupDriver"] == "systemd"
+    assert info["CgroupVersion"] == "2"
+
+
+def test_cgroup_parent_places_container_in_three_slices(client: docker.DockerClient) -> None:
+    container = client.containers.run(
+        TEST_IMAGE,
+        ["sleep", "300"],
+        detach=True,
+        cgroup_parent="slicebox-a-b.slice",
+        network_mode="none",
+        mem_limit="64m",
+        pids_limit=20,
+    )
+    try:
+        expected = (
+            CGROUP_ROOT
+            / "slicebox.slice"
+            / "slicebox-a.slice"
+            / "slicebox-a-b.slice"
+            / f"docker-{container.id}.scope"
+        )
+        assert expected.is_dir()
+        pid = (
+            container.attrs["State"]["Pid"]
+            or client.api.inspect_container(container.id)["State"]["Pid"]
+        )
+        own = Path(f"/proc/{pid}/cgroup").read_text().strip()
+        assert own == "0::/" + str(expected.relative_to(CGROUP_ROOT))
+        assert (expected / "memory.max").read_text().strip() == str(64 * 1024 * 1024)
+        assert (expected / "pids.max").read_text().strip() == "20"
+    finally:
+        remove(container)
+        for unit in ("slicebox-a-b.slice", "slicebox-a.slice", "slicebox.slice"):
+            stop_unit(unit)
+
+
+def start_transient_slice(name: str, properties: dict[bytes, object]) -> Path:
+    """Start a transient slice, wait until it is active, return its cgroup directory."""
+    from pystemd.systemd1 import Manager, Unit  # only on a real host
+
+    with Manager() as manager:
+        manager.Manager.StartTransientUnit(name.encode(), b"fail", properties)
+    with Unit(name.encode()) as unit:
+        wait_for(lambda: unit.Unit.ActiveState == b"active")
+        # A dash in a slice name means nesting: slicebox-x.slice lives in slicebox.slice.
+        control_group: str = unit.Slice.ControlGroup.decode()
+    return CGROUP_ROOT / control_group.lstrip("/")
+
+
+def test_pystemd_starts_transient_slice_with_ceilings() -> None:
+    from pystemd.systemd1 import Unit
+
+    name = unique("slicebox-rigtest") + ".slice"
+    try:
+        cgroup = start_transient_slice(
+            name,
+            {
+                b"MemoryMax": 96 * 1024 * 1024,
+                b"TasksMax": 33,
+                b"CPUQuotaPerSecUSec": 250_000,
+                b"Description": b"slicebox rig test",
+            },
+        )
+        with Unit(name.encode()) as unit:
+            assert unit.Slice.MemoryMax == 96 * 1024 * 1024
+            assert unit.Slice.TasksMax == 33
+            assert unit.Slice.CPUQuotaPerSecUSec == 250_000
+        assert cgroup == CGROUP_ROOT / "slicebox.slice" / name
+        assert (cgroup / "memory.max").read_text().strip() == str(96 * 1024 * 1024)
+        assert (cgroup / "pids.max").read_text().strip() == "33"
+        assert (cgroup / "cpu.max").read_text().split()[0] == "25000"
+    finally:
+        stop_unit(name)
+
+
+def test_kernel_oom_kills_process_over_slice_memory_max() -> None:
+    name = unique("slicebox-rigoom") + ".slice"
+    try:
+        cgroup = start_transient_slice(name, {b"MemoryMax": 64 * 1024 * 1024})
+        before = memory_events(cgroup)["oom_kill"]
+        hog = sh(
+            "systemd-run",
+            "--wait",
+            "--quiet",
+            "--collect",
+            f"--slice={name}",
+            "python3",
+            "-c",
+            "b = b'x' * (256 * 1024 * 1024)",
+            check=False,
+        )
+        assert hog.returncode != 0, "the hog should have been killed"
+        assert memory_events(cgroup)["oom_kill"] > before
+    finally:
+        stop_unit(name)
+
+
+def test_docker_exec_lands_in_container_cgroup_and_counts_pids(
+    client: docker.DockerClient,
+) -> None:
+    container = client.containers.run(
+        TEST_IMAGE,
+        ["sleep", "300"],
+        detach=True,
+        cgroup_parent=unique("slicebox-rigx") + ".slice",
+        network_mode="none",
+        pids_limit=10,
+        init=True,
+    )
+    try:
+        inspect = client.api.inspect_container(container.id)
+        scope_path = Path(f"/proc/{inspect['State']['Pid']}/cgroup").read_text().strip()[3:]
+        cgroup = CGROUP_ROOT / scope_path.lstrip("/")
+        exit_code, output = container.exec_run(["cat", "/proc/self/cgroup"])
+        assert exit_code == 0
+        # Inside the container's cgroup namespace its own cgroup is the root.
+        assert output.decode().strip() == "0::/"
+        container.exec_run(
+            ["sh", "-c", "for i in $(seq 30); do sleep 60 & done; sleep 60"], detach=True
+        )
+        time.sleep(2)
+        pids = int((cgroup / "pids.current").read_text())
+        events = (cgroup / "pids.events").read_text()
+        assert pids <= 10
+        assert "max 0" not in events, events
+        procs = (cgroup / "cgroup.procs").read_text().split()
+        assert len(procs) >= 5, "exec'd processes must be in the container's cgroup"
+    finally:
+        parent = json.dumps(container.attrs["HostConfig"]["CgroupParent"])
+        remove(container)
+        stop_unit(json.loads(parent))

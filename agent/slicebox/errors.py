@@ -9,6 +9,7 @@ at the edge with ``raise ... from exc``.
     │   ├── InvalidName           a user or project name that cannot map to a unit name
     │   ├── InvalidLimit          a size, cpu or pids value that is unparsable or out of range
     │   └── PolicyViolation       a request the security policy refuses (privileged, host net...)
+    ├── Forbidden                 the caller may not act for the user it named (403)
     ├── AdmissionRefused          limits larger than a project or user ceiling allow (409)
     ├── NotFound                  no such sandbox, or not the caller's (404)
     ├── Unavailable               a backend or system service is not reachable (503)
@@ -49,6 +50,11 @@ class InvalidLimit(InvalidRequest):
 
 class PolicyViolation(InvalidRequest):
     code = "policy_violation"
+
+
+class Forbidden(SliceboxError):
+    code = "forbidden"
+    http_status = 403
 
 
 class AdmissionRefused(SliceboxError):

@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from slicebox.errors import Forbidden
+from slicebox.identity import PeerCredentials, SystemUsers, peer_credentials, resolve
+
+
+class Users:
+    def __init__(self, names: dict[int, str], groups: dict[str, frozenset[str]]) -> None:
+        self.names = names
+        self.groups = groups
+
+    def user_name(self, uid: int) -> str | None:
+        return self.names.get(uid)
+
+    def group_names(self, user: str, gid: int) -> frozenset[str]:
+        return self.groups.get(user, frozenset())
+
+
+USERS = Users(
+    {0: "root", 1000: "alice", 1001: "bob", 1002: "orch"},
+    {"alice": frozenset({"alice", "slicebox"}), "orch": frozenset({"slicebox-admin"})},
+)
+
+
+def creds(uid: int) -> PeerCredentials:
+    return PeerCredentials(pid=os.getpid(), uid=uid, gid=uid)
+
+
+def test_kernel_credentials_of_a_unix_socket_peer() -> None:
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with left, right:
+        got = peer_credentials(left)
+    assert (got.pid, got.uid, got.gid) == (os.getpid(), os.getuid(), os.getgid())
+
+
+def test_own_user_by_default_and_not_another() -> None:
+    alice = resolve(creds(1000), USERS)
+    assert alice.acting_user(None) == "alice"
+    assert alice.acting_user("alice") == "alice"
+    assert not alice.is_admin
+    with pytest.raises(Forbidden, match="slicebox-admin"):
+        alice.acting_user("bob")
+    assert alice.may_see("alice")
+    assert not alice.may_see("bob")
+
+
+@pytest.mark.parametrize("uid", [0, 1002])
+def test_root_and_admin_group_act_for_anyone(uid: int) -> None:
+    admin = resolve(creds(uid), USERS)
+    assert admin.is_admin
+    assert admin.acting_user("bob") == "bob"
+    assert admin.may_see("carol")
+
+
+def test_unknown_uid_gets_a_stable_name() -> None:
+    nobody = resolve(creds(4242), USERS)
+    assert nobody.user_name == "uid4242"
+    assert not nobody.is_admin
+
+
+def test_caller_comm_is_read_from_proc() -> None:
+    me = resolve(creds(1000), USERS)
+    assert me.comm
+    assert me.caller.pid == os.getpid()
+
+
+def test_system_users_resolves_root() -> None:
+    users = SystemUsers()
+    assert users.user_name(0) == "root"
+    assert "root" in users.group_names("root", 0)

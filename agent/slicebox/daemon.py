@@ -1,19 +1,130 @@
-"""``sliceboxd``: the host agent."""
+"""``sliceboxd``: the host agent.
+
+It answers on ``/run/slicebox/slicebox.sock`` (passed by ``slicebox.socket``, or bound here),
+tells systemd how it is doing (READY, STATUS, STOPPING) and proves the event loop is alive by
+pinging the watchdog from a task on that loop: a loop that stops making progress stops the
+pings, and systemd restarts the agent. SIGHUP re-reads the configuration; SIGTERM stops the
+agent gracefully and leaves sandboxes running for the next start to adopt.
+"""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from aiohttp import web
 
 from slicebox import __version__
+from slicebox.api import Route, base_routes, build_app
+from slicebox.audit import AuditEvent, Auditor, AuditRecord, SystemJournal
+from slicebox.identity import SystemUsers
+from slicebox.listen import listening_socket
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SOCKET = Path("/run/slicebox/slicebox.sock")
+Reload = Callable[[], Awaitable[str]]
+
+
+class Notifier(Protocol):
+    def notify(self, state: str) -> None: ...
+
+
+class SystemdNotifier:
+    """sd_notify through the ``sdnotify`` package; a no-op outside a notify service."""
+
+    def __init__(self) -> None:
+        import sdnotify
+
+        self._notifier = sdnotify.SystemdNotifier()
+
+    def notify(self, state: str) -> None:
+        self._notifier.notify(state)
+
+
+def watchdog_interval(env: Mapping[str, str], pid: int) -> float | None:
+    """Half of WatchdogSec, as systemd recommends, when the watchdog is meant for us."""
+    usec = env.get("WATCHDOG_USEC")
+    if not usec or env.get("WATCHDOG_PID", str(pid)) != str(pid):
+        return None
+    return int(usec) / 1_000_000 / 2
+
+
+async def ping_watchdog(notifier: Notifier, interval: float) -> None:
+    while True:
+        notifier.notify("WATCHDOG=1")
+        await asyncio.sleep(interval)
+
+
+class Agent:
+    """The agent's life: serve, reload on SIGHUP, stop on SIGTERM."""
+
+    def __init__(
+        self,
+        routes: Sequence[Route],
+        notifier: Notifier,
+        auditor: Auditor,
+        reload: Reload | None = None,
+    ) -> None:
+        self._routes = routes
+        self._notifier = notifier
+        self._auditor = auditor
+        self._reload = reload
+        self._stop = asyncio.Event()
+
+    async def run(self, socket_path: Path) -> None:
+        runner = web.AppRunner(build_app(self._routes, SystemUsers()), access_log=None)
+        await runner.setup()
+        await web.SockSite(runner, listening_socket(socket_path)).start()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        loop.add_signal_handler(signal.SIGINT, self._stop.set)
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self._on_reload()))
+        watchdog = self._start_watchdog()
+        self._notifier.notify(f"READY=1\nSTATUS=answering on {socket_path}")
+        self._auditor.record(AuditRecord(event=AuditEvent.AGENT_STARTED, detail=__version__))
+        await self._stop.wait()
+        self._notifier.notify("STOPPING=1\nSTATUS=stopping; sandboxes keep running")
+        self._auditor.record(AuditRecord(event=AuditEvent.AGENT_STOPPING))
+        if watchdog is not None:
+            watchdog.cancel()
+        await runner.cleanup()
+
+    def _start_watchdog(self) -> asyncio.Task[None] | None:
+        interval = watchdog_interval(os.environ, os.getpid())
+        if interval is None:
+            return None
+        return asyncio.get_running_loop().create_task(ping_watchdog(self._notifier, interval))
+
+    async def _on_reload(self) -> None:
+        self._notifier.notify("RELOADING=1\nSTATUS=reloading the configuration")
+        status = "configuration reloaded"
+        if self._reload is not None:
+            try:
+                status = await self._reload()
+            except Exception as exc:
+                log.exception("reload failed; keeping the previous configuration")
+                status = f"reload failed ({exc}); previous configuration in force"
+        self._notifier.notify(f"READY=1\nSTATUS={status}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sliceboxd", description=__doc__)
     parser.add_argument("--version", action="version", version=f"sliceboxd {__version__}")
+    parser.add_argument("--socket", type=Path, default=DEFAULT_SOCKET, help="unix socket path")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    build_parser().parse_args(argv)
+    options = build_parser().parse_args(argv)
+    logging.basicConfig(level=options.log_level, format="%(levelname)s %(name)s: %(message)s")
+    agent = Agent(base_routes(), SystemdNotifier(), Auditor(SystemJournal()))
+    asyncio.run(agent.run(options.socket))
     return 0

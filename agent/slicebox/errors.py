@@ -25,9 +25,10 @@ class SliceboxError(Exception):
     code = "internal"
     http_status = 500
 
-    def __init__(self, message: str, *, code: str | None = None) -> None:
+    def __init__(self, message: str, *, code: str | None = None, field: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.field = field  # the request field at fault, where there is one
         if code is not None:
             self.code = code
 

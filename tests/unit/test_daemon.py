@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from slicebox.api import base_routes
+from slicebox.audit import Auditor
+from slicebox.client import Client
+from slicebox.daemon import Agent, watchdog_interval
+
+
+class Notes:
+    def __init__(self) -> None:
+        self.states: list[str] = []
+
+    def notify(self, state: str) -> None:
+        self.states.append(state)
+
+
+class Journal:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def send(self, fields: Mapping[str, str]) -> None:
+        self.events.append(fields["SLICEBOX_EVENT"])
+
+
+def test_watchdog_interval_is_half_of_watchdog_sec_for_us_only() -> None:
+    assert watchdog_interval({"WATCHDOG_USEC": "20000000"}, 7) == 10.0
+    assert watchdog_interval({"WATCHDOG_USEC": "20000000", "WATCHDOG_PID": "7"}, 7) == 10.0
+    assert watchdog_interval({"WATCHDOG_USEC": "20000000", "WATCHDOG_PID": "8"}, 7) is None
+    assert watchdog_interval({}, 7) is None
+
+
+def test_agent_serves_reloads_and_stops_on_signals(tmp_path: Path) -> None:
+    path = tmp_path / "agent.sock"
+    notes, journal = Notes(), Journal()
+    reloads: list[int] = []
+
+    async def reload() -> str:
+        reloads.append(1)
+        return "configuration reloaded (test)"
+
+    def drive() -> None:
+        deadline = time.monotonic() + 10
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert Client(str(path)).request("GET", "/health")["status"] == "ok"
+        os.kill(os.getpid(), signal.SIGHUP)
+        while not reloads and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    asyncio.run(Agent(base_routes(), notes, Auditor(journal), reload).run(path))
+    driver.join()
+    assert notes.states[0].startswith("READY=1")
+    assert any("configuration reloaded (test)" in state for state in notes.states)
+    assert notes.states[-1].startswith("STOPPING=1")
+    assert journal.events == ["agent_started", "agent_stopping"]

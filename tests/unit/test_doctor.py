@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slicebox import cli
+from slicebox.doctor import Host, check_agent, check_cgroup2, check_controllers, check_systemd
+
+
+def fake_host(tmp_path: Path, pid1: str, controllers: str | None) -> Host:
+    (tmp_path / "proc" / "1").mkdir(parents=True)
+    (tmp_path / "proc" / "1" / "comm").write_text(pid1 + "\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    if controllers is not None:
+        (cgroup / "cgroup.controllers").write_text(controllers)
+        (cgroup / "cgroup.subtree_control").write_text(controllers)
+    return Host(proc=tmp_path / "proc", cgroup=cgroup, agent_socket=str(tmp_path / "none.sock"))
+
+
+def test_a_good_host_passes(tmp_path: Path) -> None:
+    host = fake_host(tmp_path, "systemd", "cpuset cpu io memory pids")
+    assert all(check(host).ok for check in (check_systemd, check_cgroup2, check_controllers))
+
+
+def test_a_bad_host_says_what_to_fix(tmp_path: Path) -> None:
+    host = fake_host(tmp_path, "tini", None)
+    systemd, cgroup2, controllers = (
+        check(host) for check in (check_systemd, check_cgroup2, check_controllers)
+    )
+    assert not systemd.ok
+    assert "tini" in systemd.detail
+    assert not cgroup2.ok
+    assert "unified_cgroup_hierarchy" in cgroup2.fix
+    assert not controllers.ok
+    assert "cpu memory pids io" in controllers.fix
+
+
+def test_unreachable_agent_fails_with_a_fix(tmp_path: Path) -> None:
+    check = check_agent(Host(agent_socket=str(tmp_path / "none.sock")))
+    assert not check.ok
+    assert check.fix == "systemctl start slicebox.socket"
+
+
+def test_cli_doctor_exits_nonzero_and_prints_fixes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["--socket", str(tmp_path / "none.sock"), "doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL agent" in out
+    assert "fix: systemctl start slicebox.socket" in out

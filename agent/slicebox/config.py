@@ -39,6 +39,15 @@ DEFAULT_CAPABILITIES = frozenset(
 _ANY_TOTAL = 1 << 40  # validates a percentage at load time; the real total comes later
 
 
+def _checked(check: Callable[[], object], value: T) -> T:
+    """Run a parser for its errors only, turning slicebox errors into pydantic's ValueError."""
+    try:
+        check()
+    except SliceboxError as exc:
+        raise ValueError(exc.message) from exc
+    return value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -158,12 +167,3 @@ def _describe(exc: ValidationError) -> str:
 
 def _size_or_none(field: str, value: RawSize | None, total: int) -> int | None:
     return None if value is None else parse_size(field, value, total)
-
-
-def _checked(check: Callable[[], object], value: T) -> T:
-    """Run a parser for its errors only, turning slicebox errors into pydantic's ValueError."""
-    try:
-        check()
-    except SliceboxError as exc:
-        raise ValueError(exc.message) from exc
-    return value

@@ -132,7 +132,17 @@ class DockerPy:
         return str(created["Id"])
 
     def start(self, container_id: str) -> None:
-        _mapped(container_id, lambda: self._api.start(container_id))
+        import docker.errors
+
+        try:
+            self._api.start(container_id)
+        except docker.errors.APIError as exc:
+            # The engine answers 400 or 500 alike when the request cannot run (no such user,
+            # workdir or program): the caller's request is what needs changing.
+            raise InvalidRequest(
+                f"the sandbox could not start: {exc.explanation}; check image, command, user",
+                code="container_start_failed",
+            ) from exc
 
     def inspect(self, container: str) -> ContainerInfo | None:
         import docker.errors

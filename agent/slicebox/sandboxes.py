@@ -205,6 +205,7 @@ class SandboxManager:
             self._docker.start(container_id)
         except BaseException:
             self._docker.remove(container_id)
+            self._slices.wait_stopped(scope_name(container_id))  # or its slice is not empty
             raise
         return container_id
 

@@ -2,13 +2,18 @@
 
 Why transient units plus runtime drop-ins (measured in the guest, systemd 257; pinned by
 ``tests/host/test_slices.py``): a slice started with ``StartTransientUnit`` is written to
-``/run/systemd/transient/`` with its properties, so ``systemctl daemon-reload`` re-reads it
-and the ceilings stay in force. A later change goes through ``SetUnitProperties(runtime=True)``,
-which writes a drop-in under ``/run/systemd/{transient,system.control}/<unit>.d/`` that a reload
-re-reads too. A slice that already exists when we get to it (``slices/slicebox.slice`` installed
-as a file, or one systemd made implicitly for a container) is never re-created: it receives the
-same runtime drop-ins. Nothing goes under ``/etc``: ceilings derive from the config and are
-re-applied at agent start and on reload, and ``/run`` disappears with the containers at reboot.
+``/run/systemd/transient/`` with its properties, so ``systemctl daemon-reload`` re-reads it and
+the ceilings stay in force. A later change goes through ``SetUnitProperties(runtime=True)``,
+which writes a drop-in beside it (``/run/systemd/transient/<unit>.d/``) that a reload re-reads
+too; stopping a transient slice removes all its files, so nothing is left behind in ``/run``.
+
+A slice that runs already (say, one systemd made implicitly for a container) or is installed as
+a file (``slices/slicebox.slice``) is never re-created: it receives the same runtime drop-ins,
+under ``/run/systemd/system.control/``, which a reload re-reads as well. Nothing goes under
+``/etc``: ceilings derive from the config and are re-applied at agent start and on reload, and
+``/run`` vanishes at reboot together with the containers the ceilings were for. Note that
+systemd reports a slice without a unit file as ``loaded`` even before it exists, so "installed"
+is decided by ``FragmentPath``, not by ``LoadState``.
 
 A slice is only stopped when empty: stopping a slice stops every unit inside it.
 """
@@ -42,14 +47,14 @@ class SliceManager:
         self._sleep = sleep
 
     def ensure(self, unit: str, ceiling: Ceiling) -> bool:
-        """Make ``unit`` run with ``ceiling``; True when this call created it."""
+        """Make ``unit`` run with ``ceiling``; True when this call started it."""
         properties = ceiling_properties(ceiling)
         status = self._systemd.status(unit)
-        if status.active or status.loaded:
+        if status.active or status.installed:
             self._systemd.set_properties(unit, properties)
             if not status.active:
                 self._systemd.start(unit)
-            return False
+            return not status.active
         log.info("creating %s with %s", unit, properties)
         self._systemd.start_transient(unit, properties, f"slicebox {unit}")
         return True

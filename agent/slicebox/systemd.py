@@ -29,14 +29,15 @@ class UnitStatus(BaseModel):
 
     load_state: str  # loaded, not-found, stub...
     active_state: str  # active, inactive, failed...
+    fragment_path: str = ""  # the unit file, when one is installed
+
+    @property
+    def installed(self) -> bool:
+        return bool(self.fragment_path)
 
     @property
     def active(self) -> bool:
         return self.active_state in ACTIVE
-
-    @property
-    def loaded(self) -> bool:
-        return self.load_state == "loaded"
 
 
 class Systemd(Protocol):
@@ -81,6 +82,7 @@ class PystemdSystemd:
             return UnitStatus(
                 load_state=handle.Unit.LoadState.decode(),
                 active_state=handle.Unit.ActiveState.decode(),
+                fragment_path=handle.Unit.FragmentPath.decode(),
             )
 
     def start_transient(self, unit: str, properties: Sequence[Property], description: str) -> None:

@@ -108,7 +108,8 @@ def test_remove_if_empty_keeps_a_slice_with_children(
     ensure_tree(manager, user, project, 400 * MiB)
     names = slice_names(user, project)
     assert not manager.remove_if_empty(names.user)
-    assert active(names.user) and active(names.project)
+    assert active(names.user)
+    assert active(names.project)
     assert manager.remove_if_empty(names.project)
     assert not active(names.project)
     assert manager.remove_if_empty(names.user)
@@ -123,8 +124,9 @@ def test_installed_managed_slice_takes_runtime_ceilings(manager: SliceManager) -
     unit_file.write_text((Path(__file__).parents[2] / "slices" / MANAGED_SLICE).read_text())
     try:
         sh("systemctl", "daemon-reload")
-        created = manager.ensure(MANAGED_SLICE, Ceiling(memory_bytes=1500 * MiB, pids=4000))
-        assert not created, "an installed slice is configured, not re-created"
+        assert manager.ensure(MANAGED_SLICE, Ceiling(memory_bytes=1500 * MiB, pids=4000))
+        shown = sh("systemctl", "show", "-P", "Transient", MANAGED_SLICE).stdout.strip()
+        assert shown == "no", "an installed slice is configured, not replaced by a transient one"
         sh("systemctl", "daemon-reload")
         managed = slice_names("x", "y").cgroups().managed
         assert read(managed, "memory.max").strip() == str(1500 * MiB)

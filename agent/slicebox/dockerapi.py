@@ -145,13 +145,9 @@ class DockerPy:
             ) from exc
 
     def inspect(self, container: str) -> ContainerInfo | None:
-        import docker.errors
-
         try:
             attrs = _mapped(container, lambda: self._api.inspect_container(container))
         except NotFound:
-            return None
-        except docker.errors.NotFound:
             return None
         return _info(attrs)
 

@@ -143,6 +143,7 @@ def test_project_ceiling_oom_kills_inside_that_project_only(env: Env) -> None:
             "no sandbox hit its own 200 MB: the kill came from the project ceiling"
         )
         assert int(read(project, "memory.peak")) <= 400 * MiB
+        print("project", events(project), "peak", read(project, "memory.peak").strip())
         other_scope = other.scope_cgroup()
         assert events(other_scope)["oom_kill"] == 0
         assert events(other.slice_cgroups().project)["oom"] == 0
@@ -173,6 +174,7 @@ def test_fork_bombs_main_and_exec_stay_under_project_tasksmax(env: Env) -> None:
             "the exec'd bomb was stopped by the project's TasksMax, before its own 30"
         )
         assert events(project, "pids.events")["max"] >= 1
+        print("pids", read(project, "pids.current"), read(other.scope_cgroup(), "pids.current"))
     finally:
         manager.destroy(main.id)
         manager.destroy(other.id)
@@ -194,6 +196,7 @@ def test_user_ceiling_caps_the_sum_of_its_projects(env: Env) -> None:
         assert read(user_cgroup, "memory.max").strip() == str(250 * MiB)
         wait_for(lambda: events(user_cgroup)["oom_kill"] >= 1, timeout=60)
         assert events(user_cgroup)["oom"] >= 1
+        print("user", events(user_cgroup), "peak", read(user_cgroup, "memory.peak").strip())
         for box in boxes:
             assert events(box.slice_cgroups().project)["oom"] == 0, "no project limit was hit"
     finally:

@@ -13,7 +13,9 @@ at the edge with ``raise ... from exc``.
     ├── AdmissionRefused          limits larger than a project or user ceiling allow (409)
     ├── NotFound                  no such sandbox, or not the caller's (404)
     ├── Unavailable               a backend or system service is not reachable (503)
-    └── HostError                 the host misbehaved (a systemd job failed, cgroupfs odd) (500)
+    │   └── ImageUnavailable      an image is not present and cannot be pulled
+    ├── HostError                 the host misbehaved (a systemd job failed, cgroupfs odd) (500)
+    └── ConfigError               the agent's configuration file is unreadable or invalid (500)
 """
 
 from __future__ import annotations
@@ -76,3 +78,12 @@ class Unavailable(SliceboxError):
 class HostError(SliceboxError):
     code = "host_error"
     http_status = 500
+
+
+class ConfigError(SliceboxError):
+    code = "invalid_config"
+    http_status = 500
+
+
+class ImageUnavailable(Unavailable):
+    code = "image_unavailable"

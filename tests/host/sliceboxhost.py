@@ -1,0 +1,36 @@
+"""Fixtures' building blocks for real-host tests of the slice tree (guest only)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from slicebox.names import CGROUP_ROOT as PURE_ROOT
+from tests.host.helpers import CGROUP_ROOT, sh, stop_unit
+
+CONTROL_DIRS = (Path("/run/systemd/system.control"), Path("/run/systemd/transient"))
+
+
+def read(cgroup: object, name: str) -> str:
+    return (CGROUP_ROOT / str(cgroup).removeprefix(str(PURE_ROOT)).lstrip("/") / name).read_text()
+
+
+def events(cgroup: object, name: str = "memory.events") -> dict[str, int]:
+    return {k: int(v) for k, v in (line.split() for line in read(cgroup, name).splitlines())}
+
+
+def slicebox_units(pattern: str = "slicebox*") -> list[str]:
+    out = sh("systemctl", "list-units", "--all", "--plain", "--no-legend", pattern).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def active(unit: str) -> bool:
+    return sh("systemctl", "is-active", unit, check=False).stdout.strip() == "active"
+
+
+def cleanup_slices(*units: str) -> None:
+    """Stop slices deepest first and drop any runtime drop-ins they left."""
+    for unit in sorted(units, key=lambda u: -u.count("-")):
+        stop_unit(unit)
+        for directory in CONTROL_DIRS:
+            shutil.rmtree(directory / f"{unit}.d", ignore_errors=True)

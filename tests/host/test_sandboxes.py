@@ -1,0 +1,263 @@
+"""The sandbox lifecycle on a real host: placement, lineage, hardening and kernel ceilings.
+
+Each test asserts what the kernel and Docker did (cgroup membership, memory.events, pids.current,
+docker inspect), never only what slicebox asked for. Container starts are kept few: ~13.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+
+import docker
+import pytest
+
+from slicebox.config import Config, parse_config, read_host_memory
+from slicebox.dockerapi import DockerPy
+from slicebox.errors import SliceboxError
+from slicebox.labels import selector
+from slicebox.names import MANAGED_SLICE, slice_names
+from slicebox.sandboxes import Sandbox, SandboxManager
+from slicebox.slices import SliceManager
+from slicebox.spec import Mount, SandboxSpec
+from slicebox.systemd import PystemdSystemd
+from tests.host.helpers import TEST_IMAGE, unique, wait_for
+from tests.host.sliceboxhost import active, cleanup_slices, events, read, slicebox_units
+
+pytestmark = pytest.mark.host
+MiB = 1024 * 1024
+# dd holds its 150 MB buffer while blocked writing into a pipe nobody reads.
+HOG = ("sh", "-c", "dd if=/dev/zero bs=150M count=1 | sleep 600")
+# ash exits when a fork fails, so the bomb runs in a subshell and its sleeps outlive it.
+BOMB = "(for i in $(seq 80); do sleep 600 & done) ; exec sleep 600"
+
+
+class Env:
+    def __init__(self, client: docker.DockerClient) -> None:
+        self.client = client
+        self.instance = unique("test-")
+        self.user = unique("u-")  # a dash, so unit names need escaping
+        self.config = parse_config(
+            f'default_image = "{TEST_IMAGE}"\nbind_roots = ["/srv/sbx-roots"]\n'
+            f'[projects."{self.user}/tight"]\nmemory = "400MB"\n'
+            f'[projects."{self.user}/pids"]\npids = 40\n'
+        )
+
+    def manager(self, config: Config | None = None) -> SandboxManager:
+        return SandboxManager(
+            DockerPy(self.client),
+            SliceManager(PystemdSystemd()),
+            config=config or self.config,
+            host_memory=read_host_memory(),
+            instance_id=self.instance,
+        )
+
+    def leftovers(self, user: str) -> tuple[list[str], list[str]]:
+        found = self.client.api.containers(all=True, filters={"label": f"slicebox.user={user}"})
+        return [c["Id"] for c in found], slicebox_units(slice_names(user, "x").user[:-6] + "*")
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Env]:
+    client = docker.from_env()
+    managed_was_active = active(MANAGED_SLICE)
+    box = Env(client)
+    yield box
+    for found in client.api.containers(
+        all=True, filters={"label": f"slicebox.instance_id={box.instance}"}
+    ):
+        client.api.remove_container(found["Id"], force=True)
+    cleanup_slices(*slicebox_units("slicebox-*"))
+    if not managed_was_active:
+        cleanup_slices(MANAGED_SLICE)
+    client.close()
+
+
+def spec(env: Env, project: str, **fields: object) -> SandboxSpec:
+    return SandboxSpec.model_validate({"user": env.user, "project": project, **fields})
+
+
+def pid_cgroup(env: Env, sandbox: Sandbox) -> str:
+    pid = env.client.api.inspect_container(sandbox.container_id)["State"]["Pid"]
+    return Path(f"/proc/{pid}/cgroup").read_text().strip().removeprefix("0::")
+
+
+def test_sandbox_in_its_scope_with_lineage_limits_and_hardening(env: Env) -> None:
+    manager = env.manager()
+    box = manager.create(spec(env, "demo-1.x", command=("sleep", "600"), task_id="task-1"))
+    try:
+        scope = box.scope_cgroup()
+        cgroups = box.slice_cgroups()
+        assert "/sys/fs/cgroup" + pid_cgroup(env, box) == str(scope)
+        assert scope.parent == cgroups.project
+        assert cgroups.project.parent == cgroups.user
+        assert cgroups.user.parent == cgroups.managed
+        assert cgroups.managed == PurePosixPath("/sys/fs/cgroup/slicebox.slice")
+        assert Path(str(scope)).is_dir()
+        labels = env.client.api.inspect_container(box.container_id)["Config"]["Labels"]
+        assert labels["slicebox.managed"] == "true"
+        assert labels["slicebox.user"] == env.user
+        assert labels["slicebox.project"] == "demo-1.x"
+        assert labels["slicebox.task_id"] == labels["slicebox.root_task_id"] == "task-1"
+        assert labels["slicebox.parent_id"] == ""
+        assert labels["slicebox.depth"] == "0"
+        assert labels["slicebox.instance_id"] == env.instance
+        assert labels["slicebox.provisioned.memory_bytes"] == str(256 * MiB)
+        assert labels["slicebox.provisioned.cpu"] == "0.5"
+        assert labels["slicebox.expires_at"] > labels["slicebox.created_at"]
+        host = env.client.api.inspect_container(box.container_id)["HostConfig"]
+        assert host["CapDrop"] == ["ALL"]
+        assert not host["CapAdd"]
+        assert "no-new-privileges:true" in host["SecurityOpt"]
+        assert host["NetworkMode"] == "none"
+        assert host["Privileged"] is False
+        assert host["PidsLimit"] == 100
+        assert host["Memory"] == 256 * MiB
+        assert host["NanoCpus"] == 500_000_000
+        assert host["Init"] is True
+        assert read(scope, "memory.max").strip() == str(256 * MiB)
+        assert read(scope, "pids.max").strip() == "100"
+        assert read(scope, "cpu.max").split()[0] == "50000"
+        assert manager.get(box.id) == box
+        assert [s.id for s in manager.find(user=env.user, task_id="task-1")] == [box.id]
+    finally:
+        gone = manager.destroy(box.id)
+    assert gone is not None
+    assert gone.id == box.id
+    assert manager.destroy(box.id) is None, "destroy is idempotent"
+    assert env.leftovers(env.user) == ([], [])
+    assert not Path(str(cgroups.user)).exists()
+
+
+def test_project_ceiling_oom_kills_inside_that_project_only(env: Env) -> None:
+    manager = env.manager()
+    other = manager.create(spec(env, "roomy", command=HOG, memory="200MB"))
+    tight = [manager.create(spec(env, "tight", command=HOG, memory="200MB")) for _ in range(3)]
+    try:
+        project = tight[0].slice_cgroups().project
+        assert read(project, "memory.max").strip() == str(400 * MiB)
+        wait_for(lambda: events(project)["oom_kill"] >= 1, timeout=60)
+        assert events(project)["oom"] >= 1, "the project's own limit was reached"
+        assert all(events(box.scope_cgroup())["oom"] == 0 for box in tight), (
+            "no sandbox hit its own 200 MB: the kill came from the project ceiling"
+        )
+        assert int(read(project, "memory.peak")) <= 400 * MiB
+        print("project", events(project), "peak", read(project, "memory.peak").strip())
+        other_scope = other.scope_cgroup()
+        assert events(other_scope)["oom_kill"] == 0
+        assert events(other.slice_cgroups().project)["oom"] == 0
+        assert int(read(other_scope, "memory.current")) > 140 * MiB, "still holds its memory"
+        assert env.client.api.inspect_container(other.container_id)["State"]["Running"]
+    finally:
+        for box in [*tight, other]:
+            manager.destroy(box.id)
+    assert env.leftovers(env.user) == ([], [])
+
+
+def test_fork_bombs_main_and_exec_stay_under_project_tasksmax(env: Env) -> None:
+    manager = env.manager()
+    main = manager.create(spec(env, "pids", command=("sh", "-c", BOMB), pids=30))
+    other = manager.create(spec(env, "pids", command=("sleep", "600"), pids=30))
+    try:
+        project = main.slice_cgroups().project
+        assert read(project, "pids.max").strip() == "40"
+        wait_for(lambda: int(read(main.scope_cgroup(), "pids.current")) >= 25, timeout=60)
+        env.client.api.exec_start(
+            env.client.api.exec_create(other.container_id, ["sh", "-c", BOMB]), detach=True
+        )
+        wait_for(lambda: int(read(project, "pids.current")) >= 38, timeout=60)
+        time.sleep(2)
+        assert int(read(project, "pids.current")) <= 40
+        assert int(read(main.scope_cgroup(), "pids.current")) <= 30
+        assert int(read(other.scope_cgroup(), "pids.current")) < 30, (
+            "the exec'd bomb was stopped by the project's TasksMax, before its own 30"
+        )
+        assert events(project, "pids.events")["max"] >= 1
+        print("pids", read(project, "pids.current"), read(other.scope_cgroup(), "pids.current"))
+    finally:
+        manager.destroy(main.id)
+        manager.destroy(other.id)
+    assert env.leftovers(env.user) == ([], [])
+
+
+def test_user_ceiling_caps_the_sum_of_its_projects(env: Env) -> None:
+    user = unique("capped-")
+    config = env.config.model_copy(
+        update={"users": {user: parse_config('[user]\nmemory = "250MB"').user}}
+    )
+    manager = env.manager(config)
+    boxes = [
+        manager.create(SandboxSpec(user=user, project=p, command=HOG, memory="200MB"))
+        for p in ("one", "two")
+    ]
+    try:
+        user_cgroup = boxes[0].slice_cgroups().user
+        assert read(user_cgroup, "memory.max").strip() == str(250 * MiB)
+        wait_for(lambda: events(user_cgroup)["oom_kill"] >= 1, timeout=60)
+        assert events(user_cgroup)["oom"] >= 1
+        print("user", events(user_cgroup), "peak", read(user_cgroup, "memory.peak").strip())
+        for box in boxes:
+            assert events(box.slice_cgroups().project)["oom"] == 0, "no project limit was hit"
+    finally:
+        for box in boxes:
+            manager.destroy(box.id)
+    assert env.leftovers(user) == ([], [])
+
+
+REFUSED: list[tuple[dict[str, object], str]] = [
+    ({"privileged": True}, "policy_privileged"),
+    ({"network": "host"}, "policy_host_namespace"),
+    ({"pid_mode": "host"}, "policy_host_namespace"),
+    ({"ipc_mode": "host"}, "policy_host_namespace"),
+    ({"cap_add": ["SYS_ADMIN"]}, "policy_capability"),
+    ({"mounts": [Mount(source="/etc", target="/x")]}, "policy_mount"),
+    ({"mounts": [Mount(source="/srv/sbx-roots/../../etc", target="/x")]}, "policy_mount"),
+    ({"memory": 0}, "invalid_limit"),
+    ({"memory": "lots"}, "invalid_limit"),
+    ({"cpus": -1}, "invalid_limit"),
+    ({"pids": 0}, "invalid_limit"),
+    ({"memory": "3GB"}, "admission_refused"),  # the project default is 2GB
+    ({"project": "../etc"}, "invalid_name"),
+    ({"image": "slicebox-test/absent:1"}, "image_unavailable"),
+    ({"run_as": "nosuchuser"}, "container_start_failed"),
+]
+
+
+def create_error(manager: SandboxManager, fields: dict[str, object]) -> str:
+    try:
+        box = manager.create(SandboxSpec.model_validate(fields))
+    except SliceboxError as exc:
+        return exc.code
+    manager.destroy(box.id)
+    return "accepted"
+
+
+def test_every_refused_request_returns_its_error_and_leaves_nothing(env: Env) -> None:
+    user = unique("refused-")
+    manager = env.manager()
+    outcomes = []
+    for fields, _ in REFUSED:
+        outcomes.append(create_error(manager, {"user": user, "project": "p", **fields}))
+        assert env.leftovers(user) == ([], []), f"{fields} left something behind"
+    assert outcomes == [code for _, code in REFUSED]
+
+
+def test_cascade_destroys_a_root_task_deepest_first(env: Env) -> None:
+    manager = env.manager()
+    root = manager.create(spec(env, "tree", command=("sleep", "600"), task_id="root-t"))
+    child = manager.create(spec(env, "tree", command=("sleep", "600"), parent_id=root.id))
+    grandchild = manager.create(spec(env, "tree", command=("sleep", "600"), parent_id=child.id))
+    assert [b.lineage.depth for b in (root, child, grandchild)] == [0, 1, 2]
+    assert {b.lineage.root_task_id for b in (root, child, grandchild)} == {"root-t"}
+    assert grandchild.lineage.parent_id == child.id
+    gone = manager.destroy_tree("root-t")
+    assert [b.id for b in gone] == [grandchild.id, child.id, root.id]
+    assert (
+        env.client.api.containers(
+            all=True,
+            filters={"label": [f"{k}={v}" for k, v in selector(root_task_id="root-t").items()]},
+        )
+        == []
+    )
+    assert env.leftovers(env.user) == ([], [])

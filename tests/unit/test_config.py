@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+
+import pytest
+
+from slicebox.config import Config, load_config, parse_config, read_host_memory
+from slicebox.errors import ConfigError
+
+MiB = 1024 * 1024
+
+
+def test_missing_file_means_defaults(tmp_path: Path) -> None:
+    config = load_config(tmp_path / "absent.toml")
+    assert config == Config()
+    assert config.default_image == "alpine:3.19"
+    assert config.sandbox.limits().memory_bytes == 256 * MiB
+    assert config.managed_ceiling(host_memory=4000 * MiB).memory_bytes == 3000 * MiB
+
+
+def test_overrides_replace_only_the_fields_they_set(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(
+        'bind_roots = ["/srv/ws"]\n'
+        '[user]\nmemory = "1GB"\npids = 500\n'
+        '[users.alice]\nmemory = "3GB"\n'
+        '[projects."alice/demo"]\ncpus = 0.5\n'
+    )
+    config = load_config(path)
+    assert config.bind_roots == (PurePosixPath("/srv/ws"),)
+    alice = config.user_ceiling("alice", 1)
+    assert (alice.memory_bytes, alice.pids) == (3072 * MiB, 500)
+    assert config.user_ceiling("bob", 1).memory_bytes == 1024 * MiB
+    demo = config.project_ceiling("alice", "demo", 1)
+    assert (demo.cpus, demo.memory_bytes, demo.pids) == (0.5, 2048 * MiB, 1024)
+    assert config.project_ceiling("alice", "other", 1).cpus is None
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ('[project]\nmemory = "lots"', "project.memory"),
+        ("[user]\npids = 0", "user.pids"),
+        ("[users.x]\ncpus = -1", "users.x.cpus"),
+        ("surprise = 1", "surprise"),
+        ("default_ttl_seconds = 0", "default_ttl_seconds"),
+    ],
+)
+def test_bad_settings_are_named(text: str, field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        parse_config(text)
+
+
+def test_bad_toml() -> None:
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        parse_config("[unclosed")
+
+
+def test_host_memory(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:        4015112 kB\nMemFree: 1 kB\n")
+    assert read_host_memory(meminfo) == 4015112 * 1024

@@ -1,0 +1,128 @@
+from __future__ import annotations
+
+import itertools
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from slicebox.config import parse_config
+from slicebox.errors import HostError, ImageUnavailable, InvalidRequest, NotFound
+from slicebox.labels import decode
+from slicebox.names import MANAGED_SLICE
+from slicebox.sandboxes import SandboxManager
+from slicebox.slices import SliceManager
+from slicebox.spec import SandboxSpec
+from tests.fakes.docker import FakeDocker
+from tests.fakes.systemd import FakeSystemd
+
+MiB = 1024 * 1024
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+
+
+class World:
+    def __init__(self) -> None:
+        self.systemd = FakeSystemd()
+        self.docker = FakeDocker(self.systemd)
+        ids = (f"sbx-{n:012x}" for n in itertools.count(1))
+        self.manager = SandboxManager(
+            self.docker,
+            SliceManager(self.systemd),
+            config=parse_config('[projects."al-ice/p"]\nmemory = "400MB"\n'),
+            host_memory=4096 * MiB,
+            instance_id="run-1",
+            clock=lambda: NOW,
+            new_id=lambda: next(ids),
+        )
+
+    def user_slices(self) -> set[str]:
+        return {u for u in self.systemd.running if u != MANAGED_SLICE}
+
+
+@pytest.fixture
+def world() -> World:
+    return World()
+
+
+def spec(**fields: object) -> SandboxSpec:
+    return SandboxSpec.model_validate({"user": "al-ice", "project": "p", **fields})
+
+
+def test_create_places_hardens_and_labels(world: World) -> None:
+    box = world.manager.create(spec(memory="200MB", ttl_seconds=60, env={"TOKEN": "s3cret"}))
+    request = world.docker.requests[box.container_id]
+    assert request.cgroup_parent == "slicebox-al\\x2dice-p.slice"
+    assert request.cap_drop == ("ALL",)
+    assert request.security_opt == ("no-new-privileges:true",)
+    assert (request.network, request.init, request.pids) == ("none", True, 100)
+    assert (request.memory_bytes, request.nano_cpus) == (200 * MiB, 500_000_000)
+    assert "s3cret" not in str(request.labels), "secrets never reach labels"
+    assert box.id == "sbx-000000000001" == request.name
+    assert box.expires_at == NOW + timedelta(seconds=60)
+    assert box.lineage == decode(request.labels)
+    assert box.lineage.root_task_id == box.lineage.task_id == box.id
+    assert world.systemd.properties["slicebox-al\\x2dice-p.slice"]["MemoryMax"] == 400 * MiB
+    assert str(box.scope_cgroup()).endswith(
+        f"slicebox-al\\x2dice-p.slice/docker-{box.container_id}.scope"
+    )
+
+
+def test_destroy_is_idempotent_and_removes_empty_slices(world: World) -> None:
+    first = world.manager.create(spec())
+    second = world.manager.create(spec(project="q"))
+    assert world.manager.destroy(first.id) == first
+    assert world.user_slices() == {"slicebox-al\\x2dice.slice", "slicebox-al\\x2dice-q.slice"}
+    assert world.manager.destroy(first.id) is None
+    world.manager.destroy(second.id)
+    assert world.user_slices() == set()
+    assert MANAGED_SLICE in world.systemd.running
+
+
+def test_cascade_destroys_deepest_first(world: World) -> None:
+    root = world.manager.create(spec(task_id="t"))
+    child = world.manager.create(spec(parent_id=root.id))
+    grandchild = world.manager.create(spec(parent_id=child.id))
+    other = world.manager.create(spec())
+    assert (child.lineage.depth, grandchild.lineage.depth) == (1, 2)
+    assert grandchild.lineage.root_task_id == "t"
+    gone = world.manager.destroy_tree("t")
+    assert [b.id for b in gone] == [grandchild.id, child.id, root.id]
+    assert world.docker.removed == [b.container_id for b in gone]
+    assert [b.id for b in world.manager.find(user="al-ice")] == [other.id]
+
+
+def test_child_of_another_users_sandbox_is_not_found(world: World) -> None:
+    parent = world.manager.create(spec(user="bob"))
+    with pytest.raises(NotFound):
+        world.manager.create(spec(parent_id=parent.id))
+    with pytest.raises(InvalidRequest, match="root_task_id"):
+        world.manager.create(spec(user="bob", parent_id=parent.id, root_task_id="other"))
+
+
+def test_missing_image_is_pulled_or_refused_before_anything_exists(world: World) -> None:
+    world.docker.registry.add("busybox:1")
+    assert world.manager.create(spec(image="busybox:1")).id
+    with pytest.raises(ImageUnavailable):
+        world.manager.create(spec(user="z", image="nope:1"))
+    assert not any("slicebox-z" in u for u in world.systemd.running)
+
+
+def test_failed_start_removes_container_and_new_slices(world: World) -> None:
+    kept = world.manager.create(spec(project="keep"))
+    world.docker.fail_start = True
+    with pytest.raises(InvalidRequest):
+        world.manager.create(spec(project="new"))
+    assert [c.id for c in world.docker.containers.values()] == [kept.container_id]
+    assert world.user_slices() == {"slicebox-al\\x2dice.slice", "slicebox-al\\x2dice-keep.slice"}
+
+
+def test_failed_slice_start_undoes_the_user_slice(world: World) -> None:
+    world.systemd.fail_start.add("slicebox-al\\x2dice-p.slice")
+    with pytest.raises(HostError):
+        world.manager.create(spec())
+    assert world.user_slices() == set()
+    assert world.docker.containers == {}
+
+
+def test_get_unknown_is_not_found(world: World) -> None:
+    with pytest.raises(NotFound):
+        world.manager.get("sbx-nope")

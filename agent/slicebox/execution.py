@@ -72,6 +72,8 @@ class ExecRequest(BaseModel):
     @classmethod
     def _argv(cls, value: object, info: Any) -> object:
         shell = bool(info.data.get("shell"))
+        if value in ("", [], ()):
+            raise ValueError("argv is empty: give the program to run as its first item")
         if isinstance(value, str):
             if not shell:
                 raise ValueError("a string command needs shell: true; or pass a list of arguments")

@@ -9,6 +9,7 @@ process are left in its scope cgroup.
 from __future__ import annotations
 
 import base64
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,9 +104,8 @@ def test_argv_runs_without_a_shell_in_workspace_with_env(no_leftovers: Sandbox) 
 
 def test_stdin_round_trips_every_byte_value(no_leftovers: Sandbox) -> None:
     data = bytes(range(256)) * 4
-    request = ExecRequest.parse_json(
-        '{"argv": ["cat"], "stdin": "%s"}' % base64.b64encode(data).decode()
-    )
+    raw = json.dumps({"argv": ["cat"], "stdin": base64.b64encode(data).decode()})
+    request = ExecRequest.parse_json(raw)
     result = no_leftovers.engine.run(no_leftovers.id, request)
     assert result.stdout == data
     assert result.exit_code == 0
@@ -127,7 +127,8 @@ def test_ten_megabytes_per_stream_keeps_the_head_and_memory_flat(no_leftovers: S
     assert result is not None
     assert result.stdout == b"o" * 50_000
     assert result.stderr == b"\0" * 50_000
-    assert result.stdout_truncated and result.stderr_truncated
+    assert result.stdout_truncated
+    assert result.stderr_truncated
     assert result.stdout_dropped_bytes == TEN_MB - 50_000
     assert result.stderr_dropped_bytes == TEN_MB - 50_000
     streamed = b"".join(c.data for c in chunks if c.stream is OutputStream.STDOUT)

@@ -42,9 +42,11 @@ TIMEOUT_EXIT_CODE = 124
 # After the kill, how long the stream may take to end: the pipe closes when the killed processes
 # are gone, unless a detached process (its own session) still holds it.
 KILL_GRACE = 5.0
-# How long Docker may take to mark a finished exec as not running after its stream ended.
-EXIT_WAIT = 5.0
 POLL = 0.5
+EXIT_POLL = 0.02
+START_FAILED = 126
+NOT_FOUND_EXIT_CODE = 127
+OCI_START_FAILURE = b"OCI runtime exec failed"
 
 
 class OutputStream(StrEnum):
@@ -305,12 +307,14 @@ class ExecEngine:
             attachment.close()
             if not run.finished:
                 self._kill(run, "its stream was abandoned")
-        yield capture.result(
-            exit_code=self._exit_code(run),
+        exit_code = self._exit_code(run)
+        result = capture.result(
+            exit_code=exit_code,
             timed_out=run.timed_out,
             oom_killed=_grew(oom_before, self._host.oom_kills(cgroup)),
             duration=self._clock() - started,
         )
+        yield explain_start_failure(result)
 
     async def astream(self, container_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
         """``stream`` for asyncio callers: each blocking read runs in a worker thread."""
@@ -357,17 +361,37 @@ class ExecEngine:
         return state.pid
 
     def _exit_code(self, run: _Run) -> int:
+        """The exit code once Docker has it; a command that closed its output but runs on past
+        the deadline is timed out like any other."""
         if run.timed_out:
             return TIMEOUT_EXIT_CODE
-        give_up = self._clock() + EXIT_WAIT
         state = self._api.inspect(run.exec_id)
-        while state.running and self._clock() < give_up:
-            self._sleep(0.01)
+        while state.running and self._clock() < run.deadline:
+            self._sleep(EXIT_POLL)
             state = self._api.inspect(run.exec_id)
+        if state.running:
+            self._time_out(run)
+            return TIMEOUT_EXIT_CODE
         if state.exit_code is None:
             log.warning("exec %s: no exit code from Docker", run.exec_id)
             return -1
         return state.exit_code
+
+
+def explain_start_failure(result: ExecResult) -> ExecResult:
+    """Docker reports a command that could not start (no such program, no such cwd) as exit
+    code 126 with runc's message on stdout; move the message to stderr, and answer 127 for a
+    missing program, as a shell would."""
+    if result.exit_code != START_FAILED or not result.stdout.startswith(OCI_START_FAILURE):
+        return result
+    missing = b"executable file not found" in result.stdout
+    return result.model_copy(
+        update={
+            "stdout": b"",
+            "stderr": result.stderr + result.stdout.replace(b"\r\n", b"\n"),
+            "exit_code": NOT_FOUND_EXIT_CODE if missing else START_FAILED,
+        }
+    )
 
 
 def _grew(before: int | None, after: int | None) -> bool:

@@ -33,6 +33,7 @@ class FakeExec:
     pid: int = 4242
     pid_after_inspects: int = 0  # Docker reports pid 0 for this many inspects
     running_after_exit: int = 0  # ... and "running" for this many inspects after the exit
+    exits_at_eof: bool = True  # False: the command closed its output but runs on
     inspects: int = 0
     exited: bool = False
     killed: bool = False
@@ -50,7 +51,7 @@ class FakeAttachment:
     def read(self, timeout: float) -> list[StreamChunk] | None:
         if self._run.script:
             item = self._run.script.pop(0)
-            self._run.exited = item is None
+            self._run.exited = item is None and self._run.exits_at_eof
             return item
         self._run.killed = self._run.pid not in self._host.procs
         if self._run.killed or self._run.exited:

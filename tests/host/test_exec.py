@@ -102,6 +102,23 @@ def test_argv_runs_without_a_shell_in_workspace_with_env(no_leftovers: Sandbox) 
     assert result.stdout == b"$HOME; hello\n/workspace\n"
 
 
+def test_a_missing_program_or_cwd_is_explained_on_stderr(no_leftovers: Sandbox) -> None:
+    missing = no_leftovers.run(argv=["no-such-program"])
+    assert missing.exit_code == 127
+    assert b"executable file not found" in missing.stderr
+    assert missing.stdout == b""
+    nowhere = no_leftovers.run(argv=["true"], cwd="/no/such/dir")
+    assert nowhere.exit_code == 126
+    assert b"/no/such/dir" in nowhere.stderr
+
+
+def test_output_closed_early_still_waits_for_the_exit_code(no_leftovers: Sandbox) -> None:
+    result = no_leftovers.run(argv="exec >&- 2>&-; sleep 3; exit 3", shell=True)
+    assert result.exit_code == 3
+    assert not result.timed_out
+    assert result.duration >= 3
+
+
 def test_stdin_round_trips_every_byte_value(no_leftovers: Sandbox) -> None:
     data = bytes(range(256)) * 4
     raw = json.dumps({"argv": ["cat"], "stdin": base64.b64encode(data).decode()})

@@ -127,6 +127,41 @@ def test_exit_code_waits_until_docker_marks_the_exec_finished() -> None:
     assert engine.run("box", request()).exit_code == 3
 
 
+def test_a_command_running_on_after_closing_its_output_times_out() -> None:
+    host = FakeSandboxHost(procs={100: 0})
+    run = FakeExec([[chunk(OUT, b"bye")], None], pid=8, exits_at_eof=False)
+    engine, _ = make(run, host)
+    result = engine.run("box", request(timeout=3))
+    assert (result.exit_code, result.timed_out, result.stdout) == (124, True, b"bye")
+    assert host.kill_calls == [8]
+    assert 3 <= result.duration < 4
+
+
+OCI = b'OCI runtime exec failed: exec failed: unable to start container process: exec: "nope": '
+
+
+@pytest.mark.parametrize(
+    ("stdout", "code", "explained"),
+    [
+        (OCI + b"executable file not found in $PATH: unknown\r\n", 126, 127),
+        (b'OCI runtime exec failed: chdir to cwd ("/x") failed: unknown\r\n', 126, 126),
+        (b"OCI runtime exec failed, says my program", 1, None),
+        (b"plain output", 126, None),
+    ],
+)
+def test_start_failures_are_moved_to_stderr(
+    stdout: bytes, code: int, explained: int | None
+) -> None:
+    run = FakeExec([[chunk(OUT, stdout)], None], exit_code=code)
+    engine, _ = make(run)
+    result = engine.run("box", request())
+    if explained is None:
+        assert (result.stdout, result.exit_code) == (stdout, code)
+    else:
+        assert (result.stdout, result.exit_code) == (b"", explained)
+        assert result.stderr == stdout.replace(b"\r\n", b"\n")
+
+
 def test_abandoning_the_stream_kills_the_exec() -> None:
     host = FakeSandboxHost(procs={100: 0})
     run = FakeExec([[chunk(OUT, b"x")], [chunk(OUT, b"y")]], pid=9)

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
+from pathlib import Path
 
 import pytest
 
-from slicebox.errors import HostError, Unavailable
+from slicebox.errors import HostError, SandboxNotFound, SandboxNotRunning, Unavailable
 from slicebox.execstream import (
     DEFAULT_SOCKET,
+    DockerExecApi,
     FrameDecoder,
     RawExecAttachment,
     socket_path_from_host,
@@ -141,3 +144,50 @@ def test_attachment_read_times_out_with_nothing() -> None:
         attachment = RawExecAttachment(ours, b"", b"")
         assert attachment.read(0.05) == []
     attachment.close()
+
+
+class StubClient:
+    api_version = "1.45"
+
+
+def serve_once(path: str, reply: bytes) -> threading.Thread:
+    """A daemon stand-in: answers one request with ``reply`` in a single write, then EOF."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def answer() -> None:
+        with server, server.accept()[0] as conn:
+            request = b""
+            while not request.endswith(b"}"):
+                request += conn.recv(4096)
+            conn.sendall(reply)
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    return thread
+
+
+def test_output_sent_with_the_upgrade_response_is_not_lost(tmp_path: Path) -> None:
+    path = str(tmp_path / "docker.sock")
+    head = b"HTTP/1.1 101 UPGRADED\r\nContent-Type: application/vnd.docker.raw-stream\r\n\r\n"
+    thread = serve_once(path, head + frame(1, b"hi\n") + frame(2, b"!"))
+    attachment = DockerExecApi(StubClient(), path).start("e1", b"")
+    chunks = read_all(attachment)
+    attachment.close()
+    thread.join()
+    assert joined(chunks) == {OUT: b"hi\n", ERR: b"!"}
+
+
+@pytest.mark.parametrize(("status", "error"), [(404, SandboxNotFound), (409, SandboxNotRunning)])
+def test_start_refusals_are_mapped(tmp_path: Path, status: int, error: type[Exception]) -> None:
+    path = str(tmp_path / "docker.sock")
+    thread = serve_once(path, f"HTTP/1.1 {status} No\r\n\r\n{{}}".encode())
+    with pytest.raises(error):
+        DockerExecApi(StubClient(), path).start("e1", b"")
+    thread.join()
+
+
+def test_no_daemon_is_unavailable(tmp_path: Path) -> None:
+    with pytest.raises(Unavailable, match="not reachable"):
+        DockerExecApi(StubClient(), str(tmp_path / "none.sock")).start("e1", b"")

@@ -24,6 +24,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
@@ -251,16 +252,17 @@ class OutputCapture:
 ExecEvent = StreamChunk | ExecResult
 
 
+@dataclass
 class _Run:
     """The state of one exec while its output is pumped."""
 
-    def __init__(self, exec_id: str, cgroup: Path, started: float, deadline: float) -> None:
-        self.exec_id = exec_id
-        self.cgroup = cgroup
-        self.started = started
-        self.deadline = deadline
-        self.timed_out = False
-        self.finished = False
+    exec_id: str
+    cgroup: Path
+    oom_before: int | None
+    started: float
+    deadline: float
+    timed_out: bool = False
+    finished: bool = False
 
 
 class ExecEngine:
@@ -290,31 +292,36 @@ class ExecEngine:
 
         Closing the iterator early kills the exec's processes: nobody is left to read them.
         """
-        cgroup = self._host.cgroup_of(self._api.sandbox_pid(container_id))
-        oom_before = self._host.oom_kills(cgroup)
-        exec_id = self._api.create(container_id, request)
-        started = self._clock()
-        run = _Run(exec_id, cgroup, started, started + request.timeout)
+        run = self._begin(container_id, request)
         capture = OutputCapture(request.output_cap)
-        attachment = self._api.start(exec_id, request.stdin)
+        attachment = self._api.start(run.exec_id, request.stdin)
         try:
             for chunk in self._pump(run, attachment):
-                kept = capture.add(chunk)
-                if kept is not None:
+                if (kept := capture.add(chunk)) is not None:
                     yield kept
             run.finished = True
         finally:
             attachment.close()
             if not run.finished:
                 self._kill(run, "its stream was abandoned")
-        exit_code = self._exit_code(run)
+        yield self._finish(run, capture)
+
+    def _begin(self, container_id: str, request: ExecRequest) -> _Run:
+        cgroup = self._host.cgroup_of(self._api.sandbox_pid(container_id))
+        oom_before = self._host.oom_kills(cgroup)
+        exec_id = self._api.create(container_id, request)
+        started = self._clock()
+        return _Run(exec_id, cgroup, oom_before, started, started + request.timeout)
+
+    def _finish(self, run: _Run, capture: OutputCapture) -> ExecResult:
+        exit_code = self._exit_code(run)  # first: it may time the run out
         result = capture.result(
             exit_code=exit_code,
             timed_out=run.timed_out,
-            oom_killed=_grew(oom_before, self._host.oom_kills(cgroup)),
-            duration=self._clock() - started,
+            oom_killed=_grew(run.oom_before, self._host.oom_kills(run.cgroup)),
+            duration=self._clock() - run.started,
         )
-        yield explain_start_failure(result)
+        return explain_start_failure(result)
 
     async def astream(self, container_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
         """``stream`` for asyncio callers: each blocking read runs in a worker thread."""

@@ -44,6 +44,7 @@ STREAM_IDS = {1: OutputStream.STDOUT, 2: OutputStream.STDERR}
 MAX_HEAD = 64 * 1024
 READ_SIZE = 64 * 1024
 DEFAULT_SOCKET = "/var/run/docker.sock"
+START_TIMEOUT = 120.0
 
 
 class FrameDecoder:
@@ -211,10 +212,14 @@ class DockerExecApi:
     def start(self, exec_id: str, stdin: bytes) -> RawExecAttachment:
         sock = self._connect()
         try:
+            sock.settimeout(START_TIMEOUT)  # a daemon that never answers must not hang us
             sock.sendall(start_request(self._client.api_version, exec_id))
             status, head, rest = _read_head(sock)
             if status not in (101, 200):
                 raise _start_error(exec_id, status, head + b"\r\n\r\n" + rest)
+        except TimeoutError as exc:
+            sock.close()
+            raise Unavailable(f"the Docker daemon did not start exec {exec_id} in time") from exc
         except BaseException:
             sock.close()
             raise

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from slicebox import execstream
 from slicebox.errors import HostError, SandboxNotFound, SandboxNotRunning, Unavailable
 from slicebox.execstream import (
     DEFAULT_SOCKET,
@@ -191,3 +192,15 @@ def test_start_refusals_are_mapped(tmp_path: Path, status: int, error: type[Exce
 def test_no_daemon_is_unavailable(tmp_path: Path) -> None:
     with pytest.raises(Unavailable, match="not reachable"):
         DockerExecApi(StubClient(), str(tmp_path / "none.sock")).start("e1", b"")
+
+
+def test_a_daemon_that_never_answers_is_unavailable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(execstream, "START_TIMEOUT", 0.2)
+    path = str(tmp_path / "silent.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.bind(path)
+        silent.listen(1)
+        with pytest.raises(Unavailable, match="in time"):
+            DockerExecApi(StubClient(), path).start("e1", b"")

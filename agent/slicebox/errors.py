@@ -8,10 +8,14 @@ at the edge with ``raise ... from exc``.
     ├── InvalidRequest            the caller's input cannot be accepted as it is (400)
     │   ├── InvalidName           a user or project name that cannot map to a unit name
     │   ├── InvalidLimit          a size, cpu or pids value that is unparsable or out of range
-    │   └── PolicyViolation       a request the security policy refuses (privileged, host net...)
+    │   ├── PolicyViolation       a request the security policy refuses (privileged, host net...)
+    │   ├── InvalidCommand        an exec argv that is empty, or a string without shell: true
+    │   └── InvalidTimeout        an exec timeout that is not a positive number of seconds
     ├── Forbidden                 the caller may not act for the user it named (403)
     ├── AdmissionRefused          limits larger than a project or user ceiling allow (409)
+    ├── SandboxNotRunning         the sandbox exists but is stopped or paused (409)
     ├── NotFound                  no such sandbox, or not the caller's (404)
+    │   └── SandboxNotFound       no container with that id (an exec target)
     ├── Unavailable               a backend or system service is not reachable (503)
     │   └── ImageUnavailable      an image is not present and cannot be pulled
     ├── HostError                 the host misbehaved (a systemd job failed, cgroupfs odd) (500)
@@ -55,6 +59,14 @@ class PolicyViolation(InvalidRequest):
     code = "policy_violation"
 
 
+class InvalidCommand(InvalidRequest):
+    code = "invalid_command"
+
+
+class InvalidTimeout(InvalidRequest):
+    code = "invalid_timeout"
+
+
 class Forbidden(SliceboxError):
     code = "forbidden"
     http_status = 403
@@ -68,6 +80,15 @@ class AdmissionRefused(SliceboxError):
 class NotFound(SliceboxError):
     code = "not_found"
     http_status = 404
+
+
+class SandboxNotFound(NotFound):
+    code = "sandbox_not_found"
+
+
+class SandboxNotRunning(SliceboxError):
+    code = "sandbox_not_running"
+    http_status = 409
 
 
 class Unavailable(SliceboxError):

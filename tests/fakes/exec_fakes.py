@@ -1,0 +1,131 @@
+"""Fakes of the exec engine's interfaces (execution.ExecApi, ExecAttachment, SandboxHost).
+
+They keep a tiny model of a sandbox: a table of processes in its cgroup, an OOM counter, and a
+scripted output stream. Time is a FakeClock that reads advance, so timeouts need no sleeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from slicebox.errors import SandboxNotFound
+from slicebox.execution import ExecRequest, ExecState, StreamChunk
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class FakeExec:
+    """A scripted exec: what each read returns, in order; then silence until killed."""
+
+    script: list[list[StreamChunk] | None]
+    exit_code: int = 0
+    pid: int = 4242
+    pid_after_inspects: int = 0  # Docker reports pid 0 for this many inspects
+    running_after_exit: int = 0  # ... and "running" for this many inspects after the exit
+    exits_at_eof: bool = True  # False: the command closed its output but runs on
+    inspects: int = 0
+    exited: bool = False
+    killed: bool = False
+    closed: bool = False
+    stdin: bytes = b""
+    request: ExecRequest | None = None
+
+
+class FakeAttachment:
+    def __init__(self, run: FakeExec, clock: FakeClock, host: FakeSandboxHost) -> None:
+        self._run = run
+        self._clock = clock
+        self._host = host
+
+    def read(self, timeout: float) -> list[StreamChunk] | None:
+        if self._run.script:
+            item = self._run.script.pop(0)
+            self._run.exited = item is None and self._run.exits_at_eof
+            return item
+        self._run.killed = self._run.pid not in self._host.procs
+        if self._run.killed or self._run.exited:
+            return None
+        self._clock.now += timeout
+        return []
+
+    def close(self) -> None:
+        self._run.closed = True
+
+
+@dataclass
+class FakeSandboxHost:
+    """Processes of one sandbox cgroup as (pid -> parent pid)."""
+
+    procs: dict[int, int] = field(default_factory=dict)
+    oom_kill_count: int | None = 0
+    oom_kills_during_exec: int = 0
+    kill_calls: list[int] = field(default_factory=list)
+    cgroup: Path = Path("/sys/fs/cgroup/slicebox.slice/docker-fake.scope")
+    reads: int = 0
+
+    def cgroup_of(self, pid: int) -> Path:
+        return self.cgroup
+
+    def oom_kills(self, cgroup: Path) -> int | None:
+        self.reads += 1
+        if self.oom_kill_count is None:
+            return None
+        return self.oom_kill_count + (self.oom_kills_during_exec if self.reads > 1 else 0)
+
+    def kill_exec(self, cgroup: Path, pid: int) -> int:
+        self.kill_calls.append(pid)
+        doomed = {pid}
+        while more := {p for p, parent in self.procs.items() if parent in doomed} - doomed:
+            doomed |= more
+        for victim in doomed:
+            self.procs.pop(victim, None)
+        return len(doomed)
+
+
+class FakeExecApi:
+    def __init__(self, clock: FakeClock, host: FakeSandboxHost, run: FakeExec) -> None:
+        self.clock = clock
+        self.host = host
+        self.run = run
+        self.containers = {"box": 100}
+
+    def sandbox_pid(self, container_id: str) -> int:
+        if container_id not in self.containers:
+            raise SandboxNotFound(f"no sandbox {container_id}")
+        return self.containers[container_id]
+
+    def create(self, container_id: str, request: ExecRequest) -> str:
+        self.run.request = request
+        return "exec-1"
+
+    def start(self, exec_id: str, stdin: bytes) -> FakeAttachment:
+        self.run.stdin = stdin
+        self.host.procs.setdefault(self.run.pid, 100)
+        return FakeAttachment(self.run, self.clock, self.host)
+
+    def inspect(self, exec_id: str) -> ExecState:
+        run = self.run
+        run.inspects += 1
+        run.killed = run.pid not in self.host.procs
+        started = run.inspects > run.pid_after_inspects
+        if run.exited and run.running_after_exit > 0:
+            run.running_after_exit -= 1
+            return ExecState(pid=run.pid, running=True, exit_code=None)
+        finished = run.exited or run.killed
+        code = 137 if run.killed else run.exit_code
+        return ExecState(
+            pid=run.pid if started else 0,
+            running=not finished,
+            exit_code=code if finished else None,
+        )

@@ -1,0 +1,241 @@
+"""The exec engine and one-shot runs on a real host (issue 4's "Done when").
+
+One hardened sandbox (MinimalDockerProvider: no capabilities, no-new-privileges, network none,
+pids 100, 256 MB, 0.5 CPU, init, ``sleep infinity``) serves the whole module: container starts
+are slow in the guest. Each test checks afterwards that only the sandbox's own init and main
+process are left in its scope cgroup.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import docker
+import docker.errors
+import pytest
+
+from slicebox.errors import InvalidCommand, InvalidTimeout, SandboxNotFound
+from slicebox.execprocs import CgroupHost
+from slicebox.execstream import DockerExecApi
+from slicebox.execution import ExecEngine, ExecRequest, ExecResult, OutputStream, StreamChunk
+from slicebox.oneshot import MinimalDockerProvider, MinimalSandboxConfig, execute
+from tests.host.helpers import CGROUP_ROOT, TEST_IMAGE, stop_unit
+
+pytestmark = pytest.mark.host
+
+SLICE = "slicebox-exectest-p.slice"
+CONFIG = MinimalSandboxConfig(image=TEST_IMAGE, cgroup_parent=SLICE)
+TEN_MB = 10_000_000
+
+
+class Sandbox:
+    def __init__(self, container_id: str, engine: ExecEngine, host: CgroupHost) -> None:
+        self.id = container_id
+        self.engine = engine
+        self.host = host
+        self.cgroup = host.cgroup_of(DockerExecApi.from_env().sandbox_pid(container_id))
+        self.baseline = self.pids()
+
+    def pids(self) -> set[int]:
+        return {proc.pid for proc in self.host.processes(self.cgroup)}
+
+    def run(self, **fields: object) -> ExecResult:
+        return self.engine.run(self.id, ExecRequest.parse(fields))
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[docker.DockerClient]:
+    c = docker.from_env()
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def engine() -> ExecEngine:
+    return ExecEngine(DockerExecApi.from_env(), CgroupHost())
+
+
+@pytest.fixture(scope="module")
+def provider(client: docker.DockerClient) -> Iterator[MinimalDockerProvider]:
+    yield MinimalDockerProvider(client)
+    for unit in (SLICE, "slicebox-exectest.slice"):
+        stop_unit(unit)
+    if not [p for p in (CGROUP_ROOT / "slicebox.slice").glob("*") if p.is_dir()]:
+        stop_unit("slicebox.slice")
+
+
+@pytest.fixture(scope="module")
+def sandbox(provider: MinimalDockerProvider, engine: ExecEngine) -> Iterator[Sandbox]:
+    container_id = provider.create(CONFIG)
+    try:
+        yield Sandbox(container_id, engine, CgroupHost())
+    finally:
+        provider.destroy(container_id)
+
+
+@pytest.fixture
+def no_leftovers(sandbox: Sandbox) -> Iterator[Sandbox]:
+    """The test's execs leave no process in the sandbox, and the sandbox still answers."""
+    yield sandbox
+    assert sandbox.pids() == sandbox.baseline
+    assert sandbox.run(argv=["echo", "alive"]).stdout == b"alive\n"
+
+
+def test_streams_and_exit_code_are_exact(no_leftovers: Sandbox) -> None:
+    result = no_leftovers.run(argv="echo to-out; echo to-err >&2; exit 7", shell=True)
+    assert result.stdout == b"to-out\n"
+    assert result.stderr == b"to-err\n"
+    assert result.exit_code == 7
+    assert not result.timed_out
+    assert not result.stdout_truncated
+    assert result.duration > 0
+
+
+def test_argv_runs_without_a_shell_in_workspace_with_env(no_leftovers: Sandbox) -> None:
+    result = no_leftovers.run(
+        argv=["sh", "-c", 'echo "$1 $GREETING"; pwd', "-", "$HOME;"], env={"GREETING": "hello"}
+    )
+    assert result.stdout == b"$HOME; hello\n/workspace\n"
+
+
+def test_a_missing_program_or_cwd_is_explained_on_stderr(no_leftovers: Sandbox) -> None:
+    missing = no_leftovers.run(argv=["no-such-program"])
+    assert missing.exit_code == 127
+    assert b"executable file not found" in missing.stderr
+    assert missing.stdout == b""
+    nowhere = no_leftovers.run(argv=["true"], cwd="/no/such/dir")
+    assert nowhere.exit_code == 126
+    assert b"/no/such/dir" in nowhere.stderr
+
+
+def test_output_closed_early_still_waits_for_the_exit_code(no_leftovers: Sandbox) -> None:
+    result = no_leftovers.run(argv="exec >&- 2>&-; sleep 3; exit 3", shell=True)
+    assert result.exit_code == 3
+    assert not result.timed_out
+    assert result.duration >= 3
+
+
+def test_stdin_round_trips_every_byte_value(no_leftovers: Sandbox) -> None:
+    data = bytes(range(256)) * 4
+    raw = json.dumps({"argv": ["cat"], "stdin": base64.b64encode(data).decode()})
+    request = ExecRequest.parse_json(raw)
+    result = no_leftovers.engine.run(no_leftovers.id, request)
+    assert result.stdout == data
+    assert result.exit_code == 0
+
+
+def test_ten_megabytes_per_stream_keeps_the_head_and_memory_flat(no_leftovers: Sandbox) -> None:
+    command = f"head -c {TEN_MB} /dev/zero | tr '\\0' o & head -c {TEN_MB} /dev/zero >&2; wait"
+    request = ExecRequest(argv=command, shell=True, timeout=600)
+    _reset_peak_rss()
+    before = _rss_kib("VmRSS")
+    chunks: list[StreamChunk] = []
+    result: ExecResult | None = None
+    for event in no_leftovers.engine.stream(no_leftovers.id, request):
+        if isinstance(event, StreamChunk):
+            chunks.append(event)
+        else:
+            result = event
+    growth_kib = _rss_kib("VmHWM") - before
+    assert result is not None
+    assert result.stdout == b"o" * 50_000
+    assert result.stderr == b"\0" * 50_000
+    assert result.stdout_truncated
+    assert result.stderr_truncated
+    assert result.stdout_dropped_bytes == TEN_MB - 50_000
+    assert result.stderr_dropped_bytes == TEN_MB - 50_000
+    streamed = b"".join(c.data for c in chunks if c.stream is OutputStream.STDOUT)
+    assert streamed == result.stdout
+    # 20 MB went through; holding it would grow the peak by at least that much.
+    assert growth_kib < 4 * 1024, f"peak RSS grew by {growth_kib} KiB"
+
+
+def test_timeout_kills_the_exec_and_its_children_and_answers_124(no_leftovers: Sandbox) -> None:
+    started = time.monotonic()
+    result = no_leftovers.run(argv="sleep 60 & sleep 60", shell=True, timeout=1)
+    elapsed = time.monotonic() - started
+    assert result.timed_out
+    assert result.exit_code == 124
+    # The exec itself needs ~2 s to start under emulation; far from the 60 s it would take.
+    assert elapsed < 15, elapsed
+    assert no_leftovers.pids() == no_leftovers.baseline
+
+
+def test_plain_sleep_times_out_in_about_a_second(no_leftovers: Sandbox) -> None:
+    result = no_leftovers.run(argv=["sleep", "60"], timeout=1)
+    assert (result.exit_code, result.timed_out) == (124, True)
+    assert result.duration < 10, result.duration
+
+
+def test_allocation_past_the_memory_limit_reports_oom_killed(no_leftovers: Sandbox) -> None:
+    before = _oom_kills(no_leftovers.cgroup)
+    result = no_leftovers.run(argv=["dd", "if=/dev/zero", "of=/dev/null", "bs=300M", "count=1"])
+    assert result.oom_killed
+    assert result.exit_code == 137
+    assert _oom_kills(no_leftovers.cgroup) > before
+    assert not no_leftovers.run(argv=["true"]).oom_killed
+
+
+def test_bad_requests_get_clear_errors(sandbox: Sandbox) -> None:
+    with pytest.raises(InvalidCommand, match="argv is empty") as empty:
+        sandbox.run(argv=[])
+    assert empty.value.code == "invalid_command"
+    with pytest.raises(InvalidCommand, match="shell: true"):
+        sandbox.run(argv="echo hi")
+    with pytest.raises(InvalidTimeout) as negative:
+        sandbox.run(argv=["true"], timeout=-1)
+    assert negative.value.code == "invalid_timeout"
+    with pytest.raises(SandboxNotFound) as unknown:
+        sandbox.engine.run("no-such-sandbox-4d1e", ExecRequest(argv=("true",)))
+    assert unknown.value.code == "sandbox_not_found"
+    assert unknown.value.http_status == 404
+
+
+def test_five_hundred_echoes_lose_no_byte(sandbox: Sandbox) -> None:
+    outputs = [sandbox.run(argv=["echo", "hi"]) for _ in range(500)]
+    wrong = [(n, r.stdout, r.exit_code) for n, r in enumerate(outputs) if r.stdout != b"hi\n"]
+    assert wrong == []
+    assert {r.exit_code for r in outputs} == {0}
+
+
+def test_one_shot_destroys_its_sandbox_even_on_timeout(
+    provider: MinimalDockerProvider, engine: ExecEngine, client: docker.DockerClient
+) -> None:
+    created: list[str] = []
+
+    class Recording:
+        def create(self, config: MinimalSandboxConfig) -> str:
+            created.append(provider.create(config))
+            return created[-1]
+
+        def destroy(self, container_id: str) -> None:
+            provider.destroy(container_id)
+
+    request = ExecRequest(argv="echo started; sleep 60", shell=True, timeout=6)
+    result = execute(request, CONFIG, provider=Recording(), engine=engine)
+    assert result.stdout == b"started\n"
+    assert (result.exit_code, result.timed_out) == (124, True)
+    with pytest.raises(docker.errors.NotFound):
+        client.containers.get(created[0])
+
+
+def _oom_kills(cgroup: Path) -> int:
+    count = CgroupHost().oom_kills(cgroup)
+    assert count is not None
+    return count
+
+
+def _reset_peak_rss() -> None:
+    # Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0).
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"{field} missing from /proc/self/status")

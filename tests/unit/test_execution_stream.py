@@ -1,0 +1,206 @@
+"""The raw exec stream: frame decoding, the response head, and the socket pump.
+
+The decisive property (docker-py issue 3332): bytes that arrive in the same read as the
+``101 Switching Protocols`` head are the start of the stream and must be decoded first.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from pathlib import Path
+
+import pytest
+
+from slicebox import execstream
+from slicebox.errors import HostError, SandboxNotFound, SandboxNotRunning, Unavailable
+from slicebox.execstream import (
+    DEFAULT_SOCKET,
+    DockerExecApi,
+    FrameDecoder,
+    RawExecAttachment,
+    socket_path_from_host,
+    split_response_head,
+    start_request,
+)
+from slicebox.execution import OutputStream, StreamChunk
+
+OUT, ERR = OutputStream.STDOUT, OutputStream.STDERR
+
+
+def frame(stream_id: int, payload: bytes) -> bytes:
+    return struct.pack(">BxxxI", stream_id, len(payload)) + payload
+
+
+def joined(chunks: list[StreamChunk]) -> dict[OutputStream, bytes]:
+    out = {OUT: b"", ERR: b""}
+    for c in chunks:
+        out[c.stream] += c.data
+    return out
+
+
+STREAM = (
+    frame(1, b"to-out\n")
+    + frame(2, b"to-err\n")
+    + frame(0, b"stdin")
+    + frame(1, b"")
+    + frame(1, bytes(range(256)))
+)
+
+
+@pytest.mark.parametrize("cut", range(len(STREAM) + 1))
+def test_decoder_is_exact_wherever_the_reads_split(cut: int) -> None:
+    decoder = FrameDecoder()
+    chunks = decoder.feed(STREAM[:cut]) + decoder.feed(STREAM[cut:])
+    assert joined(chunks) == {OUT: b"to-out\n" + bytes(range(256)), ERR: b"to-err\n"}
+    assert not decoder.mid_frame
+
+
+def test_decoder_emits_a_large_frame_as_it_arrives() -> None:
+    decoder = FrameDecoder()
+    data = frame(2, b"e" * 100_000)
+    first = decoder.feed(data[:1008])
+    assert first == [StreamChunk(stream=ERR, data=b"e" * 1000)]
+    assert decoder.mid_frame
+
+
+def test_response_head_keeps_the_bytes_that_came_with_it() -> None:
+    buffer = b"HTTP/1.1 101 UPGRADED\r\nConnection: Upgrade\r\n\r\n" + frame(1, b"hi\n")
+    parsed = split_response_head(buffer)
+    assert parsed is not None
+    status, _, rest = parsed
+    assert status == 101
+    assert joined(FrameDecoder().feed(rest))[OUT] == b"hi\n"
+
+
+def test_response_head_incomplete_or_garbage() -> None:
+    assert split_response_head(b"HTTP/1.1 101 UPGRADED\r\nConn") is None
+    with pytest.raises(HostError):
+        split_response_head(b"garbage\r\n\r\n")
+
+
+def test_start_request_asks_for_an_upgrade() -> None:
+    text = start_request("1.45", "abc").decode()
+    assert text.startswith("POST /v1.45/exec/abc/start HTTP/1.1\r\n")
+    assert "Upgrade: tcp\r\n" in text
+    assert text.endswith('{"Detach": false, "Tty": false}')
+
+
+@pytest.mark.parametrize(
+    ("host", "path"),
+    [(None, DEFAULT_SOCKET), ("", DEFAULT_SOCKET), ("unix:///run/d.sock", "/run/d.sock")],
+)
+def test_socket_path_from_docker_host(host: str | None, path: str) -> None:
+    assert socket_path_from_host(host) == path
+
+
+def test_tcp_docker_host_is_refused_clearly() -> None:
+    with pytest.raises(Unavailable, match="unix socket"):
+        socket_path_from_host("tcp://10.0.0.1:2375")
+
+
+def read_all(attachment: RawExecAttachment) -> list[StreamChunk]:
+    chunks: list[StreamChunk] = []
+    while (got := attachment.read(1.0)) is not None:
+        chunks += got
+    return chunks
+
+
+def test_attachment_decodes_first_bytes_then_socket_until_eof() -> None:
+    ours, daemon = socket.socketpair()
+    with daemon:
+        attachment = RawExecAttachment(ours, frame(1, b"early "), b"")
+        daemon.sendall(frame(1, b"late") + frame(2, b"err"))
+        daemon.shutdown(socket.SHUT_WR)
+        chunks = read_all(attachment)
+    attachment.close()
+    assert joined(chunks) == {OUT: b"early late", ERR: b"err"}
+
+
+def test_attachment_writes_all_stdin_then_half_closes() -> None:
+    ours, daemon = socket.socketpair()
+    data = bytes(range(256)) * 2000  # more than one socket buffer
+    attachment = RawExecAttachment(ours, b"", data)
+    received = b""
+    with daemon:
+        daemon.settimeout(5)
+        while True:
+            attachment.read(0.01)
+            piece = daemon.recv(1 << 16)
+            if not piece:
+                break
+            received += piece
+        daemon.sendall(frame(1, b"done"))
+        daemon.shutdown(socket.SHUT_WR)
+        chunks = read_all(attachment)
+    attachment.close()
+    assert received == data
+    assert joined(chunks)[OUT] == b"done"
+
+
+def test_attachment_read_times_out_with_nothing() -> None:
+    ours, daemon = socket.socketpair()
+    with daemon:
+        attachment = RawExecAttachment(ours, b"", b"")
+        assert attachment.read(0.05) == []
+    attachment.close()
+
+
+class StubClient:
+    api_version = "1.45"
+
+
+def serve_once(path: str, reply: bytes) -> threading.Thread:
+    """A daemon stand-in: answers one request with ``reply`` in a single write, then EOF."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def answer() -> None:
+        with server, server.accept()[0] as conn:
+            request = b""
+            while not request.endswith(b"}"):
+                request += conn.recv(4096)
+            conn.sendall(reply)
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    return thread
+
+
+def test_output_sent_with_the_upgrade_response_is_not_lost(tmp_path: Path) -> None:
+    path = str(tmp_path / "docker.sock")
+    head = b"HTTP/1.1 101 UPGRADED\r\nContent-Type: application/vnd.docker.raw-stream\r\n\r\n"
+    thread = serve_once(path, head + frame(1, b"hi\n") + frame(2, b"!"))
+    attachment = DockerExecApi(StubClient(), path).start("e1", b"")
+    chunks = read_all(attachment)
+    attachment.close()
+    thread.join()
+    assert joined(chunks) == {OUT: b"hi\n", ERR: b"!"}
+
+
+@pytest.mark.parametrize(("status", "error"), [(404, SandboxNotFound), (409, SandboxNotRunning)])
+def test_start_refusals_are_mapped(tmp_path: Path, status: int, error: type[Exception]) -> None:
+    path = str(tmp_path / "docker.sock")
+    thread = serve_once(path, f"HTTP/1.1 {status} No\r\n\r\n{{}}".encode())
+    with pytest.raises(error):
+        DockerExecApi(StubClient(), path).start("e1", b"")
+    thread.join()
+
+
+def test_no_daemon_is_unavailable(tmp_path: Path) -> None:
+    with pytest.raises(Unavailable, match="not reachable"):
+        DockerExecApi(StubClient(), str(tmp_path / "none.sock")).start("e1", b"")
+
+
+def test_a_daemon_that_never_answers_is_unavailable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(execstream, "START_TIMEOUT", 0.2)
+    path = str(tmp_path / "silent.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.bind(path)
+        silent.listen(1)
+        with pytest.raises(Unavailable, match="in time"):
+            DockerExecApi(StubClient(), path).start("e1", b"")

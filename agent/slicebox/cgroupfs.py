@@ -141,7 +141,14 @@ class MemoryEvents:
         return cls(**{n: values.get(n, 0) for n in names})
 
 
-_CPU_STAT_KEYS = "usage_usec user_usec system_usec nr_periods nr_throttled throttled_usec".split()
+_CPU_STAT_KEYS = (
+    "usage_usec",
+    "user_usec",
+    "system_usec",
+    "nr_periods",
+    "nr_throttled",
+    "throttled_usec",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,22 +40,27 @@ class CgroupFiles(Protocol):
 
 
 class CgroupFS:
-    """:class:`CgroupFiles` over a real directory. No subprocesses, one syscall per file."""
+    """:class:`CgroupFiles` over a real directory. No subprocesses, one syscall per step.
 
-    def __init__(self, root: Path = DEFAULT_ROOT) -> None:
-        self.root = root
+    Paths are plain strings on purpose: pathlib's joining costs more than the read itself, and
+    telemetry reads thousands of these small files per poll.
+    """
 
-    def path(self, cgroup: str) -> Path:
-        return self.root / cgroup.strip("/") if cgroup.strip("/") else self.root
+    def __init__(self, root: Path | str = DEFAULT_ROOT) -> None:
+        self.root = str(root).rstrip("/")
+
+    def path(self, cgroup: str) -> str:
+        relative = cgroup.strip("/")
+        return f"{self.root}/{relative}" if relative else self.root
 
     def read(self, cgroup: str, name: str) -> str | None:
         try:
-            fd = os.open(self.path(cgroup) / name, os.O_RDONLY)
+            fd = os.open(f"{self.path(cgroup)}/{name}", os.O_RDONLY)
         except OSError as exc:
             _vanished_or_raise(exc)
             return None
         try:
-            # Every file read here is far below one page; one read gets all of it.
+            # Every file read here is far below this size; one read gets all of it.
             return os.read(fd, 65536).decode()
         except OSError as exc:
             _vanished_or_raise(exc)

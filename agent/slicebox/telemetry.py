@@ -11,6 +11,7 @@ so that the logic runs on a temporary tree in tests. Never from ``docker stats``
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -121,13 +122,19 @@ class SandboxMeta:
     init_pid: int | None = None  # for network_bytes; None when unknown or not running
 
     def info(self) -> SandboxInfo:
-        provisioned = Provisioned(cpu=self.cpu, memory_bytes=self.memory_bytes)
-        return SandboxInfo(
-            backend=self.backend,
-            created_at=self.created_at,
-            deleted_at=self.deleted_at,
-            provisioned=provisioned,
-        )
+        return _sandbox_info(self)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sandbox_info(meta: SandboxMeta) -> SandboxInfo:
+    """Validated once per sandbox, not once per poll: the metadata never changes."""
+    provisioned = Provisioned(cpu=meta.cpu, memory_bytes=meta.memory_bytes)
+    return SandboxInfo(
+        backend=meta.backend,
+        created_at=meta.created_at,
+        deleted_at=meta.deleted_at,
+        provisioned=provisioned,
+    )
 
 
 # --- memory_seconds ------------------------------------------------------------------------
@@ -188,9 +195,27 @@ class UsageReader:
         self.integrator = integrator
 
     def usage(self, where: SandboxCgroups, meta: SandboxMeta) -> ResourceUsage:
+        return self._usage(where, meta, self.cgroups.memory_current)
+
+    def usage_many(
+        self, sandboxes: list[tuple[SandboxCgroups, SandboxMeta]]
+    ) -> list[ResourceUsage]:
+        """Usage of many sandboxes; each slice is read once, so siblings see the same value."""
+        slices: dict[str, int | None] = {}
+
+        def slice_memory(cgroup: str) -> int | None:
+            if cgroup not in slices:
+                slices[cgroup] = self.cgroups.memory_current(cgroup)
+            return slices[cgroup]
+
+        return [self._usage(where, meta, slice_memory) for where, meta in sandboxes]
+
+    def _usage(
+        self, where: SandboxCgroups, meta: SandboxMeta, slice_memory: Callable[[str], int | None]
+    ) -> ResourceUsage:
         usec = self.cgroups.cpu_usage_usec(where.scope)
         return ResourceUsage(
-            memory_bytes=self.memory_bytes(where),
+            memory_bytes=memory_bytes(where, slice_memory),
             cpu_seconds=None if usec is None else usec / 1e6,
             sandbox=meta.info(),
             memory_seconds=self.memory_seconds(where),
@@ -207,13 +232,6 @@ class UsageReader:
             self.integrator.forget(where.scope)
         return usage
 
-    def memory_bytes(self, where: SandboxCgroups) -> MemoryBytes | None:
-        current = self.cgroups.memory_current
-        managed, user, project = (current(c) for c in (where.managed, where.user, where.project))
-        if managed is None or user is None or project is None:
-            return None  # a slice vanished: no value rather than a made-up zero
-        return MemoryBytes(managed=managed, user=user, project=project)
-
     def memory_seconds(self, where: SandboxCgroups) -> float | None:
         return None if self.integrator is None else self.integrator.value(where.scope)
 
@@ -221,6 +239,13 @@ class UsageReader:
         if self.net is None or meta.init_pid is None:
             return None
         return self.net.bytes_for_pid(meta.init_pid)
+
+
+def memory_bytes(where: SandboxCgroups, current: Callable[[str], int | None]) -> MemoryBytes | None:
+    managed, user, project = (current(c) for c in (where.managed, where.user, where.project))
+    if managed is None or user is None or project is None:
+        return None  # a slice vanished: no value rather than a made-up zero
+    return MemoryBytes(managed=managed, user=user, project=project)
 
 
 # --- the level tree ------------------------------------------------------------------------

@@ -289,3 +289,26 @@ def test_decoder_names_levels_and_missing_root_is_empty(tree_root: Path) -> None
     assert tree.children[0].name == "user:slicebox-alice.slice"
     empty = TreeReader(CgroupFS(tree_root / "nothing")).tree()
     assert (empty.children, empty.memory_current) == ((), None)
+
+
+class CountingFiles(CgroupFS):
+    """A real CgroupFS over the temporary tree that counts reads per file."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.reads: dict[str, int] = {}
+
+    def read(self, cgroup: str, name: str) -> str | None:
+        key = f"{cgroup}/{name}"
+        self.reads[key] = self.reads.get(key, 0) + 1
+        return super().read(cgroup, name)
+
+
+def test_usage_many_reads_each_slice_once_and_matches_single_reads(tree_root: Path) -> None:
+    files = CountingFiles(tree_root)
+    reader = UsageReader(files)
+    pairs = [(SandboxCgroups.of_scope(s), meta()) for s in (SCOPE, OTHER)]
+    many = reader.usage_many(pairs)
+    assert files.reads[f"{PROJECT}/memory.current"] == 1
+    assert many == [reader.usage(where, m) for where, m in pairs]
+    assert [u.cpu_seconds for u in many] == [2.5, 1e-6]

@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from slicebox.cgroupfs import CgroupFS
-from slicebox.netstats import LinkCounters, total_bytes
+from slicebox.netstats import LinkCounters, NetnsCounters, link_counters, total_bytes
 from slicebox.telemetry import (
     Level,
     MemoryIntegrator,
@@ -312,3 +312,30 @@ def test_usage_many_reads_each_slice_once_and_matches_single_reads(tree_root: Pa
     assert files.reads[f"{PROJECT}/memory.current"] == 1
     assert many == [reader.usage(where, m) for where, m in pairs]
     assert [u.cpu_seconds for u in many] == [2.5, 1e-6]
+
+
+class FakeLinkMessage:
+    """The parts of a pyroute2 RTM_NEWLINK message that link_counters reads."""
+
+    def __init__(self, name: str, flags: int, stats: dict[str, int] | None) -> None:
+        self.attrs: dict[str, object] = {"IFLA_IFNAME": name, "IFLA_STATS64": stats}
+        self.flags = flags
+
+    def get_attr(self, key: str) -> object:
+        return self.attrs.get(key)
+
+    def __getitem__(self, key: str) -> int:
+        assert key == "flags"
+        return self.flags
+
+
+def test_link_counters_mark_loopback_by_flag_and_name() -> None:
+    eth = link_counters(FakeLinkMessage("eth0", 0x1043, {"rx_bytes": 7, "tx_bytes": 5}))
+    lo_flag = link_counters(FakeLinkMessage("weird", 0x8, {"rx_bytes": 1, "tx_bytes": 1}))
+    assert eth == LinkCounters("eth0", 7, 5, loopback=False)
+    assert lo_flag.loopback
+    assert total_bytes([eth, lo_flag]) == 12
+
+
+def test_netns_of_a_gone_pid_reads_none(tmp_path: Path) -> None:
+    assert NetnsCounters(proc=str(tmp_path)).bytes_for_pid(4242) is None

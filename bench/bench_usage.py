@@ -6,6 +6,8 @@ Creates COUNT sleeping busybox containers once (network none, in one project sli
 the bridge so the netns read has real links), times each kind of read, prints the times and the
 ratio docker stats / slicebox, and removes every container and slice it made, also on Ctrl-C.
 Absolute times under emulation say little; the ratios measured in one run are the point.
+Measured in the TCG guest with 200 containers: cgroup usage of all 200 in 359 ms vs 36.5 s for
+docker stats (101x); with netns bytes 3.3 s (11x); the whole level tree 785 ms (46x).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from pathlib import Path
 
 import docker
 from docker.models.containers import Container
@@ -54,6 +57,9 @@ def remove_all(client: docker.DockerClient) -> None:
         list(pool.map(lambda c: c.remove(force=True), leftovers))
     for unit in (PARENT, f"slicebox-{USER}.slice"):
         subprocess.run(["systemctl", "stop", unit], check=False, capture_output=True)
+    managed = Path("/sys/fs/cgroup/slicebox.slice")
+    if managed.is_dir() and not any(p.is_dir() for p in managed.iterdir()):
+        subprocess.run(["systemctl", "stop", managed.name], check=False, capture_output=True)
 
 
 @contextmanager

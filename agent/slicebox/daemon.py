@@ -21,15 +21,21 @@ from typing import Protocol
 from aiohttp import web
 
 from slicebox import __version__
-from slicebox.api import Route, base_routes, build_app
+from slicebox.api import Route, build_app
 from slicebox.audit import AuditEvent, Auditor, AuditRecord, SystemJournal
+from slicebox.config import DEFAULT_PATH as DEFAULT_CONFIG
+from slicebox.errors import SliceboxError
 from slicebox.identity import SystemUsers
 from slicebox.listen import listening_socket
+from slicebox.routes import service_routes
+from slicebox.runtime import assemble
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SOCKET = Path("/run/slicebox/slicebox.sock")
+MEMORY_SAMPLE_SECONDS = 5.0
 Reload = Callable[[], Awaitable[str]]
+Periodic = tuple[float, Callable[[], None]]  # (interval in seconds, a blocking function)
 
 
 class Notifier(Protocol):
@@ -71,11 +77,13 @@ class Agent:
         notifier: Notifier,
         auditor: Auditor,
         reload: Reload | None = None,
+        periodic: Sequence[Periodic] = (),
     ) -> None:
         self._routes = routes
         self._notifier = notifier
         self._auditor = auditor
         self._reload = reload
+        self._periodic = periodic
         self._stop = asyncio.Event()
 
     async def run(self, socket_path: Path) -> None:
@@ -86,14 +94,16 @@ class Agent:
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self._on_reload()))
+        tasks = [loop.create_task(_every(interval, job)) for interval, job in self._periodic]
         watchdog = self._start_watchdog()
         self._notifier.notify(f"READY=1\nSTATUS=answering on {socket_path}")
         self._auditor.record(AuditRecord(event=AuditEvent.AGENT_STARTED, detail=__version__))
         await self._stop.wait()
         self._notifier.notify("STOPPING=1\nSTATUS=stopping; sandboxes keep running")
         self._auditor.record(AuditRecord(event=AuditEvent.AGENT_STOPPING))
-        if watchdog is not None:
-            watchdog.cancel()
+        for task in [*tasks, watchdog]:
+            if task is not None:
+                task.cancel()
         await runner.cleanup()
 
     def _start_watchdog(self) -> asyncio.Task[None] | None:
@@ -114,10 +124,21 @@ class Agent:
         self._notifier.notify(f"READY=1\nSTATUS={status}")
 
 
+async def _every(interval: float, job: Callable[[], None]) -> None:
+    """Run a blocking ``job`` in a worker thread every ``interval`` seconds; failures are logged."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await asyncio.to_thread(job)
+        except Exception:
+            log.exception("periodic %s failed", getattr(job, "__name__", job))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sliceboxd", description=__doc__)
     parser.add_argument("--version", action="version", version=f"sliceboxd {__version__}")
     parser.add_argument("--socket", type=Path, default=DEFAULT_SOCKET, help="unix socket path")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="TOML configuration")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return parser
 
@@ -125,6 +146,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     options = build_parser().parse_args(argv)
     logging.basicConfig(level=options.log_level, format="%(levelname)s %(name)s: %(message)s")
-    agent = Agent(base_routes(), SystemdNotifier(), Auditor(SystemJournal()))
+    auditor = Auditor(SystemJournal())
+    try:
+        runtime = assemble(options.config, auditor)
+        runtime.apply_ceilings()
+    except SliceboxError as exc:
+        log.error("cannot start: %s", exc)  # systemd shows it in `systemctl status`
+        return 1
+
+    async def reload() -> str:
+        return await asyncio.to_thread(runtime.reload)
+
+    agent = Agent(
+        service_routes(runtime.service),
+        SystemdNotifier(),
+        auditor,
+        reload,
+        periodic=[(MEMORY_SAMPLE_SECONDS, runtime.sample_memory)],
+    )
     asyncio.run(agent.run(options.socket))
     return 0

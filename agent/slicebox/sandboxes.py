@@ -29,6 +29,10 @@ from slicebox.spec import MountKind, SandboxSpec
 log = logging.getLogger(__name__)
 
 
+# A sandbox without a command of its own stays up for execs, as the seeds' pool containers do.
+KEEP_ALIVE = ("sleep", "infinity")
+
+
 def new_sandbox_id() -> str:
     return "sbx-" + secrets.token_hex(6)
 
@@ -98,6 +102,10 @@ class SandboxManager:
         self._instance_id = instance_id
         self._clock = clock
         self._new_id = new_id
+
+    def reconfigure(self, config: Config) -> None:
+        """Use ``config`` from now on (``systemctl reload``); running sandboxes keep theirs."""
+        self._config = config
 
     def create(self, spec: SandboxSpec) -> Sandbox:
         """Admit, place and start a sandbox; on any failure nothing is left behind."""
@@ -237,7 +245,7 @@ def _request(admitted: Admitted, lineage: Lineage) -> ContainerRequest:
     return ContainerRequest(
         name=lineage.sandbox_id,
         image=admitted.image,
-        command=spec.command,
+        command=spec.command if spec.command is not None else KEEP_ALIVE,
         labels=lineage.to_labels(),
         cgroup_parent=admitted.placement.names.project,
         memory_bytes=limits.memory_bytes,

@@ -3,55 +3,23 @@
 from __future__ import annotations
 
 import json
-import shutil
 import stat
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from slicebox.audit import MESSAGE_IDS, AuditEvent
+from tests.host.agentunits import SOCKET, curl_health, installed_agent, prop
 from tests.host.helpers import sh, wait_for
 
 pytestmark = pytest.mark.host
 
-UNITS = Path(__file__).resolve().parents[2] / "units"
-RUNTIME = Path("/run/systemd/system")
-SOCKET = Path("/run/slicebox/slicebox.sock")
-# The guest runs the checkout's console script; a short watchdog keeps the test quick.
-DROP_IN = "[Service]\nExecStart=\nExecStart=/usr/local/bin/sliceboxd\nWatchdogSec=6\n"
-
-
-def prop(unit: str, name: str) -> str:
-    return sh("systemctl", "show", "-P", name, unit).stdout.strip()
-
-
-def curl_health() -> dict[str, object]:
-    out = sh("curl", "-sf", "--unix-socket", str(SOCKET), "http://localhost/v1/health").stdout
-    return dict(json.loads(out))
-
 
 @pytest.fixture
 def installed() -> Iterator[None]:
-    created_group = sh("getent", "group", "slicebox", check=False).returncode != 0
-    if created_group:
-        sh("groupadd", "--system", "slicebox")
-    for unit in ("slicebox.service", "slicebox.socket"):
-        shutil.copy(UNITS / unit, RUNTIME / unit)
-    drop_in = RUNTIME / "slicebox.service.d"
-    drop_in.mkdir(exist_ok=True)
-    (drop_in / "test.conf").write_text(DROP_IN)
-    sh("systemctl", "daemon-reload")
-    yield
-    sh("systemctl", "stop", "slicebox.service", "slicebox.socket", check=False)
-    sh("systemctl", "reset-failed", "slicebox.service", "slicebox.socket", check=False)
-    shutil.rmtree(drop_in)
-    for unit in ("slicebox.service", "slicebox.socket"):
-        (RUNTIME / unit).unlink()
-    sh("systemctl", "daemon-reload")
-    if created_group:
-        sh("groupdel", "slicebox")
+    with installed_agent(watchdog_sec=6):
+        yield
 
 
 def test_socket_activation_status_watchdog_reload_and_stop(installed: None) -> None:

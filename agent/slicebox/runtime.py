@@ -1,0 +1,111 @@
+"""The agent's parts, assembled from the real host: Docker, systemd, cgroupfs, netlink, journald.
+
+Tests assemble the same :class:`~slicebox.service.Service` from fakes; only this module knows
+which concrete implementation stands behind each interface.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from slicebox.audit import AuditEvent, Auditor, AuditRecord
+from slicebox.cgroupfs import CgroupFS
+from slicebox.config import Config, load_config, read_host_memory
+from slicebox.dockerapi import DockerPy
+from slicebox.errors import SliceboxError
+from slicebox.execprocs import CgroupHost
+from slicebox.execstream import DockerExecApi
+from slicebox.execution import ExecEngine
+from slicebox.names import parse_slice
+from slicebox.netstats import NetnsCounters
+from slicebox.sandboxes import SandboxManager
+from slicebox.service import Service
+from slicebox.slices import SliceManager
+from slicebox.systemd import PystemdSystemd
+from slicebox.telemetry import Level, MemoryIntegrator, TreeReader, UsageReader
+
+log = logging.getLogger(__name__)
+SCOPES_GLOB = "slicebox.slice/*/*/docker-*.scope"
+
+
+def decode_unit(level: Level, unit: str) -> str | None:
+    """The user or project name behind a slice unit, for the level tree."""
+    if level not in (Level.USER, Level.PROJECT):
+        return None
+    try:
+        user, project = parse_slice(unit)
+    except SliceboxError:
+        return None
+    return user if level == Level.USER else project
+
+
+@dataclass
+class Runtime:
+    config_path: Path
+    config: Config
+    host_memory: int
+    slices: SliceManager
+    sandboxes: SandboxManager
+    integrator: MemoryIntegrator
+    usage: UsageReader
+    service: Service
+    auditor: Auditor
+
+    def reload(self) -> str:
+        """Re-read the config and write its ceilings to every running slice, live."""
+        config = load_config(self.config_path)
+        self.sandboxes.reconfigure(config)
+        self.config = config
+        updated = self.apply_ceilings()
+        return f"configuration reloaded; ceilings applied to {len(updated)} slices"
+
+    def apply_ceilings(self) -> list[str]:
+        updated = self.slices.reapply(self.config, self.host_memory)
+        self.auditor.record(
+            AuditRecord(event=AuditEvent.CEILINGS_APPLIED, detail=" ".join(updated)[:500])
+        )
+        return updated
+
+    def sample_memory(self) -> None:
+        """One memory_seconds sample of every sandbox scope (cgroupfs only, no Docker call)."""
+        root = Path("/sys/fs/cgroup")
+        scopes = [str(path.relative_to(root)) for path in root.glob(SCOPES_GLOB)]
+        self.integrator.sample_all(self.usage.cgroups, scopes)
+
+
+def assemble(config_path: Path, auditor: Auditor) -> Runtime:
+    config = load_config(config_path)
+    host_memory = read_host_memory()
+    slices = SliceManager(PystemdSystemd())
+    sandboxes = SandboxManager(
+        DockerPy(),
+        slices,
+        config=config,
+        host_memory=host_memory,
+        instance_id="run-" + uuid.uuid4().hex[:12],
+    )
+    exec_api = DockerExecApi.from_env()
+    integrator = MemoryIntegrator(time.monotonic)
+    usage = UsageReader(CgroupFS(), NetnsCounters(), integrator)
+
+    def pid_of(container_id: str) -> int | None:
+        try:
+            return exec_api.sandbox_pid(container_id)
+        except SliceboxError:
+            return None
+
+    service = Service(
+        sandboxes,
+        ExecEngine(exec_api, CgroupHost()),
+        usage=usage,
+        tree=TreeReader(CgroupFS(), decode=decode_unit),
+        auditor=auditor,
+        pid_of=pid_of,
+    )
+    return Runtime(
+        config_path, config, host_memory, slices, sandboxes, integrator, usage, service, auditor
+    )

@@ -1,0 +1,61 @@
+"""Install the checkout's units into the guest's systemd for a test, and remove them after."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tests.host.helpers import sh
+
+UNITS = Path(__file__).resolve().parents[2] / "units"
+RUNTIME = Path("/run/systemd/system")
+SOCKET = Path("/run/slicebox/slicebox.sock")
+CONFIG = Path("/etc/slicebox/config.toml")
+TEST_CONFIG = 'default_image = "slicebox-test/busybox:latest"\n'
+
+
+def drop_in(watchdog_sec: int) -> str:
+    # The guest runs the checkout's console script; a short watchdog keeps tests quick.
+    return (
+        "[Service]\nExecStart=\n"
+        f"ExecStart=/usr/local/bin/sliceboxd --config {CONFIG}\nWatchdogSec={watchdog_sec}\n"
+    )
+
+
+def prop(unit: str, name: str) -> str:
+    return sh("systemctl", "show", "-P", name, unit).stdout.strip()
+
+
+@contextmanager
+def installed_agent(config: str = TEST_CONFIG, watchdog_sec: int = 20) -> Iterator[None]:
+    created_group = sh("getent", "group", "slicebox", check=False).returncode != 0
+    if created_group:
+        sh("groupadd", "--system", "slicebox")
+    CONFIG.parent.mkdir(exist_ok=True)
+    CONFIG.write_text(config)
+    for unit in ("slicebox.service", "slicebox.socket"):
+        shutil.copy(UNITS / unit, RUNTIME / unit)
+    directory = RUNTIME / "slicebox.service.d"
+    directory.mkdir(exist_ok=True)
+    (directory / "test.conf").write_text(drop_in(watchdog_sec))
+    sh("systemctl", "daemon-reload")
+    try:
+        yield
+    finally:
+        sh("systemctl", "stop", "slicebox.service", "slicebox.socket", check=False)
+        sh("systemctl", "reset-failed", "slicebox.service", "slicebox.socket", check=False)
+        shutil.rmtree(directory)
+        for unit in ("slicebox.service", "slicebox.socket"):
+            (RUNTIME / unit).unlink()
+        sh("systemctl", "daemon-reload")
+        shutil.rmtree(CONFIG.parent)
+        if created_group:
+            sh("groupdel", "slicebox")
+
+
+def curl_health() -> dict[str, object]:
+    out = sh("curl", "-sf", "--unix-socket", str(SOCKET), "http://localhost/v1/health").stdout
+    return dict(json.loads(out))

@@ -1,0 +1,159 @@
+"""The agent's core over fakes: who may see and do what, and what the audit records."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from slicebox.audit import Auditor
+from slicebox.cgroupfs import CgroupFS
+from slicebox.config import parse_config
+from slicebox.errors import Forbidden, NotFound
+from slicebox.execution import ExecEngine, ExecRequest, OutputStream, StreamChunk
+from slicebox.identity import Identity
+from slicebox.sandboxes import SandboxManager
+from slicebox.service import CreateSandbox, RunRequest, Service
+from slicebox.slices import SliceManager
+from slicebox.telemetry import TreeReader, UsageReader
+from tests.fakes.docker import FakeDocker
+from tests.fakes.exec_fakes import FakeClock, FakeExec, FakeExecApi, FakeSandboxHost
+from tests.fakes.systemd import FakeSystemd
+
+MiB = 1024 * 1024
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+ALICE = Identity(uid=1000, gid=1000, pid=11, user_name="alice", is_admin=False)
+BOB = Identity(uid=1001, gid=1001, pid=12, user_name="bob", is_admin=False)
+ORCH = Identity(uid=1002, gid=1002, pid=13, user_name="orch", is_admin=True)
+
+
+class Journal:
+    def __init__(self) -> None:
+        self.entries: list[Mapping[str, str]] = []
+
+    def send(self, fields: Mapping[str, str]) -> None:
+        self.entries.append(dict(fields))
+
+    def events(self) -> list[tuple[str, str]]:
+        return [(e["SLICEBOX_EVENT"], e["SLICEBOX_RESULT"]) for e in self.entries]
+
+
+class World:
+    def __init__(self, tmp: Path) -> None:
+        systemd = FakeSystemd()
+        self.docker = FakeDocker(systemd)
+        self.docker.images.add("alpine:3.19")
+        ids = (f"sbx-{n:012x}" for n in itertools.count(1))
+        self.sandboxes = SandboxManager(
+            self.docker,
+            SliceManager(systemd),
+            config=parse_config(""),
+            host_memory=4096 * MiB,
+            instance_id="run-1",
+            clock=lambda: NOW,
+            new_id=lambda: next(ids),
+        )
+        clock, self.host = FakeClock(), FakeSandboxHost()
+        self.run = FakeExec([[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None])
+        self.exec_api = FakeExecApi(clock, self.host, self.run)
+        self.journal = Journal()
+        self.service = Service(
+            self.sandboxes,
+            ExecEngine(self.exec_api, self.host, clock=clock, sleep=clock.sleep),
+            usage=UsageReader(CgroupFS(tmp)),
+            tree=TreeReader(CgroupFS(tmp)),
+            auditor=Auditor(self.journal),
+            pid_of=lambda cid: None,
+            clock=lambda: NOW,
+        )
+
+    def create(self, who: Identity, user: str | None = None) -> str:
+        view = self.service.create(who, CreateSandbox(user=user, project="web"))
+        self.exec_api.containers[view.container_id] = 100
+        return view.id
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    return World(tmp_path)
+
+
+def test_a_user_sees_only_its_own_sandboxes(world: World) -> None:
+    mine = world.create(ALICE)
+    assert world.service.get(ALICE, mine).user == "alice"
+    assert [v.id for v in world.service.list_sandboxes(ALICE)] == [mine]
+    assert world.service.list_sandboxes(BOB) == []
+    with pytest.raises(NotFound) as caught:
+        world.service.get(BOB, mine)
+    with pytest.raises(NotFound) as unknown:
+        world.service.get(BOB, "sbx-nothing")
+    assert caught.value.message.replace(mine, "X") == unknown.value.message.replace(
+        "sbx-nothing", "X"
+    ), "another user's sandbox must look exactly like a missing one"
+
+
+def test_others_cannot_exec_in_or_destroy_my_sandbox(world: World) -> None:
+    mine = world.create(ALICE)
+    with pytest.raises(NotFound):
+        world.service.exec(BOB, mine, ExecRequest(argv=("id",)))
+    assert world.service.destroy(BOB, mine).destroyed is False
+    assert world.service.get(ALICE, mine).id == mine
+
+
+def test_only_admins_act_for_other_users(world: World) -> None:
+    with pytest.raises(Forbidden):
+        world.create(ALICE, user="bob")
+    assert ("request_refused", "forbidden") in world.journal.events()
+    theirs = world.create(ORCH, user="bob")
+    assert world.service.get(BOB, theirs).user == "bob"
+    assert {v.id for v in world.service.list_sandboxes(ORCH)} == {theirs}
+
+
+def test_every_action_is_audited_with_the_caller(world: World) -> None:
+    box = world.create(ALICE)
+    result = world.service.exec(ALICE, box, ExecRequest(argv=("echo", "hi")))
+    assert result.stdout == b"hi\n"
+    gone = world.service.destroy(ALICE, box)
+    assert gone.destroyed
+    assert world.service.destroy(ALICE, box).destroyed is False  # idempotent
+    assert world.journal.events() == [
+        ("sandbox_created", "ok"),
+        ("exec", "ok"),
+        ("sandbox_destroyed", "ok"),
+    ]
+    assert all(e["SLICEBOX_CALLER_UID"] == "1000" for e in world.journal.entries)
+    assert world.journal.entries[1]["SLICEBOX_EXIT_CODE"] == "0"
+    assert {e["SLICEBOX_SANDBOX_ID"] for e in world.journal.entries} == {box}
+
+
+def test_one_shot_run_leaves_nothing(world: World) -> None:
+    world.exec_api.containers = _AnyContainer()
+    outcome = world.service.run(
+        ALICE, RunRequest(sandbox=CreateSandbox(project="web"), exec=ExecRequest(argv=("x",)))
+    )
+    assert outcome.result.stdout == b"hi\n"
+    assert world.service.list_sandboxes(ALICE) == []
+    assert [event for event, _ in world.journal.events()] == [
+        "sandbox_created",
+        "exec",
+        "sandbox_destroyed",
+    ]
+
+
+def test_destroy_tree_only_touches_what_the_caller_may_see(world: World) -> None:
+    alices = world.service.create(ALICE, CreateSandbox(project="p", root_task_id="t1"))
+    bobs = world.service.create(BOB, CreateSandbox(project="p", root_task_id="t1"))
+    gone = world.service.destroy_tree(ALICE, "t1")
+    assert [d.id for d in gone] == [alices.id]
+    assert world.service.get(BOB, bobs.id).id == bobs.id
+
+
+class _AnyContainer(dict[str, int]):
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __getitem__(self, key: str) -> int:
+        return 100

@@ -52,17 +52,30 @@ class Client:
         self.timeout = timeout
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
-        with self._open(method, path, body) as response:
-            return _decode(response)
+        try:
+            with self._open(method, path, body) as response:
+                return _decode(response)
+        except (TimeoutError, ConnectionError, http.client.HTTPException) as exc:
+            raise self._no_answer(exc) from exc
+
+    def _no_answer(self, exc: Exception) -> errors.Unavailable:
+        return errors.Unavailable(
+            f"the agent at {self.path} did not answer ({exc.__class__.__name__}) within "
+            f"{self.timeout:.0f}s; check `systemctl status slicebox` and its journal",
+            code="agent_no_answer",
+        )
 
     def stream(self, method: str, path: str, body: Any = None) -> Iterator[Any]:
         """Newline-delimited JSON objects, as the agent produces them."""
-        with self._open(method, path, body) as response:
-            if response.status >= 400:
-                _decode(response)
-            for line in response:
-                if line.strip():
-                    yield json.loads(line)
+        try:
+            with self._open(method, path, body) as response:
+                if response.status >= 400:
+                    _decode(response)
+                for line in response:
+                    if line.strip():
+                        yield json.loads(line)
+        except (TimeoutError, ConnectionError, http.client.HTTPException) as exc:
+            raise self._no_answer(exc) from exc
 
     def _open(self, method: str, path: str, body: Any) -> http.client.HTTPResponse:
         conn = _UnixConnection(self.path, self.timeout)

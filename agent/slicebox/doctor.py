@@ -7,6 +7,7 @@ temporary tree.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ class Host:
     proc: Path = Path("/proc")
     cgroup: Path = Path("/sys/fs/cgroup")
     agent_socket: str = "/run/slicebox/slicebox.sock"
+    docker_socket: str = "/run/docker.sock"
 
 
 def check_systemd(host: Host) -> Check:
@@ -70,6 +72,13 @@ def check_controllers(host: Host) -> Check:
 
 
 def check_docker(host: Host) -> Check:
+    sock = Path(host.docker_socket)
+    if sock.exists() and not os.access(sock, os.R_OK | os.W_OK):
+        return Check(
+            name="docker",
+            ok=True,
+            detail=f"not checked: {sock} is not yours to use (the agent's is); run doctor as root",
+        )
     try:
         import docker
 
@@ -95,7 +104,8 @@ def check_docker(host: Host) -> Check:
 
 def check_agent(host: Host) -> Check:
     try:
-        health = Client(host.agent_socket, timeout=10).request("GET", "/health")
+        # The first call may start the agent through its socket: allow for its start-up.
+        health = Client(host.agent_socket, timeout=90).request("GET", "/health")
     except SliceboxError as exc:
         return Check(
             name="agent", ok=False, detail=exc.message, fix="systemctl start slicebox.socket"

@@ -167,3 +167,11 @@ def test_unreachable_agent_says_what_to_check(tmp_path: Path) -> None:
 def test_activated_sockets_only_for_this_pid() -> None:
     assert activated_sockets({"LISTEN_PID": "1", "LISTEN_FDS": "1"}, os.getpid()) == []
     assert activated_sockets({}, os.getpid()) == []
+
+
+def test_an_agent_that_does_not_answer_is_unavailable_not_a_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "silent.sock"
+    silent = bind_unix(path, group=None)  # listens, never answers
+    with silent, pytest.raises(errors.Unavailable) as caught:
+        Client(str(path), timeout=0.5).request("GET", "/health")
+    assert caught.value.code == "agent_no_answer"

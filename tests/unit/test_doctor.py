@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,16 @@ def test_cli_doctor_exits_nonzero_and_prints_fixes(
     out = capsys.readouterr().out
     assert "FAIL agent" in out
     assert "fix: systemctl start slicebox.socket" in out
+
+
+def test_docker_socket_of_someone_else_is_not_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slicebox.doctor import check_docker
+
+    sock = tmp_path / "docker.sock"
+    sock.touch(mode=0o600)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as an ordinary user sees it
+    check = check_docker(Host(docker_socket=str(sock)))
+    assert check.ok
+    assert "run doctor as root" in check.detail

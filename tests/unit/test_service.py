@@ -70,6 +70,9 @@ class World:
             clock=lambda: NOW,
         )
 
+    def service_identity(self) -> Identity:
+        return ORCH
+
     def create(self, who: Identity, user: str | None = None) -> str:
         view = self.service.create(who, CreateSandbox(user=user, project="web"))
         self.exec_api.containers[view.container_id] = 100

@@ -1,0 +1,26 @@
+"""Print the agent's OpenAPI document: ``python3 -m slicebox.openapi > docs/openapi.json``.
+
+The document is generated from the same route list the agent serves; the copy in the repo is
+checked against it by the tests, so it cannot drift.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from slicebox.api import openapi_document
+from slicebox.routes import service_routes
+
+
+def document() -> dict[str, Any]:
+    return openapi_document(service_routes(None))  # type: ignore[arg-type]
+
+
+def main() -> int:
+    print(json.dumps(document(), indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -169,3 +169,13 @@ stop_guest() {
     stop_qemu "$dir"
     rm -f "$dir/overlay.qcow2" "$dir/port"
 }
+
+# Wait up to SECONDS for ssh to answer a running guest.
+wait_ssh() {
+    local dir=$1 deadline=$((SECONDS + $2))
+    until guest_ssh "$dir" true </dev/null 2>/dev/null; do
+        [ $SECONDS -ge "$deadline" ] && return 1
+        guest_alive "$dir" || return 1
+        sleep 2
+    done
+}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import time
 import uuid
@@ -33,6 +34,14 @@ def memory_events(cgroup: Path) -> dict[str, int]:
     return {key: int(value) for key, value in (line.split() for line in lines)}
 
 
+# Runtime drop-ins (set-property --runtime, SetUnitProperties) outlive a stopped slice that has
+# no unit file; left behind they make systemd load it as not-found, and Docker can then start
+# nothing under it. Stopping a unit in a test therefore also removes them.
+RUNTIME_DROP_INS = (Path("/run/systemd/system.control"), Path("/run/systemd/transient"))
+
+
 def stop_unit(name: str) -> None:
     sh("systemctl", "stop", name, check=False)
     sh("systemctl", "reset-failed", name, check=False)
+    for directory in RUNTIME_DROP_INS:
+        shutil.rmtree(directory / f"{name}.d", ignore_errors=True)

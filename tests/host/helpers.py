@@ -34,9 +34,8 @@ def memory_events(cgroup: Path) -> dict[str, int]:
     return {key: int(value) for key, value in (line.split() for line in lines)}
 
 
-# Runtime drop-ins (set-property --runtime, SetUnitProperties) outlive a stopped slice that has
-# no unit file; left behind they make systemd load it as not-found, and Docker can then start
-# nothing under it. Stopping a unit in a test therefore also removes them.
+# Runtime drop-ins (set-property --runtime, SetUnitProperties) can outlive a stopped slice that
+# has no unit file. Stopping a unit in a test therefore also removes them.
 RUNTIME_DROP_INS = (Path("/run/systemd/system.control"), Path("/run/systemd/transient"))
 
 
@@ -45,3 +44,7 @@ def stop_unit(name: str) -> None:
     sh("systemctl", "reset-failed", name, check=False)
     for directory in RUNTIME_DROP_INS:
         shutil.rmtree(directory / f"{name}.d", ignore_errors=True)
+    # A stopped transient slice can stay cached as not-found; Docker then cannot start a
+    # container below it ("Unit slicebox.slice not found") until systemd reloads.
+    if sh("systemctl", "show", "-P", "LoadState", name, check=False).stdout.strip() == "not-found":
+        sh("systemctl", "daemon-reload")

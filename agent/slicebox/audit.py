@@ -30,6 +30,7 @@ class AuditEvent(StrEnum):
     SANDBOX_DESTROYED = "sandbox_destroyed"
     REQUEST_REFUSED = "request_refused"
     REAPER_ACTION = "reaper_action"
+    DEADLINE_CHANGED = "deadline_changed"
     CEILINGS_APPLIED = "ceilings_applied"
     AGENT_STARTED = "agent_started"
     AGENT_STOPPING = "agent_stopping"
@@ -42,6 +43,7 @@ MESSAGE_IDS: Mapping[AuditEvent, str] = {
     AuditEvent.SANDBOX_DESTROYED: "7ad5412052e042909876b4fad556683f",
     AuditEvent.REQUEST_REFUSED: "aaad076bec5b4ca2a06183f3fab73532",
     AuditEvent.REAPER_ACTION: "8b8555972dc1498397030867d2be155e",
+    AuditEvent.DEADLINE_CHANGED: "e892b14f12b540bc996463a05befb8b0",
     AuditEvent.CEILINGS_APPLIED: "583afb0f8d04451881fb2a3fbbd0fc85",
     AuditEvent.AGENT_STARTED: "07de345e13394bee8ab28ae075040761",
     AuditEvent.AGENT_STOPPING: "3138cc1c969e4a12ad76ba475b45cb42",
@@ -86,6 +88,7 @@ class AuditRecord(BaseModel):
     caller: Caller | None = None
     exit_code: int | None = None
     usage: Mapping[str, object] | None = None
+    rule: str = ""  # the reaper's rule, for reaper_action
     detail: str = Field(default="", max_length=500)
 
 
@@ -105,6 +108,7 @@ def journal_fields(record: AuditRecord) -> dict[str, str]:
         "SLICEBOX_TASK_ID": record.task_id,
         "SLICEBOX_USER": record.user,
         "SLICEBOX_PROJECT": record.project,
+        "SLICEBOX_REAPER_RULE": record.rule,
         "SLICEBOX_DETAIL": scrub(record.detail),
     }
     fields.update({key: value for key, value in optional.items() if value})

@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     top = commands.add_parser("top", help="the live level tree")
     top.add_argument("--interval", type=float, default=2.0)
     top.add_argument("--count", type=int, default=0, help="refreshes (0: until interrupted)")
+    extend = commands.add_parser("extend", help="move a sandbox's deadline to SECONDS from now")
+    extend.add_argument("sandbox")
+    extend.add_argument("seconds", type=int)
+    reap = commands.add_parser("reap", help="one reaper pass now (root and slicebox-admin)")
+    reap.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     return parser
 
 
@@ -143,12 +148,15 @@ def cmd_ps(options: argparse.Namespace, client: Client) -> int:
     if options.json:
         print(json.dumps(views, indent=2))
         return 0
-    print(f"{'ID':<18} {'USER':<12} {'PROJECT':<14} {'MEMORY':>10} {'CPUS':>5} {'CREATED'}")
+    print(
+        f"{'ID':<18} {'USER':<12} {'PROJECT':<14} {'MEMORY':>10} {'CPUS':>5} "
+        f"{'CREATED':<25} {'EXPIRES'}"
+    )
     for v in views:
         memory = f"{v['limits']['memory_bytes'] // (1024 * 1024)}MB"
         print(
             f"{v['id']:<18} {v['user']:<12} {v['project']:<14} {memory:>10} "
-            f"{v['limits']['cpus']:>5} {v['created_at']}"
+            f"{v['limits']['cpus']:>5} {v['created_at']:<25} {v.get('expires_at') or '-'}"
         )
     return 0
 
@@ -190,6 +198,29 @@ def cmd_top(options: argparse.Namespace, client: Client) -> int:
     return 0
 
 
+def cmd_extend(options: argparse.Namespace, client: Client) -> int:
+    body = {"ttl_seconds": options.seconds}
+    view = client.request("POST", f"/sandboxes/{options.sandbox}/deadline", body)
+    print(
+        json.dumps(view, indent=2) if options.json else f"{view['id']} expires {view['expires_at']}"
+    )
+    return 0
+
+
+def cmd_reap(options: argparse.Namespace, client: Client) -> int:
+    report = client.request("POST", "/reaper", {"dry_run": options.dry_run})
+    if options.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    results = [o["result"] for o in report["outcomes"]] or ["planned"] * len(report["plan"])
+    verb = "would take" if report["dry_run"] else "took"
+    print(f"reaper {verb} {len(report['plan'])} actions (agent run {report['instance_id']})")
+    for action, result in zip(report["plan"], results, strict=True):
+        print(f"{result:<10} {action['kind']:<17} {action['target']:<40} {action['reason']}")
+    failed = [r for r in results if r not in ("ok", "skipped", "planned")]
+    return 1 if failed else 0
+
+
 def _print_tree(node: dict[str, Any], as_json: bool, depth: int = 0) -> None:
     if as_json:
         print(json.dumps(node, indent=2))
@@ -221,6 +252,8 @@ COMMANDS: dict[str, Command] = {
     "rm": cmd_rm,
     "usage": cmd_usage,
     "top": cmd_top,
+    "extend": cmd_extend,
+    "reap": cmd_reap,
 }
 
 

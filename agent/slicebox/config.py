@@ -14,6 +14,10 @@ when the file is loaded, so a bad value is refused at load time, naming its fiel
     pids = 1024
     [projects."alice/demo"]
     memory = "400MB"
+    [reaper]
+    interval_seconds = 30
+    orphans = "adopt"        # or "reap": what becomes of another agent run's sandboxes
+    pool_size = 0            # idle pool members kept per kind
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import logging
 import tomllib
 from collections.abc import Callable
+from enum import StrEnum
 from pathlib import Path, PurePosixPath
 from typing import TypeVar
 
@@ -103,6 +108,19 @@ class SandboxDefaults(_Strict):
         )
 
 
+class OrphanPolicy(StrEnum):
+    ADOPT = "adopt"  # another agent run's sandboxes become this run's; deadlines still hold
+    REAP = "reap"  # they are destroyed
+
+
+class ReaperConfig(_Strict):
+    interval_seconds: float = Field(default=30.0, gt=0)
+    orphans: OrphanPolicy = OrphanPolicy.ADOPT
+    pool_size: int = Field(default=0, ge=0)
+    # Per-sandbox files (credential helpers, sockets) live in <state_dir>/<sandbox id>/.
+    state_dir: Path = Path("/run/slicebox/sandboxes")
+
+
 class Config(_Strict):
     default_image: str = "alpine:3.19"
     default_ttl_seconds: int | None = Field(default=3600, gt=0)
@@ -115,6 +133,7 @@ class Config(_Strict):
     bind_roots: tuple[PurePosixPath, ...] = ()
     allowed_capabilities: frozenset[str] = DEFAULT_CAPABILITIES
     allowed_networks: frozenset[str] = frozenset({"none", "bridge"})
+    reaper: ReaperConfig = ReaperConfig()
 
     def managed_ceiling(self, host_memory: int) -> Ceiling:
         return self.managed.resolve(host_memory)

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 DEFAULT_SOCKET = Path("/run/slicebox/slicebox.sock")
 MEMORY_SAMPLE_SECONDS = 5.0
 Reload = Callable[[], Awaitable[str]]
-Periodic = tuple[float, Callable[[], None]]  # (interval in seconds, a blocking function)
+Periodic = tuple[float, Callable[[], object]]  # (interval in seconds, a blocking function)
 
 
 class Notifier(Protocol):
@@ -124,7 +124,7 @@ class Agent:
         self._notifier.notify(f"READY=1\nSTATUS={status}")
 
 
-async def _every(interval: float, job: Callable[[], None]) -> None:
+async def _every(interval: float, job: Callable[[], object]) -> None:
     """Run a blocking ``job`` in a worker thread every ``interval`` seconds; failures are logged."""
     while True:
         await asyncio.sleep(interval)
@@ -147,9 +147,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = build_parser().parse_args(argv)
     logging.basicConfig(level=options.log_level, format="%(levelname)s %(name)s: %(message)s")
     auditor = Auditor(SystemJournal())
+    notifier = SystemdNotifier()
     try:
         runtime = assemble(options.config, auditor)
         runtime.apply_ceilings()
+        # Nobody is answered before the view is rebuilt from labels and systemd: orphans
+        # adopted, deadlines re-armed, what a crash left half-made removed.
+        notifier.notify("STATUS=reconciling sandboxes with Docker and systemd")
+        log.info("%s", runtime.reconcile())
     except SliceboxError as exc:
         log.error("cannot start: %s", exc)  # systemd shows it in `systemctl status`
         return 1
@@ -159,10 +164,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     agent = Agent(
         service_routes(runtime.service),
-        SystemdNotifier(),
+        notifier,
         auditor,
         reload,
-        periodic=[(MEMORY_SAMPLE_SECONDS, runtime.sample_memory)],
+        periodic=[
+            (MEMORY_SAMPLE_SECONDS, runtime.sample_memory),
+            (runtime.config.reaper.interval_seconds, runtime.reap),
+        ],
     )
     asyncio.run(agent.run(options.socket))
     return 0

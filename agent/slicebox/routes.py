@@ -21,9 +21,12 @@ from pydantic import BaseModel, ConfigDict, RootModel
 from slicebox.api import ErrorBody, Route, base_routes, identity_of, json_ok, parse_body
 from slicebox.errors import SliceboxError
 from slicebox.execution import ExecRequest, ExecResult, StreamChunk
+from slicebox.reaper import Report
 from slicebox.service import (
     CreateSandbox,
     Destroyed,
+    Extend,
+    ReapRequest,
     RunRequest,
     RunResult,
     SandboxView,
@@ -91,6 +94,14 @@ def service_routes(service: Service) -> list[Route]:
     async def tree(request: web.Request) -> web.StreamResponse:
         return json_ok(await _call(service.level_tree, identity_of(request)))
 
+    async def extend(request: web.Request) -> web.StreamResponse:
+        body = await parse_body(request, Extend)
+        return json_ok(await _call(service.extend, identity_of(request), _id(request), body))
+
+    async def reap(request: web.Request) -> web.StreamResponse:
+        body = await parse_body(request, ReapRequest)
+        return json_ok(await _call(service.reap, identity_of(request), body))
+
     return [
         *base_routes(),
         Route("POST", "/sandboxes", create, "Create a sandbox", CreateSandbox, SandboxView),
@@ -108,6 +119,14 @@ def service_routes(service: Service) -> list[Route]:
         ),
         Route("GET", "/sandboxes/{id}/usage", usage, "ResourceUsage", None, UsageAnswer),
         Route(
+            "POST",
+            "/sandboxes/{id}/deadline",
+            extend,
+            "Move the deadline to ttl_seconds from now",
+            Extend,
+            SandboxView,
+        ),
+        Route(
             "DELETE",
             "/tasks/{root_task_id}",
             destroy_task,
@@ -118,6 +137,14 @@ def service_routes(service: Service) -> list[Route]:
         Route("POST", "/run", run, "One-shot: create, exec, destroy", RunRequest, RunResult),
         Route(
             "GET", "/usage/tree", tree, "The level tree with OOM/throttle blame", None, LevelNode
+        ),
+        Route(
+            "POST",
+            "/reaper",
+            reap,
+            "One reaper pass now (admins); dry_run only plans",
+            ReapRequest,
+            Report,
         ),
     ]
 

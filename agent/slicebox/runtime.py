@@ -15,6 +15,7 @@ from pathlib import Path
 from slicebox.audit import AuditEvent, Auditor, AuditRecord
 from slicebox.cgroupfs import CgroupFS
 from slicebox.config import Config, load_config, read_host_memory
+from slicebox.deadlines import Deadlines
 from slicebox.dockerapi import DockerPy
 from slicebox.errors import SliceboxError
 from slicebox.execprocs import CgroupHost
@@ -22,7 +23,8 @@ from slicebox.execstream import DockerExecApi
 from slicebox.execution import ExecEngine
 from slicebox.names import parse_slice
 from slicebox.netstats import NetnsCounters
-from slicebox.sandboxes import SandboxManager
+from slicebox.reaper import Reaper, Report
+from slicebox.sandboxes import Sandbox, SandboxManager
 from slicebox.service import Service
 from slicebox.slices import SliceManager
 from slicebox.systemd import PystemdSystemd
@@ -54,6 +56,18 @@ class Runtime:
     usage: UsageReader
     service: Service
     auditor: Auditor
+    reaper: Reaper
+
+    def reap(self) -> Report:
+        """One reaper pass (the periodic job; its failures are per action, audited)."""
+        return self.reaper.run()
+
+    def reconcile(self) -> str:
+        """The start-up pass: rebuild the view from labels and systemd before answering."""
+        report = self.reaper.run()
+        adopted = sum(1 for action in report.plan if action.kind == "adopt")
+        removed = len(report.plan) - adopted
+        return f"reconciled: {adopted} sandboxes adopted, {removed} other reaper actions"
 
     def reload(self) -> str:
         """Re-read the config and write its ceilings to every running slice, live."""
@@ -80,13 +94,16 @@ class Runtime:
 def assemble(config_path: Path, auditor: Auditor) -> Runtime:
     config = load_config(config_path)
     host_memory = read_host_memory()
-    slices = SliceManager(PystemdSystemd())
+    systemd = PystemdSystemd()
+    slices = SliceManager(systemd)
+    docker = DockerPy()
     sandboxes = SandboxManager(
-        DockerPy(),
+        docker,
         slices,
         config=config,
         host_memory=host_memory,
         instance_id="run-" + uuid.uuid4().hex[:12],
+        deadlines=Deadlines(systemd),
     )
     exec_api = DockerExecApi.from_env()
     integrator = MemoryIntegrator(time.monotonic)
@@ -98,6 +115,18 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         except SliceboxError:
             return None
 
+    def final_usage(sandbox: Sandbox) -> dict[str, object] | None:
+        return service.final_usage_wire(sandbox)
+
+    runtime: list[Runtime] = []  # the reaper reads the configuration reload leaves in force
+    reaper = Reaper(
+        sandboxes,
+        slices,
+        docker,
+        auditor=auditor,
+        config=lambda: runtime[0].config.reaper,
+        final_usage=final_usage,
+    )
     service = Service(
         sandboxes,
         ExecEngine(exec_api, CgroupHost()),
@@ -105,7 +134,20 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         tree=TreeReader(CgroupFS(), decode=decode_unit),
         auditor=auditor,
         pid_of=pid_of,
+        reaper=reaper,
     )
-    return Runtime(
-        config_path, config, host_memory, slices, sandboxes, integrator, usage, service, auditor
+    runtime.append(
+        Runtime(
+            config_path,
+            config,
+            host_memory,
+            slices,
+            sandboxes,
+            integrator,
+            usage,
+            service,
+            auditor,
+            reaper,
+        )
     )
+    return runtime[0]

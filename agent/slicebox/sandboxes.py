@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import PurePosixPath
 
 from pydantic import BaseModel, ConfigDict
 
 from slicebox.config import Config
+from slicebox.deadlines import Deadlines
 from slicebox.dockerapi import BindMount, ContainerInfo, ContainerRequest, DockerApi
 from slicebox.errors import InvalidRequest, NotFound
 from slicebox.labels import Lineage, decode, selector
@@ -94,6 +97,7 @@ class SandboxManager:
         instance_id: str,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         new_id: Callable[[], str] = new_sandbox_id,
+        deadlines: Deadlines | None = None,
     ) -> None:
         self._docker = docker
         self._slices = slices
@@ -102,6 +106,25 @@ class SandboxManager:
         self._instance_id = instance_id
         self._clock = clock
         self._new_id = new_id
+        self._deadlines = deadlines
+        # Creates in progress, by sandbox id: the reaper must not take their half-made
+        # containers and slices for leftovers. A create registers before it ensures its
+        # slices, and a slice is stopped only under the same lock after checking this.
+        self._in_flight: dict[str, tuple[str, str]] = {}
+        self._placing = threading.RLock()
+
+    @property
+    def instance_id(self) -> str:
+        return self._instance_id
+
+    @property
+    def deadlines(self) -> Deadlines | None:
+        return self._deadlines
+
+    def in_flight(self) -> dict[str, tuple[str, str]]:
+        """Sandbox id -> (user, project) of every create still in progress."""
+        with self._placing:
+            return dict(self._in_flight)
 
     def reconfigure(self, config: Config) -> None:
         """Use ``config`` from now on (``systemctl reload``); running sandboxes keep theirs."""
@@ -112,12 +135,19 @@ class SandboxManager:
         admitted = admit(spec, self._config, self._host_memory)
         lineage = self._lineage(admitted)
         self._ensure_image(admitted.image)
-        made = self._ensure_slices(admitted)
-        try:
-            container_id = self._start(_request(admitted, lineage))
-        except BaseException:
-            self._undo(made)
-            raise
+        with self._creating(lineage):
+            made = self._ensure_slices(admitted, lineage.sandbox_id)
+            try:
+                container_id = self._start(_request(admitted, lineage))
+            except BaseException:
+                self._undo(made, lineage.sandbox_id)
+                raise
+            try:
+                self._arm(lineage.sandbox_id, container_id, lineage.expires_at)
+            except BaseException:
+                self.remove_container(container_id)
+                self._undo(made, lineage.sandbox_id)
+                raise
         log.info(
             "created %s (%s) in %s",
             lineage.sandbox_id,
@@ -133,11 +163,26 @@ class SandboxManager:
         found = self._docker.find(selector(sandbox_id=sandbox_id))
         if not found:
             raise NotFound(f"no sandbox {sandbox_id}; list sandboxes to see the ids")
-        return Sandbox.from_container(found[0])
+        return self._with_deadlines([Sandbox.from_container(found[0])])[0]
 
     def find(self, **labels: str) -> list[Sandbox]:
         """Sandboxes whose labels match, e.g. ``list(user='alice', root_task_id='t1')``."""
-        return [Sandbox.from_container(info) for info in self._docker.find(selector(**labels))]
+        found = [Sandbox.from_container(info) for info in self._docker.find(selector(**labels))]
+        return self._with_deadlines(found)
+
+    def extend(self, sandbox_id: str, ttl_seconds: int) -> Sandbox:
+        """Move the sandbox's deadline to ``ttl_seconds`` from now (sooner or later)."""
+        sandbox = self.get(sandbox_id)
+        at = self._clock() + timedelta(seconds=ttl_seconds)
+        if self._deadlines is None:
+            raise InvalidRequest("this agent enforces no deadlines; extending needs systemd")
+        self._deadlines.arm(sandbox.id, sandbox.container_id, at)
+        log.info("deadline of %s is now %s", sandbox_id, at.isoformat())
+        return sandbox.model_copy(update={"expires_at": at.replace(microsecond=0)})
+
+    def arm_deadline(self, sandbox: Sandbox) -> None:
+        """Arm the deadline the labels give (start-up reconciliation of a missing timer)."""
+        self._arm(sandbox.id, sandbox.container_id, sandbox.expires_at)
 
     def destroy(self, sandbox_id: str) -> Sandbox | None:
         """Remove a sandbox; None when there was none (destroying twice is fine)."""
@@ -147,9 +192,22 @@ class SandboxManager:
             return None
         self._docker.remove(sandbox.container_id)
         self._slices.wait_stopped(scope_name(sandbox.container_id))
+        if self._deadlines is not None:
+            self._deadlines.disarm(sandbox.id)
         self.remove_empty_slices(sandbox.user, sandbox.project)
         log.info("destroyed %s", sandbox_id)
         return sandbox
+
+    def remove_container(self, container_id: str) -> bool:
+        """Remove a container whatever its labels say (the reaper's last resort)."""
+        gone = self._docker.remove(container_id)
+        self._slices.wait_stopped(scope_name(container_id))
+        return gone
+
+    def stop_slice_if_idle(self, unit: str) -> bool:
+        """Stop a user or project slice that holds nothing and that no create is placing into."""
+        with self._placing:
+            return unit not in self._busy_slices() and self._slices.remove_if_empty(unit)
 
     def destroy_tree(self, root_task_id: str) -> list[Sandbox]:
         """Destroy every sandbox of a root task, children before parents (deepest first)."""
@@ -160,9 +218,33 @@ class SandboxManager:
         """Stop the project and user slices when no sandbox of theirs is left."""
         names = slice_names(user, project)
         if not self._docker.find(selector(user=user, project=project)):
-            self._slices.remove_if_empty(names.project)
+            self.stop_slice_if_idle(names.project)
         if not self._docker.find(selector(user=user)):
-            self._slices.remove_if_empty(names.user)
+            self.stop_slice_if_idle(names.user)
+
+    @contextmanager
+    def _creating(self, lineage: Lineage) -> Iterator[None]:
+        with self._placing:
+            self._in_flight[lineage.sandbox_id] = (lineage.user, lineage.project)
+        try:
+            yield
+        finally:
+            with self._placing:
+                del self._in_flight[lineage.sandbox_id]
+
+    def _arm(self, sandbox_id: str, container_id: str, at: datetime | None) -> None:
+        if self._deadlines is not None and at is not None:
+            self._deadlines.arm(sandbox_id, container_id, at)
+
+    def _with_deadlines(self, sandboxes: list[Sandbox]) -> list[Sandbox]:
+        """The deadlines systemd holds now override the labels' (they may be extended)."""
+        if self._deadlines is None or not sandboxes:
+            return sandboxes
+        current = self._deadlines.current()
+        return [
+            s.model_copy(update={"expires_at": current[s.id]}) if s.id in current else s
+            for s in sandboxes
+        ]
 
     def _lineage(self, admitted: Admitted) -> Lineage:
         spec, limits, now = admitted.spec, admitted.limits, self._clock()
@@ -217,7 +299,7 @@ class SandboxManager:
             raise
         return container_id
 
-    def _ensure_slices(self, admitted: Admitted) -> list[str]:
+    def _ensure_slices(self, admitted: Admitted, sandbox_id: str) -> list[str]:
         """Ensure the three slices top down; the ones this call created."""
         placement, made = admitted.placement, list[str]()
         levels = (
@@ -230,14 +312,27 @@ class SandboxManager:
                 if self._slices.ensure(unit, ceiling) and unit != placement.names.managed:
                     made.append(unit)
         except BaseException:
-            self._undo(made)
+            self._undo(made, sandbox_id)
             raise
         return made
 
-    def _undo(self, made: list[str]) -> None:
-        """Stop the slices a failed create made, deepest first (the managed one stays)."""
-        for unit in reversed(made):
-            self._slices.remove_if_empty(unit)
+    def _undo(self, made: list[str], sandbox_id: str | None = None) -> None:
+        """Stop the slices a failed create made, deepest first (the managed one stays),
+        unless another create is placing into them."""
+        with self._placing:
+            busy = self._busy_slices(exclude=sandbox_id)
+            for unit in reversed(made):
+                if unit not in busy:
+                    self._slices.remove_if_empty(unit)
+
+    def _busy_slices(self, exclude: str | None = None) -> set[str]:
+        """The user and project slices creates in progress are placing into."""
+        busy = set[str]()
+        for sandbox_id, (user, project) in self._in_flight.items():
+            if sandbox_id != exclude:
+                names = slice_names(user, project)
+                busy |= {names.user, names.project}
+        return busy
 
 
 def _request(admitted: Admitted, lineage: Lineage) -> ContainerRequest:

@@ -14,13 +14,14 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import PurePosixPath
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from slicebox.audit import AuditEvent, Auditor, AuditRecord
 from slicebox.errors import AdmissionRefused, Forbidden, InvalidRequest, NotFound, SliceboxError
 from slicebox.execution import ExecEngine, ExecRequest, ExecResult, StreamChunk
 from slicebox.identity import Identity
 from slicebox.limits import Limits
+from slicebox.reaper import Reaper, Report
 from slicebox.sandboxes import Sandbox, SandboxManager
 from slicebox.spec import SandboxSpec
 from slicebox.telemetry import (
@@ -86,6 +87,20 @@ class Destroyed(BaseModel):
     usage: ResourceUsage | None = None
 
 
+class Extend(BaseModel):
+    """A new deadline, ``ttl_seconds`` from now; the labels keep the original one."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ttl_seconds: int = Field(gt=0, le=366 * 24 * 3600)
+
+
+class ReapRequest(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dry_run: bool = False
+
+
 class RunRequest(BaseModel):
     """The seeds' one-shot ``execute(request, config)``: a sandbox made, used once, destroyed."""
 
@@ -118,7 +133,9 @@ class Service:
         auditor: Auditor,
         pid_of: Callable[[str], int | None],
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        reaper: Reaper | None = None,
     ) -> None:
+        self._reaper = reaper
         self._sandboxes = sandboxes
         self._engine = engine
         self._usage = usage
@@ -160,6 +177,27 @@ class Service:
         ]
         members.sort(key=lambda s: -s.lineage.depth)
         return [self._destroy(who, sandbox) for sandbox in members]
+
+    def extend(self, who: Identity, sandbox_id: str, request: Extend) -> SandboxView:
+        sandbox = self._visible(who, sandbox_id)
+        with self._audit(AuditEvent.DEADLINE_CHANGED, who, **_subject(sandbox)) as record:
+            extended = self._sandboxes.extend(sandbox.id, request.ttl_seconds)
+            expires = extended.expires_at.isoformat() if extended.expires_at else "none"
+            record["detail"] = f"expires_at {expires}"
+            return SandboxView.of(extended)
+
+    def reap(self, who: Identity, request: ReapRequest) -> Report:
+        """One reaper pass now (admins only: it acts on every user's sandboxes)."""
+        if not who.is_admin:
+            raise Forbidden("only root and members of group slicebox-admin may run the reaper")
+        if self._reaper is None:
+            raise NotFound("this agent runs no reaper")
+        return self._reaper.run(dry_run=request.dry_run)
+
+    def final_usage_wire(self, sandbox: Sandbox) -> dict[str, object] | None:
+        """The final usage as the audit records it (for the reaper's destroys)."""
+        usage = self._final_usage(sandbox)
+        return usage.to_wire() if usage else None
 
     def _destroy(self, who: Identity, sandbox: Sandbox) -> Destroyed:
         with self._audit(AuditEvent.SANDBOX_DESTROYED, who, **_subject(sandbox)) as record:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 
 ACTIVE = frozenset({"active", "activating", "reloading"})
+TIMER_ACCURACY_USEC = 1_000_000  # systemd coalesces timers by a minute unless told otherwise
 
 
 class UnitStatus(BaseModel):
@@ -60,6 +62,10 @@ class Systemd(Protocol):
 
     def list_units(self, pattern: str) -> list[str]:
         """Names of the loaded units matching a glob."""
+
+    def start_timer(self, timer: str, at: datetime, argv: Sequence[str], description: str) -> None:
+        """Start a transient ``timer`` that runs ``argv`` (as a transient service of the same
+        name) once at the wall-clock time ``at``, whether or not slicebox is still running."""
 
 
 class PystemdSystemd:
@@ -119,6 +125,31 @@ class PystemdSystemd:
             units = _call(pattern, lambda: manager.Manager.ListUnitsByPatterns([], [pattern]))
         return sorted(entry[0].decode() for entry in units)
 
+    def start_timer(self, timer: str, at: datetime, argv: Sequence[str], description: str) -> None:
+        service = timer.removesuffix(".timer") + ".service"
+        calendar = at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC").encode()
+        props: dict[bytes, Any] = {
+            b"Description": description.encode(),
+            b"TimersCalendar": [(b"OnCalendar", calendar)],
+            b"AccuracyUSec": TIMER_ACCURACY_USEC,
+            b"RemainAfterElapse": False,
+        }
+        command = [(argv[0].encode(), [arg.encode() for arg in argv], False)]
+        aux = {
+            b"Description": description.encode(),
+            b"ExecStart": command,
+            b"CollectMode": b"inactive-or-failed",
+        }
+        _known_signatures()
+        self._run(
+            timer,
+            lambda m: m.StartTransientUnit(
+                timer.encode(), b"fail", props, [(service.encode(), aux)]
+            ),
+        )
+        if not self.status(timer).active:
+            raise HostError(f"systemd did not start {timer}; see `systemctl status {timer}`")
+
     def _run_retrying(self, unit: str, call: Callable[[Any], bytes]) -> None:
         self._run(unit, call)
         if self.status(unit).active_state != "failed":
@@ -141,6 +172,13 @@ class PystemdSystemd:
             if self._clock() > deadline:
                 raise HostError(f"systemd job for {unit} did not finish in {self._timeout}s")
             self._sleep(0.05)
+
+
+def _known_signatures() -> None:
+    """Teach pystemd the D-Bus types of the timer properties its table lacks."""
+    from pystemd.systemd1.unit_signatures import KNOWN_UNIT_SIGNATURES
+
+    KNOWN_UNIT_SIGNATURES.setdefault(b"AccuracyUSec", b"t")
 
 
 def _props(properties: Sequence[Property]) -> dict[bytes, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Sequence
+from datetime import datetime
 
 from slicebox.limits import Property
 from slicebox.systemd import UnitStatus
@@ -17,6 +18,7 @@ class FakeSystemd:
         self.children: dict[str, set[str]] = {}
         self.fail_start: set[str] = set()
         self.calls: list[tuple[str, str]] = []
+        self.timers: dict[str, tuple[datetime, list[str]]] = {}
 
     def status(self, unit: str) -> UnitStatus:
         return UnitStatus(
@@ -44,6 +46,7 @@ class FakeSystemd:
         self.calls.append(("stop", unit))
         self.running.discard(unit)
         self.children.pop(unit, None)
+        self.timers.pop(unit, None)
         if unit not in self.installed:
             self.properties.pop(unit, None)
 
@@ -52,6 +55,11 @@ class FakeSystemd:
 
     def list_units(self, pattern: str) -> list[str]:
         return sorted(u for u in self.running if fnmatch.fnmatchcase(u, pattern))
+
+    def start_timer(self, timer: str, at: datetime, argv: Sequence[str], description: str) -> None:
+        self.calls.append(("start_timer", timer))
+        self._start(timer)
+        self.timers[timer] = (at, list(argv))
 
     def _start(self, unit: str) -> None:
         from slicebox.errors import HostError

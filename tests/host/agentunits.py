@@ -17,10 +17,13 @@ CONFIG = Path("/etc/slicebox/config.toml")
 TEST_CONFIG = 'default_image = "slicebox-test/busybox:latest"\n'
 
 
-def drop_in(watchdog_sec: int) -> str:
+def drop_in(watchdog_sec: int, start_limit: bool = True) -> str:
     # The guest runs the checkout's console script; a short watchdog keeps tests quick.
-    return (
-        "[Service]\nExecStart=\n"
+    unit, restart = (
+        ("", "") if start_limit else ("[Unit]\nStartLimitIntervalSec=0\n", "RestartSec=0\n")
+    )
+    return unit + (
+        f"[Service]\n{restart}ExecStart=\n"
         f"ExecStart=/usr/local/bin/sliceboxd --config {CONFIG}\nWatchdogSec={watchdog_sec}\n"
     )
 
@@ -30,7 +33,9 @@ def prop(unit: str, name: str) -> str:
 
 
 @contextmanager
-def installed_agent(config: str = TEST_CONFIG, watchdog_sec: int = 20) -> Iterator[None]:
+def installed_agent(
+    config: str = TEST_CONFIG, watchdog_sec: int = 20, *, start_limit: bool = True
+) -> Iterator[None]:
     created_group = sh("getent", "group", "slicebox", check=False).returncode != 0
     if created_group:
         sh("groupadd", "--system", "slicebox")
@@ -40,7 +45,7 @@ def installed_agent(config: str = TEST_CONFIG, watchdog_sec: int = 20) -> Iterat
         shutil.copy(UNITS / unit, RUNTIME / unit)
     directory = RUNTIME / "slicebox.service.d"
     directory.mkdir(exist_ok=True)
-    (directory / "test.conf").write_text(drop_in(watchdog_sec))
+    (directory / "test.conf").write_text(drop_in(watchdog_sec, start_limit))
     sh("systemctl", "daemon-reload")
     try:
         yield

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
 from slicebox.audit import Auditor
 from slicebox.cgroupfs import CgroupFS
-from slicebox.config import parse_config
+from slicebox.config import ReaperConfig, parse_config
+from slicebox.deadlines import Deadlines
 from slicebox.errors import Forbidden, NotFound
 from slicebox.execution import ExecEngine, ExecRequest, OutputStream, StreamChunk
 from slicebox.identity import Identity
+from slicebox.reaper import Reaper
 from slicebox.sandboxes import SandboxManager
-from slicebox.service import CreateSandbox, RunRequest, Service
+from slicebox.service import CreateSandbox, Extend, ReapRequest, RunRequest, Service
 from slicebox.slices import SliceManager
 from slicebox.telemetry import TreeReader, UsageReader
 from tests.fakes.docker import FakeDocker
@@ -47,14 +49,17 @@ class World:
         self.docker = FakeDocker(systemd)
         self.docker.images.add("alpine:3.19")
         ids = (f"sbx-{n:012x}" for n in itertools.count(1))
+        slices = SliceManager(systemd)
+        self.systemd = systemd
         self.sandboxes = SandboxManager(
             self.docker,
-            SliceManager(systemd),
+            slices,
             config=parse_config(""),
             host_memory=4096 * MiB,
             instance_id="run-1",
             clock=lambda: NOW,
             new_id=lambda: next(ids),
+            deadlines=Deadlines(systemd),
         )
         clock, self.host = FakeClock(), FakeSandboxHost()
         self.run = FakeExec([[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None])
@@ -68,6 +73,14 @@ class World:
             auditor=Auditor(self.journal),
             pid_of=lambda cid: None,
             clock=lambda: NOW,
+            reaper=Reaper(
+                self.sandboxes,
+                slices,
+                self.docker,
+                auditor=Auditor(self.journal),
+                config=lambda: ReaperConfig(state_dir=tmp / "state"),
+                clock=lambda: NOW,
+            ),
         )
 
     def service_identity(self) -> Identity:
@@ -160,3 +173,25 @@ class _AnyContainer(dict[str, int]):
 
     def __getitem__(self, key: str) -> int:
         return 100
+
+
+def test_only_admins_run_the_reaper_and_a_dry_run_is_not_audited(world: World) -> None:
+    with pytest.raises(Forbidden):
+        world.service.reap(ALICE, ReapRequest(dry_run=True))
+    world.create(ALICE)
+    before = len(world.journal.entries)
+    assert world.service.reap(ORCH, ReapRequest(dry_run=True)).plan == []
+    assert len(world.journal.entries) == before
+
+
+def test_extending_my_deadline_is_audited_and_others_cannot(world: World) -> None:
+    mine = world.create(ALICE)
+    with pytest.raises(NotFound):
+        world.service.extend(BOB, mine, Extend(ttl_seconds=60))
+    view = world.service.extend(ALICE, mine, Extend(ttl_seconds=7200))
+    assert view.expires_at == NOW + timedelta(seconds=7200)
+    assert world.service.get(ALICE, mine).expires_at == NOW + timedelta(seconds=7200)
+    assert world.journal.events()[-1] == ("deadline_changed", "ok")
+    assert [unit for unit in world.systemd.timers if mine in unit] == [
+        f"slicebox-ttl-{mine}-{int((NOW + timedelta(seconds=7200)).timestamp())}.timer"
+    ]

@@ -1,0 +1,399 @@
+"""The reaper and deadlines on a real host: real Docker containers, real systemd timers and
+slices, the real agent killed with SIGKILL.
+
+What is asserted is what Docker and systemd show afterwards (containers, their state and
+finish time, units), never only what the reaper reported.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+
+from slicebox.audit import Auditor
+from slicebox.client import Client
+from slicebox.config import ReaperConfig, parse_config, read_host_memory
+from slicebox.deadlines import PATTERN as TIMERS
+from slicebox.deadlines import Deadlines, parse_timer
+from slicebox.dockerapi import DockerPy
+from slicebox.errors import SliceboxError
+from slicebox.labels import MANAGED
+from slicebox.names import MANAGED_SLICE
+from slicebox.reaper import Kind, Reaper, Rule
+from slicebox.sandboxes import SandboxManager
+from slicebox.slices import SliceManager
+from slicebox.spec import SandboxSpec
+from slicebox.systemd import PystemdSystemd
+from tests.host.agentunits import SOCKET, TEST_CONFIG, installed_agent
+from tests.host.helpers import TEST_IMAGE, sh, unique, wait_for
+from tests.host.sliceboxhost import active, cleanup_slices, slicebox_units
+
+pytestmark = pytest.mark.host
+
+
+class Journal:
+    def __init__(self) -> None:
+        self.entries: list[dict[str, str]] = []
+
+    def send(self, fields: Mapping[str, str]) -> None:
+        self.entries.append(dict(fields))
+
+
+class Host:
+    """The real parts, assembled the way the agent assembles them, with a movable clock."""
+
+    def __init__(self, client: docker.DockerClient, state_dir: Path) -> None:
+        self.client = client
+        self.offset = timedelta()
+        self.user = unique("reap-")
+        self.escaped = self.user.replace("-", "\\x2d")
+        systemd = PystemdSystemd()
+        self.slices = SliceManager(systemd)
+        self.deadlines = Deadlines(systemd)
+        self.manager = SandboxManager(
+            DockerPy(client),
+            self.slices,
+            config=parse_config(f'default_image = "{TEST_IMAGE}"\n'),
+            host_memory=read_host_memory(),
+            instance_id=unique("run-"),
+            deadlines=self.deadlines,
+        )
+        self.journal = Journal()
+        self.config = ReaperConfig(state_dir=state_dir)
+        self.reaper = Reaper(
+            self.manager,
+            self.slices,
+            DockerPy(client),
+            auditor=Auditor(self.journal),
+            config=lambda: self.config,
+            clock=lambda: datetime.now(UTC) + self.offset,
+        )
+
+    def create(self, project: str = "p", **fields: object) -> str:
+        spec = {"user": self.user, "project": project, "memory": "32MB", **fields}
+        return self.manager.create(SandboxSpec.model_validate(spec)).id
+
+    def containers(self) -> list[dict[str, Any]]:
+        found = self.client.api.containers(
+            all=True, filters={"label": f"slicebox.user={self.user}"}
+        )
+        return list(found)
+
+    def units(self) -> list[str]:
+        return slicebox_units(f"slicebox-{self.user.replace('-', '?x2d')}*")
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[Host]:
+    client = docker.from_env()
+    managed_was_active = active(MANAGED_SLICE)
+    made = Host(client, tmp_path / "state")
+    yield made
+    for found in made.containers():
+        client.api.remove_container(found["Id"], force=True)
+    for timer in made.deadlines.timers():
+        sh("systemctl", "stop", timer.unit, check=False)
+    cleanup_slices(*made.units())
+    if not managed_was_active:
+        cleanup_slices(MANAGED_SLICE)
+    client.close()
+
+
+def timers_of(sandbox_id: str) -> list[str]:
+    units = slicebox_units(TIMERS)
+    return [u for u in units if (t := parse_timer(u)) is not None and t.sandbox_id == sandbox_id]
+
+
+def test_an_expired_sandbox_is_gone_after_one_pass(host: Host) -> None:
+    keep, doomed = host.create(ttl_seconds=3600), host.create(project="q", ttl_seconds=600)
+    assert timers_of(doomed), "create arms a systemd timer"
+    host.offset = timedelta(seconds=601)  # the reaper's clock, not systemd's
+    report = host.reaper.run()
+    assert [(a.kind, a.rule, a.target) for a in report.plan] == [
+        (Kind.DESTROY, Rule.EXPIRED, doomed),
+        (Kind.STOP_SLICE, Rule.EMPTY_SLICE, f"slicebox-{host.escaped}-q.slice"),
+    ]
+    assert [c["Labels"]["slicebox.sandbox_id"] for c in host.containers()] == [keep]
+    assert timers_of(doomed) == []
+    assert not [u for u in host.units() if u.endswith("-q.slice")], "its empty slice is gone"
+    assert host.journal.entries[0]["SLICEBOX_REAPER_RULE"] == "expired"
+    assert host.reaper.run().plan == []
+
+
+def test_a_three_level_tree_is_removed_deepest_first(host: Host) -> None:
+    root = host.create(ttl_seconds=600, root_task_id=unique("task-"))
+    child = host.create(parent_id=root, ttl_seconds=3600)
+    grandchild = host.create(parent_id=child, ttl_seconds=3600)
+    events = subprocess.Popen(
+        ["docker", "events", "--filter", "event=destroy", "--format", "{{.Actor.Attributes.name}}"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(1)  # docker events is listening
+        host.offset = timedelta(seconds=601)
+        report = host.reaper.run()
+        time.sleep(1)
+    finally:
+        events.terminate()
+        out, _ = events.communicate(timeout=10)
+    assert [(a.target, a.rule) for a in report.plan if a.kind is Kind.DESTROY] == [
+        (grandchild, Rule.PARENT_GONE),
+        (child, Rule.PARENT_GONE),
+        (root, Rule.EXPIRED),
+    ]
+    assert out.split() == [grandchild, child, root], "Docker saw them go deepest first"
+    assert host.containers() == []
+    assert host.units() == []
+
+
+def test_dry_run_changes_nothing_and_a_pass_removes_every_kind_of_leftover(host: Host) -> None:
+    live = host.create(ttl_seconds=3600)
+    # A create killed before its timer was armed; an exited container; a managed container
+    # without lineage; leftover files; a stale timer; an empty project slice.
+    lost_timer = host.create(ttl_seconds=3600)
+    host.deadlines.disarm(lost_timer)
+    exited = host.create(command=["true"], project="done")
+    wait_for(lambda: host.client.api.inspect_container(exited)["State"]["Status"] == "exited")
+    bare = host.client.api.create_container(
+        TEST_IMAGE, ["sleep", "600"], labels={MANAGED: "true", "slicebox.user": host.user}
+    )["Id"]
+    (host.config.state_dir / "sbx-gone").mkdir(parents=True)
+    stale = host.deadlines.arm("sbx-gone", "0" * 64, datetime.now(UTC) + timedelta(hours=1))
+    host.slices.ensure(
+        f"slicebox-{host.escaped}-empty.slice",
+        parse_config("").project_ceiling(host.user, "empty", read_host_memory()),
+    )
+    before = (sorted(c["Id"] for c in host.containers()), host.units(), timers_of("sbx-gone"))
+
+    dry = host.reaper.run(dry_run=True)
+    assert {(a.rule, a.target) for a in dry.plan} >= {
+        (Rule.MISSING_LINEAGE, bare),
+        (Rule.EXITED, exited),
+        (Rule.DEADLINE_MISSING, lost_timer),
+        (Rule.LEFTOVER_FILES, "sbx-gone"),
+        (Rule.STALE_DEADLINE, stale),
+    }
+    assert Rule.EMPTY_SLICE in {a.rule for a in dry.plan}
+    assert live not in {a.target for a in dry.plan}
+    after_dry = (sorted(c["Id"] for c in host.containers()), host.units(), timers_of("sbx-gone"))
+    assert after_dry == before, "a dry run changes nothing"
+    assert (host.config.state_dir / "sbx-gone").is_dir()
+
+    done = host.reaper.run()
+    assert {o.result for o in done.outcomes} <= {"ok", "skipped"}, done.outcomes
+    left = {c["Labels"].get("slicebox.sandbox_id") for c in host.containers()}
+    assert left == {live, lost_timer}
+    assert timers_of(lost_timer), "the lost deadline is armed again from the label"
+    assert timers_of("sbx-gone") == []
+    assert not (host.config.state_dir / "sbx-gone").exists()
+    assert sorted(host.units()) == [
+        f"slicebox-{host.escaped}-p.slice",
+        f"slicebox-{host.escaped}.slice",
+    ]
+    assert host.reaper.run().plan == []
+
+
+# --- the agent: deadlines while it is down, extension, the CLI, and kill -9 ----------------
+
+AGENT_CONFIG = TEST_CONFIG + "[reaper]\ninterval_seconds = 3600\n"  # passes only on demand
+
+
+@pytest.fixture
+def agent() -> Iterator[Client]:
+    with installed_agent(AGENT_CONFIG, start_limit=False):
+        sh("systemctl", "start", "slicebox.socket")
+        client = Client(str(SOCKET), timeout=120)
+        try:
+            yield client
+        finally:
+            sh("systemctl", "start", "slicebox.service", check=False)
+            for sandbox in client.request("GET", "/sandboxes"):
+                client.request("DELETE", f"/sandboxes/{sandbox['id']}")
+            client.request("POST", "/reaper", {})
+            leftover = docker.from_env().api.containers(all=True, filters={"label": MANAGED})
+            assert leftover == [], "the test left sandboxes behind"
+
+
+def finished_at(container_id: str) -> datetime:
+    state = json.loads(sh("docker", "inspect", container_id).stdout)[0]["State"]
+    assert state["Status"] == "exited", state
+    return datetime.fromisoformat(state["FinishedAt"][:26].rstrip("Z") + "+00:00")
+
+
+def test_a_deadline_passing_while_the_agent_is_stopped_is_enforced_by_systemd(
+    agent: Client,
+) -> None:
+    box = agent.request("POST", "/sandboxes", {"project": "ttl", "ttl_seconds": 40})
+    expires = datetime.fromisoformat(box["expires_at"])
+    sh("systemctl", "stop", "slicebox.service", "slicebox.socket")
+    try:
+        wait_for(
+            lambda: (
+                json.loads(sh("docker", "inspect", box["container_id"]).stdout)[0]["State"][
+                    "Status"
+                ]
+                == "exited"
+            ),
+            timeout=90,
+            step=1,
+        )
+        assert not active("slicebox.service"), "nothing of the agent ran meanwhile"
+    finally:
+        sh("systemctl", "start", "slicebox.socket")
+    late = finished_at(box["container_id"]) - expires
+    assert timedelta(seconds=-1) <= late <= timedelta(seconds=5), f"killed {late} after"
+    # The agent's start-up pass removes the stopped container and its empty slices.
+    assert agent.request("GET", "/sandboxes") == []
+    assert not slicebox_units("slicebox-root-ttl.slice")
+
+
+def test_extending_a_deadline_needs_no_relabelling(agent: Client) -> None:
+    box = agent.request("POST", "/sandboxes", {"project": "ext", "ttl_seconds": 30})
+    extended = agent.request("POST", f"/sandboxes/{box['id']}/deadline", {"ttl_seconds": 600})
+    assert datetime.fromisoformat(extended["expires_at"]) > datetime.now(UTC) + timedelta(
+        seconds=500
+    )
+    labels = json.loads(sh("docker", "inspect", box["container_id"]).stdout)[0]["Config"]["Labels"]
+    labelled = datetime.fromisoformat(labels["slicebox.expires_at"])
+    assert labelled == datetime.fromisoformat(box["expires_at"]), "the label keeps the original"
+    assert len(timers_of(box["id"])) == 1
+    time.sleep(35)
+    assert agent.request("GET", f"/sandboxes/{box['id']}")["expires_at"] == extended["expires_at"]
+    ran = agent.request("POST", f"/sandboxes/{box['id']}/exec", {"argv": ["echo", "alive"]})
+    assert ran["exit_code"] == 0
+    refused = subprocess.run(
+        ["slicebox", "extend", box["id"], "0"], capture_output=True, text=True, check=False
+    )
+    assert refused.returncode == 2
+    assert "invalid_field" in refused.stderr
+
+
+def test_the_reap_command_prints_the_plan_and_only_admins_may_run_it(agent: Client) -> None:
+    agent.request("GET", "/health")  # running: its start-up pass would take the leftover
+    state = Path("/run/slicebox/sandboxes/sbx-leftover")
+    state.mkdir(parents=True)
+    dry = sh("slicebox", "reap", "--dry-run")
+    assert "would take 1 actions" in dry.stdout
+    assert "remove_files" in dry.stdout
+    assert "sbx-leftover" in dry.stdout
+    assert state.is_dir(), "dry run"
+    done = json.loads(sh("slicebox", "--json", "reap").stdout)
+    assert [(o["action"]["rule"], o["result"]) for o in done["outcomes"]] == [
+        ("leftover_files", "ok")
+    ]
+    assert not state.exists()
+    story = sh("journalctl", "--no-pager", "-o", "json", "SLICEBOX_REAPER_RULE=leftover_files")
+    assert "sbx-leftover" in story.stdout
+    user = unique("sbxr")[:12]
+    sh("useradd", "--no-create-home", "-G", "slicebox", user)
+    try:
+        refused = subprocess.run(
+            ["runuser", "-u", user, "--", "slicebox", "reap", "--dry-run"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    finally:
+        sh("userdel", user)
+    assert refused.returncode == 2
+    assert "forbidden" in refused.stderr
+
+
+class Churn(threading.Thread):
+    """Creates, execs and destroys through the socket until told to stop; errors from an
+    agent being killed are expected. Records what it saw succeed."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(daemon=True)
+        self.random = random.Random(seed)
+        self.stop = threading.Event()
+        self.created: set[str] = set()
+        self.destroyed: set[str] = set()
+        self.calls = 0
+        self.failures = 0
+
+    def run(self) -> None:
+        client = Client(str(SOCKET), timeout=60)
+        while not self.stop.is_set():
+            live = sorted(self.created - self.destroyed)
+            try:
+                self.calls += 1
+                if len(live) < 6 and self.random.random() < 0.6:
+                    project = self.random.choice(["a", "b", "c"])
+                    body = {"project": project, "memory": "16MB", "ttl_seconds": 3600}
+                    self.created.add(client.request("POST", "/sandboxes", body)["id"])
+                elif live and self.random.random() < 0.7:
+                    target = self.random.choice(live)
+                    client.request("POST", f"/sandboxes/{target}/exec", {"argv": ["true"]})
+                elif live:
+                    target = self.random.choice(live)
+                    self.destroyed.add(target)  # no promise once asked, answered or not
+                    client.request("DELETE", f"/sandboxes/{target}")
+            except SliceboxError:
+                self.failures += 1
+                time.sleep(0.2)
+
+
+def main_pid() -> int:
+    return int(sh("systemctl", "show", "-P", "MainPID", "slicebox.service").stdout.strip() or 0)
+
+
+def test_kill_9_twenty_times_leaks_nothing_and_loses_nothing(agent: Client) -> None:
+    rng = random.Random(6)
+    churn = Churn(seed=9)
+    sh("systemctl", "start", "slicebox.service")
+    for project in ("a", "b"):  # live before the first kill: they must survive all twenty
+        body = {"project": project, "memory": "16MB", "ttl_seconds": 3600}
+        churn.created.add(agent.request("POST", "/sandboxes", body)["id"])
+    churn.start()
+    kills = 0
+    try:
+        while kills < 20:
+            wait_for(lambda: main_pid() != 0 and active("slicebox.service"), timeout=120)
+            time.sleep(rng.uniform(0.2, 6.0))  # a create takes seconds here: some finish
+            pid = main_pid()
+            if pid:
+                sh("kill", "-9", str(pid))
+                kills += 1
+                wait_for(lambda gone=pid: main_pid() != gone, timeout=60)  # type: ignore[misc]
+    finally:
+        churn.stop.set()
+        churn.join(timeout=120)
+    print(f"churn: {churn.calls} calls, {churn.failures} failed, {len(churn.created)} created")
+    assert len(churn.created) >= 6, "the churn really ran"
+    assert churn.failures >= 5, "kills really hit requests in flight"
+    wait_for(lambda: active("slicebox.service"), timeout=120)
+    restarts = int(sh("systemctl", "show", "-P", "NRestarts", "slicebox.service").stdout)
+    assert restarts >= 20
+
+    agent.request("POST", "/reaper", {})
+    client = docker.from_env()
+    containers = client.api.containers(all=True, filters={"label": MANAGED})
+    states = {c["Labels"]["slicebox.sandbox_id"]: c["State"] for c in containers}
+    assert set(states.values()) <= {"running"}, f"leaked containers: {states}"
+    # Every sandbox a caller was told exists, and was not told is destroyed, is still there
+    # and usable; others may exist too (created while the answer was lost): they are adopted.
+    promised = churn.created - churn.destroyed
+    assert promised <= set(states), f"lost: {promised - set(states)}"
+    for sandbox_id in states:
+        ran = agent.request("POST", f"/sandboxes/{sandbox_id}/exec", {"argv": ["echo", "ok"]})
+        assert ran["exit_code"] == 0
+        assert len(timers_of(sandbox_id)) == 1, "each has its deadline armed"
+    used = {(c["Labels"]["slicebox.user"], c["Labels"]["slicebox.project"]) for c in containers}
+    slices = [u for u in slicebox_units("slicebox-*.slice") if u != MANAGED_SLICE]
+    expected = {f"slicebox-{u}-{p}.slice" for u, p in used} | {
+        f"slicebox-{u}.slice" for u, _ in used
+    }
+    assert set(slices) == expected, "no empty slice is left"
+    client.close()

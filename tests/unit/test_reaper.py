@@ -1,0 +1,347 @@
+"""The reaper's planner, rule by rule, with an injected clock; and its executor over fakes."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from slicebox.audit import AuditEvent, Auditor
+from slicebox.config import OrphanPolicy, ReaperConfig, parse_config
+from slicebox.deadlines import Deadlines, Timer, timer_unit
+from slicebox.dockerapi import ContainerInfo
+from slicebox.labels import MANAGED, Lineage, decode
+from slicebox.reaper import Action, Kind, Observed, Reaper, Rule, plan
+from slicebox.sandboxes import SandboxManager
+from slicebox.slices import SliceManager
+from slicebox.spec import SandboxSpec
+from tests.fakes.docker import FakeDocker
+from tests.fakes.systemd import FakeSystemd
+
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+RUN = "run-now"
+POLICY = ReaperConfig()
+
+
+def box(
+    sandbox_id: str,
+    *,
+    status: str = "running",
+    parent: str = "",
+    depth: int = 0,
+    ttl: float | None = 3600,
+    run: str = RUN,
+    user: str = "alice",
+    project: str = "p",
+    pool: bool = False,
+    age: float = 60,
+) -> ContainerInfo:
+    created = NOW - timedelta(seconds=age)
+    lineage = Lineage(
+        sandbox_id=sandbox_id,
+        instance_id=run,
+        root_task_id="t1",
+        task_id=sandbox_id,
+        parent_id=parent,
+        depth=depth,
+        user=user,
+        project=project,
+        created_at=created,
+        expires_at=None if ttl is None else created + timedelta(seconds=ttl),
+        provisioned_cpu=0.5,
+        provisioned_memory_bytes=256 << 20,
+        provisioned_pids=100,
+        pool=pool,
+    )
+    return ContainerInfo(
+        id=f"c-{sandbox_id}", name=sandbox_id, labels=lineage.to_labels(), status=status
+    )
+
+
+def observed(*containers: ContainerInfo, **fields: object) -> Observed:
+    return Observed.model_validate({"instance_id": RUN, "containers": containers, **fields})
+
+
+def kinds(actions: list[Action]) -> list[tuple[Kind, Rule, str]]:
+    return [(a.kind, a.rule, a.target) for a in actions]
+
+
+def test_a_live_sandbox_of_this_run_with_its_timer_needs_nothing() -> None:
+    timer = Timer(unit="t", sandbox_id="a", at=NOW + timedelta(hours=1))
+    found = observed(box("a"), slices=["slicebox-alice.slice", "slicebox-alice-p.slice"])
+    assert plan(found.model_copy(update={"timers": [timer]}), NOW, POLICY) == []
+
+
+def test_expired_sandboxes_are_destroyed_and_the_clock_decides() -> None:
+    found = observed(box("a", ttl=30, age=60), box("b", ttl=120, age=60))
+    assert kinds(plan(found, NOW, POLICY))[:1] == [(Kind.DESTROY, Rule.EXPIRED, "a")]
+    later = plan(found, NOW + timedelta(seconds=61), POLICY)
+    assert {a.target for a in later if a.rule is Rule.EXPIRED} == {"a", "b"}
+
+
+def test_an_extended_timer_outlives_the_label_and_a_shortened_one_wins() -> None:
+    extended = Timer(unit="x", sandbox_id="a", at=NOW + timedelta(hours=2))
+    found = observed(box("a", ttl=30, age=60), timers=[extended])
+    assert [a for a in plan(found, NOW, POLICY) if a.kind is Kind.DESTROY] == []
+    shortened = Timer(unit="y", sandbox_id="b", at=NOW - timedelta(seconds=1))
+    found = observed(box("b", ttl=3600), timers=[shortened])
+    assert kinds(plan(found, NOW, POLICY)) == [(Kind.DESTROY, Rule.EXPIRED, "b")]
+
+
+def test_a_three_level_tree_goes_deepest_first_when_its_root_expires() -> None:
+    found = observed(
+        box("root", ttl=10),
+        box("child", parent="root", depth=1),
+        box("grandchild", parent="child", depth=2),
+        box("other"),
+    )
+    destroys = [a for a in plan(found, NOW, POLICY) if a.kind is Kind.DESTROY]
+    assert [(a.target, a.rule) for a in destroys] == [
+        ("grandchild", Rule.PARENT_GONE),
+        ("child", Rule.PARENT_GONE),
+        ("root", Rule.EXPIRED),
+    ]
+    assert [a.depth for a in destroys] == [2, 1, 0]
+
+
+def test_children_of_a_parent_that_is_gone_are_destroyed() -> None:
+    found = observed(box("child", parent="vanished", depth=1))
+    assert kinds(plan(found, NOW, POLICY)) == [(Kind.DESTROY, Rule.PARENT_GONE, "child")]
+
+
+def test_a_child_whose_parent_is_still_being_created_is_left_alone() -> None:
+    found = observed(box("child", parent="p1", depth=1, ttl=None), in_flight={"p1": ("alice", "p")})
+    assert plan(found, NOW, POLICY) == []
+
+
+def test_orphans_of_another_run_are_adopted_by_default_and_reaped_on_request() -> None:
+    found = observed(box("a", run="run-old", ttl=None))
+    assert kinds(plan(found, NOW, POLICY)) == [(Kind.ADOPT, Rule.ADOPT, "a")]
+    adopted = found.model_copy(update={"adopted": frozenset({"a"})})
+    assert plan(adopted, NOW, POLICY) == []
+    reap = ReaperConfig(orphans=OrphanPolicy.REAP)
+    assert kinds(plan(found, NOW, reap)) == [(Kind.DESTROY, Rule.ORPHAN, "a")]
+    assert plan(adopted, NOW, reap) == [], "what this run adopted is its own"
+
+
+def test_an_adopted_orphan_still_expires() -> None:
+    found = observed(box("a", run="run-old", ttl=10), adopted=frozenset({"a"}))
+    assert kinds(plan(found, NOW, POLICY)) == [(Kind.DESTROY, Rule.EXPIRED, "a")]
+
+
+def test_managed_containers_without_readable_lineage_are_removed() -> None:
+    bare = ContainerInfo(id="c-bare", name="x", labels={MANAGED: "true"}, status="running")
+    broken = box("b").model_copy(update={"labels": {**box("b").labels, "slicebox.depth": "deep"}})
+    actions = plan(observed(bare, broken), NOW, POLICY)
+    assert kinds(actions) == [
+        (Kind.REMOVE_CONTAINER, Rule.MISSING_LINEAGE, "c-bare"),
+        (Kind.REMOVE_CONTAINER, Rule.MISSING_LINEAGE, "c-b"),
+    ]
+
+
+def test_exited_and_never_started_containers_are_stale_unless_a_create_runs() -> None:
+    found = observed(box("a", status="exited"), box("b", status="dead"), box("c", status="created"))
+    assert kinds(plan(found, NOW, POLICY)) == [
+        (Kind.DESTROY, Rule.EXITED, "a"),
+        (Kind.DESTROY, Rule.EXITED, "b"),
+        (Kind.DESTROY, Rule.NEVER_STARTED, "c"),
+    ]
+    creating = observed(box("c", status="created"), in_flight={"c": ("alice", "p")})
+    assert plan(creating, NOW, POLICY) == []
+
+
+def test_paused_or_restarting_containers_are_not_touched() -> None:
+    timer = Timer(unit="t", sandbox_id="a", at=NOW + timedelta(hours=1))
+    found = observed(box("a", status="paused"), timers=[timer])
+    assert plan(found, NOW, POLICY) == []
+
+
+def test_idle_pool_members_beyond_the_size_go_oldest_first_per_kind() -> None:
+    found = observed(
+        box("p1", pool=True, age=300),
+        box("p2", pool=True, age=200),
+        box("p3", pool=True, age=100),
+        box("q1", pool=True, project="q"),
+        box("busy"),
+    )
+    policy = ReaperConfig(pool_size=1)
+    surplus = [a.target for a in plan(found, NOW, policy) if a.rule is Rule.POOL_SURPLUS]
+    assert surplus == ["p1", "p2"]
+    assert len([a for a in plan(found, NOW, ReaperConfig()) if a.kind is Kind.DESTROY]) == 4
+
+
+def test_a_running_sandbox_without_its_timer_gets_it_back_from_the_label() -> None:
+    actions = plan(observed(box("a", ttl=600, age=60)), NOW, POLICY)
+    assert kinds(actions) == [(Kind.ARM_DEADLINE, Rule.DEADLINE_MISSING, "a")]
+    assert actions[0].deadline == NOW + timedelta(seconds=540)
+    assert plan(observed(box("b", ttl=None)), NOW, POLICY) == [], "no TTL, no timer"
+
+
+def test_timers_and_state_dirs_of_gone_sandboxes_are_removed() -> None:
+    timers = [
+        Timer(unit="slicebox-ttl-gone-1.timer", sandbox_id="gone", at=NOW),
+        Timer(unit="slicebox-ttl-a-2.timer", sandbox_id="a", at=NOW + timedelta(hours=1)),
+        Timer(unit="slicebox-ttl-new-3.timer", sandbox_id="new", at=NOW + timedelta(hours=1)),
+    ]
+    found = observed(
+        box("a"),
+        timers=timers,
+        state_dirs=["a", "gone", "new"],
+        in_flight={"new": ("alice", "p")},
+    )
+    assert kinds(plan(found, NOW, POLICY)) == [
+        (Kind.STOP_TIMER, Rule.STALE_DEADLINE, "slicebox-ttl-gone-1.timer"),
+        (Kind.REMOVE_FILES, Rule.LEFTOVER_FILES, "gone"),
+    ]
+
+
+def test_empty_slices_go_projects_before_users_and_in_use_ones_stay() -> None:
+    slices = [
+        "slicebox-alice.slice",
+        "slicebox-alice-p.slice",
+        "slicebox-alice-q.slice",
+        "slicebox-bob.slice",
+        "slicebox-bob-x.slice",
+        "slicebox-carol.slice",
+        "slicebox-carol-y.slice",
+        "slicebox-not\\x2dours-a-b-c.slice",
+    ]
+    timer = Timer(unit="t", sandbox_id="a", at=NOW + timedelta(hours=1))
+    found = observed(
+        box("a"), slices=slices, timers=[timer], in_flight={"creating": ("carol", "y")}
+    )
+    assert kinds(plan(found, NOW, POLICY)) == [
+        (Kind.STOP_SLICE, Rule.EMPTY_SLICE, "slicebox-alice-q.slice"),
+        (Kind.STOP_SLICE, Rule.EMPTY_SLICE, "slicebox-bob-x.slice"),
+        (Kind.STOP_SLICE, Rule.EMPTY_SLICE, "slicebox-bob.slice"),
+    ]
+
+
+def test_a_slice_whose_last_sandbox_goes_in_this_pass_goes_after_it() -> None:
+    found = observed(box("a", ttl=1), slices=["slicebox-alice.slice", "slicebox-alice-p.slice"])
+    assert kinds(plan(found, NOW, POLICY)) == [
+        (Kind.DESTROY, Rule.EXPIRED, "a"),
+        (Kind.STOP_SLICE, Rule.EMPTY_SLICE, "slicebox-alice-p.slice"),
+        (Kind.STOP_SLICE, Rule.EMPTY_SLICE, "slicebox-alice.slice"),
+    ]
+
+
+# --- the executor over fakes -------------------------------------------------------------
+
+
+class Journal:
+    def __init__(self) -> None:
+        self.entries: list[dict[str, str]] = []
+
+    def send(self, fields: Mapping[str, str]) -> None:
+        self.entries.append(dict(fields))
+
+
+class World:
+    def __init__(self, tmp: Path) -> None:
+        self.now = NOW
+        self.systemd = FakeSystemd()
+        self.docker = FakeDocker(self.systemd)
+        self.slices = SliceManager(self.systemd)
+        ids = (f"sbx-{n:012x}" for n in itertools.count(1))
+        self.manager = SandboxManager(
+            self.docker,
+            self.slices,
+            config=parse_config(""),
+            host_memory=8 << 30,
+            instance_id=RUN,
+            clock=lambda: self.now,
+            new_id=lambda: next(ids),
+            deadlines=Deadlines(self.systemd, systemctl="/usr/bin/systemctl"),
+        )
+        self.journal = Journal()
+        self.config = ReaperConfig(state_dir=tmp / "state")
+        self.reaper = Reaper(
+            self.manager,
+            self.slices,
+            self.docker,
+            auditor=Auditor(self.journal),
+            config=lambda: self.config,
+            clock=lambda: self.now,
+        )
+
+    def create(self, **fields: object) -> str:
+        spec = SandboxSpec.model_validate({"user": "alice", "project": "p", **fields})
+        return self.manager.create(spec).id
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    return World(tmp_path)
+
+
+def test_create_arms_a_timer_that_kills_the_scope_and_destroy_disarms_it(world: World) -> None:
+    sandbox_id = world.create(ttl_seconds=60)
+    container = world.manager.get(sandbox_id).container_id
+    unit = timer_unit(sandbox_id, NOW + timedelta(seconds=60))
+    at, argv = world.systemd.timers[unit]
+    assert at == NOW + timedelta(seconds=60)
+    assert argv == ["/usr/bin/systemctl", "kill", "--signal=SIGKILL", f"docker-{container}.scope"]
+    world.manager.destroy(sandbox_id)
+    assert world.systemd.timers == {}
+
+
+def test_extend_arms_the_later_timer_then_stops_the_earlier(world: World) -> None:
+    sandbox_id = world.create(ttl_seconds=60)
+    extended = world.manager.extend(sandbox_id, 7200)
+    assert extended.expires_at == NOW + timedelta(seconds=7200)
+    assert list(world.systemd.timers) == [timer_unit(sandbox_id, NOW + timedelta(seconds=7200))]
+    assert world.manager.get(sandbox_id).expires_at == NOW + timedelta(seconds=7200)
+    world.now = NOW + timedelta(seconds=120)
+    assert world.reaper.run().plan == [], "the extended deadline holds, not the label's"
+
+
+def test_a_pass_destroys_the_expired_audits_each_action_and_dry_run_changes_nothing(
+    world: World,
+) -> None:
+    keep, doomed = world.create(ttl_seconds=3600), world.create(ttl_seconds=10, project="q")
+    (world.config.state_dir / "sbx-gone").mkdir(parents=True)
+    world.now = NOW + timedelta(seconds=11)
+    dry = world.reaper.run(dry_run=True)
+    assert dry.dry_run
+    assert dry.outcomes == []
+    assert [(a.kind, a.target) for a in dry.plan] == [
+        (Kind.DESTROY, doomed),
+        (Kind.REMOVE_FILES, "sbx-gone"),
+        (Kind.STOP_SLICE, "slicebox-alice-q.slice"),
+    ]
+    assert {s.id for s in world.manager.find()} == {keep, doomed}
+    assert world.journal.entries == []
+    done = world.reaper.run()
+    assert [o.result for o in done.outcomes] == ["ok", "ok", "skipped"]  # destroy took the slice
+    assert [s.id for s in world.manager.find()] == [keep]
+    assert not (world.config.state_dir / "sbx-gone").exists()
+    rules = [e["SLICEBOX_REAPER_RULE"] for e in world.journal.entries]
+    assert rules == ["expired", "leftover_files", "empty_slice"]
+    assert {e["SLICEBOX_EVENT"] for e in world.journal.entries} == {AuditEvent.REAPER_ACTION}
+    assert world.reaper.run().plan == [], "a second pass finds nothing"
+
+
+def test_adoption_happens_once_and_rearms_the_missing_deadline(world: World) -> None:
+    world.docker.containers["c-x"] = box("orphan", run="run-old")
+    first = world.reaper.run()
+    assert [(a.kind, o.result) for a, o in zip(first.plan, first.outcomes, strict=True)] == [
+        (Kind.ADOPT, "ok"),
+        (Kind.ARM_DEADLINE, "ok"),
+    ]
+    assert world.reaper.adopted == {"orphan"}
+    assert world.reaper.run().plan == []
+
+
+def test_in_flight_creates_protect_their_slices(world: World) -> None:
+    unit = "slicebox-alice-busy.slice"
+    ceiling = parse_config("").project_ceiling("alice", "busy", 8 << 30)
+    with world.manager._creating(decode(box("sbx-busy", project="busy").labels)):
+        world.slices.ensure(unit, ceiling)
+        assert world.reaper.run().plan == []
+        assert not world.manager.stop_slice_if_idle(unit)
+    assert [a.target for a in world.reaper.run().plan] == [unit]
+    assert unit not in world.systemd.running

@@ -14,16 +14,23 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from slicebox import __version__
 from slicebox.errors import InvalidRequest, SliceboxError
-from slicebox.identity import Identity, PeerCredentials, UserDirectory, peer_credentials, resolve
+from slicebox.identity import (
+    Identity,
+    PeerCredentials,
+    SocketOptions,
+    UserDirectory,
+    peer_credentials,
+    resolve,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +69,6 @@ class Route:
     summary: str
     body: type[BaseModel] | None = None
     response: type[BaseModel] | None = None
-
-
-class _SocketLike(Protocol):
-    def getsockopt(self, level: int, option: int, buflen: int) -> bytes: ...
 
 
 def error_response(status: int, code: str, message: str, field: str | None = None) -> web.Response:
@@ -107,11 +110,11 @@ def identity_of(request: web.Request) -> Identity:
 
 def _peer(request: web.Request) -> PeerCredentials | None:
     transport = request.transport
-    sock: _SocketLike | None = transport.get_extra_info("socket") if transport else None
+    sock: SocketOptions | None = transport.get_extra_info("socket") if transport else None
     if sock is None:
         return None
     try:
-        return peer_credentials(sock)  # type: ignore[arg-type]
+        return peer_credentials(sock)
     except OSError:
         return None
 
@@ -204,8 +207,15 @@ def _ref_response(name: str, description: str) -> dict[str, Any]:
     }
 
 
-def build_app(routes: Sequence[Route], users: UserDirectory) -> web.Application:
+def build_app(
+    routes: Sequence[Route],
+    users: UserDirectory,
+    state: Mapping[web.AppKey[Any], object] | None = None,
+) -> web.Application:
+    """The app serving ``routes``; ``state`` is what their handlers find in ``request.app``."""
     app = web.Application(middlewares=make_middlewares(users), client_max_size=MAX_BODY_BYTES)
+    for key, value in (state or {}).items():
+        app[key] = value
     document = openapi_document(routes)
 
     async def openapi(request: web.Request) -> web.StreamResponse:

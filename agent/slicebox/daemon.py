@@ -16,7 +16,7 @@ import os
 import signal
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -27,7 +27,7 @@ from slicebox.config import DEFAULT_PATH as DEFAULT_CONFIG
 from slicebox.errors import SliceboxError
 from slicebox.identity import SystemUsers
 from slicebox.listen import listening_socket
-from slicebox.routes import service_routes
+from slicebox.routes import ROUTES, SERVICE
 from slicebox.runtime import assemble
 
 log = logging.getLogger(__name__)
@@ -77,9 +77,12 @@ class Agent:
         notifier: Notifier,
         auditor: Auditor,
         reload: Reload | None = None,
+        *,
         periodic: Sequence[Periodic] = (),
+        state: Mapping[web.AppKey[Any], object] | None = None,
     ) -> None:
         self._routes = routes
+        self._state = state
         self._notifier = notifier
         self._auditor = auditor
         self._reload = reload
@@ -87,7 +90,7 @@ class Agent:
         self._stop = asyncio.Event()
 
     async def run(self, socket_path: Path) -> None:
-        runner = web.AppRunner(build_app(self._routes, SystemUsers()), access_log=None)
+        runner = web.AppRunner(build_app(self._routes, SystemUsers(), self._state), access_log=None)
         await runner.setup()
         await web.SockSite(runner, listening_socket(socket_path)).start()
         loop = asyncio.get_running_loop()
@@ -163,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return await asyncio.to_thread(runtime.reload)
 
     agent = Agent(
-        service_routes(runtime.service),
+        ROUTES,
         notifier,
         auditor,
         reload,
@@ -171,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             (MEMORY_SAMPLE_SECONDS, runtime.sample_memory),
             (runtime.config.reaper.interval_seconds, runtime.reap),
         ],
+        state={SERVICE: runtime.service},
     )
     asyncio.run(agent.run(options.socket))
     return 0

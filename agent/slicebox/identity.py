@@ -32,7 +32,13 @@ class PeerCredentials(BaseModel):
     gid: int
 
 
-def peer_credentials(sock: socket.socket) -> PeerCredentials:
+class SocketOptions(Protocol):
+    """What reading SO_PEERCRED needs of a socket (a socket.socket, or aiohttp's wrapper)."""
+
+    def getsockopt(self, level: int, option: int, buflen: int, /) -> bytes: ...
+
+
+def peer_credentials(sock: SocketOptions) -> PeerCredentials:
     """The credentials the kernel recorded for the peer of a unix socket when it connected."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     pid, uid, gid = _UCRED.unpack(raw)

@@ -10,11 +10,11 @@ import json
 from typing import Any
 
 from slicebox.api import openapi_document
-from slicebox.routes import service_routes
+from slicebox.routes import ROUTES
 
 
 def document() -> dict[str, Any]:
-    return openapi_document(service_routes(None))  # type: ignore[arg-type]
+    return openapi_document(ROUTES)
 
 
 def main() -> int:

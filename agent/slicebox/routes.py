@@ -53,54 +53,69 @@ class UsageAnswer(BaseModel):
     usage: ResourceUsage
 
 
-def service_routes(service: Service) -> list[Route]:
-    """Every route of the agent, bound to ``service``."""
+SERVICE = web.AppKey("slicebox.service", Service)
+
+
+def _service(request: web.Request) -> Service:
+    return request.app[SERVICE]
+
+
+def _routes() -> list[Route]:
+    """Every route of the agent: data; the app they are served by holds the Service."""
 
     async def create(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, CreateSandbox)
-        view = await _call(service.create, identity_of(request), body)
+        view = await _call(_service(request).create, identity_of(request), body)
         return json_ok(view, status=201)
 
     async def list_sandboxes(request: web.Request) -> web.StreamResponse:
-        return json_ok(SandboxList(await _call(service.list_sandboxes, identity_of(request))))
+        return json_ok(
+            SandboxList(await _call(_service(request).list_sandboxes, identity_of(request)))
+        )
 
     async def get(request: web.Request) -> web.StreamResponse:
-        return json_ok(await _call(service.get, identity_of(request), _id(request)))
+        return json_ok(await _call(_service(request).get, identity_of(request), _id(request)))
 
     async def destroy(request: web.Request) -> web.StreamResponse:
-        return json_ok(await _call(service.destroy, identity_of(request), _id(request)))
+        return json_ok(await _call(_service(request).destroy, identity_of(request), _id(request)))
 
     async def destroy_task(request: web.Request) -> web.StreamResponse:
         root = request.match_info["root_task_id"]
-        return json_ok(DestroyedList(await _call(service.destroy_tree, identity_of(request), root)))
+        return json_ok(
+            DestroyedList(await _call(_service(request).destroy_tree, identity_of(request), root))
+        )
 
     async def exec_(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, ExecRequest)
-        return json_ok(await _call(service.exec, identity_of(request), _id(request), body))
+        return json_ok(
+            await _call(_service(request).exec, identity_of(request), _id(request), body)
+        )
 
     async def exec_stream(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, ExecRequest)
-        events = service.exec_stream(identity_of(request), _id(request), body)
+        events = _service(request).exec_stream(identity_of(request), _id(request), body)
         return await _stream(request, events)
 
     async def run(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, RunRequest)
-        return json_ok(await _call(service.run, identity_of(request), body))
+        return json_ok(await _call(_service(request).run, identity_of(request), body))
 
     async def usage(request: web.Request) -> web.StreamResponse:
-        found = await _call(service.usage, identity_of(request), _id(request))
+        found = await _call(_service(request).usage, identity_of(request), _id(request))
         return json_ok(UsageAnswer(usage=found))
 
     async def tree(request: web.Request) -> web.StreamResponse:
-        return json_ok(await _call(service.level_tree, identity_of(request)))
+        return json_ok(await _call(_service(request).level_tree, identity_of(request)))
 
     async def extend(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, Extend)
-        return json_ok(await _call(service.extend, identity_of(request), _id(request), body))
+        return json_ok(
+            await _call(_service(request).extend, identity_of(request), _id(request), body)
+        )
 
     async def reap(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, ReapRequest)
-        return json_ok(await _call(service.reap, identity_of(request), body))
+        return json_ok(await _call(_service(request).reap, identity_of(request), body))
 
     return [
         *base_routes(),
@@ -147,6 +162,9 @@ def service_routes(service: Service) -> list[Route]:
             Report,
         ),
     ]
+
+
+ROUTES = _routes()
 
 
 def _id(request: web.Request) -> str:

@@ -159,11 +159,14 @@ class SandboxManager:
             raise NotFound(f"sandbox {lineage.sandbox_id} vanished right after it started")
         return Sandbox.from_container(info)
 
-    def get(self, sandbox_id: str) -> Sandbox:
+    def get(self, sandbox_id: str, *, current_deadline: bool = False) -> Sandbox:
+        """The sandbox; with ``current_deadline`` its ``expires_at`` is the one systemd holds
+        now (one more systemd call), otherwise the one its labels were created with."""
         found = self._docker.find(selector(sandbox_id=sandbox_id))
         if not found:
             raise NotFound(f"no sandbox {sandbox_id}; list sandboxes to see the ids")
-        return self._with_deadlines([Sandbox.from_container(found[0])])[0]
+        sandbox = Sandbox.from_container(found[0])
+        return self._with_deadlines([sandbox])[0] if current_deadline else sandbox
 
     def find(self, **labels: str) -> list[Sandbox]:
         """Sandboxes whose labels match, e.g. ``list(user='alice', root_task_id='t1')``."""

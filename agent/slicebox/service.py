@@ -160,7 +160,7 @@ class Service:
         return [SandboxView.of(sandbox) for sandbox in found]
 
     def get(self, who: Identity, sandbox_id: str) -> SandboxView:
-        return SandboxView.of(self._visible(who, sandbox_id))
+        return SandboxView.of(self._visible(who, sandbox_id, current_deadline=True))
 
     def destroy(self, who: Identity, sandbox_id: str) -> Destroyed:
         """Idempotent: a sandbox already gone (or never the caller's) is ``destroyed: false``."""
@@ -268,8 +268,10 @@ class Service:
 
     # --- authorization and audit -----------------------------------------------------------
 
-    def _visible(self, who: Identity, sandbox_id: str) -> Sandbox:
-        sandbox = self._sandboxes.get(sandbox_id)
+    def _visible(
+        self, who: Identity, sandbox_id: str, *, current_deadline: bool = False
+    ) -> Sandbox:
+        sandbox = self._sandboxes.get(sandbox_id, current_deadline=current_deadline)
         if not who.may_see(sandbox.user):
             # The same answer as for a sandbox that does not exist: nothing leaks.
             raise NotFound(f"no sandbox {sandbox_id}; list sandboxes to see the ids")

@@ -36,6 +36,11 @@ say "its ResourceUsage, from cgroup v2"
 demo usage "$box"
 say "the level tree"
 demo top --count 1
+say "its deadline is a systemd timer, enforced even while the agent is down; extend it"
+demo extend "$box" 900
+systemctl list-timers --no-pager 'slicebox-ttl-*'
+say "what the reaper would do now (root only)"
+slicebox reap --dry-run
 say "destroy: the final usage"
 demo rm "$box"
 say "the task's story in the journal"

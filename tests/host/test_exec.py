@@ -48,13 +48,6 @@ class Sandbox:
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[docker.DockerClient]:
-    c = docker.from_env()
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
 def engine() -> ExecEngine:
     return ExecEngine(DockerExecApi.from_env(), CgroupHost())
 

@@ -12,7 +12,7 @@ import random
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -34,19 +34,12 @@ from slicebox.sandboxes import SandboxManager
 from slicebox.slices import SliceManager
 from slicebox.spec import SandboxSpec
 from slicebox.systemd import PystemdSystemd
+from tests.fakes.journal import ListJournal
 from tests.host.agentunits import SOCKET, TEST_CONFIG, installed_agent
 from tests.host.helpers import TEST_IMAGE, sh, unique, wait_for
 from tests.host.sliceboxhost import active, cleanup_slices, slicebox_units
 
 pytestmark = pytest.mark.host
-
-
-class Journal:
-    def __init__(self) -> None:
-        self.entries: list[dict[str, str]] = []
-
-    def send(self, fields: Mapping[str, str]) -> None:
-        self.entries.append(dict(fields))
 
 
 class Host:
@@ -68,7 +61,7 @@ class Host:
             instance_id=unique("run-"),
             deadlines=self.deadlines,
         )
-        self.journal = Journal()
+        self.journal = ListJournal()
         self.config = ReaperConfig(state_dir=state_dir)
         self.reaper = Reaper(
             self.manager,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import docker
@@ -26,13 +25,6 @@ from tests.host.helpers import (
 )
 
 pytestmark = pytest.mark.host
-
-
-@pytest.fixture(scope="module")
-def client() -> Iterator[docker.DockerClient]:
-    c = docker.from_env()
-    yield c
-    c.close()
 
 
 def remove(container: Container) -> None:

@@ -82,13 +82,6 @@ def sandbox(client: docker.DockerClient, project: str, **kwargs: object) -> Sand
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[docker.DockerClient]:
-    c = docker.from_env()
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
 def boxes(client: docker.DockerClient) -> Iterator[dict[str, Sandbox]]:
     made: dict[str, Sandbox] = {}
     try:

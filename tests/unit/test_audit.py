@@ -15,16 +15,9 @@ from slicebox.audit import (
     journal_fields,
     scrub,
 )
+from tests.fakes.journal import ListJournal
 
 CATALOG = Path(__file__).resolve().parents[2] / "units" / "slicebox.catalog"
-
-
-class ListJournal:
-    def __init__(self) -> None:
-        self.entries: list[Mapping[str, str]] = []
-
-    def send(self, fields: Mapping[str, str]) -> None:
-        self.entries.append(dict(fields))
 
 
 class BrokenJournal:

@@ -18,7 +18,7 @@ from slicebox.api import build_app
 from slicebox.identity import SystemUsers
 from slicebox.listen import bind_unix
 from slicebox.openapi import document
-from slicebox.routes import service_routes
+from slicebox.routes import ROUTES, SERVICE
 from tests.unit.test_service import World
 
 DOCUMENT = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
@@ -90,7 +90,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Wor
     path = tmp / "agent.sock"
     sock = bind_unix(path, group=None)
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(build_app(service_routes(world.service), SystemUsers()))
+    runner = web.AppRunner(build_app(ROUTES, SystemUsers(), {SERVICE: world.service}))
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.SockSite(runner, sock).start())
     thread = threading.Thread(target=loop.run_forever, daemon=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from slicebox.sandboxes import SandboxManager
 from slicebox.slices import SliceManager
 from slicebox.spec import SandboxSpec
 from tests.fakes.docker import FakeDocker
+from tests.fakes.journal import ListJournal
 from tests.fakes.systemd import FakeSystemd
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -232,14 +232,6 @@ def test_a_slice_whose_last_sandbox_goes_in_this_pass_goes_after_it() -> None:
 # --- the executor over fakes -------------------------------------------------------------
 
 
-class Journal:
-    def __init__(self) -> None:
-        self.entries: list[dict[str, str]] = []
-
-    def send(self, fields: Mapping[str, str]) -> None:
-        self.entries.append(dict(fields))
-
-
 class World:
     def __init__(self, tmp: Path) -> None:
         self.now = NOW
@@ -257,7 +249,7 @@ class World:
             new_id=lambda: next(ids),
             deadlines=Deadlines(self.systemd, systemctl="/usr/bin/systemctl"),
         )
-        self.journal = Journal()
+        self.journal = ListJournal()
         self.config = ReaperConfig(state_dir=tmp / "state")
         self.reaper = Reaper(
             self.manager,
@@ -294,7 +286,9 @@ def test_extend_arms_the_later_timer_then_stops_the_earlier(world: World) -> Non
     extended = world.manager.extend(sandbox_id, 7200)
     assert extended.expires_at == NOW + timedelta(seconds=7200)
     assert list(world.systemd.timers) == [timer_unit(sandbox_id, NOW + timedelta(seconds=7200))]
-    assert world.manager.get(sandbox_id).expires_at == NOW + timedelta(seconds=7200)
+    assert world.manager.get(sandbox_id).expires_at == NOW + timedelta(seconds=60), "labels"
+    current = world.manager.get(sandbox_id, current_deadline=True)
+    assert current.expires_at == NOW + timedelta(seconds=7200)
     world.now = NOW + timedelta(seconds=120)
     assert world.reaper.run().plan == [], "the extended deadline holds, not the label's"
 

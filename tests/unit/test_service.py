@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from slicebox.slices import SliceManager
 from slicebox.telemetry import TreeReader, UsageReader
 from tests.fakes.docker import FakeDocker
 from tests.fakes.exec_fakes import FakeClock, FakeExec, FakeExecApi, FakeSandboxHost
+from tests.fakes.journal import ListJournal
 from tests.fakes.systemd import FakeSystemd
 
 MiB = 1024 * 1024
@@ -30,17 +30,6 @@ NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 ALICE = Identity(uid=1000, gid=1000, pid=11, user_name="alice", is_admin=False)
 BOB = Identity(uid=1001, gid=1001, pid=12, user_name="bob", is_admin=False)
 ORCH = Identity(uid=1002, gid=1002, pid=13, user_name="orch", is_admin=True)
-
-
-class Journal:
-    def __init__(self) -> None:
-        self.entries: list[Mapping[str, str]] = []
-
-    def send(self, fields: Mapping[str, str]) -> None:
-        self.entries.append(dict(fields))
-
-    def events(self) -> list[tuple[str, str]]:
-        return [(e["SLICEBOX_EVENT"], e["SLICEBOX_RESULT"]) for e in self.entries]
 
 
 class World:
@@ -64,7 +53,7 @@ class World:
         clock, self.host = FakeClock(), FakeSandboxHost()
         self.run = FakeExec([[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None])
         self.exec_api = FakeExecApi(clock, self.host, self.run)
-        self.journal = Journal()
+        self.journal = ListJournal()
         self.service = Service(
             self.sandboxes,
             ExecEngine(self.exec_api, self.host, clock=clock, sleep=clock.sleep),

@@ -43,7 +43,7 @@ from slicebox.config import OrphanPolicy, ReaperConfig
 from slicebox.deadlines import Timer
 from slicebox.dockerapi import ContainerInfo, DockerApi
 from slicebox.errors import SliceboxError
-from slicebox.labels import selector
+from slicebox.labels import PREFIX, selector
 from slicebox.names import parse_slice
 from slicebox.sandboxes import Sandbox, SandboxManager
 from slicebox.slices import SliceManager
@@ -166,6 +166,10 @@ def _sandboxes(
                     rule=Rule.MISSING_LINEAGE,
                     target=info.id,
                     container_id=info.id,
+                    # whatever labels there are, for the audit; none of them is trusted
+                    sandbox_id=info.labels.get(f"{PREFIX}sandbox_id", ""),
+                    user=info.labels.get(f"{PREFIX}user", ""),
+                    project=info.labels.get(f"{PREFIX}project", ""),
                     reason=f"container {info.name or info.id[:12]}: {exc.message}",
                 )
             )

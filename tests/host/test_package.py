@@ -88,6 +88,20 @@ def containers_of(user: str) -> list[str]:
     return out.split()
 
 
+def deadline_timers(sandbox_id: str) -> list[str]:
+    """The systemd timers holding the sandbox's deadline (they outlive the package)."""
+    return slicebox_units(f"slicebox-ttl-{sandbox_id}-*.timer")
+
+
+def remove_sandbox(container: str) -> None:
+    """What an operator does with a sandbox the removed package left: the container and the
+    timer that would otherwise still kill it at its deadline."""
+    labels = json.loads(sh("docker", "inspect", container).stdout)[0]["Config"]["Labels"]
+    sh("docker", "rm", "-f", container)
+    for timer in deadline_timers(labels.get("slicebox.sandbox_id", "none")):
+        sh("systemctl", "stop", timer)
+
+
 def container_state(container: str) -> dict[str, object]:
     return dict(json.loads(sh("docker", "inspect", container).stdout)[0]["State"])
 
@@ -118,7 +132,7 @@ def operator_host() -> Iterator[None]:
         if package_state():
             apt("purge", "slicebox")
         for container in containers_of(USER):
-            sh("docker", "rm", "-f", container, check=False)
+            remove_sandbox(container)
         user_slices = [u for u in slicebox_units(f"slicebox-{USER}*") if u.endswith(".slice")]
         cleanup_slices(*user_slices, *([] if slice_was_active else ["slicebox.slice"]))
         sh("userdel", USER, check=False)
@@ -202,8 +216,11 @@ def test_install_use_upgrade_remove_and_purge_the_deb(operator_host: None) -> No
     image = sh("docker", "inspect", "-f", "{{.Config.Image}}", box["container_id"]).stdout
     assert image.strip() == TEST_IMAGE  # the edited default_image was in force
 
+    # Its deadline still holds: systemd's timer does not need the agent or the package.
+    assert deadline_timers(box["id"]), "the sandbox's deadline timer outlives the package"
     # The operator cleans up what was left to them.
-    sh("docker", "rm", "-f", box["container_id"])
+    remove_sandbox(box["container_id"])
+    assert deadline_timers(box["id"]) == []
 
     # Purge: config and enablement forgotten, catalog rebuilt without slicebox; groups kept.
     apt("purge", "slicebox")

@@ -29,7 +29,7 @@ from slicebox.dockerapi import DockerPy
 from slicebox.errors import SliceboxError
 from slicebox.labels import MANAGED
 from slicebox.names import MANAGED_SLICE
-from slicebox.reaper import Kind, Reaper, Rule
+from slicebox.reaper import Action, Kind, Reaper, Rule
 from slicebox.sandboxes import SandboxManager
 from slicebox.slices import SliceManager
 from slicebox.spec import SandboxSpec
@@ -50,6 +50,7 @@ class Host:
         self.offset = timedelta()
         self.user = unique("reap-")
         self.escaped = self.user.replace("-", "\\x2d")
+        self.tag = unique("sbx-left")  # ids of the leftovers a test plants
         systemd = PystemdSystemd()
         self.slices = SliceManager(systemd)
         self.deadlines = Deadlines(systemd)
@@ -82,6 +83,11 @@ class Host:
         )
         return list(found)
 
+    def own(self, actions: list[Action]) -> list[Action]:
+        """The actions about this test's own sandboxes, slices and leftovers: the reaper sees
+        the whole host, and another test's leftover is that test's failure, not this one's."""
+        return [a for a in actions if a.user == self.user or a.sandbox_id.startswith(self.tag)]
+
     def units(self) -> list[str]:
         return slicebox_units(f"slicebox-{self.user.replace('-', '?x2d')}*")
 
@@ -112,7 +118,7 @@ def test_an_expired_sandbox_is_gone_after_one_pass(host: Host) -> None:
     assert timers_of(doomed), "create arms a systemd timer"
     host.offset = timedelta(seconds=601)  # the reaper's clock, not systemd's
     report = host.reaper.run()
-    assert [(a.kind, a.rule, a.target) for a in report.plan] == [
+    assert [(a.kind, a.rule, a.target) for a in host.own(report.plan)] == [
         (Kind.DESTROY, Rule.EXPIRED, doomed),
         (Kind.STOP_SLICE, Rule.EMPTY_SLICE, f"slicebox-{host.escaped}-q.slice"),
     ]
@@ -120,7 +126,7 @@ def test_an_expired_sandbox_is_gone_after_one_pass(host: Host) -> None:
     assert timers_of(doomed) == []
     assert not [u for u in host.units() if u.endswith("-q.slice")], "its empty slice is gone"
     assert host.journal.entries[0]["SLICEBOX_REAPER_RULE"] == "expired"
-    assert host.reaper.run().plan == []
+    assert host.own(host.reaper.run().plan) == []
 
 
 def test_a_three_level_tree_is_removed_deepest_first(host: Host) -> None:
@@ -140,7 +146,7 @@ def test_a_three_level_tree_is_removed_deepest_first(host: Host) -> None:
     finally:
         events.terminate()
         out, _ = events.communicate(timeout=10)
-    assert [(a.target, a.rule) for a in report.plan if a.kind is Kind.DESTROY] == [
+    assert [(a.target, a.rule) for a in host.own(report.plan) if a.kind is Kind.DESTROY] == [
         (grandchild, Rule.PARENT_GONE),
         (child, Rule.PARENT_GONE),
         (root, Rule.EXPIRED),
@@ -161,40 +167,41 @@ def test_dry_run_changes_nothing_and_a_pass_removes_every_kind_of_leftover(host:
     bare = host.client.api.create_container(
         TEST_IMAGE, ["sleep", "600"], labels={MANAGED: "true", "slicebox.user": host.user}
     )["Id"]
-    (host.config.state_dir / "sbx-gone").mkdir(parents=True)
-    stale = host.deadlines.arm("sbx-gone", "0" * 64, datetime.now(UTC) + timedelta(hours=1))
+    gone = host.tag + "-gone"
+    (host.config.state_dir / gone).mkdir(parents=True)
+    stale = host.deadlines.arm(gone, "0" * 64, datetime.now(UTC) + timedelta(hours=1))
     host.slices.ensure(
         f"slicebox-{host.escaped}-empty.slice",
         parse_config("").project_ceiling(host.user, "empty", read_host_memory()),
     )
-    before = (sorted(c["Id"] for c in host.containers()), host.units(), timers_of("sbx-gone"))
+    before = (sorted(c["Id"] for c in host.containers()), host.units(), timers_of(gone))
 
     dry = host.reaper.run(dry_run=True)
-    assert {(a.rule, a.target) for a in dry.plan} >= {
+    assert {(a.rule, a.target) for a in host.own(dry.plan)} >= {
         (Rule.MISSING_LINEAGE, bare),
         (Rule.EXITED, exited),
         (Rule.DEADLINE_MISSING, lost_timer),
-        (Rule.LEFTOVER_FILES, "sbx-gone"),
+        (Rule.LEFTOVER_FILES, gone),
         (Rule.STALE_DEADLINE, stale),
     }
     assert Rule.EMPTY_SLICE in {a.rule for a in dry.plan}
     assert live not in {a.target for a in dry.plan}
-    after_dry = (sorted(c["Id"] for c in host.containers()), host.units(), timers_of("sbx-gone"))
+    after_dry = (sorted(c["Id"] for c in host.containers()), host.units(), timers_of(gone))
     assert after_dry == before, "a dry run changes nothing"
-    assert (host.config.state_dir / "sbx-gone").is_dir()
+    assert (host.config.state_dir / gone).is_dir()
 
     done = host.reaper.run()
     assert {o.result for o in done.outcomes} <= {"ok", "skipped"}, done.outcomes
     left = {c["Labels"].get("slicebox.sandbox_id") for c in host.containers()}
     assert left == {live, lost_timer}
     assert timers_of(lost_timer), "the lost deadline is armed again from the label"
-    assert timers_of("sbx-gone") == []
-    assert not (host.config.state_dir / "sbx-gone").exists()
+    assert timers_of(gone) == []
+    assert not (host.config.state_dir / gone).exists()
     assert sorted(host.units()) == [
         f"slicebox-{host.escaped}-p.slice",
         f"slicebox-{host.escaped}.slice",
     ]
-    assert host.reaper.run().plan == []
+    assert host.own(host.reaper.run().plan) == []
 
 
 # --- the agent: deadlines while it is down, extension, the CLI, and kill -9 ----------------
@@ -277,14 +284,13 @@ def test_the_reap_command_prints_the_plan_and_only_admins_may_run_it(agent: Clie
     state = Path("/run/slicebox/sandboxes/sbx-leftover")
     state.mkdir(parents=True)
     dry = sh("slicebox", "reap", "--dry-run")
-    assert "would take 1 actions" in dry.stdout
-    assert "remove_files" in dry.stdout
-    assert "sbx-leftover" in dry.stdout
+    assert "reaper would take" in dry.stdout
+    planned = [line.split() for line in dry.stdout.splitlines() if "sbx-leftover" in line]
+    assert [line[:3] for line in planned] == [["planned", "remove_files", "sbx-leftover"]]
     assert state.is_dir(), "dry run"
     done = json.loads(sh("slicebox", "--json", "reap").stdout)
-    assert [(o["action"]["rule"], o["result"]) for o in done["outcomes"]] == [
-        ("leftover_files", "ok")
-    ]
+    mine = [o for o in done["outcomes"] if o["action"]["target"] == "sbx-leftover"]
+    assert [(o["action"]["rule"], o["result"]) for o in mine] == [("leftover_files", "ok")]
     assert not state.exists()
     story = sh("journalctl", "--no-pager", "-o", "json", "SLICEBOX_REAPER_RULE=leftover_files")
     assert "sbx-leftover" in story.stdout

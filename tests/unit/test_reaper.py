@@ -136,6 +136,7 @@ def test_managed_containers_without_readable_lineage_are_removed() -> None:
     bare = ContainerInfo(id="c-bare", name="x", labels={MANAGED: "true"}, status="running")
     broken = box("b").model_copy(update={"labels": {**box("b").labels, "slicebox.depth": "deep"}})
     actions = plan(observed(bare, broken), NOW, POLICY)
+    assert (actions[1].user, actions[1].sandbox_id) == ("alice", "b"), "kept for the audit"
     assert kinds(actions) == [
         (Kind.REMOVE_CONTAINER, Rule.MISSING_LINEAGE, "c-bare"),
         (Kind.REMOVE_CONTAINER, Rule.MISSING_LINEAGE, "c-b"),

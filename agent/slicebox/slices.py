@@ -86,11 +86,7 @@ class SliceManager:
 
     def running_slices(self) -> list[str]:
         """The user and project slices that exist now (not the managed one)."""
-        return [
-            unit
-            for unit in self._systemd.list_units(f"{PREFIX}-*.slice")
-            if self._systemd.status(unit).active
-        ]
+        return self._systemd.list_units(f"{PREFIX}-*.slice", active_only=True)
 
     def reapply(self, config: Config, host_memory: int) -> list[str]:
         """Write the ceilings ``config`` gives to every running slice; the updated units."""

@@ -60,8 +60,8 @@ class Systemd(Protocol):
     def has_children(self, unit: str) -> bool:
         """Whether anything (a scope, a child slice) is running inside the unit."""
 
-    def list_units(self, pattern: str) -> list[str]:
-        """Names of the loaded units matching a glob."""
+    def list_units(self, pattern: str, *, active_only: bool = False) -> list[str]:
+        """Names of the loaded units matching a glob (only the active ones, if asked)."""
 
     def start_timer(self, timer: str, at: datetime, argv: Sequence[str], description: str) -> None:
         """Start a transient ``timer`` that runs ``argv`` (as a transient service of the same
@@ -120,9 +120,10 @@ class PystemdSystemd:
         except FileNotFoundError:
             return False
 
-    def list_units(self, pattern: str) -> list[str]:
+    def list_units(self, pattern: str, *, active_only: bool = False) -> list[str]:
+        states = ["active"] if active_only else []
         with _manager() as manager:
-            units = _call(pattern, lambda: manager.Manager.ListUnitsByPatterns([], [pattern]))
+            units = _call(pattern, lambda: manager.Manager.ListUnitsByPatterns(states, [pattern]))
         return sorted(entry[0].decode() for entry in units)
 
     def start_timer(self, timer: str, at: datetime, argv: Sequence[str], description: str) -> None:

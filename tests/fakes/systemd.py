@@ -53,7 +53,7 @@ class FakeSystemd:
     def has_children(self, unit: str) -> bool:
         return bool(self.children.get(unit))
 
-    def list_units(self, pattern: str) -> list[str]:
+    def list_units(self, pattern: str, *, active_only: bool = False) -> list[str]:
         return sorted(u for u in self.running if fnmatch.fnmatchcase(u, pattern))
 
     def start_timer(self, timer: str, at: datetime, argv: Sequence[str], description: str) -> None:

@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reload,
         periodic=[
             (MEMORY_SAMPLE_SECONDS, runtime.sample_memory),
-            (runtime.config.reaper.interval_seconds, runtime.reap),
+            (runtime.config.reaper.interval_seconds, runtime.reaper.run),
         ],
         state={SERVICE: runtime.service},
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict
@@ -55,6 +55,15 @@ def parse_timer(unit: str) -> Timer | None:
     return Timer(unit=unit, sandbox_id=sandbox_id, at=datetime.fromtimestamp(int(epoch), UTC))
 
 
+def latest(timers: Iterable[Timer]) -> dict[str, datetime]:
+    """Each sandbox's deadline: the latest of its timers."""
+    found: dict[str, datetime] = {}
+    for timer in timers:
+        if timer.sandbox_id not in found or timer.at > found[timer.sandbox_id]:
+            found[timer.sandbox_id] = timer.at
+    return found
+
+
 def kill_command(container_id: str, systemctl: str) -> list[str]:
     return [systemctl, "kill", "--signal=SIGKILL", scope_name(container_id)]
 
@@ -73,11 +82,7 @@ class Deadlines:
 
     def current(self) -> dict[str, datetime]:
         """Each sandbox's deadline now: the latest of its timers."""
-        latest: dict[str, datetime] = {}
-        for timer in self.timers():
-            if timer.sandbox_id not in latest or timer.at > latest[timer.sandbox_id]:
-                latest[timer.sandbox_id] = timer.at
-        return latest
+        return latest(self.timers())
 
     def arm(self, sandbox_id: str, container_id: str, at: datetime) -> str:
         """Make ``at`` the sandbox's deadline; earlier timers are stopped once it is armed."""

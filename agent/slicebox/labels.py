@@ -51,8 +51,8 @@ class Lineage(BaseModel):
             "user": self.user,
             "project": self.project,
             "backend": self.backend,
-            "created_at": _stamp(self.created_at),
-            "expires_at": "" if self.expires_at is None else _stamp(self.expires_at),
+            "created_at": stamp(self.created_at),
+            "expires_at": "" if self.expires_at is None else stamp(self.expires_at),
             "provisioned.cpu": repr(self.provisioned_cpu),
             "provisioned.memory_bytes": str(self.provisioned_memory_bytes),
             "provisioned.pids": str(self.provisioned_pids),
@@ -87,5 +87,5 @@ def selector(**labels: str) -> dict[str, str]:
     return {MANAGED: "true"} | {PREFIX + key.replace("__", "."): v for key, v in labels.items()}
 
 
-def _stamp(moment: datetime) -> str:
+def stamp(moment: datetime) -> str:
     return moment.astimezone(UTC).isoformat(timespec="seconds")

@@ -40,10 +40,10 @@ from pydantic import BaseModel, ConfigDict
 
 from slicebox.audit import AuditEvent, Auditor, AuditRecord
 from slicebox.config import OrphanPolicy, ReaperConfig
-from slicebox.deadlines import Timer
+from slicebox.deadlines import Timer, latest
 from slicebox.dockerapi import ContainerInfo, DockerApi
 from slicebox.errors import SliceboxError
-from slicebox.labels import PREFIX, selector
+from slicebox.labels import PREFIX, selector, stamp
 from slicebox.names import parse_slice
 from slicebox.sandboxes import Sandbox, SandboxManager
 from slicebox.slices import SliceManager
@@ -133,7 +133,7 @@ class Report(BaseModel):
 def plan(observed: Observed, now: datetime, policy: ReaperConfig) -> list[Action]:
     """The actions a pass takes, in order: removals deepest first, then the bookkeeping."""
     sandboxes, removals = _sandboxes(observed)
-    deadlines = _latest(observed.timers)
+    deadlines = latest(observed.timers)
     doomed = _doomed(observed, sandboxes, deadlines, now, policy)
     ordered = sorted(doomed, key=lambda i: (-sandboxes[i][0].lineage.depth, i))
     removals += [_about(sandboxes[i][0], Kind.DESTROY, *doomed[i]) for i in ordered]
@@ -195,7 +195,7 @@ def _doomed(
         elif status == "created":
             doomed[sandbox_id] = (Rule.NEVER_STARTED, "created, never started, no create runs")
         elif deadline is not None and deadline <= now:
-            doomed[sandbox_id] = (Rule.EXPIRED, f"its deadline {_stamp(deadline)} has passed")
+            doomed[sandbox_id] = (Rule.EXPIRED, f"its deadline {stamp(deadline)} has passed")
         elif foreign and sandbox_id not in observed.adopted and policy.orphans is OrphanPolicy.REAP:
             doomed[sandbox_id] = (
                 Rule.ORPHAN,
@@ -341,18 +341,6 @@ def _about(sandbox: Sandbox, kind: Kind, rule: Rule, reason: str) -> Action:
         root_task_id=sandbox.lineage.root_task_id,
         depth=sandbox.lineage.depth,
     )
-
-
-def _latest(timers: Iterable[Timer]) -> dict[str, datetime]:
-    latest: dict[str, datetime] = {}
-    for timer in timers:
-        if timer.sandbox_id not in latest or timer.at > latest[timer.sandbox_id]:
-            latest[timer.sandbox_id] = timer.at
-    return latest
-
-
-def _stamp(moment: datetime) -> str:
-    return moment.astimezone(UTC).isoformat(timespec="seconds")
 
 
 FinalUsage = Callable[[Sandbox], "dict[str, object] | None"]

@@ -23,7 +23,7 @@ from slicebox.execstream import DockerExecApi
 from slicebox.execution import ExecEngine
 from slicebox.names import parse_slice
 from slicebox.netstats import NetnsCounters
-from slicebox.reaper import Reaper, Report
+from slicebox.reaper import Kind, Reaper
 from slicebox.sandboxes import Sandbox, SandboxManager
 from slicebox.service import Service
 from slicebox.slices import SliceManager
@@ -58,14 +58,10 @@ class Runtime:
     auditor: Auditor
     reaper: Reaper
 
-    def reap(self) -> Report:
-        """One reaper pass (the periodic job; its failures are per action, audited)."""
-        return self.reaper.run()
-
     def reconcile(self) -> str:
         """The start-up pass: rebuild the view from labels and systemd before answering."""
         report = self.reaper.run()
-        adopted = sum(1 for action in report.plan if action.kind == "adopt")
+        adopted = sum(1 for action in report.plan if action.kind is Kind.ADOPT)
         removed = len(report.plan) - adopted
         return f"reconciled: {adopted} sandboxes adopted, {removed} other reaper actions"
 
@@ -118,13 +114,12 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
     def final_usage(sandbox: Sandbox) -> dict[str, object] | None:
         return service.final_usage_wire(sandbox)
 
-    runtime: list[Runtime] = []  # the reaper reads the configuration reload leaves in force
     reaper = Reaper(
         sandboxes,
         slices,
         docker,
         auditor=auditor,
-        config=lambda: runtime[0].config.reaper,
+        config=lambda: sandboxes.config.reaper,  # what a reload leaves in force
         final_usage=final_usage,
     )
     service = Service(
@@ -136,18 +131,15 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         pid_of=pid_of,
         reaper=reaper,
     )
-    runtime.append(
-        Runtime(
-            config_path,
-            config,
-            host_memory,
-            slices,
-            sandboxes,
-            integrator,
-            usage,
-            service,
-            auditor,
-            reaper,
-        )
+    return Runtime(
+        config_path,
+        config,
+        host_memory,
+        slices,
+        sandboxes,
+        integrator,
+        usage,
+        service,
+        auditor,
+        reaper,
     )
-    return runtime[0]

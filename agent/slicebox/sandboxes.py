@@ -111,11 +111,16 @@ class SandboxManager:
         # containers and slices for leftovers. A create registers before it ensures its
         # slices, and a slice is stopped only under the same lock after checking this.
         self._in_flight: dict[str, tuple[str, str]] = {}
-        self._placing = threading.RLock()
+        self._placing = threading.Lock()
 
     @property
     def instance_id(self) -> str:
         return self._instance_id
+
+    @property
+    def config(self) -> Config:
+        """The configuration in force (``reconfigure`` replaces it on reload)."""
+        return self._config
 
     @property
     def deadlines(self) -> Deadlines | None:
@@ -175,10 +180,10 @@ class SandboxManager:
 
     def extend(self, sandbox_id: str, ttl_seconds: int) -> Sandbox:
         """Move the sandbox's deadline to ``ttl_seconds`` from now (sooner or later)."""
-        sandbox = self.get(sandbox_id)
-        at = self._clock() + timedelta(seconds=ttl_seconds)
         if self._deadlines is None:
             raise InvalidRequest("this agent enforces no deadlines; extending needs systemd")
+        sandbox = self.get(sandbox_id)
+        at = self._clock() + timedelta(seconds=ttl_seconds)
         self._deadlines.arm(sandbox.id, sandbox.container_id, at)
         log.info("deadline of %s is now %s", sandbox_id, at.isoformat())
         return sandbox.model_copy(update={"expires_at": at.replace(microsecond=0)})
@@ -207,10 +212,12 @@ class SandboxManager:
         self._slices.wait_stopped(scope_name(container_id))
         return gone
 
-    def stop_slice_if_idle(self, unit: str) -> bool:
-        """Stop a user or project slice that holds nothing and that no create is placing into."""
+    def stop_slice_if_idle(self, unit: str, *, creating: str | None = None) -> bool:
+        """Stop a user or project slice that holds nothing and that no create (other than
+        ``creating``, the one undoing itself) is placing into."""
         with self._placing:
-            return unit not in self._busy_slices() and self._slices.remove_if_empty(unit)
+            busy = self._busy_slices(exclude=creating)
+            return unit not in busy and self._slices.remove_if_empty(unit)
 
     def destroy_tree(self, root_task_id: str) -> list[Sandbox]:
         """Destroy every sandbox of a root task, children before parents (deepest first)."""
@@ -319,14 +326,11 @@ class SandboxManager:
             raise
         return made
 
-    def _undo(self, made: list[str], sandbox_id: str | None = None) -> None:
+    def _undo(self, made: list[str], sandbox_id: str) -> None:
         """Stop the slices a failed create made, deepest first (the managed one stays),
         unless another create is placing into them."""
-        with self._placing:
-            busy = self._busy_slices(exclude=sandbox_id)
-            for unit in reversed(made):
-                if unit not in busy:
-                    self._slices.remove_if_empty(unit)
+        for unit in reversed(made):
+            self.stop_slice_if_idle(unit, creating=sandbox_id)
 
     def _busy_slices(self, exclude: str | None = None) -> set[str]:
         """The user and project slices creates in progress are placing into."""

@@ -21,15 +21,16 @@ from collections.abc import Callable
 
 import docker
 
-from slicebox.execprocs import CgroupHost
-from slicebox.execstream import DockerExecApi
-from slicebox.execution import ExecEngine, ExecRequest
-from slicebox.oneshot import (
+from slicebox.backends.dockerstream import DockerExecApi
+from slicebox.core.execution import ExecEngine
+from slicebox.core.oneshot import (
     MinimalDockerProvider,
     MinimalSandboxConfig,
     execute,
     hardened_cli_flags,
 )
+from slicebox.host.procs import CgroupHost
+from slicebox.model.exec import ExecRequest
 
 IMAGE = "slicebox-test/busybox:latest"
 SLICE = "slicebox-bench-p.slice"

@@ -22,15 +22,15 @@ from pathlib import Path
 
 import docker
 
-from slicebox.audit import Auditor
-from slicebox.config import ReaperConfig, parse_config, read_host_memory
-from slicebox.deadlines import Deadlines
-from slicebox.dockerapi import DockerPy
-from slicebox.reaper import Reaper
-from slicebox.sandboxes import SandboxManager
-from slicebox.slices import SliceManager
-from slicebox.spec import SandboxSpec
-from slicebox.systemd import PystemdSystemd
+from slicebox.backends.docker import DockerPy
+from slicebox.core.deadlines import Deadlines
+from slicebox.core.reaper import Reaper
+from slicebox.core.sandboxes import SandboxManager
+from slicebox.core.slices import SliceManager
+from slicebox.host.journal import Auditor
+from slicebox.host.systemd import PystemdSystemd
+from slicebox.model.config import ReaperConfig, parse_config, read_host_memory
+from slicebox.model.spec import SandboxSpec
 
 USER = "benchreap"
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import docker
 from docker.models.containers import Container
 
-from slicebox.cgroupfs import CgroupFS
-from slicebox.netstats import NetnsCounters
-from slicebox.telemetry import SandboxCgroups, SandboxMeta, TreeReader, UsageReader
+from slicebox.core.telemetry import SandboxCgroups, SandboxMeta, TreeReader, UsageReader
+from slicebox.host.cgroupfs import CgroupFS
+from slicebox.host.netstats import NetnsCounters
 
 IMAGE = "slicebox-test/busybox:latest"
 USER, PROJECT = "benchu", "benchp"

@@ -1,12 +1,12 @@
-"""An in-memory :class:`slicebox.dockerapi.DockerApi` that also places scopes in FakeSystemd."""
+"""An in-memory :class:`slicebox.backends.docker.DockerApi`; it places scopes in FakeSystemd."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from slicebox.dockerapi import ContainerInfo, ContainerRequest
-from slicebox.errors import ImageUnavailable, InvalidRequest
-from slicebox.names import scope_name
+from slicebox.backends.docker import ContainerInfo, ContainerRequest
+from slicebox.model.errors import ImageUnavailable, InvalidRequest
+from slicebox.model.names import scope_name
 from tests.fakes.systemd import FakeSystemd
 
 

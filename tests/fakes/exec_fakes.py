@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slicebox.errors import SandboxNotFound
-from slicebox.execution import ExecRequest, ExecState, StreamChunk
+from slicebox.model.errors import SandboxNotFound
+from slicebox.model.exec import ExecRequest, ExecState, StreamChunk
 
 
 class FakeClock:

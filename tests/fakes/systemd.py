@@ -1,4 +1,4 @@
-"""An in-memory :class:`slicebox.systemd.Systemd`: units with properties and nesting."""
+"""An in-memory :class:`slicebox.host.systemd.Systemd`: units with properties and nesting."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import fnmatch
 from collections.abc import Sequence
 from datetime import datetime
 
-from slicebox.limits import Property
-from slicebox.systemd import UnitStatus
+from slicebox.host.systemd import UnitStatus
+from slicebox.model.limits import Property
 
 
 class FakeSystemd:
@@ -62,7 +62,7 @@ class FakeSystemd:
         self.timers[timer] = (at, list(argv))
 
     def _start(self, unit: str) -> None:
-        from slicebox.errors import HostError
+        from slicebox.model.errors import HostError
 
         if unit in self.fail_start:
             raise HostError(f"systemd could not start {unit}")

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from slicebox.audit import MESSAGE_IDS, AuditEvent
+from slicebox.model.audit import MESSAGE_IDS, AuditEvent
 from tests.host.agentunits import CONFIG, SOCKET, TEST_CONFIG, installed_agent
 from tests.host.helpers import CGROUP_ROOT, sh, unique, wait_for
 

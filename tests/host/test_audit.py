@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.audit import MESSAGE_IDS, AuditEvent, Auditor, AuditRecord, Caller, SystemJournal
+from slicebox.host.journal import Auditor, SystemJournal
+from slicebox.model.audit import MESSAGE_IDS, AuditEvent, AuditRecord, Caller
 from tests.host.helpers import sh, unique, wait_for
 
 pytestmark = pytest.mark.host

@@ -18,11 +18,12 @@ import docker
 import docker.errors
 import pytest
 
-from slicebox.errors import InvalidCommand, InvalidTimeout, SandboxNotFound
-from slicebox.execprocs import CgroupHost
-from slicebox.execstream import DockerExecApi
-from slicebox.execution import ExecEngine, ExecRequest, ExecResult, OutputStream, StreamChunk
-from slicebox.oneshot import MinimalDockerProvider, MinimalSandboxConfig, execute
+from slicebox.backends.dockerstream import DockerExecApi
+from slicebox.core.execution import ExecEngine
+from slicebox.core.oneshot import MinimalDockerProvider, MinimalSandboxConfig, execute
+from slicebox.host.procs import CgroupHost
+from slicebox.model.errors import InvalidCommand, InvalidTimeout, SandboxNotFound
+from slicebox.model.exec import ExecRequest, ExecResult, OutputStream, StreamChunk
 from tests.host.helpers import CGROUP_ROOT, TEST_IMAGE, stop_unit
 
 pytestmark = pytest.mark.host

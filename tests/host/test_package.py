@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.audit import MESSAGE_IDS, AuditEvent
+from slicebox.model.audit import MESSAGE_IDS, AuditEvent
 from tests.host.agentunits import CONFIG, SOCKET, TEST_CONFIG, curl_health, prop
 from tests.host.helpers import TEST_IMAGE, sh, unique, wait_for
 from tests.host.sliceboxhost import active, cleanup_slices, slicebox_units

@@ -20,20 +20,21 @@ from typing import Any
 import docker
 import pytest
 
-from slicebox.audit import Auditor
-from slicebox.client import Client
-from slicebox.config import ReaperConfig, parse_config, read_host_memory
-from slicebox.deadlines import PATTERN as TIMERS
-from slicebox.deadlines import Deadlines, parse_timer
-from slicebox.dockerapi import DockerPy
-from slicebox.errors import SliceboxError
-from slicebox.labels import MANAGED
-from slicebox.names import MANAGED_SLICE
-from slicebox.reaper import Action, Kind, Reaper, Rule
-from slicebox.sandboxes import SandboxManager
-from slicebox.slices import SliceManager
-from slicebox.spec import SandboxSpec
-from slicebox.systemd import PystemdSystemd
+from slicebox.backends.docker import DockerPy
+from slicebox.cli.client import Client
+from slicebox.core.deadlines import PATTERN as TIMERS
+from slicebox.core.deadlines import Deadlines, parse_timer
+from slicebox.core.reaper import Reaper
+from slicebox.core.sandboxes import SandboxManager
+from slicebox.core.slices import SliceManager
+from slicebox.host.journal import Auditor
+from slicebox.host.systemd import PystemdSystemd
+from slicebox.model.config import ReaperConfig, parse_config, read_host_memory
+from slicebox.model.errors import SliceboxError
+from slicebox.model.labels import MANAGED
+from slicebox.model.names import MANAGED_SLICE
+from slicebox.model.reaper import Action, Kind, Rule
+from slicebox.model.spec import SandboxSpec
 from tests.fakes.journal import ListJournal
 from tests.host.agentunits import SOCKET, TEST_CONFIG, installed_agent
 from tests.host.helpers import TEST_IMAGE, sh, unique, wait_for

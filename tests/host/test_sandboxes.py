@@ -13,15 +13,15 @@ from pathlib import Path, PurePosixPath
 import docker
 import pytest
 
-from slicebox.config import Config, parse_config, read_host_memory
-from slicebox.dockerapi import DockerPy
-from slicebox.errors import SliceboxError
-from slicebox.labels import selector
-from slicebox.names import MANAGED_SLICE, slice_names
-from slicebox.sandboxes import Sandbox, SandboxManager
-from slicebox.slices import SliceManager
-from slicebox.spec import Mount, SandboxSpec
-from slicebox.systemd import PystemdSystemd
+from slicebox.backends.docker import DockerPy
+from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.slices import SliceManager
+from slicebox.host.systemd import PystemdSystemd
+from slicebox.model.config import Config, parse_config, read_host_memory
+from slicebox.model.errors import SliceboxError
+from slicebox.model.labels import selector
+from slicebox.model.names import MANAGED_SLICE, slice_names
+from slicebox.model.spec import Mount, SandboxSpec
 from tests.host.helpers import TEST_IMAGE, unique, wait_for
 from tests.host.sliceboxhost import active, cleanup_slices, events, read, slicebox_units
 

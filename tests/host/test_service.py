@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from slicebox.audit import MESSAGE_IDS, AuditEvent
+from slicebox.model.audit import MESSAGE_IDS, AuditEvent
 from tests.host.agentunits import SOCKET, curl_health, installed_agent, prop
 from tests.host.helpers import sh, wait_for
 

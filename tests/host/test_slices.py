@@ -1,6 +1,6 @@
 """The slice manager on real systemd: ceilings reach the kernel and stay there.
 
-Pins the design choice of :mod:`slicebox.slices`: transient slices plus runtime drop-ins keep
+Pins the design choice of :mod:`slicebox.core.slices`: transient slices plus runtime drop-ins keep
 their ceilings through ``systemctl daemon-reload``; a re-applied config changes them live.
 """
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.config import parse_config
-from slicebox.limits import Ceiling
-from slicebox.names import MANAGED_SLICE, slice_names
-from slicebox.slices import SliceManager
-from slicebox.systemd import PystemdSystemd
+from slicebox.core.slices import SliceManager
+from slicebox.host.systemd import PystemdSystemd
+from slicebox.model.config import parse_config
+from slicebox.model.limits import Ceiling
+from slicebox.model.names import MANAGED_SLICE, slice_names
 from tests.host.helpers import sh, unique
 from tests.host.sliceboxhost import active, cleanup_slices, read
 

@@ -21,19 +21,10 @@ import pytest
 from docker.models.containers import Container
 from pydantic import ValidationError
 
-from slicebox.cgroupfs import CgroupFS, CgroupReader
-from slicebox.netstats import NetnsCounters
-from slicebox.telemetry import (
-    Level,
-    LevelNode,
-    ResourceUsage,
-    SandboxCgroups,
-    SandboxMeta,
-    TreeReader,
-    UsageReader,
-    oom_blame,
-    throttle_blame,
-)
+from slicebox.core.telemetry import SandboxCgroups, SandboxMeta, TreeReader, UsageReader
+from slicebox.host.cgroupfs import CgroupFS, CgroupReader
+from slicebox.host.netstats import NetnsCounters
+from slicebox.model.usage import Level, LevelNode, ResourceUsage, oom_blame, throttle_blame
 from tests.host.helpers import CGROUP_ROOT, TEST_IMAGE, stop_unit, unique, wait_for
 
 pytestmark = pytest.mark.host

@@ -14,11 +14,11 @@ import pytest
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict
 
-from slicebox import errors
-from slicebox.api import Route, base_routes, build_app, json_ok, parse_body
-from slicebox.client import Client
-from slicebox.identity import SystemUsers
-from slicebox.listen import activated_sockets, bind_unix
+from slicebox.cli.client import Client
+from slicebox.host.identity import SystemUsers
+from slicebox.host.listen import activated_sockets, bind_unix
+from slicebox.model import errors
+from slicebox.server.api import Route, base_routes, build_app, json_ok, parse_body
 
 
 class Echo(BaseModel):

@@ -6,15 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.audit import (
-    MESSAGE_IDS,
-    AuditEvent,
-    Auditor,
-    AuditRecord,
-    Caller,
-    journal_fields,
-    scrub,
-)
+from slicebox.host.journal import Auditor
+from slicebox.model.audit import MESSAGE_IDS, AuditEvent, AuditRecord, Caller, journal_fields, scrub
 from tests.fakes.journal import ListJournal
 
 CATALOG = Path(__file__).resolve().parents[2] / "units" / "slicebox.catalog"

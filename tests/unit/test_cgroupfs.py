@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.cgroupfs import (
+from slicebox.host.cgroupfs import (
     CgroupFS,
     CgroupReader,
     CpuStat,

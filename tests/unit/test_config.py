@@ -4,8 +4,8 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from slicebox.config import Config, load_config, parse_config, read_host_memory
-from slicebox.errors import ConfigError
+from slicebox.model.config import Config, load_config, parse_config, read_host_memory
+from slicebox.model.errors import ConfigError
 
 MiB = 1024 * 1024
 

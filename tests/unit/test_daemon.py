@@ -8,10 +8,10 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from slicebox.api import base_routes
-from slicebox.audit import Auditor
-from slicebox.client import Client
-from slicebox.daemon import Agent, watchdog_interval
+from slicebox.cli.client import Client
+from slicebox.host.journal import Auditor
+from slicebox.server.api import base_routes
+from slicebox.server.daemon import Agent, watchdog_interval
 
 
 class Notes:

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from slicebox import cli
-from slicebox.doctor import Host, check_agent, check_cgroup2, check_controllers, check_systemd
+from slicebox.cli import main as cli
+from slicebox.cli.doctor import Host, check_agent, check_cgroup2, check_controllers, check_systemd
 
 
 def fake_host(tmp_path: Path, pid1: str, controllers: str | None) -> Host:
@@ -56,7 +56,7 @@ def test_cli_doctor_exits_nonzero_and_prints_fixes(
 def test_docker_socket_of_someone_else_is_not_a_failure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from slicebox.doctor import check_docker
+    from slicebox.cli.doctor import check_docker
 
     sock = tmp_path / "docker.sock"
     sock.touch(mode=0o600)

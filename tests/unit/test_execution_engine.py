@@ -6,17 +6,9 @@ import asyncio
 
 import pytest
 
-from slicebox.errors import SandboxNotFound
-from slicebox.execution import (
-    KILL_GRACE,
-    ExecEngine,
-    ExecEvent,
-    ExecRequest,
-    ExecResult,
-    OutputCapture,
-    OutputStream,
-    StreamChunk,
-)
+from slicebox.core.execution import KILL_GRACE, ExecEngine, OutputCapture
+from slicebox.model.errors import SandboxNotFound
+from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, OutputStream, StreamChunk
 from tests.fakes.exec_fakes import FakeClock, FakeExec, FakeExecApi, FakeSandboxHost
 
 OUT, ERR = OutputStream.STDOUT, OutputStream.STDERR

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from slicebox.errors import InvalidTimeout
-from slicebox.execution import ExecEngine, ExecRequest, OutputStream, StreamChunk
-from slicebox.oneshot import (
+from slicebox.core.execution import ExecEngine
+from slicebox.core.oneshot import (
     MinimalSandboxConfig,
     execute,
     hardened_cli_flags,
     hardened_run_options,
 )
+from slicebox.model.errors import InvalidTimeout
+from slicebox.model.exec import ExecRequest, OutputStream, StreamChunk
 from tests.fakes.exec_fakes import FakeClock, FakeExec, FakeExecApi, FakeSandboxHost
 
 CONFIG = MinimalSandboxConfig(image="busybox", cgroup_parent="slicebox-u-p.slice")

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.errors import HostError
-from slicebox.execprocs import (
+from slicebox.host.procs import (
     CgroupHost,
     ProcInfo,
     cgroup_from_proc,
@@ -16,6 +15,7 @@ from slicebox.execprocs import (
     parse_oom_kills,
     parse_stat,
 )
+from slicebox.model.errors import HostError
 
 
 def test_parse_stat_survives_odd_command_names() -> None:

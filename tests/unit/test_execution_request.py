@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from slicebox.errors import InvalidCommand, InvalidRequest, InvalidTimeout
-from slicebox.execution import ExecRequest, ExecResult
+from slicebox.model.errors import InvalidCommand, InvalidRequest, InvalidTimeout
+from slicebox.model.exec import ExecRequest, ExecResult
 
 
 def test_defaults_follow_the_product_contract() -> None:

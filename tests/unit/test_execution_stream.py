@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from slicebox import execstream
-from slicebox.errors import HostError, SandboxNotFound, SandboxNotRunning, Unavailable
-from slicebox.execstream import (
+from slicebox.backends import dockerstream as execstream
+from slicebox.backends.dockerstream import (
     DEFAULT_SOCKET,
     DockerExecApi,
     FrameDecoder,
@@ -24,7 +23,8 @@ from slicebox.execstream import (
     split_response_head,
     start_request,
 )
-from slicebox.execution import OutputStream, StreamChunk
+from slicebox.model.errors import HostError, SandboxNotFound, SandboxNotRunning, Unavailable
+from slicebox.model.exec import OutputStream, StreamChunk
 
 OUT, ERR = OutputStream.STDOUT, OutputStream.STDERR
 

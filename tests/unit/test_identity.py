@@ -5,8 +5,8 @@ import socket
 
 import pytest
 
-from slicebox.errors import Forbidden
-from slicebox.identity import PeerCredentials, SystemUsers, peer_credentials, resolve
+from slicebox.host.identity import PeerCredentials, SystemUsers, peer_credentials, resolve
+from slicebox.model.errors import Forbidden
 
 
 class Users:

@@ -4,8 +4,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from slicebox.errors import InvalidRequest
-from slicebox.labels import Lineage, decode, selector
+from slicebox.model.errors import InvalidRequest
+from slicebox.model.labels import Lineage, decode, selector
 
 LINEAGE = Lineage(
     sandbox_id="sbx-1",

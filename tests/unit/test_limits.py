@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from slicebox.errors import InvalidLimit
-from slicebox.limits import (
+from slicebox.model.errors import InvalidLimit
+from slicebox.model.limits import (
     INFINITY,
     Ceiling,
     ceiling_properties,

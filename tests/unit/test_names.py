@@ -4,8 +4,8 @@ from pathlib import PurePosixPath
 
 import pytest
 
-from slicebox.errors import InvalidName
-from slicebox.names import parse_slice, project_slice, scope_cgroup, slice_names, user_slice
+from slicebox.model.errors import InvalidName
+from slicebox.model.names import parse_slice, project_slice, scope_cgroup, slice_names, user_slice
 
 
 @pytest.mark.parametrize(

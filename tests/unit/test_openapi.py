@@ -14,11 +14,11 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slicebox.api import build_app
-from slicebox.identity import SystemUsers
-from slicebox.listen import bind_unix
-from slicebox.openapi import document
-from slicebox.routes import ROUTES, SERVICE
+from slicebox.host.identity import SystemUsers
+from slicebox.host.listen import bind_unix
+from slicebox.server.api import build_app
+from slicebox.server.openapi import document
+from slicebox.server.routes import ROUTES, SERVICE
 from tests.unit.test_service import World
 
 DOCUMENT = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
@@ -78,7 +78,7 @@ ids = st.sampled_from(["sbx-000000000001", "sbx-nothing", "..", "%2e%2e", "a" * 
 
 def test_the_repo_copy_is_what_the_agent_serves() -> None:
     assert json.loads(DOCUMENT.read_text()) == document(), (
-        "docs/openapi.json is stale: run python3 -m slicebox.openapi > docs/openapi.json"
+        "docs/openapi.json is stale: run python3 -m slicebox.server.openapi > docs/openapi.json"
     )
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.config import Config, parse_config
+from slicebox.model.config import Config, parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "packaging" / "build"

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import pytest
 
-from slicebox.config import Config, parse_config
-from slicebox.errors import SliceboxError
-from slicebox.policy import admit
-from slicebox.spec import Mount, MountKind, SandboxSpec, parse_spec
+from slicebox.core.policy import admit
+from slicebox.model.config import Config, parse_config
+from slicebox.model.errors import SliceboxError
+from slicebox.model.spec import Mount, MountKind, SandboxSpec, parse_spec
 
 MiB = 1024 * 1024
 CONFIG = parse_config(

@@ -8,15 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.audit import AuditEvent, Auditor
-from slicebox.config import OrphanPolicy, ReaperConfig, parse_config
-from slicebox.deadlines import Deadlines, Timer, timer_unit
-from slicebox.dockerapi import ContainerInfo
-from slicebox.labels import MANAGED, Lineage, decode
-from slicebox.reaper import Action, Kind, Observed, Reaper, Rule, plan
-from slicebox.sandboxes import SandboxManager
-from slicebox.slices import SliceManager
-from slicebox.spec import SandboxSpec
+from slicebox.backends.docker import ContainerInfo
+from slicebox.core.deadlines import Deadlines, Timer, timer_unit
+from slicebox.core.reaper import Reaper
+from slicebox.core.reaping import Observed, plan
+from slicebox.core.sandboxes import SandboxManager
+from slicebox.core.slices import SliceManager
+from slicebox.host.journal import Auditor
+from slicebox.model.audit import AuditEvent
+from slicebox.model.config import OrphanPolicy, ReaperConfig, parse_config
+from slicebox.model.labels import MANAGED, Lineage, decode
+from slicebox.model.reaper import Action, Kind, Rule
+from slicebox.model.spec import SandboxSpec
 from tests.fakes.docker import FakeDocker
 from tests.fakes.journal import ListJournal
 from tests.fakes.systemd import FakeSystemd

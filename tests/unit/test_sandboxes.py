@@ -5,13 +5,13 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from slicebox.config import parse_config
-from slicebox.errors import HostError, ImageUnavailable, InvalidRequest, NotFound
-from slicebox.labels import decode
-from slicebox.names import MANAGED_SLICE
-from slicebox.sandboxes import SandboxManager
-from slicebox.slices import SliceManager
-from slicebox.spec import SandboxSpec
+from slicebox.core.sandboxes import SandboxManager
+from slicebox.core.slices import SliceManager
+from slicebox.model.config import parse_config
+from slicebox.model.errors import HostError, ImageUnavailable, InvalidRequest, NotFound
+from slicebox.model.labels import decode
+from slicebox.model.names import MANAGED_SLICE
+from slicebox.model.spec import SandboxSpec
 from tests.fakes.docker import FakeDocker
 from tests.fakes.systemd import FakeSystemd
 

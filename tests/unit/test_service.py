@@ -8,18 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.audit import Auditor
-from slicebox.cgroupfs import CgroupFS
-from slicebox.config import ReaperConfig, parse_config
-from slicebox.deadlines import Deadlines
-from slicebox.errors import Forbidden, NotFound
-from slicebox.execution import ExecEngine, ExecRequest, OutputStream, StreamChunk
-from slicebox.identity import Identity
-from slicebox.reaper import Reaper
-from slicebox.sandboxes import SandboxManager
-from slicebox.service import CreateSandbox, Extend, ReapRequest, RunRequest, Service
-from slicebox.slices import SliceManager
-from slicebox.telemetry import TreeReader, UsageReader
+from slicebox.core.deadlines import Deadlines
+from slicebox.core.execution import ExecEngine
+from slicebox.core.reaper import Reaper
+from slicebox.core.sandboxes import SandboxManager
+from slicebox.core.service import Service
+from slicebox.core.slices import SliceManager
+from slicebox.core.telemetry import TreeReader, UsageReader
+from slicebox.host.cgroupfs import CgroupFS
+from slicebox.host.identity import Identity
+from slicebox.host.journal import Auditor
+from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest
+from slicebox.model.config import ReaperConfig, parse_config
+from slicebox.model.errors import Forbidden, NotFound
+from slicebox.model.exec import ExecRequest, OutputStream, StreamChunk
 from tests.fakes.docker import FakeDocker
 from tests.fakes.exec_fakes import FakeClock, FakeExec, FakeExecApi, FakeSandboxHost
 from tests.fakes.journal import ListJournal

@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-from slicebox.config import parse_config
-from slicebox.limits import INFINITY, Ceiling
-from slicebox.slices import SliceManager
+from slicebox.core.slices import SliceManager
+from slicebox.model.config import parse_config
+from slicebox.model.limits import INFINITY, Ceiling
 from tests.fakes.systemd import FakeSystemd
 
 MiB = 1024 * 1024

@@ -10,19 +10,16 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from slicebox.cgroupfs import CgroupFS
-from slicebox.netstats import LinkCounters, NetnsCounters, link_counters, total_bytes
-from slicebox.telemetry import (
-    Level,
+from slicebox.core.telemetry import (
     MemoryIntegrator,
-    ResourceUsage,
     SandboxCgroups,
     SandboxMeta,
     TreeReader,
     UsageReader,
-    oom_blame,
-    throttle_blame,
 )
+from slicebox.host.cgroupfs import CgroupFS
+from slicebox.host.netstats import LinkCounters, NetnsCounters, link_counters, total_bytes
+from slicebox.model.usage import Level, ResourceUsage, oom_blame, throttle_blame
 
 MANAGED = "slicebox.slice"
 USER = f"{MANAGED}/slicebox-alice.slice"

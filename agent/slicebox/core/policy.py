@@ -1,0 +1,158 @@
+"""Create-time policy: what a sandbox may ask for, and admission against the slice ceilings.
+
+Pure functions of (request, config, host memory) that raise before anything is created. Each
+refusal has its own stable code so a caller can tell them apart:
+
+    policy_privileged, policy_host_namespace, policy_network, policy_capability, policy_mount,
+    invalid_limit, invalid_name, admission_refused
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import PurePosixPath
+
+from pydantic import BaseModel, ConfigDict
+
+from slicebox.model.config import Config
+from slicebox.model.errors import AdmissionRefused, PolicyViolation
+from slicebox.model.limits import Ceiling, Limits, parse_cpus, parse_pids, parse_size
+from slicebox.model.names import SliceNames, slice_names
+from slicebox.model.spec import Mount, MountKind, SandboxSpec
+
+_VOLUME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+class Placement(BaseModel):
+    """Where a sandbox goes and the ceilings of the three slices above it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    names: SliceNames
+    managed: Ceiling
+    user: Ceiling
+    project: Ceiling
+
+
+class Admitted(BaseModel):
+    """A request that passed policy and admission, with everything resolved."""
+
+    model_config = ConfigDict(frozen=True)
+
+    spec: SandboxSpec
+    image: str
+    limits: Limits
+    placement: Placement
+
+
+def admit(spec: SandboxSpec, config: Config, host_memory: int) -> Admitted:
+    """Check ``spec`` against the policy and the ceilings; raise on the first refusal."""
+    check_security(spec, config)
+    limits = resolve_limits(spec, config)
+    placement = place(spec.user, spec.project, config, host_memory)
+    check_admission(limits, placement)
+    return Admitted(
+        spec=spec, image=spec.image or config.default_image, limits=limits, placement=placement
+    )
+
+
+def place(user: str, project: str, config: Config, host_memory: int) -> Placement:
+    return Placement(
+        names=slice_names(user, project),
+        managed=config.managed_ceiling(host_memory),
+        user=config.user_ceiling(user, host_memory),
+        project=config.project_ceiling(user, project, host_memory),
+    )
+
+
+def resolve_limits(spec: SandboxSpec, config: Config) -> Limits:
+    defaults = config.sandbox
+    return Limits(
+        memory_bytes=parse_size("memory", defaults.memory if spec.memory is None else spec.memory),
+        cpus=parse_cpus("cpus", defaults.cpus if spec.cpus is None else spec.cpus),
+        pids=parse_pids("pids", defaults.pids if spec.pids is None else spec.pids),
+    )
+
+
+def check_security(spec: SandboxSpec, config: Config) -> None:
+    if spec.privileged:
+        raise PolicyViolation(
+            "privileged sandboxes are not allowed; drop 'privileged' and add only the "
+            "capabilities you need",
+            code="policy_privileged",
+        )
+    for field, mode in (("pid_mode", spec.pid_mode), ("ipc_mode", spec.ipc_mode)):
+        if mode is not None:
+            raise PolicyViolation(
+                f"{field} {mode!r}: sandboxes cannot share host namespaces; leave {field} out",
+                code="policy_host_namespace",
+            )
+    _check_network(spec.network, config)
+    _check_capabilities(spec.cap_add, config)
+    for mount in spec.mounts:
+        check_mount(mount, config.bind_roots)
+
+
+def _check_network(network: str, config: Config) -> None:
+    if network == "host":
+        raise PolicyViolation(
+            "network 'host' is not allowed; use 'none' (the default)", code="policy_host_namespace"
+        )
+    if network not in config.allowed_networks:
+        allowed = ", ".join(sorted(config.allowed_networks))
+        raise PolicyViolation(
+            f"network {network!r} is not allowed; use one of: {allowed}", code="policy_network"
+        )
+
+
+def _check_capabilities(cap_add: tuple[str, ...], config: Config) -> None:
+    refused = sorted(
+        {cap.upper().removeprefix("CAP_") for cap in cap_add} - config.allowed_capabilities
+    )
+    if refused:
+        allowed = ", ".join(sorted(config.allowed_capabilities))
+        raise PolicyViolation(
+            f"capabilities {', '.join(refused)} are not allowed; choose from: {allowed}",
+            code="policy_capability",
+        )
+
+
+def check_mount(mount: Mount, roots: tuple[PurePosixPath, ...]) -> None:
+    if mount.kind is MountKind.VOLUME:
+        if not _VOLUME.fullmatch(mount.source):
+            raise PolicyViolation(
+                f"volume name {mount.source!r} is not valid; use letters, digits, '_.-'",
+                code="policy_mount",
+            )
+        return
+    source = PurePosixPath(mount.source)
+    if not source.is_absolute() or ".." in source.parts or not _under_any(source, roots):
+        where = ", ".join(str(root) for root in roots) or "(none configured: set bind_roots)"
+        raise PolicyViolation(
+            f"bind mount {mount.source!r} is outside the allowed roots {where}; "
+            "mount a directory under one of them",
+            code="policy_mount",
+        )
+
+
+def _under_any(path: PurePosixPath, roots: tuple[PurePosixPath, ...]) -> bool:
+    return any(path.is_relative_to(root) for root in roots)
+
+
+def check_admission(limits: Limits, placement: Placement) -> None:
+    """Refuse limits that no ceiling above the sandbox could ever grant."""
+    for level, ceiling in (("project", placement.project), ("user", placement.user)):
+        for field, asked, cap in _pairs(limits, ceiling):
+            if cap is not None and asked > cap:
+                raise AdmissionRefused(
+                    f"{field} {asked:g} exceeds the {level} ceiling of {cap:g}; ask for at most "
+                    f"{cap:g} or raise the {level} ceiling in the config"
+                )
+
+
+def _pairs(limits: Limits, ceiling: Ceiling) -> list[tuple[str, float, float | None]]:
+    return [
+        ("memory", limits.memory_bytes, ceiling.memory_bytes),
+        ("cpus", limits.cpus, ceiling.cpus),
+        ("pids", limits.pids, ceiling.pids),
+    ]

@@ -1,0 +1,171 @@
+"""The reaper's executor: observe the real host, plan (:mod:`slicebox.core.reaping`), act.
+
+Actions run one at a time; a failed action is audited and the rest go on. ``dry_run`` stops
+after planning. Passes are serialized.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+from slicebox.backends.docker import DockerApi
+from slicebox.core.deadlines import Timer
+from slicebox.core.reaping import FinalUsage, Observed, plan
+from slicebox.core.sandboxes import SandboxManager
+from slicebox.core.slices import SliceManager
+from slicebox.host.journal import Auditor
+from slicebox.model.audit import AuditEvent, AuditRecord
+from slicebox.model.config import ReaperConfig
+from slicebox.model.errors import SliceboxError
+from slicebox.model.labels import selector
+from slicebox.model.reaper import Action, Kind, Outcome, Report
+
+log = logging.getLogger(__name__)
+
+
+class Reaper:
+    """Observe the host, plan, and carry the plan out (or only show it)."""
+
+    def __init__(
+        self,
+        sandboxes: SandboxManager,
+        slices: SliceManager,
+        docker: DockerApi,
+        *,
+        auditor: Auditor,
+        config: Callable[[], ReaperConfig],
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        final_usage: FinalUsage | None = None,
+    ) -> None:
+        self._sandboxes = sandboxes
+        self._slices = slices
+        self._docker = docker
+        self._auditor = auditor
+        self._config = config
+        self._clock = clock
+        self._final_usage = final_usage
+        self._adopted: set[str] = set()
+        self._pass = threading.Lock()  # one pass at a time: periodic and on demand
+
+    @property
+    def adopted(self) -> frozenset[str]:
+        return frozenset(self._adopted)
+
+    def observe(self) -> Observed:
+        deadlines = self._sandboxes.deadlines
+        state_dir = self._config().state_dir
+        return Observed(
+            instance_id=self._sandboxes.instance_id,
+            # in flight first: a create that finishes meanwhile is then seen as a container
+            in_flight=self._sandboxes.in_flight(),
+            containers=self._docker.find(selector()),
+            slices=self._slices.running_slices(),
+            timers=deadlines.timers() if deadlines is not None else [],
+            state_dirs=sorted(p.name for p in _children(state_dir)),
+            adopted=self.adopted,
+        )
+
+    def run(self, *, dry_run: bool = False) -> Report:
+        with self._pass:
+            return self._run(dry_run=dry_run)
+
+    def _run(self, *, dry_run: bool) -> Report:
+        now = self._clock()
+        observed = self.observe()
+        actions = plan(observed, now, self._config())
+        report = Report(dry_run=dry_run, at=now, instance_id=observed.instance_id, plan=actions)
+        if dry_run:
+            return report
+        outcomes = [self._carry_out(action) for action in actions]
+        if actions:
+            log.info("reaper: %d actions, %d ok", len(actions), _count_ok(outcomes))
+        return report.model_copy(update={"outcomes": outcomes})
+
+    def _carry_out(self, action: Action) -> Outcome:
+        usage: dict[str, object] | None = None
+        try:
+            done, usage = self._apply(action)
+            outcome = Outcome(action=action, result="ok" if done else "skipped")
+        except SliceboxError as exc:
+            log.warning("reaper: %s %s failed: %s", action.kind, action.target, exc.message)
+            outcome = Outcome(action=action, result=exc.code, message=exc.message)
+        except Exception as exc:
+            log.exception("reaper: %s %s failed", action.kind, action.target)
+            outcome = Outcome(action=action, result="internal", message=str(exc))
+        self._auditor.record(
+            AuditRecord(
+                event=AuditEvent.REAPER_ACTION,
+                result=outcome.result,
+                sandbox_id=action.sandbox_id,
+                root_task_id=action.root_task_id,
+                user=action.user,
+                project=action.project,
+                rule=action.rule.value,
+                usage=usage,
+                detail=f"{action.kind.value} {action.target}: {action.reason}"[:500],
+            )
+        )
+        return outcome
+
+    def _apply(self, action: Action) -> tuple[bool, dict[str, object] | None]:
+        if action.kind is Kind.DESTROY:
+            return self._destroy(action)
+        steps: dict[Kind, Callable[[Action], bool]] = {
+            Kind.REMOVE_CONTAINER: lambda a: self._sandboxes.remove_container(a.container_id),
+            Kind.ADOPT: self._adopt,
+            Kind.ARM_DEADLINE: self._arm,
+            Kind.STOP_TIMER: self._stop_timer,
+            Kind.REMOVE_FILES: lambda a: _remove_tree(self._config().state_dir / a.sandbox_id),
+            Kind.STOP_SLICE: lambda a: self._sandboxes.stop_slice_if_idle(a.target),
+        }
+        return steps[action.kind](action), None
+
+    def _adopt(self, action: Action) -> bool:
+        self._adopted.add(action.sandbox_id)
+        return True
+
+    def _arm(self, action: Action) -> bool:
+        self._sandboxes.arm_deadline(self._sandboxes.get(action.sandbox_id))
+        return True
+
+    def _stop_timer(self, action: Action) -> bool:
+        deadlines = self._sandboxes.deadlines
+        if deadlines is None or action.deadline is None:
+            return False
+        deadlines.stop(
+            [Timer(unit=action.target, sandbox_id=action.sandbox_id, at=action.deadline)]
+        )
+        return True
+
+    def _destroy(self, action: Action) -> tuple[bool, dict[str, object] | None]:
+        try:
+            sandbox = self._sandboxes.get(action.sandbox_id)
+        except SliceboxError:
+            return False, None
+        usage = self._final_usage(sandbox) if self._final_usage is not None else None
+        gone = self._sandboxes.destroy(sandbox.id) is not None
+        self._adopted.discard(sandbox.id)
+        return gone, usage
+
+
+def _children(directory: Path) -> list[Path]:
+    try:
+        return [entry for entry in directory.iterdir() if entry.is_dir()]
+    except FileNotFoundError:
+        return []
+
+
+def _remove_tree(directory: Path) -> bool:
+    if not directory.exists():
+        return False
+    shutil.rmtree(directory)
+    return True
+
+
+def _count_ok(outcomes: list[Outcome]) -> int:
+    return sum(1 for outcome in outcomes if outcome.result == "ok")

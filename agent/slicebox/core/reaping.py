@@ -1,0 +1,279 @@
+"""The reaper's plan: what should not exist any more, found from Docker's labels and systemd alone.
+
+:func:`plan` is pure: given what is observed (managed containers, running slices, deadline
+timers, per-sandbox state directories, creates in progress) and the time, it returns the
+actions, in the order they must run. :class:`Reaper` observes the real host, plans, and
+carries the plan out one action at a time (a failed action is audited and the rest go on);
+``dry_run`` stops after planning. The agent runs a pass at start-up, before it answers
+anyone (that pass is the reconciliation: orphans adopted, missing deadlines re-armed,
+leftovers of a crash removed), then every ``reaper.interval_seconds``.
+
+The rules, each with its :class:`Rule` name in the plan and the audit:
+
+- ``expired``: the deadline (the latest armed timer, else the label) has passed.
+- ``parent_gone``: the parent sandbox is gone or goes in this pass (so a tree goes whole,
+  children before parents: destroys run deepest first).
+- ``orphan``: made by another agent run, with the ``reap`` orphan policy; with ``adopt``
+  (default) it becomes this run's (``adopt``) and its deadline still holds.
+- ``missing_lineage``: labelled managed, but the lineage labels are missing or malformed.
+- ``exited`` / ``never_started``: the container exited (say, killed at its deadline while the
+  agent was down) or was created and never started, and no create is in progress for it.
+- ``pool_surplus``: idle pool members beyond ``reaper.pool_size`` of a kind (oldest first).
+- ``deadline_missing``: a running sandbox with a TTL and no timer (the agent died between
+  the start and the arming): the timer is armed from the label.
+- ``stale_deadline``: a timer whose sandbox is gone.
+- ``leftover_files``: a state directory whose sandbox is gone.
+- ``empty_slice``: a user or project slice no sandbox and no create in progress uses.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict
+
+from slicebox.backends.docker import ContainerInfo
+from slicebox.core.deadlines import Timer, latest
+from slicebox.core.sandboxes import Sandbox
+from slicebox.model.config import OrphanPolicy, ReaperConfig
+from slicebox.model.errors import SliceboxError
+from slicebox.model.labels import PREFIX, stamp
+from slicebox.model.names import parse_slice
+from slicebox.model.reaper import Action, Kind, Rule
+
+log = logging.getLogger(__name__)
+
+
+GONE = frozenset({"exited", "dead"})
+
+
+class Observed(BaseModel):
+    """Everything a pass looks at, gathered before planning."""
+
+    model_config = ConfigDict(frozen=True)
+
+    instance_id: str
+    containers: list[ContainerInfo] = []
+    slices: list[str] = []  # running user and project slices
+    timers: list[Timer] = []
+    state_dirs: list[str] = []  # sandbox ids that have a state directory
+    in_flight: dict[str, tuple[str, str]] = {}  # creates in progress: id -> (user, project)
+    adopted: frozenset[str] = frozenset()
+
+
+def plan(observed: Observed, now: datetime, policy: ReaperConfig) -> list[Action]:
+    """The actions a pass takes, in order: removals deepest first, then the bookkeeping."""
+    sandboxes, removals = _sandboxes(observed)
+    deadlines = latest(observed.timers)
+    doomed = _doomed(observed, sandboxes, deadlines, now, policy)
+    ordered = sorted(doomed, key=lambda i: (-sandboxes[i][0].lineage.depth, i))
+    removals += [_about(sandboxes[i][0], Kind.DESTROY, *doomed[i]) for i in ordered]
+    alive = {i: s for i, (s, _) in sandboxes.items() if i not in doomed}
+    return [
+        *removals,
+        *_adoptions(observed, alive),
+        *_missing_deadlines(sandboxes, alive, deadlines, now),
+        *_stale_timers(observed, sandboxes),
+        *_leftover_files(observed, alive),
+        *_empty_slices(observed, alive),
+    ]
+
+
+def _sandboxes(
+    observed: Observed,
+) -> tuple[dict[str, tuple[Sandbox, str]], list[Action]]:
+    """Readable sandboxes (id -> (sandbox, status)) and removals of unreadable containers."""
+    sandboxes: dict[str, tuple[Sandbox, str]] = {}
+    removals: list[Action] = []
+    for info in observed.containers:
+        if info.name in observed.in_flight:
+            continue
+        try:
+            sandbox = Sandbox.from_container(info)
+        except SliceboxError as exc:
+            removals.append(
+                Action(
+                    kind=Kind.REMOVE_CONTAINER,
+                    rule=Rule.MISSING_LINEAGE,
+                    target=info.id,
+                    container_id=info.id,
+                    # whatever labels there are, for the audit; none of them is trusted
+                    sandbox_id=info.labels.get(f"{PREFIX}sandbox_id", ""),
+                    user=info.labels.get(f"{PREFIX}user", ""),
+                    project=info.labels.get(f"{PREFIX}project", ""),
+                    reason=f"container {info.name or info.id[:12]}: {exc.message}",
+                )
+            )
+            continue
+        if sandbox.id not in observed.in_flight:
+            sandboxes[sandbox.id] = (sandbox, info.status)
+    return sandboxes, removals
+
+
+def _doomed(
+    observed: Observed,
+    sandboxes: dict[str, tuple[Sandbox, str]],
+    deadlines: dict[str, datetime],
+    now: datetime,
+    policy: ReaperConfig,
+) -> dict[str, tuple[Rule, str]]:
+    doomed: dict[str, tuple[Rule, str]] = {}
+    for sandbox_id, (sandbox, status) in sandboxes.items():
+        deadline = deadlines.get(sandbox_id, sandbox.expires_at)
+        foreign = sandbox.lineage.instance_id != observed.instance_id
+        if status in GONE:
+            doomed[sandbox_id] = (Rule.EXITED, f"its container has {status}")
+        elif status == "created":
+            doomed[sandbox_id] = (Rule.NEVER_STARTED, "created, never started, no create runs")
+        elif deadline is not None and deadline <= now:
+            doomed[sandbox_id] = (Rule.EXPIRED, f"its deadline {stamp(deadline)} has passed")
+        elif foreign and sandbox_id not in observed.adopted and policy.orphans is OrphanPolicy.REAP:
+            doomed[sandbox_id] = (
+                Rule.ORPHAN,
+                f"made by agent run {sandbox.lineage.instance_id}; orphan policy is reap",
+            )
+    doomed |= _pool_surplus(sandboxes, doomed, policy.pool_size)
+    _doom_children(observed, sandboxes, doomed)
+    return doomed
+
+
+def _pool_surplus(
+    sandboxes: dict[str, tuple[Sandbox, str]],
+    doomed: dict[str, tuple[Rule, str]],
+    size: int,
+) -> dict[str, tuple[Rule, str]]:
+    """Idle pool members beyond ``size`` per kind (owner and limits); the newest are kept."""
+    kinds: dict[tuple[object, ...], list[Sandbox]] = {}
+    for sandbox_id, (sandbox, status) in sandboxes.items():
+        if sandbox.lineage.pool and status == "running" and sandbox_id not in doomed:
+            kind = (sandbox.user, sandbox.project, *sandbox.limits.model_dump().values())
+            kinds.setdefault(kind, []).append(sandbox)
+    surplus: dict[str, tuple[Rule, str]] = {}
+    for members in kinds.values():
+        members.sort(key=lambda s: (s.created_at, s.id), reverse=True)
+        for extra in members[size:]:
+            surplus[extra.id] = (Rule.POOL_SURPLUS, f"idle pool member beyond {size} of its kind")
+    return surplus
+
+
+def _doom_children(
+    observed: Observed,
+    sandboxes: dict[str, tuple[Sandbox, str]],
+    doomed: dict[str, tuple[Rule, str]],
+) -> None:
+    """A sandbox whose parent is gone, or goes now, goes too (the whole subtree)."""
+    changed = True
+    while changed:
+        changed = False
+        for sandbox_id, (sandbox, _) in sandboxes.items():
+            parent = sandbox.lineage.parent_id
+            if sandbox_id in doomed or not parent or parent in observed.in_flight:
+                continue
+            if parent not in sandboxes or parent in doomed:
+                why = "is gone" if parent not in sandboxes else "is being destroyed"
+                doomed[sandbox_id] = (Rule.PARENT_GONE, f"its parent {parent} {why}")
+                changed = True
+
+
+def _adoptions(observed: Observed, alive: dict[str, Sandbox]) -> Iterable[Action]:
+    for sandbox_id, sandbox in sorted(alive.items()):
+        run = sandbox.lineage.instance_id
+        if run != observed.instance_id and sandbox_id not in observed.adopted:
+            yield _about(sandbox, Kind.ADOPT, Rule.ADOPT, f"made by agent run {run}")
+
+
+def _missing_deadlines(
+    sandboxes: dict[str, tuple[Sandbox, str]],
+    alive: dict[str, Sandbox],
+    deadlines: dict[str, datetime],
+    now: datetime,
+) -> Iterable[Action]:
+    for sandbox_id, sandbox in sorted(alive.items()):
+        at = sandbox.expires_at
+        if (
+            sandboxes[sandbox_id][1] == "running"
+            and at
+            and at > now
+            and sandbox_id not in deadlines
+        ):
+            action = _about(sandbox, Kind.ARM_DEADLINE, Rule.DEADLINE_MISSING, "no timer armed")
+            yield action.model_copy(update={"deadline": at})
+
+
+def _stale_timers(observed: Observed, sandboxes: dict[str, tuple[Sandbox, str]]) -> list[Action]:
+    """Timers of sandboxes with no container at all (a destroyed sandbox disarms its own)."""
+    return [
+        Action(
+            kind=Kind.STOP_TIMER,
+            rule=Rule.STALE_DEADLINE,
+            target=timer.unit,
+            sandbox_id=timer.sandbox_id,
+            deadline=timer.at,
+            reason=f"sandbox {timer.sandbox_id} is gone",
+        )
+        for timer in sorted(observed.timers, key=lambda t: t.unit)
+        if timer.sandbox_id not in sandboxes and timer.sandbox_id not in observed.in_flight
+    ]
+
+
+def _leftover_files(observed: Observed, alive: dict[str, Sandbox]) -> list[Action]:
+    return [
+        Action(
+            kind=Kind.REMOVE_FILES,
+            rule=Rule.LEFTOVER_FILES,
+            target=sandbox_id,
+            sandbox_id=sandbox_id,
+            reason=f"sandbox {sandbox_id} is gone",
+        )
+        for sandbox_id in sorted(observed.state_dirs)
+        if sandbox_id not in alive and sandbox_id not in observed.in_flight
+    ]
+
+
+def _empty_slices(observed: Observed, alive: dict[str, Sandbox]) -> list[Action]:
+    """User and project slices nothing uses once the removals are done; projects first."""
+    used = {(s.user, s.project) for s in alive.values()} | set(observed.in_flight.values())
+    users = {user for user, _ in used}
+    projects, user_level = [], []
+    for unit in sorted(observed.slices):
+        try:
+            user, project = parse_slice(unit)
+        except SliceboxError:
+            continue  # not a name slicebox makes: not ours to stop
+        if project is None and user not in users:
+            user_level.append(_slice_action(unit, user, "", f"no sandbox of user {user} is left"))
+        elif project is not None and (user, project) not in used:
+            reason = f"no sandbox of {user}/{project} is left"
+            projects.append(_slice_action(unit, user, project, reason))
+    return projects + user_level
+
+
+def _slice_action(unit: str, user: str, project: str, reason: str) -> Action:
+    return Action(
+        kind=Kind.STOP_SLICE,
+        rule=Rule.EMPTY_SLICE,
+        target=unit,
+        user=user,
+        project=project,
+        reason=reason,
+    )
+
+
+def _about(sandbox: Sandbox, kind: Kind, rule: Rule, reason: str) -> Action:
+    return Action(
+        kind=kind,
+        rule=rule,
+        target=sandbox.id,
+        reason=reason,
+        sandbox_id=sandbox.id,
+        container_id=sandbox.container_id,
+        user=sandbox.user,
+        project=sandbox.project,
+        root_task_id=sandbox.lineage.root_task_id,
+        depth=sandbox.lineage.depth,
+    )
+
+
+FinalUsage = Callable[[Sandbox], "dict[str, object] | None"]

@@ -1,0 +1,370 @@
+"""The sandbox lifecycle: create in the slice tree with security defaults, inspect, list,
+destroy idempotently, cascade-destroy a task tree deepest first.
+
+Everything a sandbox is lives in its container's immutable labels (see :mod:`slicebox.model.labels`)
+and in systemd; this module keeps no state of its own. A create that fails after it made
+something (a container, a slice) removes what it made before the error reaches the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import PurePosixPath
+
+from pydantic import BaseModel, ConfigDict
+
+from slicebox.backends.docker import BindMount, ContainerInfo, ContainerRequest, DockerApi
+from slicebox.core.deadlines import Deadlines
+from slicebox.core.policy import Admitted, admit
+from slicebox.core.slices import SliceManager
+from slicebox.model.config import Config
+from slicebox.model.errors import InvalidRequest, NotFound
+from slicebox.model.labels import Lineage, decode, selector
+from slicebox.model.limits import Limits, nano_cpus
+from slicebox.model.names import CGROUP_ROOT, SliceCgroups, SliceNames, scope_name, slice_names
+from slicebox.model.spec import MountKind, SandboxSpec
+
+log = logging.getLogger(__name__)
+
+
+# A sandbox without a command of its own stays up for execs, as the seeds' pool containers do.
+KEEP_ALIVE = ("sleep", "infinity")
+
+
+def new_sandbox_id() -> str:
+    return "sbx-" + secrets.token_hex(6)
+
+
+class Sandbox(BaseModel):
+    """A sandbox as its labels and container describe it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    container_id: str
+    user: str
+    project: str
+    lineage: Lineage
+    limits: Limits
+    backend: str
+    created_at: datetime
+    expires_at: datetime | None
+
+    @classmethod
+    def from_container(cls, info: ContainerInfo) -> Sandbox:
+        lineage = decode(info.labels)
+        return cls(
+            id=lineage.sandbox_id,
+            container_id=info.id,
+            user=lineage.user,
+            project=lineage.project,
+            lineage=lineage,
+            limits=Limits(
+                cpus=lineage.provisioned_cpu,
+                memory_bytes=lineage.provisioned_memory_bytes,
+                pids=lineage.provisioned_pids,
+            ),
+            backend=lineage.backend,
+            created_at=lineage.created_at,
+            expires_at=lineage.expires_at,
+        )
+
+    def slices(self) -> SliceNames:
+        return slice_names(self.user, self.project)
+
+    def slice_cgroups(self, root: PurePosixPath = CGROUP_ROOT) -> SliceCgroups:
+        """The cgroup directories of the managed, user and project slices."""
+        return self.slices().cgroups(root)
+
+    def scope_cgroup(self, root: PurePosixPath = CGROUP_ROOT) -> PurePosixPath:
+        """The cgroup directory of the container's scope (exec'd processes land here too)."""
+        return self.slice_cgroups(root).project / scope_name(self.container_id)
+
+
+class SandboxManager:
+    def __init__(
+        self,
+        docker: DockerApi,
+        slices: SliceManager,
+        *,
+        config: Config,
+        host_memory: int,
+        instance_id: str,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        new_id: Callable[[], str] = new_sandbox_id,
+        deadlines: Deadlines | None = None,
+    ) -> None:
+        self._docker = docker
+        self._slices = slices
+        self._config = config
+        self._host_memory = host_memory
+        self._instance_id = instance_id
+        self._clock = clock
+        self._new_id = new_id
+        self._deadlines = deadlines
+        # Creates in progress, by sandbox id: the reaper must not take their half-made
+        # containers and slices for leftovers. A create registers before it ensures its
+        # slices, and a slice is stopped only under the same lock after checking this.
+        self._in_flight: dict[str, tuple[str, str]] = {}
+        self._placing = threading.Lock()
+
+    @property
+    def instance_id(self) -> str:
+        return self._instance_id
+
+    @property
+    def config(self) -> Config:
+        """The configuration in force (``reconfigure`` replaces it on reload)."""
+        return self._config
+
+    @property
+    def deadlines(self) -> Deadlines | None:
+        return self._deadlines
+
+    def in_flight(self) -> dict[str, tuple[str, str]]:
+        """Sandbox id -> (user, project) of every create still in progress."""
+        with self._placing:
+            return dict(self._in_flight)
+
+    def reconfigure(self, config: Config) -> None:
+        """Use ``config`` from now on (``systemctl reload``); running sandboxes keep theirs."""
+        self._config = config
+
+    def create(self, spec: SandboxSpec) -> Sandbox:
+        """Admit, place and start a sandbox; on any failure nothing is left behind."""
+        admitted = admit(spec, self._config, self._host_memory)
+        lineage = self._lineage(admitted)
+        self._ensure_image(admitted.image)
+        with self._creating(lineage):
+            made = self._ensure_slices(admitted, lineage.sandbox_id)
+            try:
+                container_id = self._start(_request(admitted, lineage))
+            except BaseException:
+                self._undo(made, lineage.sandbox_id)
+                raise
+            try:
+                self._arm(lineage.sandbox_id, container_id, lineage.expires_at)
+            except BaseException:
+                self.remove_container(container_id)
+                self._undo(made, lineage.sandbox_id)
+                raise
+        log.info(
+            "created %s (%s) in %s",
+            lineage.sandbox_id,
+            container_id[:12],
+            admitted.placement.names.project,
+        )
+        info = self._docker.inspect(container_id)
+        if info is None:
+            raise NotFound(f"sandbox {lineage.sandbox_id} vanished right after it started")
+        return Sandbox.from_container(info)
+
+    def get(self, sandbox_id: str, *, current_deadline: bool = False) -> Sandbox:
+        """The sandbox; with ``current_deadline`` its ``expires_at`` is the one systemd holds
+        now (one more systemd call), otherwise the one its labels were created with."""
+        found = self._docker.find(selector(sandbox_id=sandbox_id))
+        if not found:
+            raise NotFound(f"no sandbox {sandbox_id}; list sandboxes to see the ids")
+        sandbox = Sandbox.from_container(found[0])
+        return self._with_deadlines([sandbox])[0] if current_deadline else sandbox
+
+    def find(self, **labels: str) -> list[Sandbox]:
+        """Sandboxes whose labels match, e.g. ``list(user='alice', root_task_id='t1')``."""
+        found = [Sandbox.from_container(info) for info in self._docker.find(selector(**labels))]
+        return self._with_deadlines(found)
+
+    def extend(self, sandbox_id: str, ttl_seconds: int) -> Sandbox:
+        """Move the sandbox's deadline to ``ttl_seconds`` from now (sooner or later)."""
+        if self._deadlines is None:
+            raise InvalidRequest("this agent enforces no deadlines; extending needs systemd")
+        sandbox = self.get(sandbox_id)
+        at = self._clock() + timedelta(seconds=ttl_seconds)
+        self._deadlines.arm(sandbox.id, sandbox.container_id, at)
+        log.info("deadline of %s is now %s", sandbox_id, at.isoformat())
+        return sandbox.model_copy(update={"expires_at": at.replace(microsecond=0)})
+
+    def arm_deadline(self, sandbox: Sandbox) -> None:
+        """Arm the deadline the labels give (start-up reconciliation of a missing timer)."""
+        self._arm(sandbox.id, sandbox.container_id, sandbox.expires_at)
+
+    def destroy(self, sandbox_id: str) -> Sandbox | None:
+        """Remove a sandbox; None when there was none (destroying twice is fine)."""
+        try:
+            sandbox = self.get(sandbox_id)
+        except NotFound:
+            return None
+        self._docker.remove(sandbox.container_id)
+        self._slices.wait_stopped(scope_name(sandbox.container_id))
+        if self._deadlines is not None:
+            self._deadlines.disarm(sandbox.id)
+        self.remove_empty_slices(sandbox.user, sandbox.project)
+        log.info("destroyed %s", sandbox_id)
+        return sandbox
+
+    def remove_container(self, container_id: str) -> bool:
+        """Remove a container whatever its labels say (the reaper's last resort)."""
+        gone = self._docker.remove(container_id)
+        self._slices.wait_stopped(scope_name(container_id))
+        return gone
+
+    def stop_slice_if_idle(self, unit: str, *, creating: str | None = None) -> bool:
+        """Stop a user or project slice that holds nothing and that no create (other than
+        ``creating``, the one undoing itself) is placing into."""
+        with self._placing:
+            busy = self._busy_slices(exclude=creating)
+            return unit not in busy and self._slices.remove_if_empty(unit)
+
+    def destroy_tree(self, root_task_id: str) -> list[Sandbox]:
+        """Destroy every sandbox of a root task, children before parents (deepest first)."""
+        members = sorted(self.find(root_task_id=root_task_id), key=lambda s: -s.lineage.depth)
+        return [gone for member in members if (gone := self.destroy(member.id)) is not None]
+
+    def remove_empty_slices(self, user: str, project: str) -> None:
+        """Stop the project and user slices when no sandbox of theirs is left."""
+        names = slice_names(user, project)
+        if not self._docker.find(selector(user=user, project=project)):
+            self.stop_slice_if_idle(names.project)
+        if not self._docker.find(selector(user=user)):
+            self.stop_slice_if_idle(names.user)
+
+    @contextmanager
+    def _creating(self, lineage: Lineage) -> Iterator[None]:
+        with self._placing:
+            self._in_flight[lineage.sandbox_id] = (lineage.user, lineage.project)
+        try:
+            yield
+        finally:
+            with self._placing:
+                del self._in_flight[lineage.sandbox_id]
+
+    def _arm(self, sandbox_id: str, container_id: str, at: datetime | None) -> None:
+        if self._deadlines is not None and at is not None:
+            self._deadlines.arm(sandbox_id, container_id, at)
+
+    def _with_deadlines(self, sandboxes: list[Sandbox]) -> list[Sandbox]:
+        """The deadlines systemd holds now override the labels' (they may be extended)."""
+        if self._deadlines is None or not sandboxes:
+            return sandboxes
+        current = self._deadlines.current()
+        return [
+            s.model_copy(update={"expires_at": current[s.id]}) if s.id in current else s
+            for s in sandboxes
+        ]
+
+    def _lineage(self, admitted: Admitted) -> Lineage:
+        spec, limits, now = admitted.spec, admitted.limits, self._clock()
+        sandbox_id = self._new_id()
+        task_id = spec.task_id or sandbox_id
+        root, depth = self._ancestry(spec, task_id)
+        ttl = spec.ttl_seconds or self._config.default_ttl_seconds
+        return Lineage(
+            sandbox_id=sandbox_id,
+            instance_id=self._instance_id,
+            root_task_id=root,
+            task_id=task_id,
+            parent_id=spec.parent_id or "",
+            depth=depth,
+            user=spec.user,
+            project=spec.project,
+            backend=spec.backend.value,
+            created_at=now,
+            expires_at=None if ttl is None else now + timedelta(seconds=ttl),
+            provisioned_cpu=limits.cpus,
+            provisioned_memory_bytes=limits.memory_bytes,
+            provisioned_pids=limits.pids,
+            pool=spec.pool,
+        )
+
+    def _ancestry(self, spec: SandboxSpec, task_id: str) -> tuple[str, int]:
+        """(root task id, depth): a child inherits its parent's root task."""
+        if spec.parent_id is None:
+            return spec.root_task_id or task_id, 0
+        parent = self.get(spec.parent_id)
+        if parent.user != spec.user:
+            raise NotFound(f"no sandbox {spec.parent_id}; list sandboxes to see the ids")
+        root = parent.lineage.root_task_id
+        if spec.root_task_id not in (None, root):
+            raise InvalidRequest(
+                f"root_task_id {spec.root_task_id!r} differs from the parent's {root!r}; "
+                "leave root_task_id out for a child sandbox"
+            )
+        return root, parent.lineage.depth + 1
+
+    def _ensure_image(self, image: str) -> None:
+        if not self._docker.has_image(image):
+            self._docker.pull(image)
+
+    def _start(self, request: ContainerRequest) -> str:
+        container_id = self._docker.create(request)
+        try:
+            self._docker.start(container_id)
+        except BaseException:
+            self._docker.remove(container_id)
+            self._slices.wait_stopped(scope_name(container_id))  # or its slice is not empty
+            raise
+        return container_id
+
+    def _ensure_slices(self, admitted: Admitted, sandbox_id: str) -> list[str]:
+        """Ensure the three slices top down; the ones this call created."""
+        placement, made = admitted.placement, list[str]()
+        levels = (
+            (placement.names.managed, placement.managed),
+            (placement.names.user, placement.user),
+            (placement.names.project, placement.project),
+        )
+        try:
+            for unit, ceiling in levels:
+                if self._slices.ensure(unit, ceiling) and unit != placement.names.managed:
+                    made.append(unit)
+        except BaseException:
+            self._undo(made, sandbox_id)
+            raise
+        return made
+
+    def _undo(self, made: list[str], sandbox_id: str) -> None:
+        """Stop the slices a failed create made, deepest first (the managed one stays),
+        unless another create is placing into them."""
+        for unit in reversed(made):
+            self.stop_slice_if_idle(unit, creating=sandbox_id)
+
+    def _busy_slices(self, exclude: str | None = None) -> set[str]:
+        """The user and project slices creates in progress are placing into."""
+        busy = set[str]()
+        for sandbox_id, (user, project) in self._in_flight.items():
+            if sandbox_id != exclude:
+                names = slice_names(user, project)
+                busy |= {names.user, names.project}
+        return busy
+
+
+def _request(admitted: Admitted, lineage: Lineage) -> ContainerRequest:
+    spec, limits = admitted.spec, admitted.limits
+    return ContainerRequest(
+        name=lineage.sandbox_id,
+        image=admitted.image,
+        command=spec.command if spec.command is not None else KEEP_ALIVE,
+        labels=lineage.to_labels(),
+        cgroup_parent=admitted.placement.names.project,
+        memory_bytes=limits.memory_bytes,
+        nano_cpus=nano_cpus(limits.cpus),
+        pids=limits.pids,
+        network=spec.network,
+        env=spec.env,
+        user=spec.run_as,
+        workdir=spec.workdir,
+        mounts=tuple(
+            BindMount(
+                source=m.source,
+                target=m.target,
+                read_only=m.read_only,
+                volume=m.kind is MountKind.VOLUME,
+            )
+            for m in spec.mounts
+        ),
+        cap_add=tuple(cap.upper().removeprefix("CAP_") for cap in spec.cap_add),
+    )

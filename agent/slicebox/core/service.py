@@ -1,0 +1,252 @@
+"""The agent's core: every action a caller can take, with its authorization and its audit.
+
+The HTTP layer (:mod:`slicebox.server.routes`) only parses and serializes; this module decides
+who may do what and records it. A caller sees only its own user's sandboxes: another user's sandbox
+answers exactly like one that does not exist (``not_found``). Each action writes one audit
+record, refusals included, with the caller the kernel identified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import PurePosixPath
+
+from slicebox.core.execution import ExecEngine
+from slicebox.core.reaper import Reaper
+from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.telemetry import SandboxCgroups, SandboxMeta, TreeReader, UsageReader
+from slicebox.host.identity import Identity
+from slicebox.host.journal import Auditor
+from slicebox.model.api import (
+    CreateSandbox,
+    Destroyed,
+    Extend,
+    ReapRequest,
+    RunRequest,
+    RunResult,
+    SandboxView,
+)
+from slicebox.model.audit import AuditEvent, AuditRecord
+from slicebox.model.errors import (
+    AdmissionRefused,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    SliceboxError,
+)
+from slicebox.model.exec import ExecRequest, ExecResult, StreamChunk
+from slicebox.model.reaper import Report
+from slicebox.model.spec import SandboxSpec
+from slicebox.model.usage import LevelNode, ResourceUsage
+
+log = logging.getLogger(__name__)
+
+REFUSALS = (InvalidRequest, AdmissionRefused, Forbidden)
+
+
+def view_of(sandbox: Sandbox) -> SandboxView:
+    lineage = sandbox.lineage
+    return SandboxView(
+        id=sandbox.id,
+        container_id=sandbox.container_id,
+        user=sandbox.user,
+        project=sandbox.project,
+        backend=sandbox.backend,
+        created_at=sandbox.created_at,
+        expires_at=sandbox.expires_at,
+        root_task_id=lineage.root_task_id,
+        task_id=lineage.task_id,
+        parent_id=lineage.parent_id,
+        depth=lineage.depth,
+        limits=sandbox.limits,
+    )
+
+
+def cgroups_of(sandbox: Sandbox) -> SandboxCgroups:
+    return SandboxCgroups.of_scope(str(sandbox.scope_cgroup(PurePosixPath("/"))))
+
+
+class Service:
+    def __init__(
+        self,
+        sandboxes: SandboxManager,
+        engine: ExecEngine,
+        *,
+        usage: UsageReader,
+        tree: TreeReader,
+        auditor: Auditor,
+        pid_of: Callable[[str], int | None],
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        reaper: Reaper | None = None,
+    ) -> None:
+        self._reaper = reaper
+        self._sandboxes = sandboxes
+        self._engine = engine
+        self._usage = usage
+        self._tree = tree
+        self._auditor = auditor
+        self._pid_of = pid_of
+        self._clock = clock
+
+    # --- sandboxes -------------------------------------------------------------------------
+
+    def create(self, who: Identity, request: CreateSandbox) -> SandboxView:
+        with self._audit(AuditEvent.SANDBOX_CREATED, who, project=request.project) as record:
+            spec = SandboxSpec.model_validate(
+                {**request.model_dump(), "user": who.acting_user(request.user)}
+            )
+            sandbox = self._sandboxes.create(spec)
+            record.update(_subject(sandbox))
+            return view_of(sandbox)
+
+    def list_sandboxes(self, who: Identity) -> list[SandboxView]:
+        found = self._sandboxes.find() if who.is_admin else self._sandboxes.find(user=who.user_name)
+        return [view_of(sandbox) for sandbox in found]
+
+    def get(self, who: Identity, sandbox_id: str) -> SandboxView:
+        return view_of(self._visible(who, sandbox_id, current_deadline=True))
+
+    def destroy(self, who: Identity, sandbox_id: str) -> Destroyed:
+        """Idempotent: a sandbox already gone (or never the caller's) is ``destroyed: false``."""
+        try:
+            sandbox = self._visible(who, sandbox_id)
+        except NotFound:
+            return Destroyed(id=sandbox_id, destroyed=False)
+        return self._destroy(who, sandbox)
+
+    def destroy_tree(self, who: Identity, root_task_id: str) -> list[Destroyed]:
+        """Every sandbox of a root task the caller may see, children before parents."""
+        members = [
+            s for s in self._sandboxes.find(root_task_id=root_task_id) if who.may_see(s.user)
+        ]
+        members.sort(key=lambda s: -s.lineage.depth)
+        return [self._destroy(who, sandbox) for sandbox in members]
+
+    def extend(self, who: Identity, sandbox_id: str, request: Extend) -> SandboxView:
+        sandbox = self._visible(who, sandbox_id)
+        with self._audit(AuditEvent.DEADLINE_CHANGED, who, **_subject(sandbox)) as record:
+            extended = self._sandboxes.extend(sandbox.id, request.ttl_seconds)
+            expires = extended.expires_at.isoformat() if extended.expires_at else "none"
+            record["detail"] = f"expires_at {expires}"
+            return view_of(extended)
+
+    def reap(self, who: Identity, request: ReapRequest) -> Report:
+        """One reaper pass now (admins only: it acts on every user's sandboxes)."""
+        if not who.is_admin:
+            raise Forbidden("only root and members of group slicebox-admin may run the reaper")
+        if self._reaper is None:
+            raise NotFound("this agent runs no reaper")
+        return self._reaper.run(dry_run=request.dry_run)
+
+    def final_usage_wire(self, sandbox: Sandbox) -> dict[str, object] | None:
+        """The final usage as the audit records it (for the reaper's destroys)."""
+        usage = self._final_usage(sandbox)
+        return usage.to_wire() if usage else None
+
+    def _destroy(self, who: Identity, sandbox: Sandbox) -> Destroyed:
+        with self._audit(AuditEvent.SANDBOX_DESTROYED, who, **_subject(sandbox)) as record:
+            usage = self._final_usage(sandbox)
+            gone = self._sandboxes.destroy(sandbox.id) is not None
+            record["usage"] = usage.to_wire() if usage else None
+            return Destroyed(id=sandbox.id, destroyed=gone, usage=usage)
+
+    # --- exec ------------------------------------------------------------------------------
+
+    def exec(self, who: Identity, sandbox_id: str, request: ExecRequest) -> ExecResult:
+        sandbox = self._visible(who, sandbox_id)
+        with self._audit(AuditEvent.EXEC, who, **_subject(sandbox)) as record:
+            result = self._engine.run(sandbox.container_id, request)
+            record["exit_code"] = result.exit_code
+            return result
+
+    def exec_stream(
+        self, who: Identity, sandbox_id: str, request: ExecRequest
+    ) -> Iterator[StreamChunk | ExecResult]:
+        sandbox = self._visible(who, sandbox_id)
+        with self._audit(AuditEvent.EXEC, who, **_subject(sandbox)) as record:
+            for event in self._engine.stream(sandbox.container_id, request):
+                if isinstance(event, ExecResult):
+                    record["exit_code"] = event.exit_code
+                yield event
+
+    def run(self, who: Identity, request: RunRequest) -> RunResult:
+        """Create, exec, destroy; the sandbox is destroyed whatever the exec did."""
+        view = self.create(who, request.sandbox)
+        try:
+            result = self.exec(who, view.id, request.exec)
+        finally:
+            destroyed = self.destroy(who, view.id)
+        return RunResult(sandbox_id=view.id, result=result, usage=destroyed.usage)
+
+    # --- telemetry -------------------------------------------------------------------------
+
+    def usage(self, who: Identity, sandbox_id: str) -> ResourceUsage:
+        sandbox = self._visible(who, sandbox_id)
+        return self._usage.usage(cgroups_of(sandbox), self._meta(sandbox))
+
+    def level_tree(self, who: Identity) -> LevelNode:
+        """The whole tree for admins; for everyone else, their own user level only."""
+        tree = self._tree.tree()
+        if who.is_admin:
+            return tree
+        own = [node for node in tree.children if node.name == who.user_name]
+        if not own:
+            raise NotFound(f"no sandboxes for user {who.user_name} yet; create one first")
+        return own[0]
+
+    def _final_usage(self, sandbox: Sandbox) -> ResourceUsage | None:
+        try:
+            return self._usage.final_usage(cgroups_of(sandbox), self._meta(sandbox), self._clock())
+        except Exception:
+            log.exception("could not read the final usage of %s", sandbox.id)
+            return None
+
+    def _meta(self, sandbox: Sandbox) -> SandboxMeta:
+        return SandboxMeta(
+            backend=sandbox.backend,
+            created_at=sandbox.created_at,
+            cpu=sandbox.limits.cpus,
+            memory_bytes=sandbox.limits.memory_bytes,
+            init_pid=self._pid_of(sandbox.container_id),
+        )
+
+    # --- authorization and audit -----------------------------------------------------------
+
+    def _visible(
+        self, who: Identity, sandbox_id: str, *, current_deadline: bool = False
+    ) -> Sandbox:
+        sandbox = self._sandboxes.get(sandbox_id, current_deadline=current_deadline)
+        if not who.may_see(sandbox.user):
+            # The same answer as for a sandbox that does not exist: nothing leaks.
+            raise NotFound(f"no sandbox {sandbox_id}; list sandboxes to see the ids")
+        return sandbox
+
+    @contextlib.contextmanager
+    def _audit(
+        self, event: AuditEvent, who: Identity, **fields: object
+    ) -> Iterator[dict[str, object]]:
+        record: dict[str, object] = {"event": event, "caller": who.caller, **fields}
+        try:
+            yield record
+        except SliceboxError as exc:
+            refused = isinstance(exc, REFUSALS) and event == AuditEvent.SANDBOX_CREATED
+            record["event"] = AuditEvent.REQUEST_REFUSED if refused else event
+            self._auditor.record(AuditRecord.model_validate({**record, "result": exc.code}))
+            raise
+        except Exception:
+            self._auditor.record(AuditRecord.model_validate({**record, "result": "internal"}))
+            raise
+        self._auditor.record(AuditRecord.model_validate(record))
+
+
+def _subject(sandbox: Sandbox) -> dict[str, object]:
+    return {
+        "sandbox_id": sandbox.id,
+        "root_task_id": sandbox.lineage.root_task_id,
+        "task_id": sandbox.lineage.task_id,
+        "user": sandbox.user,
+        "project": sandbox.project,
+    }

@@ -1,0 +1,123 @@
+"""Who is calling: the kernel's answer (SO_PEERCRED), never what a request claims.
+
+The user level of the slice tree defaults to the caller's user name. Root and members of the
+admin group (``slicebox-admin``) may act for any user name, as an orchestrator serving many
+people does. Everyone else acts only for themselves; another user's sandboxes answer 404.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import socket
+import struct
+from pathlib import Path
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+from slicebox.model.audit import Caller
+from slicebox.model.errors import Forbidden
+
+ADMIN_GROUP = "slicebox-admin"
+_UCRED = struct.Struct("3i")  # struct ucred { pid_t pid; uid_t uid; gid_t gid; }
+
+
+class PeerCredentials(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    pid: int
+    uid: int
+    gid: int
+
+
+class SocketOptions(Protocol):
+    """What reading SO_PEERCRED needs of a socket (a socket.socket, or aiohttp's wrapper)."""
+
+    def getsockopt(self, level: int, option: int, buflen: int, /) -> bytes: ...
+
+
+def peer_credentials(sock: SocketOptions) -> PeerCredentials:
+    """The credentials the kernel recorded for the peer of a unix socket when it connected."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    pid, uid, gid = _UCRED.unpack(raw)
+    return PeerCredentials(pid=pid, uid=uid, gid=gid)
+
+
+class UserDirectory(Protocol):
+    def user_name(self, uid: int) -> str | None: ...
+
+    def group_names(self, user: str, gid: int) -> frozenset[str]: ...
+
+
+class SystemUsers:
+    """The host's user database (NSS), as the socket's group check sees it."""
+
+    def user_name(self, uid: int) -> str | None:
+        try:
+            return pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return None
+
+    def group_names(self, user: str, gid: int) -> frozenset[str]:
+        names = set()
+        for group_id in os.getgrouplist(user, gid):
+            try:
+                names.add(grp.getgrgid(group_id).gr_name)
+            except KeyError:
+                continue
+        return frozenset(names)
+
+
+class Identity(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    uid: int
+    gid: int
+    pid: int
+    user_name: str
+    is_admin: bool
+    comm: str = ""
+
+    @property
+    def caller(self) -> Caller:
+        return Caller(uid=self.uid, gid=self.gid, pid=self.pid, comm=self.comm)
+
+    def acting_user(self, requested: str | None) -> str:
+        """The user level a request acts for: the caller's own unless an admin names another."""
+        if requested is None or requested == self.user_name:
+            return self.user_name
+        if not self.is_admin:
+            raise Forbidden(
+                f"uid {self.uid} ({self.user_name}) may not act for user {requested!r}; only "
+                f"root and members of group {ADMIN_GROUP} may. Leave 'user' out to act as yourself."
+            )
+        return requested
+
+    def may_see(self, owner: str) -> bool:
+        return self.is_admin or owner == self.user_name
+
+
+def resolve(
+    creds: PeerCredentials, users: UserDirectory, admin_group: str = ADMIN_GROUP
+) -> Identity:
+    """Turn kernel credentials into an identity. A uid without a name acts as ``uid<N>``."""
+    name = users.user_name(creds.uid)
+    groups = users.group_names(name, creds.gid) if name else frozenset()
+    return Identity(
+        uid=creds.uid,
+        gid=creds.gid,
+        pid=creds.pid,
+        user_name=name or f"uid{creds.uid}",
+        is_admin=creds.uid == 0 or admin_group in groups,
+        comm=_comm(creds.pid),
+    )
+
+
+def _comm(pid: int) -> str:
+    """The caller's command name; the process may already be gone, which is not an error."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""

@@ -1,0 +1,207 @@
+"""The small part of systemd slicebox needs, and its pystemd implementation (system bus).
+
+A systemd call is done when its job is done: :class:`PystemdSystemd` waits until the job has
+left systemd's queue (bounded by a timeout), then checks the unit's state; a start that ends
+``failed`` is retried once after ``ResetFailedUnit``, as containerd does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+from slicebox.model.errors import HostError
+from slicebox.model.limits import Property
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+ACTIVE = frozenset({"active", "activating", "reloading"})
+TIMER_ACCURACY_USEC = 1_000_000  # systemd coalesces timers by a minute unless told otherwise
+
+
+class UnitStatus(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    load_state: str  # loaded, not-found, stub...
+    active_state: str  # active, inactive, failed...
+    fragment_path: str = ""  # the unit file, when one is installed
+
+    @property
+    def installed(self) -> bool:
+        return bool(self.fragment_path)
+
+    @property
+    def active(self) -> bool:
+        return self.active_state in ACTIVE
+
+
+class Systemd(Protocol):
+    """Everything the slice manager asks of systemd. Each call returns once systemd is done."""
+
+    def status(self, unit: str) -> UnitStatus: ...
+
+    def start_transient(self, unit: str, properties: Sequence[Property], description: str) -> None:
+        """Start a new transient unit with ``properties``."""
+
+    def set_properties(self, unit: str, properties: Sequence[Property]) -> None:
+        """Change a unit's properties now and until reboot (runtime drop-ins)."""
+
+    def start(self, unit: str) -> None: ...
+
+    def stop(self, unit: str) -> None: ...
+
+    def has_children(self, unit: str) -> bool:
+        """Whether anything (a scope, a child slice) is running inside the unit."""
+
+    def list_units(self, pattern: str, *, active_only: bool = False) -> list[str]:
+        """Names of the loaded units matching a glob (only the active ones, if asked)."""
+
+    def start_timer(self, timer: str, at: datetime, argv: Sequence[str], description: str) -> None:
+        """Start a transient ``timer`` that runs ``argv`` (as a transient service of the same
+        name) once at the wall-clock time ``at``, whether or not slicebox is still running."""
+
+
+class PystemdSystemd:
+    """:class:`Systemd` over D-Bus with pystemd."""
+
+    def __init__(
+        self,
+        timeout: float = 30.0,
+        cgroup_root: Path = Path("/sys/fs/cgroup"),
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self._timeout = timeout
+        self._cgroup_root = cgroup_root
+        self._clock = clock
+        self._sleep = sleep
+
+    def status(self, unit: str) -> UnitStatus:
+        with _unit(unit) as handle:
+            return UnitStatus(
+                load_state=handle.Unit.LoadState.decode(),
+                active_state=handle.Unit.ActiveState.decode(),
+                fragment_path=handle.Unit.FragmentPath.decode(),
+            )
+
+    def start_transient(self, unit: str, properties: Sequence[Property], description: str) -> None:
+        props: dict[bytes, Any] = _props(properties)
+        props[b"Description"] = description.encode()
+        self._run_retrying(unit, lambda m: m.StartTransientUnit(unit.encode(), b"fail", props))
+
+    def set_properties(self, unit: str, properties: Sequence[Property]) -> None:
+        with _manager() as manager:
+            _call(
+                unit,
+                lambda: manager.Manager.SetUnitProperties(unit.encode(), True, _props(properties)),
+            )
+
+    def start(self, unit: str) -> None:
+        self._run_retrying(unit, lambda m: m.StartUnit(unit.encode(), b"fail"))
+
+    def stop(self, unit: str) -> None:
+        self._run(unit, lambda m: m.StopUnit(unit.encode(), b"fail"))
+        if self.status(unit).active:
+            raise HostError(f"systemd did not stop {unit}; see `systemctl status {unit}`")
+
+    def has_children(self, unit: str) -> bool:
+        with _unit(unit) as handle:
+            group = handle.Slice.ControlGroup.decode().lstrip("/")
+        directory = self._cgroup_root / group
+        try:
+            return any(entry.is_dir() for entry in directory.iterdir()) if group else False
+        except FileNotFoundError:
+            return False
+
+    def list_units(self, pattern: str, *, active_only: bool = False) -> list[str]:
+        states = ["active"] if active_only else []
+        with _manager() as manager:
+            units = _call(pattern, lambda: manager.Manager.ListUnitsByPatterns(states, [pattern]))
+        return sorted(entry[0].decode() for entry in units)
+
+    def start_timer(self, timer: str, at: datetime, argv: Sequence[str], description: str) -> None:
+        service = timer.removesuffix(".timer") + ".service"
+        calendar = at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC").encode()
+        props: dict[bytes, Any] = {
+            b"Description": description.encode(),
+            b"TimersCalendar": [(b"OnCalendar", calendar)],
+            b"AccuracyUSec": TIMER_ACCURACY_USEC,
+            b"RemainAfterElapse": False,
+        }
+        command = [(argv[0].encode(), [arg.encode() for arg in argv], False)]
+        aux = {
+            b"Description": description.encode(),
+            b"ExecStart": command,
+            b"CollectMode": b"inactive-or-failed",
+        }
+        _known_signatures()
+        self._run(
+            timer,
+            lambda m: m.StartTransientUnit(
+                timer.encode(), b"fail", props, [(service.encode(), aux)]
+            ),
+        )
+        if not self.status(timer).active:
+            raise HostError(f"systemd did not start {timer}; see `systemctl status {timer}`")
+
+    def _run_retrying(self, unit: str, call: Callable[[Any], bytes]) -> None:
+        self._run(unit, call)
+        if self.status(unit).active_state != "failed":
+            return
+        log.warning("%s failed to start; resetting it and retrying once", unit)
+        with _manager() as manager:
+            _call(unit, lambda: manager.Manager.ResetFailedUnit(unit.encode()))
+        self._run(unit, call)
+        if not self.status(unit).active:
+            raise HostError(f"systemd could not start {unit}; see `journalctl -u {unit}`")
+
+    def _run(self, unit: str, call: Callable[[Any], bytes]) -> None:
+        with _manager() as manager:
+            job = _call(unit, lambda: call(manager.Manager))
+            self._wait_job(manager, unit, job)
+
+    def _wait_job(self, manager: Any, unit: str, job: bytes) -> None:
+        deadline = self._clock() + self._timeout
+        while any(entry[4] == job for entry in manager.Manager.ListJobs()):
+            if self._clock() > deadline:
+                raise HostError(f"systemd job for {unit} did not finish in {self._timeout}s")
+            self._sleep(0.05)
+
+
+def _known_signatures() -> None:
+    """Teach pystemd the D-Bus types of the timer properties its table lacks."""
+    from pystemd.systemd1.unit_signatures import KNOWN_UNIT_SIGNATURES
+
+    KNOWN_UNIT_SIGNATURES.setdefault(b"AccuracyUSec", b"t")
+
+
+def _props(properties: Sequence[Property]) -> dict[bytes, Any]:
+    return {name.encode(): value for name, value in properties}
+
+
+def _call(unit: str, call: Callable[[], R]) -> R:
+    from pystemd.dbusexc import DBusBaseError
+
+    try:
+        return call()
+    except DBusBaseError as exc:
+        raise HostError(f"systemd refused an operation on {unit}: {exc}") from exc
+
+
+def _manager() -> Any:
+    from pystemd.systemd1 import Manager
+
+    return Manager(_autoload=True)
+
+
+def _unit(unit: str) -> Any:
+    from pystemd.systemd1 import Unit
+
+    return Unit(unit.encode(), _autoload=True)

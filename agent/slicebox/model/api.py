@@ -1,0 +1,106 @@
+"""The agent's API as data: every request and answer body of ``/v1``, shared by the server,
+the OpenAPI document and the Python client (which imports nothing but this layer)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field, RootModel
+
+from slicebox.model.exec import ExecRequest, ExecResult
+from slicebox.model.limits import Limits
+from slicebox.model.spec import SandboxSpec
+from slicebox.model.usage import ResourceUsage
+
+
+class ErrorBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    code: str
+    message: str
+    field: str | None = None
+
+
+class Health(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    status: str
+    version: str
+    user: str
+    admin: bool
+
+
+class CreateSandbox(SandboxSpec):
+    """A create request: ``user`` defaults to the caller (only admins may name another)."""
+
+    user: str | None = None  # type: ignore[assignment]
+
+
+class SandboxView(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    container_id: str
+    user: str
+    project: str
+    backend: str
+    created_at: datetime
+    expires_at: datetime | None
+    root_task_id: str
+    task_id: str
+    parent_id: str
+    depth: int
+    limits: Limits
+
+
+class Destroyed(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    destroyed: bool
+    usage: ResourceUsage | None = None
+
+
+class Extend(BaseModel):
+    """A new deadline, ``ttl_seconds`` from now; the labels keep the original one."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ttl_seconds: int = Field(gt=0, le=366 * 24 * 3600)
+
+
+class ReapRequest(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dry_run: bool = False
+
+
+class RunRequest(BaseModel):
+    """The seeds' one-shot ``execute(request, config)``: a sandbox made, used once, destroyed."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sandbox: CreateSandbox
+    exec: ExecRequest
+
+
+class RunResult(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    sandbox_id: str
+    result: ExecResult
+    usage: ResourceUsage | None
+
+
+class SandboxList(RootModel[list[SandboxView]]):
+    pass
+
+
+class DestroyedList(RootModel[list[Destroyed]]):
+    pass
+
+
+class UsageAnswer(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    usage: ResourceUsage

@@ -1,0 +1,188 @@
+"""The agent's configuration: a TOML file parsed once into frozen pydantic models.
+
+A missing file means the defaults below. Ceilings are given per level (``managed``, ``user``,
+``project``) and overridden per user (``[users.alice]``) and per project
+(``[projects."alice/demo"]``); an override replaces only the fields it sets. Sizes are checked
+when the file is loaded, so a bad value is refused at load time, naming its field.
+
+    default_image = "alpine:3.19"
+    bind_roots = ["/srv/slicebox/workspaces"]
+    [managed]
+    memory = "75%"
+    [project]
+    memory = "2GB"
+    pids = 1024
+    [projects."alice/demo"]
+    memory = "400MB"
+    [reaper]
+    interval_seconds = 30
+    orphans = "adopt"        # or "reap": what becomes of another agent run's sandboxes
+    pool_size = 0            # idle pool members kept per kind
+"""
+
+from __future__ import annotations
+
+import logging
+import tomllib
+from collections.abc import Callable
+from enum import StrEnum
+from pathlib import Path, PurePosixPath
+from typing import TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from slicebox.model.errors import ConfigError, SliceboxError
+from slicebox.model.limits import Ceiling, Limits, RawSize, parse_cpus, parse_pids, parse_size
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_PATH = Path("/etc/slicebox/config.toml")
+DEFAULT_CAPABILITIES = frozenset(
+    {"CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "NET_BIND_SERVICE"}
+)
+_ANY_TOTAL = 1 << 40  # validates a percentage at load time; the real total comes later
+
+
+def _checked(check: Callable[[], object], value: T) -> T:
+    """Run a parser for its errors only, turning slicebox errors into pydantic's ValueError."""
+    try:
+        check()
+    except SliceboxError as exc:
+        raise ValueError(exc.message) from exc
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class CeilingConfig(_Strict):
+    """One level's ceilings as written in the file; ``None`` leaves the field to the default."""
+
+    memory: RawSize | None = None
+    memory_high: RawSize | None = None
+    cpus: float | None = None
+    pids: int | None = None
+
+    @field_validator("memory", "memory_high")
+    @classmethod
+    def _size(cls, value: RawSize | None) -> RawSize | None:
+        return _checked(lambda: value is None or parse_size("size", value, _ANY_TOTAL), value)
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus(cls, value: float | None) -> float | None:
+        return _checked(lambda: value is None or parse_cpus("cpus", value), value)
+
+    @field_validator("pids")
+    @classmethod
+    def _pids(cls, value: int | None) -> int | None:
+        return _checked(lambda: value is None or parse_pids("pids", value), value)
+
+    def over(self, base: CeilingConfig) -> CeilingConfig:
+        """This override laid over ``base``: fields set here win."""
+        return base.model_copy(update=self.model_dump(exclude_none=True))
+
+    def resolve(self, host_memory: int) -> Ceiling:
+        return Ceiling(
+            memory_bytes=_size_or_none("memory", self.memory, host_memory),
+            memory_high_bytes=_size_or_none("memory_high", self.memory_high, host_memory),
+            cpus=self.cpus,
+            pids=self.pids,
+        )
+
+
+class SandboxDefaults(_Strict):
+    """What a sandbox gets when its request leaves a limit out."""
+
+    memory: RawSize = "256MB"
+    cpus: float = 0.5
+    pids: int = 100
+
+    def limits(self) -> Limits:
+        return Limits(
+            cpus=parse_cpus("cpus", self.cpus),
+            memory_bytes=parse_size("memory", self.memory),
+            pids=parse_pids("pids", self.pids),
+        )
+
+
+class OrphanPolicy(StrEnum):
+    ADOPT = "adopt"  # another agent run's sandboxes become this run's; deadlines still hold
+    REAP = "reap"  # they are destroyed
+
+
+class ReaperConfig(_Strict):
+    interval_seconds: float = Field(default=30.0, gt=0)
+    orphans: OrphanPolicy = OrphanPolicy.ADOPT
+    pool_size: int = Field(default=0, ge=0)
+    # Per-sandbox files (credential helpers, sockets) live in <state_dir>/<sandbox id>/.
+    state_dir: Path = Path("/run/slicebox/sandboxes")
+
+
+class Config(_Strict):
+    default_image: str = "alpine:3.19"
+    default_ttl_seconds: int | None = Field(default=3600, gt=0)
+    managed: CeilingConfig = CeilingConfig(memory="75%")
+    user: CeilingConfig = CeilingConfig(memory="4GB", pids=2048)
+    project: CeilingConfig = CeilingConfig(memory="2GB", pids=1024)
+    users: dict[str, CeilingConfig] = {}
+    projects: dict[str, CeilingConfig] = {}
+    sandbox: SandboxDefaults = SandboxDefaults()
+    bind_roots: tuple[PurePosixPath, ...] = ()
+    allowed_capabilities: frozenset[str] = DEFAULT_CAPABILITIES
+    allowed_networks: frozenset[str] = frozenset({"none", "bridge"})
+    reaper: ReaperConfig = ReaperConfig()
+
+    def managed_ceiling(self, host_memory: int) -> Ceiling:
+        return self.managed.resolve(host_memory)
+
+    def user_ceiling(self, user: str, host_memory: int) -> Ceiling:
+        return self._user_config(user).resolve(host_memory)
+
+    def project_ceiling(self, user: str, project: str, host_memory: int) -> Ceiling:
+        override = self.projects.get(f"{user}/{project}", CeilingConfig())
+        return override.over(self.project).resolve(host_memory)
+
+    def _user_config(self, user: str) -> CeilingConfig:
+        return self.users.get(user, CeilingConfig()).over(self.user)
+
+
+def load_config(path: Path = DEFAULT_PATH) -> Config:
+    """Read the TOML config at ``path``; a missing file means the defaults."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        log.info("no config at %s, using the defaults", path)
+        return Config()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}; check its permissions") from exc
+    return parse_config(text, source=str(path))
+
+
+def parse_config(text: str, source: str = "<config>") -> Config:
+    try:
+        return Config.model_validate(tomllib.loads(text))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source} is not valid TOML: {exc}; fix the syntax") from exc
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {_describe(exc)}; fix these settings") from exc
+
+
+def read_host_memory(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """Total host memory in bytes, the base of percentage ceilings."""
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise ConfigError(f"{meminfo} has no MemTotal line; is /proc mounted?")
+
+
+def _describe(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in exc.errors()
+    )
+
+
+def _size_or_none(field: str, value: RawSize | None, total: int) -> int | None:
+    return None if value is None else parse_size(field, value, total)

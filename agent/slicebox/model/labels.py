@@ -1,0 +1,91 @@
+"""Lineage lives in immutable Docker labels under the ``slicebox.`` prefix (no database).
+
+:class:`Lineage` is the typed form; :meth:`Lineage.to_labels` and :func:`decode` convert to and
+from the flat string labels Docker stores. Secrets never go here: labels are visible to anyone
+who can inspect the container.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from slicebox.model.errors import InvalidRequest
+
+PREFIX = "slicebox."
+MANAGED = f"{PREFIX}managed"
+
+
+class Lineage(BaseModel):
+    """Everything a container's labels say about where it came from."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sandbox_id: str
+    instance_id: str
+    root_task_id: str
+    task_id: str
+    parent_id: str = ""
+    depth: int = 0
+    user: str
+    project: str
+    backend: str = "docker"
+    created_at: datetime
+    expires_at: datetime | None = None
+    provisioned_cpu: float
+    provisioned_memory_bytes: int
+    provisioned_pids: int
+    pool: bool = False
+
+    def to_labels(self) -> dict[str, str]:
+        values = {
+            "managed": "true",
+            "sandbox_id": self.sandbox_id,
+            "instance_id": self.instance_id,
+            "root_task_id": self.root_task_id,
+            "task_id": self.task_id,
+            "parent_id": self.parent_id,
+            "depth": str(self.depth),
+            "user": self.user,
+            "project": self.project,
+            "backend": self.backend,
+            "created_at": stamp(self.created_at),
+            "expires_at": "" if self.expires_at is None else stamp(self.expires_at),
+            "provisioned.cpu": repr(self.provisioned_cpu),
+            "provisioned.memory_bytes": str(self.provisioned_memory_bytes),
+            "provisioned.pids": str(self.provisioned_pids),
+            "pool": "true" if self.pool else "false",
+        }
+        return {PREFIX + key: value for key, value in values.items()}
+
+
+def is_managed(labels: Mapping[str, str]) -> bool:
+    return labels.get(MANAGED) == "true"
+
+
+def decode(labels: Mapping[str, str]) -> Lineage:
+    """The lineage of a container from its labels; refuses labels slicebox did not write."""
+    ours = {
+        key[len(PREFIX) :].replace(".", "_"): value
+        for key, value in labels.items()
+        if key.startswith(PREFIX) and key != MANAGED
+    }
+    if not is_managed(labels):
+        raise InvalidRequest("the container is not managed by slicebox (no slicebox.managed)")
+    if ours.get("expires_at") == "":
+        ours.pop("expires_at")
+    try:
+        return Lineage.model_validate(ours)
+    except ValidationError as exc:
+        raise InvalidRequest(f"the container's slicebox labels are malformed: {exc}") from exc
+
+
+def selector(**labels: str) -> dict[str, str]:
+    """Label filters for listing: ``selector(user='alice')`` -> ``{'slicebox.user': 'alice'}``."""
+    return {MANAGED: "true"} | {PREFIX + key.replace("__", "."): v for key, v in labels.items()}
+
+
+def stamp(moment: datetime) -> str:
+    return moment.astimezone(UTC).isoformat(timespec="seconds")

@@ -1,0 +1,71 @@
+"""What a reaper pass planned and did, as the API answers it (``POST /v1/reaper``)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Rule(StrEnum):
+    EXPIRED = "expired"
+    PARENT_GONE = "parent_gone"
+    ORPHAN = "orphan"
+    MISSING_LINEAGE = "missing_lineage"
+    EXITED = "exited"
+    NEVER_STARTED = "never_started"
+    POOL_SURPLUS = "pool_surplus"
+    ADOPT = "adopt"
+    DEADLINE_MISSING = "deadline_missing"
+    STALE_DEADLINE = "stale_deadline"
+    LEFTOVER_FILES = "leftover_files"
+    EMPTY_SLICE = "empty_slice"
+
+
+class Kind(StrEnum):
+    REMOVE_CONTAINER = "remove_container"
+    DESTROY = "destroy"
+    ADOPT = "adopt"
+    ARM_DEADLINE = "arm_deadline"
+    STOP_TIMER = "stop_timer"
+    REMOVE_FILES = "remove_files"
+    STOP_SLICE = "stop_slice"
+
+
+class Action(BaseModel):
+    """One step of a plan; ``target`` is a sandbox id, container id, unit or directory."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kind: Kind
+    rule: Rule
+    target: str
+    reason: str
+    sandbox_id: str = ""
+    container_id: str = ""
+    user: str = ""
+    project: str = ""
+    root_task_id: str = ""
+    depth: int = 0
+    deadline: datetime | None = None
+
+
+class Outcome(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    action: Action
+    result: str  # "ok", "skipped" or an error code
+    message: str = ""
+
+
+class Report(BaseModel):
+    """A pass: the plan, and what became of each action (empty on a dry run)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    dry_run: bool
+    at: datetime
+    instance_id: str
+    plan: list[Action]
+    outcomes: list[Outcome] = []

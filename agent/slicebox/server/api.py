@@ -1,0 +1,211 @@
+"""The HTTP/1.1 + JSON API on the agent's unix socket.
+
+Routes are data (``Route``): the same list builds the aiohttp router and the OpenAPI document,
+so the document cannot drift from what is served. Every answer that is not a success is the
+``ErrorBody`` envelope with a stable code — malformed JSON, unknown fields, wrong types, huge
+bodies, unknown routes and wrong methods included; an unexpected exception is logged and
+answered as ``internal`` without details.
+
+The caller's identity is taken from the connection (SO_PEERCRED) for every request; a request
+body never names who the caller is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from slicebox import __version__
+from slicebox.host.identity import (
+    Identity,
+    PeerCredentials,
+    SocketOptions,
+    UserDirectory,
+    peer_credentials,
+    resolve,
+)
+from slicebox.model.api import ErrorBody, Health
+from slicebox.model.errors import InvalidRequest, SliceboxError
+
+log = logging.getLogger(__name__)
+
+API_PREFIX = "/v1"
+MAX_BODY_BYTES = 1024 * 1024
+# aiohttp >= 3.12 types request storage keys; older versions (Debian's) take a string.
+IDENTITY_KEY: Any = (
+    web.RequestKey("identity", Identity) if hasattr(web, "RequestKey") else "slicebox.host.identity"
+)
+Model = TypeVar("Model", bound=BaseModel)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    handler: Handler
+    summary: str
+    body: type[BaseModel] | None = None
+    response: type[BaseModel] | None = None
+
+
+def error_response(status: int, code: str, message: str, field: str | None = None) -> web.Response:
+    body = ErrorBody(code=code, message=message, field=field)
+    return web.json_response(body.model_dump(exclude_none=True), status=status)
+
+
+def json_ok(model: BaseModel, status: int = 200) -> web.Response:
+    return web.Response(
+        text=model.model_dump_json(), status=status, content_type="application/json"
+    )
+
+
+async def parse_body(request: web.Request, model: type[Model]) -> Model:
+    """The request body as ``model``: bad JSON and every schema error name what to fix."""
+    raw = await request.read()
+    try:
+        data = json.loads(raw or b"{}")
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(
+            f"the body is not valid JSON ({exc}); send a JSON object", code="malformed_json"
+        ) from exc
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _invalid(exc) from exc
+
+
+def _invalid(exc: ValidationError) -> InvalidRequest:
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "body"
+    return InvalidRequest(f"{where}: {first['msg']}", code="invalid_field", field=where)
+
+
+def identity_of(request: web.Request) -> Identity:
+    identity: Identity = request[IDENTITY_KEY]
+    return identity
+
+
+def _peer(request: web.Request) -> PeerCredentials | None:
+    transport = request.transport
+    sock: SocketOptions | None = transport.get_extra_info("socket") if transport else None
+    if sock is None:
+        return None
+    try:
+        return peer_credentials(sock)
+    except OSError:
+        return None
+
+
+def make_middlewares(users: UserDirectory) -> list[Any]:
+    @web.middleware
+    async def envelope(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            creds = _peer(request)
+            if creds is None:
+                return error_response(403, "no_peer_credentials", "connect over the unix socket")
+            request[IDENTITY_KEY] = resolve(creds, users)
+            return await handler(request)
+        except SliceboxError as exc:
+            return error_response(exc.http_status, exc.code, exc.message, exc.field)
+        except web.HTTPException as exc:
+            return _http_error(exc)
+        except Exception:
+            log.exception("unexpected error on %s %s", request.method, request.path)
+            return error_response(500, "internal", "the agent failed; see its journal")
+
+    return [envelope]
+
+
+def _http_error(exc: web.HTTPException) -> web.Response:
+    codes = {404: "unknown_route", 405: "method_not_allowed", 413: "body_too_large"}
+    hints = {
+        404: "no such route; see GET /v1/openapi.json",
+        405: "this route does not take that method; see GET /v1/openapi.json",
+        413: f"the body is larger than {MAX_BODY_BYTES} bytes",
+    }
+    code = codes.get(exc.status, "bad_request")
+    return error_response(exc.status, code, hints.get(exc.status, exc.reason))
+
+
+async def health(request: web.Request) -> web.StreamResponse:
+    identity = identity_of(request)
+    return json_ok(
+        Health(status="ok", version=__version__, user=identity.user_name, admin=identity.is_admin)
+    )
+
+
+def base_routes() -> list[Route]:
+    return [
+        Route(
+            "GET", "/health", health, "Liveness, the agent's version and who you are", None, Health
+        ),
+    ]
+
+
+def openapi_document(routes: Sequence[Route]) -> dict[str, Any]:
+    """OpenAPI 3.1 for ``routes``; request and response schemas come from the pydantic models."""
+    schemas: dict[str, Any] = {"ErrorBody": ErrorBody.model_json_schema()}
+    paths: dict[str, dict[str, Any]] = {}
+    for route in routes:
+        operation: dict[str, Any] = {
+            "summary": route.summary,
+            "responses": {"default": _ref_response("ErrorBody", "an error")},
+        }
+        if route.body is not None:
+            operation["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(route.body, schemas)}},
+            }
+        if route.response is not None:
+            operation["responses"]["200"] = {
+                "description": "success",
+                "content": {"application/json": {"schema": _ref(route.response, schemas)}},
+            }
+        paths.setdefault(API_PREFIX + route.path, {})[route.method.lower()] = operation
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "slicebox agent API", "version": __version__},
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }
+
+
+def _ref(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, str]:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(schema.pop("$defs", {}))
+    schemas[model.__name__] = schema
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _ref_response(name: str, description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
+    }
+
+
+def build_app(
+    routes: Sequence[Route],
+    users: UserDirectory,
+    state: Mapping[web.AppKey[Any], object] | None = None,
+) -> web.Application:
+    """The app serving ``routes``; ``state`` is what their handlers find in ``request.app``."""
+    app = web.Application(middlewares=make_middlewares(users), client_max_size=MAX_BODY_BYTES)
+    for key, value in (state or {}).items():
+        app[key] = value
+    document = openapi_document(routes)
+
+    async def openapi(request: web.Request) -> web.StreamResponse:
+        return web.json_response(document)
+
+    app.router.add_get(API_PREFIX + "/openapi.json", openapi)
+    for route in routes:
+        app.router.add_route(route.method, API_PREFIX + route.path, route.handler)
+    return app

@@ -1,0 +1,181 @@
+"""``sliceboxd``: the host agent.
+
+It answers on ``/run/slicebox/slicebox.sock`` (passed by ``slicebox.socket``, or bound here),
+tells systemd how it is doing (READY, STATUS, STOPPING) and proves the event loop is alive by
+pinging the watchdog from a task on that loop: a loop that stops making progress stops the
+pings, and systemd restarts the agent. SIGHUP re-reads the configuration; SIGTERM stops the
+agent gracefully and leaves sandboxes running for the next start to adopt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from slicebox import __version__
+from slicebox.host.identity import SystemUsers
+from slicebox.host.journal import Auditor, SystemJournal
+from slicebox.host.listen import listening_socket
+from slicebox.model.audit import AuditEvent, AuditRecord
+from slicebox.model.config import DEFAULT_PATH as DEFAULT_CONFIG
+from slicebox.model.errors import SliceboxError
+from slicebox.server.api import Route, build_app
+from slicebox.server.routes import ROUTES, SERVICE
+from slicebox.server.runtime import assemble
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SOCKET = Path("/run/slicebox/slicebox.sock")
+MEMORY_SAMPLE_SECONDS = 5.0
+Reload = Callable[[], Awaitable[str]]
+Periodic = tuple[float, Callable[[], object]]  # (interval in seconds, a blocking function)
+
+
+class Notifier(Protocol):
+    def notify(self, state: str) -> None: ...
+
+
+class SystemdNotifier:
+    """sd_notify through the ``sdnotify`` package; a no-op outside a notify service."""
+
+    def __init__(self) -> None:
+        import sdnotify
+
+        self._notifier = sdnotify.SystemdNotifier()
+
+    def notify(self, state: str) -> None:
+        self._notifier.notify(state)
+
+
+def watchdog_interval(env: Mapping[str, str], pid: int) -> float | None:
+    """Half of WatchdogSec, as systemd recommends, when the watchdog is meant for us."""
+    usec = env.get("WATCHDOG_USEC")
+    if not usec or env.get("WATCHDOG_PID", str(pid)) != str(pid):
+        return None
+    return int(usec) / 1_000_000 / 2
+
+
+async def ping_watchdog(notifier: Notifier, interval: float) -> None:
+    while True:
+        notifier.notify("WATCHDOG=1")
+        await asyncio.sleep(interval)
+
+
+class Agent:
+    """The agent's life: serve, reload on SIGHUP, stop on SIGTERM."""
+
+    def __init__(
+        self,
+        routes: Sequence[Route],
+        notifier: Notifier,
+        auditor: Auditor,
+        reload: Reload | None = None,
+        *,
+        periodic: Sequence[Periodic] = (),
+        state: Mapping[web.AppKey[Any], object] | None = None,
+    ) -> None:
+        self._routes = routes
+        self._state = state
+        self._notifier = notifier
+        self._auditor = auditor
+        self._reload = reload
+        self._periodic = periodic
+        self._stop = asyncio.Event()
+
+    async def run(self, socket_path: Path) -> None:
+        runner = web.AppRunner(build_app(self._routes, SystemUsers(), self._state), access_log=None)
+        await runner.setup()
+        await web.SockSite(runner, listening_socket(socket_path)).start()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        loop.add_signal_handler(signal.SIGINT, self._stop.set)
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self._on_reload()))
+        tasks = [loop.create_task(_every(interval, job)) for interval, job in self._periodic]
+        watchdog = self._start_watchdog()
+        self._notifier.notify(f"READY=1\nSTATUS=answering on {socket_path}")
+        self._auditor.record(AuditRecord(event=AuditEvent.AGENT_STARTED, detail=__version__))
+        await self._stop.wait()
+        self._notifier.notify("STOPPING=1\nSTATUS=stopping; sandboxes keep running")
+        self._auditor.record(AuditRecord(event=AuditEvent.AGENT_STOPPING))
+        for task in [*tasks, watchdog]:
+            if task is not None:
+                task.cancel()
+        await runner.cleanup()
+
+    def _start_watchdog(self) -> asyncio.Task[None] | None:
+        interval = watchdog_interval(os.environ, os.getpid())
+        if interval is None:
+            return None
+        return asyncio.get_running_loop().create_task(ping_watchdog(self._notifier, interval))
+
+    async def _on_reload(self) -> None:
+        self._notifier.notify("RELOADING=1\nSTATUS=reloading the configuration")
+        status = "configuration reloaded"
+        if self._reload is not None:
+            try:
+                status = await self._reload()
+            except Exception as exc:
+                log.exception("reload failed; keeping the previous configuration")
+                status = f"reload failed ({exc}); previous configuration in force"
+        self._notifier.notify(f"READY=1\nSTATUS={status}")
+
+
+async def _every(interval: float, job: Callable[[], object]) -> None:
+    """Run a blocking ``job`` in a worker thread every ``interval`` seconds; failures are logged."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await asyncio.to_thread(job)
+        except Exception:
+            log.exception("periodic %s failed", getattr(job, "__name__", job))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sliceboxd", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"sliceboxd {__version__}")
+    parser.add_argument("--socket", type=Path, default=DEFAULT_SOCKET, help="unix socket path")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="TOML configuration")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options = build_parser().parse_args(argv)
+    logging.basicConfig(level=options.log_level, format="%(levelname)s %(name)s: %(message)s")
+    auditor = Auditor(SystemJournal())
+    notifier = SystemdNotifier()
+    try:
+        runtime = assemble(options.config, auditor)
+        runtime.apply_ceilings()
+        # Nobody is answered before the view is rebuilt from labels and systemd: orphans
+        # adopted, deadlines re-armed, what a crash left half-made removed.
+        notifier.notify("STATUS=reconciling sandboxes with Docker and systemd")
+        log.info("%s", runtime.reconcile())
+    except SliceboxError as exc:
+        log.error("cannot start: %s", exc)  # systemd shows it in `systemctl status`
+        return 1
+
+    async def reload() -> str:
+        return await asyncio.to_thread(runtime.reload)
+
+    agent = Agent(
+        ROUTES,
+        notifier,
+        auditor,
+        reload,
+        periodic=[
+            (MEMORY_SAMPLE_SECONDS, runtime.sample_memory),
+            (runtime.config.reaper.interval_seconds, runtime.reaper.run),
+        ],
+        state={SERVICE: runtime.service},
+    )
+    asyncio.run(agent.run(options.socket))
+    return 0

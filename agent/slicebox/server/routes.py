@@ -1,0 +1,225 @@
+"""The ``/v1`` routes: parse at the edge, call :class:`~slicebox.service.Service`, serialize.
+
+Docker and systemd calls block, so each runs in a worker thread: the event loop stays free to
+answer other callers and to ping systemd's watchdog. Streaming exec answers newline-delimited
+JSON: ``{"stream": "stdout", "data": <base64>}`` chunks as output is produced, then one
+``{"result": {...}}``. A bounded queue between the exec and the socket keeps memory flat
+whatever the command prints; a caller that goes away ends the exec (its processes are killed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from slicebox.core.service import Service
+from slicebox.model.api import (
+    CreateSandbox,
+    Destroyed,
+    DestroyedList,
+    ErrorBody,
+    Extend,
+    ReapRequest,
+    RunRequest,
+    RunResult,
+    SandboxList,
+    SandboxView,
+    UsageAnswer,
+)
+from slicebox.model.errors import SliceboxError
+from slicebox.model.exec import ExecRequest, ExecResult, StreamChunk
+from slicebox.model.reaper import Report
+from slicebox.model.usage import LevelNode
+from slicebox.server.api import Route, base_routes, identity_of, json_ok, parse_body
+
+T = TypeVar("T")
+STREAM_QUEUE = 16
+_DONE = object()
+
+
+SERVICE = web.AppKey("slicebox.service", Service)
+
+
+def _service(request: web.Request) -> Service:
+    return request.app[SERVICE]
+
+
+def _routes() -> list[Route]:
+    """Every route of the agent: data; the app they are served by holds the Service."""
+
+    async def create(request: web.Request) -> web.StreamResponse:
+        body = await parse_body(request, CreateSandbox)
+        view = await _call(_service(request).create, identity_of(request), body)
+        return json_ok(view, status=201)
+
+    async def list_sandboxes(request: web.Request) -> web.StreamResponse:
+        return json_ok(
+            SandboxList(await _call(_service(request).list_sandboxes, identity_of(request)))
+        )
+
+    async def get(request: web.Request) -> web.StreamResponse:
+        return json_ok(await _call(_service(request).get, identity_of(request), _id(request)))
+
+    async def destroy(request: web.Request) -> web.StreamResponse:
+        return json_ok(await _call(_service(request).destroy, identity_of(request), _id(request)))
+
+    async def destroy_task(request: web.Request) -> web.StreamResponse:
+        root = request.match_info["root_task_id"]
+        return json_ok(
+            DestroyedList(await _call(_service(request).destroy_tree, identity_of(request), root))
+        )
+
+    async def exec_(request: web.Request) -> web.StreamResponse:
+        body = await parse_body(request, ExecRequest)
+        return json_ok(
+            await _call(_service(request).exec, identity_of(request), _id(request), body)
+        )
+
+    async def exec_stream(request: web.Request) -> web.StreamResponse:
+        body = await parse_body(request, ExecRequest)
+        events = _service(request).exec_stream(identity_of(request), _id(request), body)
+        return await _stream(request, events)
+
+    async def run(request: web.Request) -> web.StreamResponse:
+        body = await parse_body(request, RunRequest)
+        return json_ok(await _call(_service(request).run, identity_of(request), body))
+
+    async def usage(request: web.Request) -> web.StreamResponse:
+        found = await _call(_service(request).usage, identity_of(request), _id(request))
+        return json_ok(UsageAnswer(usage=found))
+
+    async def tree(request: web.Request) -> web.StreamResponse:
+        return json_ok(await _call(_service(request).level_tree, identity_of(request)))
+
+    async def extend(request: web.Request) -> web.StreamResponse:
+        body = await parse_body(request, Extend)
+        return json_ok(
+            await _call(_service(request).extend, identity_of(request), _id(request), body)
+        )
+
+    async def reap(request: web.Request) -> web.StreamResponse:
+        body = await parse_body(request, ReapRequest)
+        return json_ok(await _call(_service(request).reap, identity_of(request), body))
+
+    return [
+        *base_routes(),
+        Route("POST", "/sandboxes", create, "Create a sandbox", CreateSandbox, SandboxView),
+        Route("GET", "/sandboxes", list_sandboxes, "Your sandboxes", None, SandboxList),
+        Route("GET", "/sandboxes/{id}", get, "One sandbox", None, SandboxView),
+        Route("DELETE", "/sandboxes/{id}", destroy, "Destroy; final usage", None, Destroyed),
+        Route("POST", "/sandboxes/{id}/exec", exec_, "Run a command", ExecRequest, ExecResult),
+        Route(
+            "POST",
+            "/sandboxes/{id}/exec/stream",
+            exec_stream,
+            "Run a command, output as NDJSON chunks then the result",
+            ExecRequest,
+            StreamChunk,
+        ),
+        Route("GET", "/sandboxes/{id}/usage", usage, "ResourceUsage", None, UsageAnswer),
+        Route(
+            "POST",
+            "/sandboxes/{id}/deadline",
+            extend,
+            "Move the deadline to ttl_seconds from now",
+            Extend,
+            SandboxView,
+        ),
+        Route(
+            "DELETE",
+            "/tasks/{root_task_id}",
+            destroy_task,
+            "Destroy a root task's sandboxes, deepest first",
+            None,
+            DestroyedList,
+        ),
+        Route("POST", "/run", run, "One-shot: create, exec, destroy", RunRequest, RunResult),
+        Route(
+            "GET", "/usage/tree", tree, "The level tree with OOM/throttle blame", None, LevelNode
+        ),
+        Route(
+            "POST",
+            "/reaper",
+            reap,
+            "One reaper pass now (admins); dry_run only plans",
+            ReapRequest,
+            Report,
+        ),
+    ]
+
+
+ROUTES = _routes()
+
+
+def _id(request: web.Request) -> str:
+    return request.match_info["id"]
+
+
+async def _call(function: Callable[..., T], *args: Any) -> T:
+    return await asyncio.to_thread(function, *args)
+
+
+async def _stream(
+    request: web.Request, events: Iterator[StreamChunk | ExecResult]
+) -> web.StreamResponse:
+    first = await asyncio.to_thread(_first, events)  # errors before output are plain errors
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await response.prepare(request)
+    items: queue.Queue[object] = queue.Queue(maxsize=STREAM_QUEUE)
+    gone = threading.Event()
+    threading.Thread(target=_produce, args=(first, events, items, gone), daemon=True).start()
+    try:
+        while (item := await asyncio.to_thread(items.get)) is not _DONE:
+            await response.write(_line(item))
+    except BaseException:
+        gone.set()  # the caller went away: the producer stops and closes the exec
+        raise
+    await response.write_eof()
+    return response
+
+
+def _first(events: Iterator[StreamChunk | ExecResult]) -> object:
+    return next(events, _DONE)
+
+
+def _produce(
+    first: object, events: Iterator[object], items: queue.Queue[object], gone: threading.Event
+) -> None:
+    try:
+        if first is not _DONE and _put(items, first, gone):
+            for event in events:
+                if not _put(items, event, gone):
+                    break
+    except SliceboxError as exc:
+        _put(items, ErrorBody(code=exc.code, message=exc.message), gone)
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()  # closing the exec stream early kills the exec's processes
+        _put(items, _DONE, gone)
+
+
+def _put(items: queue.Queue[object], item: object, gone: threading.Event) -> bool:
+    """Queue ``item`` unless the caller is gone; a full queue is the backpressure."""
+    while not gone.is_set():
+        try:
+            items.put(item, timeout=0.5)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _line(event: object) -> bytes:
+    if isinstance(event, ExecResult):
+        return b'{"result": ' + event.model_dump_json().encode() + b"}\n"
+    if isinstance(event, ErrorBody):
+        return b'{"error": ' + event.model_dump_json().encode() + b"}\n"
+    assert isinstance(event, BaseModel)
+    return event.model_dump_json().encode() + b"\n"

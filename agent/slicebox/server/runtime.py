@@ -1,0 +1,148 @@
+"""The agent's parts, assembled from the real host: Docker, systemd, cgroupfs, netlink, journald.
+
+Tests assemble the same :class:`~slicebox.service.Service` from fakes; only this module knows
+which concrete implementation stands behind each interface.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from slicebox.backends.docker import DockerPy
+from slicebox.backends.dockerstream import DockerExecApi
+from slicebox.core.deadlines import Deadlines
+from slicebox.core.execution import ExecEngine
+from slicebox.core.reaper import Reaper
+from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.service import Service
+from slicebox.core.slices import SliceManager
+from slicebox.core.telemetry import MemoryIntegrator, TreeReader, UsageReader
+from slicebox.host.cgroupfs import CgroupFS
+from slicebox.host.journal import Auditor
+from slicebox.host.netstats import NetnsCounters
+from slicebox.host.procs import CgroupHost
+from slicebox.host.systemd import PystemdSystemd
+from slicebox.model.audit import AuditEvent, AuditRecord
+from slicebox.model.config import Config, load_config, read_host_memory
+from slicebox.model.errors import SliceboxError
+from slicebox.model.names import parse_slice
+from slicebox.model.reaper import Kind
+from slicebox.model.usage import Level
+
+log = logging.getLogger(__name__)
+SCOPES_GLOB = "slicebox.slice/*/*/docker-*.scope"
+
+
+def decode_unit(level: Level, unit: str) -> str | None:
+    """The user or project name behind a slice unit, for the level tree."""
+    if level not in (Level.USER, Level.PROJECT):
+        return None
+    try:
+        user, project = parse_slice(unit)
+    except SliceboxError:
+        return None
+    return user if level == Level.USER else project
+
+
+@dataclass
+class Runtime:
+    config_path: Path
+    config: Config
+    host_memory: int
+    slices: SliceManager
+    sandboxes: SandboxManager
+    integrator: MemoryIntegrator
+    usage: UsageReader
+    service: Service
+    auditor: Auditor
+    reaper: Reaper
+
+    def reconcile(self) -> str:
+        """The start-up pass: rebuild the view from labels and systemd before answering."""
+        report = self.reaper.run()
+        adopted = sum(1 for action in report.plan if action.kind is Kind.ADOPT)
+        removed = len(report.plan) - adopted
+        return f"reconciled: {adopted} sandboxes adopted, {removed} other reaper actions"
+
+    def reload(self) -> str:
+        """Re-read the config and write its ceilings to every running slice, live."""
+        config = load_config(self.config_path)
+        self.sandboxes.reconfigure(config)
+        self.config = config
+        updated = self.apply_ceilings()
+        return f"configuration reloaded; ceilings applied to {len(updated)} slices"
+
+    def apply_ceilings(self) -> list[str]:
+        updated = self.slices.reapply(self.config, self.host_memory)
+        self.auditor.record(
+            AuditRecord(event=AuditEvent.CEILINGS_APPLIED, detail=" ".join(updated)[:500])
+        )
+        return updated
+
+    def sample_memory(self) -> None:
+        """One memory_seconds sample of every sandbox scope (cgroupfs only, no Docker call)."""
+        root = Path("/sys/fs/cgroup")
+        scopes = [str(path.relative_to(root)) for path in root.glob(SCOPES_GLOB)]
+        self.integrator.sample_all(self.usage.cgroups, scopes)
+
+
+def assemble(config_path: Path, auditor: Auditor) -> Runtime:
+    config = load_config(config_path)
+    host_memory = read_host_memory()
+    systemd = PystemdSystemd()
+    slices = SliceManager(systemd)
+    docker = DockerPy()
+    sandboxes = SandboxManager(
+        docker,
+        slices,
+        config=config,
+        host_memory=host_memory,
+        instance_id="run-" + uuid.uuid4().hex[:12],
+        deadlines=Deadlines(systemd),
+    )
+    exec_api = DockerExecApi.from_env()
+    integrator = MemoryIntegrator(time.monotonic)
+    usage = UsageReader(CgroupFS(), NetnsCounters(), integrator)
+
+    def pid_of(container_id: str) -> int | None:
+        try:
+            return exec_api.sandbox_pid(container_id)
+        except SliceboxError:
+            return None
+
+    def final_usage(sandbox: Sandbox) -> dict[str, object] | None:
+        return service.final_usage_wire(sandbox)
+
+    reaper = Reaper(
+        sandboxes,
+        slices,
+        docker,
+        auditor=auditor,
+        config=lambda: sandboxes.config.reaper,  # what a reload leaves in force
+        final_usage=final_usage,
+    )
+    service = Service(
+        sandboxes,
+        ExecEngine(exec_api, CgroupHost()),
+        usage=usage,
+        tree=TreeReader(CgroupFS(), decode=decode_unit),
+        auditor=auditor,
+        pid_of=pid_of,
+        reaper=reaper,
+    )
+    return Runtime(
+        config_path,
+        config,
+        host_memory,
+        slices,
+        sandboxes,
+        integrator,
+        usage,
+        service,
+        auditor,
+        reaper,
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from slicebox.model.names import CGROUP_ROOT as PURE_ROOT
+from slicebox.model.paths import CGROUP_ROOT as PURE_ROOT
 from tests.host.helpers import CGROUP_ROOT, sh, stop_unit
 
 CONTROL_DIRS = (Path("/run/systemd/system.control"), Path("/run/systemd/transient"))

@@ -15,7 +15,6 @@ import pytest
 
 from slicebox.backends import dockerstream as execstream
 from slicebox.backends.dockerstream import (
-    DEFAULT_SOCKET,
     DockerExecApi,
     FrameDecoder,
     RawExecAttachment,
@@ -25,6 +24,7 @@ from slicebox.backends.dockerstream import (
 )
 from slicebox.model.errors import HostError, SandboxNotFound, SandboxNotRunning, Unavailable
 from slicebox.model.exec import OutputStream, StreamChunk
+from slicebox.model.paths import DOCKER_SOCKET as DEFAULT_SOCKET
 
 OUT, ERR = OutputStream.STDOUT, OutputStream.STDERR
 

@@ -36,6 +36,7 @@ import requests.exceptions
 
 from slicebox.model.errors import HostError, SandboxNotFound, SandboxNotRunning, Unavailable
 from slicebox.model.exec import ExecRequest, ExecState, OutputStream, StreamChunk
+from slicebox.model.paths import DOCKER_SOCKET
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,6 @@ HEADER = struct.Struct(">BxxxI")
 STREAM_IDS = {1: OutputStream.STDOUT, 2: OutputStream.STDERR}
 MAX_HEAD = 64 * 1024
 READ_SIZE = 64 * 1024
-DEFAULT_SOCKET = "/var/run/docker.sock"
 START_TIMEOUT = 120.0
 
 
@@ -107,7 +107,7 @@ def start_request(api_version: str, exec_id: str) -> bytes:
 def socket_path_from_host(docker_host: str | None) -> str:
     """The daemon's unix socket from a DOCKER_HOST value (None: the default socket)."""
     if not docker_host:
-        return DEFAULT_SOCKET
+        return DOCKER_SOCKET
     if docker_host.startswith("unix://"):
         return docker_host[len("unix://") :]
     raise Unavailable(

@@ -13,8 +13,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from slicebox.model import errors
+from slicebox.model.paths import AGENT_SOCKET
 
-DEFAULT_SOCKET = "/run/slicebox/slicebox.sock"
+DEFAULT_SOCKET = AGENT_SOCKET
 
 _BY_STATUS: dict[int, type[errors.SliceboxError]] = {
     400: errors.InvalidRequest,

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from slicebox.cli.client import Client
 from slicebox.model.errors import SliceboxError
+from slicebox.model.paths import AGENT_SOCKET, CGROUP_MOUNT, DOCKER_SOCKET
 
 REQUIRED_CONTROLLERS = ("cpu", "memory", "pids", "io")
 
@@ -32,9 +33,9 @@ class Check(BaseModel):
 @dataclass(frozen=True)
 class Host:
     proc: Path = Path("/proc")
-    cgroup: Path = Path("/sys/fs/cgroup")
-    agent_socket: str = "/run/slicebox/slicebox.sock"
-    docker_socket: str = "/run/docker.sock"
+    cgroup: Path = CGROUP_MOUNT
+    agent_socket: str = AGENT_SOCKET
+    docker_socket: str = DOCKER_SOCKET
 
 
 def check_systemd(host: Host) -> Check:

@@ -26,7 +26,8 @@ from slicebox.model.config import Config
 from slicebox.model.errors import InvalidRequest, NotFound
 from slicebox.model.labels import Lineage, decode, selector
 from slicebox.model.limits import Limits, nano_cpus
-from slicebox.model.names import CGROUP_ROOT, SliceCgroups, SliceNames, scope_name, slice_names
+from slicebox.model.names import SliceCgroups, SliceNames, scope_name, slice_names
+from slicebox.model.paths import CGROUP_ROOT
 from slicebox.model.spec import MountKind, SandboxSpec
 
 log = logging.getLogger(__name__)

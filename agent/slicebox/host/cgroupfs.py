@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from slicebox.model.paths import CGROUP_MOUNT
+
 log = logging.getLogger(__name__)
 
-DEFAULT_ROOT = Path("/sys/fs/cgroup")
+DEFAULT_ROOT = CGROUP_MOUNT
 
 # Errors that mean "this cgroup or file is gone or not there", not "the host is broken".
 _VANISHED = frozenset({errno.ENOENT, errno.ENODEV, errno.ESRCH, errno.ENOTDIR})

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slicebox.model.errors import HostError
+from slicebox.model.paths import CGROUP_MOUNT
 
 log = logging.getLogger(__name__)
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC = Path("/proc")
 KILL_ROUNDS = 50
 
@@ -83,7 +83,7 @@ class CgroupHost:
 
     def __init__(
         self,
-        cgroup_root: Path = CGROUP_ROOT,
+        cgroup_root: Path = CGROUP_MOUNT,
         proc: Path = PROC,
         kill: Callable[[int, int], None] = os.kill,
         sleep: Callable[[float], None] = time.sleep,

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from slicebox.model.errors import HostError
 from slicebox.model.limits import Property
+from slicebox.model.paths import CGROUP_MOUNT
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -74,7 +75,7 @@ class PystemdSystemd:
     def __init__(
         self,
         timeout: float = 30.0,
-        cgroup_root: Path = Path("/sys/fs/cgroup"),
+        cgroup_root: Path = CGROUP_MOUNT,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:

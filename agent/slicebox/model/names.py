@@ -15,12 +15,12 @@ from pathlib import PurePosixPath
 from pydantic import BaseModel, ConfigDict
 
 from slicebox.model.errors import InvalidName
+from slicebox.model.paths import CGROUP_ROOT
 
 PREFIX = "slicebox"
 MANAGED_SLICE = f"{PREFIX}.slice"
 MAX_NAME = 64
 MAX_UNIT_NAME = 255  # systemd's UNIT_NAME_MAX
-CGROUP_ROOT = PurePosixPath("/sys/fs/cgroup")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 _DASH = "\\x2d"
 

@@ -27,13 +27,14 @@ from slicebox.host.listen import listening_socket
 from slicebox.model.audit import AuditEvent, AuditRecord
 from slicebox.model.config import DEFAULT_PATH as DEFAULT_CONFIG
 from slicebox.model.errors import SliceboxError
+from slicebox.model.paths import AGENT_SOCKET
 from slicebox.server.api import Route, build_app
 from slicebox.server.routes import ROUTES, SERVICE
 from slicebox.server.runtime import assemble
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SOCKET = Path("/run/slicebox/slicebox.sock")
+DEFAULT_SOCKET = Path(AGENT_SOCKET)
 MEMORY_SAMPLE_SECONDS = 5.0
 Reload = Callable[[], Awaitable[str]]
 Periodic = tuple[float, Callable[[], object]]  # (interval in seconds, a blocking function)

@@ -30,6 +30,7 @@ from slicebox.model.audit import AuditEvent, AuditRecord
 from slicebox.model.config import Config, load_config, read_host_memory
 from slicebox.model.errors import SliceboxError
 from slicebox.model.names import parse_slice
+from slicebox.model.paths import CGROUP_MOUNT
 from slicebox.model.reaper import Kind
 from slicebox.model.usage import Level
 
@@ -85,7 +86,7 @@ class Runtime:
 
     def sample_memory(self) -> None:
         """One memory_seconds sample of every sandbox scope (cgroupfs only, no Docker call)."""
-        root = Path("/sys/fs/cgroup")
+        root = CGROUP_MOUNT
         scopes = [str(path.relative_to(root)) for path in root.glob(SCOPES_GLOB)]
         self.integrator.sample_all(self.usage.cgroups, scopes)
 

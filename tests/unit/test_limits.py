@@ -7,10 +7,12 @@ from slicebox.model.limits import (
     INFINITY,
     Ceiling,
     ceiling_properties,
+    human_bytes,
     nano_cpus,
     parse_cpus,
     parse_pids,
     parse_size,
+    plain_number,
 )
 
 MiB = 1024 * 1024
@@ -88,3 +90,27 @@ def test_good_numbers() -> None:
 )
 def test_ceiling_properties(ceiling: Ceiling, expected: list[tuple[str, int]]) -> None:
     assert ceiling_properties(ceiling) == expected
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "text"),
+    [
+        (0, "0 B"),
+        (512, "512 B"),
+        (1024, "1 KiB"),
+        (1536, "1.5 KiB"),
+        (256 * 2**20, "256 MiB"),
+        (3221230000, "3.0 GiB"),
+        (3 * 2**30, "3 GiB"),
+        (2**40 + 2**39, "1.5 TiB"),
+    ],
+)
+def test_human_bytes(nbytes: int, text: str) -> None:
+    assert human_bytes(nbytes) == text
+
+
+@pytest.mark.parametrize(
+    ("value", "text"), [(0.5, "0.5"), (2.0, "2"), (0.125, "0.125"), (1e-5, "0.00001"), (3, "3")]
+)
+def test_plain_number(value: float, text: str) -> None:
+    assert plain_number(value) == text

@@ -16,7 +16,15 @@ from pydantic import BaseModel, ConfigDict
 
 from slicebox.model.config import Config
 from slicebox.model.errors import AdmissionRefused, PolicyViolation
-from slicebox.model.limits import Ceiling, Limits, parse_cpus, parse_pids, parse_size
+from slicebox.model.limits import (
+    Ceiling,
+    Limits,
+    human_bytes,
+    parse_cpus,
+    parse_pids,
+    parse_size,
+    plain_number,
+)
 from slicebox.model.names import SliceNames, slice_names
 from slicebox.model.spec import Mount, MountKind, SandboxSpec
 
@@ -144,9 +152,11 @@ def check_admission(limits: Limits, placement: Placement) -> None:
     for level, ceiling in (("project", placement.project), ("user", placement.user)):
         for field, asked, cap in _pairs(limits, ceiling):
             if cap is not None and asked > cap:
+                wanted, most = _amounts(field, asked, cap)
                 raise AdmissionRefused(
-                    f"{field} {asked:g} exceeds the {level} ceiling of {cap:g}; ask for at most "
-                    f"{cap:g} or raise the {level} ceiling in the config"
+                    f"{field} {wanted} exceeds the {level} ceiling of {most}; ask for at most "
+                    f"{most} or raise the {level} ceiling in the config",
+                    field=field,
                 )
 
 
@@ -156,3 +166,13 @@ def _pairs(limits: Limits, ceiling: Ceiling) -> list[tuple[str, float, float | N
         ("cpus", limits.cpus, ceiling.cpus),
         ("pids", limits.pids, ceiling.pids),
     ]
+
+
+def _amounts(field: str, asked: float, cap: float) -> tuple[str, str]:
+    """Both values as people read them; exact bytes where rounding would make them look equal."""
+    if field != "memory":
+        return plain_number(asked), plain_number(cap)
+    wanted, most = human_bytes(int(asked)), human_bytes(int(cap))
+    if wanted.replace(".0 ", " ") == most.replace(".0 ", " "):  # "1.0 GiB" > "1 GiB" reads odd
+        return f"{int(asked)} bytes", f"{int(cap)} bytes"
+    return wanted, most

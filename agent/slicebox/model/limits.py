@@ -24,6 +24,7 @@ USEC_PER_SEC = 1_000_000
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*", re.IGNORECASE)
 _PERCENT = re.compile(r"\s*(\d+(?:\.\d+)?)\s*%\s*")
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+_HUMAN_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 Property = tuple[str, int]
 RawSize = int | str
@@ -68,6 +69,20 @@ def parse_pids(field: str, value: RawNumber) -> int:
     if isinstance(value, bool) or not text.isdigit() or int(text) <= 0:
         raise InvalidLimit(f"{field}: {value!r} is not a positive whole number of tasks")
     return int(text)
+
+
+def human_bytes(nbytes: int) -> str:
+    """``512 B``, ``256 MiB``, ``3.0 GiB``: whole units exactly, otherwise one decimal."""
+    for unit, size in _HUMAN_UNITS:
+        if abs(nbytes) >= size:
+            whole, rest = divmod(nbytes, size)
+            return f"{whole} {unit}" if rest == 0 else f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def plain_number(value: float) -> str:
+    """A number as people write it: ``0.5``, ``2``, ``0.125`` (no exponent, no trailing zeros)."""
+    return f"{value:.6f}".rstrip("0").rstrip(".")
 
 
 def cpu_quota_usec(cpus: float) -> int:

@@ -18,6 +18,7 @@ from slicebox.cli.client import Client
 from slicebox.host.identity import SystemUsers
 from slicebox.host.listen import activated_sockets, bind_unix
 from slicebox.model import errors
+from slicebox.model.api import RunRequest
 from slicebox.server.api import Route, base_routes, build_app, json_ok, parse_body
 
 
@@ -32,6 +33,10 @@ async def echo(request: web.Request) -> web.StreamResponse:
     return json_ok(await parse_body(request, Echo))
 
 
+async def run(request: web.Request) -> web.StreamResponse:
+    return json_ok(await parse_body(request, RunRequest))
+
+
 async def boom(request: web.Request) -> web.StreamResponse:
     raise RuntimeError("secret internals")
 
@@ -43,6 +48,7 @@ async def missing(request: web.Request) -> web.StreamResponse:
 ROUTES = [
     *base_routes(),
     Route("POST", "/echo", echo, "echo", Echo, Echo),
+    Route("POST", "/run", run, "a real request model", RunRequest, RunRequest),
     Route("GET", "/boom", boom, "fails"),
     Route("GET", "/missing", missing, "not found"),
 ]
@@ -106,6 +112,32 @@ def test_schema_errors_name_the_field(
         Client(str(server)).request("POST", "/echo", body)
     assert caught.value.code == code
     assert caught.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "field"),
+    [
+        ({"exec": {"argv": []}}, "invalid_command", "exec.argv"),
+        ({"exec": {"argv": ["ls"], "timeout": 0}}, "invalid_timeout", "exec.timeout"),
+        ({"sandbox": {"project": "p", "memory": [1]}}, "invalid_limit", "sandbox.memory"),
+        ({"sandbox": {"project": 5}}, "invalid_name", "sandbox.project"),
+        ({"sandbox": {"project": "p", "ttl_seconds": -1}}, "invalid_ttl", "sandbox.ttl_seconds"),
+        (
+            {"sandbox": {"project": "p", "mounts": [{"source": "/x"}]}},
+            "invalid_mount",
+            "sandbox.mounts.0.target",
+        ),
+        ({"sandbox": {"project": "p", "image": 3}}, "invalid_field", "sandbox.image"),
+    ],
+)
+def test_schema_errors_keep_the_fields_own_code(
+    server: Path, fields: dict[str, dict[str, object]], code: str, field: str
+) -> None:
+    body = {"sandbox": {"project": "p"}, "exec": {"argv": ["ls"]}} | fields
+    with pytest.raises(errors.InvalidRequest) as caught:
+        Client(str(server)).request("POST", "/run", body)
+    assert (caught.value.code, caught.value.field) == (code, field)
+    assert caught.value.message.startswith(f"{field}: ")
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ import pytest
 
 from slicebox.core.policy import admit
 from slicebox.model.config import Config, parse_config
-from slicebox.model.errors import SliceboxError
+from slicebox.model.errors import AdmissionRefused, SliceboxError
 from slicebox.model.spec import Mount, MountKind, SandboxSpec, parse_spec
 
 MiB = 1024 * 1024
@@ -91,8 +91,40 @@ def test_no_bind_roots_means_no_bind_mounts() -> None:
 def test_spec_is_strict_and_names_fields() -> None:
     with pytest.raises(SliceboxError, match="surprise") as caught:
         parse_spec({"user": "a", "project": "b", "surprise": 1})
-    assert caught.value.code == "invalid_request"
-    with pytest.raises(SliceboxError, match="ttl_seconds"):
+    assert (caught.value.code, caught.value.field) == ("invalid_field", "surprise")
+    with pytest.raises(SliceboxError, match="ttl_seconds") as caught:
         parse_spec({"user": "a", "project": "b", "ttl_seconds": 0})
+    assert caught.value.code == "invalid_ttl"
     with pytest.raises(SliceboxError, match="task_id"):
         parse_spec({"user": "a", "project": "b", "task_id": "bad id/"})
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"memory": 3221230000},
+            "memory 3.0 GiB exceeds the project ceiling of 2 GiB; ask for at most 2 GiB or "
+            "raise the project ceiling in the config",
+        ),
+        (
+            {"project": "tight", "memory": "500MB"},
+            "memory 500 MiB exceeds the project ceiling of 400 MiB; ask for at most 400 MiB or "
+            "raise the project ceiling in the config",
+        ),
+        ({"cpus": 2.5}, "cpus 2.5 exceeds the user ceiling of 2; ask for at most 2 or raise"),
+        ({"project": "tight", "pids": 41}, "pids 41 exceeds the project ceiling of 40; ask"),
+    ],
+)
+def test_admission_speaks_in_human_sizes(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(AdmissionRefused) as caught:
+        admit(base(**fields), CONFIG, 4096 * MiB)
+    assert caught.value.message.startswith(message)
+    assert caught.value.field == next(iter(f for f in fields if f != "project"))
+
+
+def test_admission_shows_exact_bytes_when_rounding_would_hide_the_difference() -> None:
+    with pytest.raises(
+        AdmissionRefused, match=r"memory 1073741825 bytes exceeds .* of 1073741824 bytes"
+    ):
+        admit(base(memory=2**30 + 1), CONFIG, 4096 * MiB)

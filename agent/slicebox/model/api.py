@@ -5,18 +5,24 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, RootModel
 
+from slicebox.model.codes import answered
 from slicebox.model.exec import ExecRequest, ExecResult
 from slicebox.model.limits import Limits
 from slicebox.model.spec import SandboxSpec
 from slicebox.model.usage import ResourceUsage
 
+_CODES: list[JsonValue] = [*answered()]
+
 
 class ErrorBody(BaseModel):
+    """Every error answer. ``code`` is one of the registry's (:mod:`slicebox.model.codes`); the
+    schema lists them, validation does not, so a client reads codes a newer agent adds."""
+
     model_config = ConfigDict(extra="forbid")
 
-    code: str
+    code: str = Field(json_schema_extra={"enum": _CODES})
     message: str
     field: str | None = None
 

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from slicebox.model.errors import ConfigError, SliceboxError
 from slicebox.model.limits import Ceiling, Limits, RawSize, parse_cpus, parse_pids, parse_size
+from slicebox.model.validation import describe, problems
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -167,7 +168,8 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source} is not valid TOML: {exc}; fix the syntax") from exc
     except ValidationError as exc:
-        raise ConfigError(f"{source}: {_describe(exc)}; fix these settings") from exc
+        where = problems(exc)[0].field
+        raise ConfigError(f"{source}: {describe(exc)}; fix these settings", field=where) from exc
 
 
 def read_host_memory(meminfo: Path = Path("/proc/meminfo")) -> int:
@@ -176,12 +178,6 @@ def read_host_memory(meminfo: Path = Path("/proc/meminfo")) -> int:
         if line.startswith("MemTotal:"):
             return int(line.split()[1]) * 1024
     raise ConfigError(f"{meminfo} has no MemTotal line; is /proc mounted?")
-
-
-def _describe(exc: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in exc.errors()
-    )
 
 
 def _size_or_none(field: str, value: RawSize | None, total: int) -> int | None:

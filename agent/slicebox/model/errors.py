@@ -2,7 +2,9 @@
 
 Every error a caller can cause or meet carries a stable, machine-readable ``code`` and a human
 ``message`` that says what to do. Foreign exceptions (D-Bus, Docker, OS) are mapped to this tree
-at the edge with ``raise ... from exc``.
+at the edge with ``raise ... from exc``. A class's code is its default; a raise site may pass a
+more specific one (``PolicyViolation(..., code="policy_mount")``). Every code answered is listed,
+with its status and what the caller should do, in :mod:`slicebox.model.codes`.
 
     SliceboxError                 code: a stable snake_case string, http: the API status
     ├── InvalidRequest            the caller's input cannot be accepted as it is (400)

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from slicebox.model.errors import InvalidCommand, InvalidRequest, InvalidTimeout
+from slicebox.model.validation import refusal
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_OUTPUT_CAP = 50_000
@@ -94,7 +94,7 @@ class ExecRequest(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise _request_error(exc) from exc
+            raise refusal(exc) from exc
 
     @classmethod
     def parse_json(cls, raw: str | bytes) -> ExecRequest:
@@ -102,21 +102,7 @@ class ExecRequest(BaseModel):
         try:
             return cls.model_validate_json(raw)
         except ValidationError as exc:
-            raise _request_error(exc) from exc
-
-
-_FIELD_ERRORS: dict[str, type[InvalidRequest]] = {
-    "argv": InvalidCommand,
-    "shell": InvalidCommand,
-    "timeout": InvalidTimeout,
-}
-
-
-def _request_error(exc: ValidationError) -> InvalidRequest:
-    first = exc.errors()[0]
-    field = str(first["loc"][0]) if first["loc"] else "request"
-    message = f"{field}: {first['msg']}"
-    return _FIELD_ERRORS.get(field, InvalidRequest)(message)
+            raise refusal(exc) from exc
 
 
 class StreamChunk(BaseModel):

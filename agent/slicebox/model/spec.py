@@ -1,7 +1,8 @@
 """The request to create a sandbox, as a later HTTP API takes it: strict, unknown fields refused.
 
 Limits are accepted as written (``'256MB'``, ``0.5``, ``100``) and parsed by the policy, so an
-unparsable value like ``'lots'`` gets the stable ``invalid_limit`` code naming the field.
+unparsable value like ``'lots'`` gets the stable ``invalid_limit`` code naming the field; schema
+errors get their field's code too (:mod:`slicebox.model.validation`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from slicebox.model.errors import InvalidRequest
+from slicebox.model.validation import refusal
 
 Id = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
 
@@ -69,8 +70,4 @@ def parse_spec(data: Mapping[str, object]) -> SandboxSpec:
     try:
         return SandboxSpec.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}"
-            for error in exc.errors()
-        )
-        raise InvalidRequest(f"the sandbox request is invalid: {problems}") from exc
+        raise refusal(exc) from exc

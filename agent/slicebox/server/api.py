@@ -31,7 +31,10 @@ from slicebox.host.identity import (
     resolve,
 )
 from slicebox.model.api import ErrorBody, Health
+from slicebox.model.codes import CODES
 from slicebox.model.errors import InvalidRequest, SliceboxError
+from slicebox.model.limits import human_bytes
+from slicebox.model.validation import refusal
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +81,7 @@ async def parse_body(request: web.Request, model: type[Model]) -> Model:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise _invalid(exc) from exc
-
-
-def _invalid(exc: ValidationError) -> InvalidRequest:
-    first = exc.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "body"
-    return InvalidRequest(f"{where}: {first['msg']}", code="invalid_field", field=where)
+        raise refusal(exc) from exc
 
 
 def identity_of(request: web.Request) -> Identity:
@@ -123,15 +120,18 @@ def make_middlewares(users: UserDirectory) -> list[Any]:
     return [envelope]
 
 
+_HTTP_CODES = {404: "unknown_route", 405: "method_not_allowed", 413: "body_too_large"}
+_OTHER_HTTP_CODE = "bad_request"
+_HTTP_HINTS = {
+    404: "no such route; see GET /v1/openapi.json",
+    405: "this route does not take that method; see GET /v1/openapi.json",
+    413: f"the body is larger than {human_bytes(MAX_BODY_BYTES)}; send less",
+}
+
+
 def _http_error(exc: web.HTTPException) -> web.Response:
-    codes = {404: "unknown_route", 405: "method_not_allowed", 413: "body_too_large"}
-    hints = {
-        404: "no such route; see GET /v1/openapi.json",
-        405: "this route does not take that method; see GET /v1/openapi.json",
-        413: f"the body is larger than {MAX_BODY_BYTES} bytes",
-    }
-    code = codes.get(exc.status, "bad_request")
-    return error_response(exc.status, code, hints.get(exc.status, exc.reason))
+    code = _HTTP_CODES.get(exc.status, _OTHER_HTTP_CODE)
+    return error_response(exc.status, code, _HTTP_HINTS.get(exc.status, exc.reason))
 
 
 async def health(request: web.Request) -> web.StreamResponse:
@@ -174,6 +174,16 @@ def openapi_document(routes: Sequence[Route]) -> dict[str, Any]:
         "info": {"title": "slicebox agent API", "version": __version__},
         "paths": paths,
         "components": {"schemas": schemas},
+        "x-error-codes": _error_codes(),
+    }
+
+
+def _error_codes() -> dict[str, dict[str, Any]]:
+    """Every code the agent answers, with its status and what the caller should do."""
+    return {
+        entry.code: {"status": entry.status, "when": entry.when, "action": entry.action}
+        for entry in CODES
+        if entry.status is not None
     }
 
 

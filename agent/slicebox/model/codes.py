@@ -1,0 +1,271 @@
+"""Every error code slicebox can answer, in one registry: the table in ``docs/errors.md`` and
+the ``ErrorBody.code`` enum of the OpenAPI document are both generated from it.
+
+A code is a promise to callers: scripts branch on it, so it never changes meaning. A unit test
+scans the code base and fails when a code is raised but missing here, or listed here but never
+raised. ``python3 -m slicebox.model.codes > docs/errors.md`` regenerates the table.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class ErrorCode(BaseModel):
+    """One code: the HTTP status it is answered with (``None``: raised by the client only)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    code: str
+    status: int | None
+    when: str
+    action: str
+
+
+def _c(code: str, status: int | None, when: str, action: str) -> ErrorCode:
+    return ErrorCode(code=code, status=status, when=when, action=action)
+
+
+CODES: tuple[ErrorCode, ...] = (
+    # The request as sent: shape and fields (400).
+    _c("malformed_json", 400, "The body is not valid JSON.", "Send one JSON object."),
+    _c(
+        "invalid_field",
+        400,
+        "A field has the wrong type or value, is unknown, or a required one is missing "
+        "(`field` names it).",
+        "Fix the named field; the schemas are in GET /v1/openapi.json.",
+    ),
+    _c(
+        "invalid_command",
+        400,
+        "An exec's `argv` is empty, has NUL bytes, or is a string without `shell: true`.",
+        "Pass a list of arguments, or one string with `shell: true`.",
+    ),
+    _c(
+        "invalid_timeout",
+        400,
+        "An exec's `timeout` is not more than 0 and at most 86400 seconds.",
+        "Give a positive number of seconds, at most a day.",
+    ),
+    _c(
+        "invalid_limit",
+        400,
+        "`memory`, `cpus` or `pids` is unparsable, zero or negative.",
+        "Use bytes or sizes like '256MB', cpus like 0.5, pids as a whole number.",
+    ),
+    _c(
+        "invalid_name",
+        400,
+        "A user or project name is empty, too long, or cannot map to a systemd unit name.",
+        "Use letters, digits, '-', '.', '_'; keep user and project short.",
+    ),
+    _c(
+        "invalid_ttl",
+        400,
+        "`ttl_seconds` is not a positive whole number (or, on extend, more than a year).",
+        "Give a positive number of seconds.",
+    ),
+    _c(
+        "invalid_mount",
+        400,
+        "A mount is malformed: no source, a relative target, or an unknown kind.",
+        "Give `source`, an absolute `target` and `kind` bind or volume.",
+    ),
+    _c(
+        "invalid_request",
+        400,
+        "The request is well-formed but cannot be done as asked (a child naming another root "
+        "task, an extend where no deadlines are enforced).",
+        "Read the message; change the request as it says.",
+    ),
+    # Security policy (400): refused before anything is created.
+    _c(
+        "policy_privileged",
+        400,
+        "The sandbox asks for privileged mode.",
+        "Drop `privileged`; add only the capabilities you need.",
+    ),
+    _c(
+        "policy_host_namespace",
+        400,
+        "The sandbox asks for the host's network, PID or IPC namespace.",
+        "Leave `pid_mode`/`ipc_mode` out; use network 'none'.",
+    ),
+    _c(
+        "policy_network",
+        400,
+        "The network is not one the config allows.",
+        "Use one of the allowed networks the message lists.",
+    ),
+    _c(
+        "policy_capability",
+        400,
+        "`cap_add` names a capability outside the allow-list.",
+        "Choose from the capabilities the message lists.",
+    ),
+    _c(
+        "policy_mount",
+        400,
+        "A bind mount is outside the configured roots, or a volume name is invalid.",
+        "Mount a directory under a configured root; name volumes with letters, digits, '_.-'.",
+    ),
+    _c(
+        "container_start_failed",
+        400,
+        "Docker created the container but could not start it (no such program, user or "
+        "workdir in the image).",
+        "Check image, command, user and workdir.",
+    ),
+    # Who may do what.
+    _c(
+        "no_peer_credentials",
+        403,
+        "The agent could not read the caller's identity (not a unix socket connection).",
+        "Connect over the agent's unix socket.",
+    ),
+    _c(
+        "forbidden",
+        403,
+        "The caller may not act for the user it named, or may not run the reaper.",
+        "Leave `user` out, or ask an admin (root, group slicebox-admin).",
+    ),
+    # What exists.
+    _c(
+        "not_found",
+        404,
+        "No such sandbox, task or user among the caller's own (another user's answers this too).",
+        "List sandboxes to see the ids.",
+    ),
+    _c(
+        "sandbox_not_found",
+        404,
+        "The container of an exec target is gone.",
+        "List sandboxes; create a new one.",
+    ),
+    _c("unknown_route", 404, "No such route.", "See GET /v1/openapi.json."),
+    _c(
+        "method_not_allowed",
+        405,
+        "The route does not take that method.",
+        "See GET /v1/openapi.json.",
+    ),
+    _c(
+        "body_too_large",
+        413,
+        "The request body is larger than 1 MiB.",
+        "Send a smaller body; stream files instead.",
+    ),
+    _c(
+        "bad_request",
+        400,
+        "The HTTP request itself was refused (the status says why).",
+        "Send a well-formed HTTP/1.1 request.",
+    ),
+    # State conflicts (409).
+    _c(
+        "admission_refused",
+        409,
+        "The sandbox's own limits exceed its project's or user's ceiling.",
+        "Ask for at most the ceiling the message names, or raise that ceiling in the config.",
+    ),
+    _c(
+        "sandbox_not_running",
+        409,
+        "The sandbox exists but is stopped or paused.",
+        "Destroy it and create a new one.",
+    ),
+    # The host (5xx): not the caller's fault.
+    _c(
+        "unavailable",
+        503,
+        "Docker or another system service is not reachable.",
+        "Retry later; an operator checks docker.service.",
+    ),
+    _c(
+        "image_unavailable",
+        503,
+        "The image is not on the host and could not be pulled.",
+        "Load or pull the image on the host, or choose another.",
+    ),
+    _c(
+        "host_error",
+        500,
+        "systemd, cgroupfs, netlink or Docker misbehaved.",
+        "Retry; if it persists, an operator reads the agent's journal.",
+    ),
+    _c(
+        "unit_exists",
+        500,
+        "systemd already has a unit of the name the agent tried to start.",
+        "Retry; the agent treats an existing slice as success, so this is a bug to report.",
+    ),
+    _c(
+        "no_such_unit",
+        500,
+        "systemd does not know the unit the agent asked about.",
+        "Retry; it was probably removed at the same moment.",
+    ),
+    _c(
+        "broken_labels",
+        500,
+        "A container's slicebox labels are incomplete or malformed (not made by a complete "
+        "create).",
+        "Nothing: the reaper removes such containers on its next pass.",
+    ),
+    _c(
+        "invalid_config",
+        500,
+        "The agent's config file is unreadable or invalid.",
+        "An operator fixes /etc/slicebox/config.toml as the message says and reloads.",
+    ),
+    _c("internal", 500, "An unexpected failure inside the agent.", "Read the agent's journal."),
+    # Raised by the Python client, never answered by the agent.
+    _c(
+        "agent_unreachable",
+        None,
+        "The client cannot connect to the agent's socket.",
+        "Check slicebox.socket is active and that you are in group slicebox.",
+    ),
+    _c(
+        "agent_no_answer",
+        None,
+        "The agent closed the connection or sent no HTTP answer.",
+        "Retry; read the agent's journal.",
+    ),
+    _c(
+        "http_error",
+        None,
+        "The agent answered an error without the JSON envelope.",
+        "Report it: every error should carry a code.",
+    ),
+)
+
+BY_CODE = {entry.code: entry for entry in CODES}
+
+
+def answered() -> list[str]:
+    """The codes the agent itself answers, in registry order."""
+    return [entry.code for entry in CODES if entry.status is not None]
+
+
+def markdown() -> str:
+    """The table of ``docs/errors.md``."""
+    lines = [
+        "# slicebox error codes",
+        "",
+        'Every error answer is `{"code": ..., "message": ..., "field": ...}`; `code` is',
+        "stable, `message` says what to do, `field` names the request field at fault.",
+        "Generated by `python3 -m slicebox.model.codes`; do not edit by hand.",
+        "",
+        "| code | HTTP | when | what to do |",
+        "|---|---|---|---|",
+    ]
+    for entry in CODES:
+        status = "client" if entry.status is None else str(entry.status)
+        lines.append(f"| `{entry.code}` | {status} | {entry.when} | {entry.action} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

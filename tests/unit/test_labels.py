@@ -4,7 +4,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from slicebox.model.errors import InvalidRequest
+from slicebox.model.errors import HostError
 from slicebox.model.labels import Lineage, decode, selector
 
 LINEAGE = Lineage(
@@ -33,11 +33,28 @@ def test_labels_round_trip_under_the_prefix() -> None:
     assert decode(labels | {"other": "x"}) == LINEAGE
 
 
-def test_foreign_or_broken_labels_are_refused() -> None:
-    with pytest.raises(InvalidRequest, match="not managed"):
+def test_foreign_or_broken_labels_are_refused_in_sentences() -> None:
+    with pytest.raises(HostError) as caught:
         decode({"slicebox.user": "x"})
-    with pytest.raises(InvalidRequest, match="malformed"):
+    assert caught.value.code == "broken_labels"
+    assert caught.value.message == "it has no slicebox.managed=true label; slicebox did not make it"
+    with pytest.raises(HostError) as caught:
         decode(LINEAGE.to_labels() | {"slicebox.depth": "deep"})
+    assert caught.value.message == (
+        "its labels are malformed (slicebox.depth: Input should be a valid integer, unable to "
+        "parse string as an integer); slicebox did not write them"
+    )
+
+
+def test_incomplete_labels_name_every_missing_label() -> None:
+    labels = LINEAGE.to_labels()
+    del labels["slicebox.user"], labels["slicebox.provisioned.cpu"]
+    with pytest.raises(HostError) as caught:
+        decode(labels)
+    assert caught.value.message == (
+        "its labels are incomplete (missing slicebox.user, slicebox.provisioned.cpu); "
+        "it was not made by a complete create"
+    )
 
 
 def test_selector() -> None:

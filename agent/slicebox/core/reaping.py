@@ -124,15 +124,19 @@ def _doomed(
         deadline = deadlines.get(sandbox_id, sandbox.expires_at)
         foreign = sandbox.lineage.instance_id != observed.instance_id
         if status in GONE:
-            doomed[sandbox_id] = (Rule.EXITED, f"its container has {status}")
+            doomed[sandbox_id] = (Rule.EXITED, f"its container is {status}; nothing runs in it")
         elif status == "created":
-            doomed[sandbox_id] = (Rule.NEVER_STARTED, "created, never started, no create runs")
+            doomed[sandbox_id] = (
+                Rule.NEVER_STARTED,
+                "its container was created but never started, and no create is in progress",
+            )
         elif deadline is not None and deadline <= now:
             doomed[sandbox_id] = (Rule.EXPIRED, f"its deadline {stamp(deadline)} has passed")
         elif foreign and sandbox_id not in observed.adopted and policy.orphans is OrphanPolicy.REAP:
             doomed[sandbox_id] = (
                 Rule.ORPHAN,
-                f"made by agent run {sandbox.lineage.instance_id}; orphan policy is reap",
+                f"it was made by agent run {sandbox.lineage.instance_id}, not this one, and the "
+                "orphan policy is reap",
             )
     doomed |= _pool_surplus(sandboxes, doomed, policy.pool_size)
     _doom_children(observed, sandboxes, doomed)
@@ -154,7 +158,10 @@ def _pool_surplus(
     for members in kinds.values():
         members.sort(key=lambda s: (s.created_at, s.id), reverse=True)
         for extra in members[size:]:
-            surplus[extra.id] = (Rule.POOL_SURPLUS, f"idle pool member beyond {size} of its kind")
+            surplus[extra.id] = (
+                Rule.POOL_SURPLUS,
+                f"it is an idle pool member beyond the {size} kept of its kind",
+            )
     return surplus
 
 
@@ -181,7 +188,8 @@ def _adoptions(observed: Observed, alive: dict[str, Sandbox]) -> Iterable[Action
     for sandbox_id, sandbox in sorted(alive.items()):
         run = sandbox.lineage.instance_id
         if run != observed.instance_id and sandbox_id not in observed.adopted:
-            yield _about(sandbox, Kind.ADOPT, Rule.ADOPT, f"made by agent run {run}")
+            reason = f"it was made by agent run {run}; this run adopts it and keeps its deadline"
+            yield _about(sandbox, Kind.ADOPT, Rule.ADOPT, reason)
 
 
 def _missing_deadlines(
@@ -198,7 +206,8 @@ def _missing_deadlines(
             and at > now
             and sandbox_id not in deadlines
         ):
-            action = _about(sandbox, Kind.ARM_DEADLINE, Rule.DEADLINE_MISSING, "no timer armed")
+            reason = f"its deadline {stamp(at)} has no timer armed"
+            action = _about(sandbox, Kind.ARM_DEADLINE, Rule.DEADLINE_MISSING, reason)
             yield action.model_copy(update={"deadline": at})
 
 
@@ -211,7 +220,7 @@ def _stale_timers(observed: Observed, sandboxes: dict[str, tuple[Sandbox, str]])
             target=timer.unit,
             sandbox_id=timer.sandbox_id,
             deadline=timer.at,
-            reason=f"sandbox {timer.sandbox_id} is gone",
+            reason=f"its sandbox {timer.sandbox_id} is gone",
         )
         for timer in sorted(observed.timers, key=lambda t: t.unit)
         if timer.sandbox_id not in sandboxes and timer.sandbox_id not in observed.in_flight
@@ -225,7 +234,7 @@ def _leftover_files(observed: Observed, alive: dict[str, Sandbox]) -> list[Actio
             rule=Rule.LEFTOVER_FILES,
             target=sandbox_id,
             sandbox_id=sandbox_id,
-            reason=f"sandbox {sandbox_id} is gone",
+            reason=f"its sandbox {sandbox_id} is gone; nothing needs these files",
         )
         for sandbox_id in sorted(observed.state_dirs)
         if sandbox_id not in alive and sandbox_id not in observed.in_flight

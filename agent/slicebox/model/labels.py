@@ -12,7 +12,8 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from slicebox.model.errors import InvalidRequest
+from slicebox.model.errors import HostError
+from slicebox.model.validation import Problem, problems
 
 PREFIX = "slicebox."
 MANAGED = f"{PREFIX}managed"
@@ -66,20 +67,43 @@ def is_managed(labels: Mapping[str, str]) -> bool:
 
 
 def decode(labels: Mapping[str, str]) -> Lineage:
-    """The lineage of a container from its labels; refuses labels slicebox did not write."""
+    """The lineage of a container from its labels; refuses labels slicebox did not write.
+
+    The refusal's message is a clause about the container ("its labels are incomplete
+    (missing slicebox.user); ..."), for the reaper's reasons and the agent's answers alike.
+    """
     ours = {
         key[len(PREFIX) :].replace(".", "_"): value
         for key, value in labels.items()
         if key.startswith(PREFIX) and key != MANAGED
     }
     if not is_managed(labels):
-        raise InvalidRequest("the container is not managed by slicebox (no slicebox.managed)")
+        raise HostError(
+            f"it has no {MANAGED}=true label; slicebox did not make it", code="broken_labels"
+        )
     if ours.get("expires_at") == "":
         ours.pop("expires_at")
     try:
         return Lineage.model_validate(ours)
     except ValidationError as exc:
-        raise InvalidRequest(f"the container's slicebox labels are malformed: {exc}") from exc
+        raise HostError(_broken(problems(exc)), code="broken_labels") from exc
+
+
+def _broken(found: list[Problem]) -> str:
+    """Missing labels mean a create that never finished; wrong ones, a hand that was not ours."""
+    missing = [_label(p.field) for p in found if p.kind == "missing"]
+    if missing:
+        return (
+            f"its labels are incomplete (missing {', '.join(missing)}); "
+            "it was not made by a complete create"
+        )
+    wrong = "; ".join(f"{_label(p.field)}: {p.text}" for p in found)
+    return f"its labels are malformed ({wrong}); slicebox did not write them"
+
+
+def _label(field: str) -> str:
+    """The label a :class:`Lineage` field is read from."""
+    return PREFIX + field.replace("provisioned_", "provisioned.")
 
 
 def selector(**labels: str) -> dict[str, str]:

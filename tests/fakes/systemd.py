@@ -1,12 +1,21 @@
-"""An in-memory :class:`slicebox.host.systemd.Systemd`: units with properties and nesting."""
+"""An in-memory :class:`slicebox.host.systemd.Systemd`: units with properties and nesting.
+
+It refuses what systemd refuses, with what :class:`~slicebox.host.systemd.PystemdSystemd`
+raises for it (the contract both pass is ``tests/fakes/systemd_contract.py``): a transient unit
+whose name is taken (running, installed, or left with drop-ins) is ``unit_exists``; stopping an
+unknown unit is ``no_such_unit`` except for a slice, which systemd loads on demand. A unit is
+"loaded" (listed without ``active_only``) while it runs, is installed, failed, or has drop-ins.
+"""
 
 from __future__ import annotations
 
 import fnmatch
+import threading
 from collections.abc import Sequence
 from datetime import datetime
 
 from slicebox.host.systemd import UnitStatus
+from slicebox.model.errors import HostError
 from slicebox.model.limits import Property
 
 
@@ -15,55 +24,87 @@ class FakeSystemd:
         self.properties: dict[str, dict[str, int]] = {}
         self.running: set[str] = set()
         self.installed: set[str] = set()
+        self.failed: set[str] = set()
         self.children: dict[str, set[str]] = {}
         self.fail_start: set[str] = set()
         self.calls: list[tuple[str, str]] = []
         self.timers: dict[str, tuple[datetime, list[str]]] = {}
+        self._lock = threading.Lock()  # systemd serialises its bus calls
 
     def status(self, unit: str) -> UnitStatus:
-        return UnitStatus(
-            load_state="loaded",
-            active_state="active" if unit in self.running else "inactive",
-            fragment_path=f"/etc/systemd/system/{unit}" if unit in self.installed else "",
-        )
+        with self._lock:
+            return UnitStatus(
+                load_state="loaded" if self._known(unit) else "not-found",
+                active_state=self._active_state(unit),
+                fragment_path=f"/etc/systemd/system/{unit}" if unit in self.installed else "",
+            )
 
     def start_transient(self, unit: str, properties: Sequence[Property], description: str) -> None:
-        self.calls.append(("start_transient", unit))
-        if unit in self.running:
-            raise AssertionError(f"{unit} already exists")
-        self._start(unit)
-        self.properties[unit] = dict(properties)
+        with self._lock:
+            self.calls.append(("start_transient", unit))
+            if unit in self.running | self.installed | set(self.properties):
+                raise HostError(
+                    f"systemd says {unit} already exists; set its properties instead",
+                    code="unit_exists",
+                )
+            self._start(unit)
+            self.properties[unit] = dict(properties)
 
     def set_properties(self, unit: str, properties: Sequence[Property]) -> None:
-        self.calls.append(("set_properties", unit))
-        self.properties.setdefault(unit, {}).update(properties)
+        with self._lock:
+            self.calls.append(("set_properties", unit))
+            self.properties.setdefault(unit, {}).update(properties)
 
     def start(self, unit: str) -> None:
-        self.calls.append(("start", unit))
-        self._start(unit)
+        with self._lock:
+            self.calls.append(("start", unit))
+            self._must_know(unit)
+            self._start(unit)
 
     def stop(self, unit: str) -> None:
-        self.calls.append(("stop", unit))
-        self.running.discard(unit)
-        self.children.pop(unit, None)
-        self.timers.pop(unit, None)
-        if unit not in self.installed:
-            self.properties.pop(unit, None)
+        with self._lock:
+            self.calls.append(("stop", unit))
+            self._must_know(unit)
+            self.running.discard(unit)
+            self.children.pop(unit, None)
+            self.timers.pop(unit, None)
+            if unit not in self.installed:
+                self.properties.pop(unit, None)  # a stopped transient unit loses its files
 
     def has_children(self, unit: str) -> bool:
         return bool(self.children.get(unit))
 
     def list_units(self, pattern: str, *, active_only: bool = False) -> list[str]:
-        return sorted(u for u in self.running if fnmatch.fnmatchcase(u, pattern))
+        with self._lock:
+            units = self.running if active_only else self._loaded()
+            return sorted(u for u in units if fnmatch.fnmatchcase(u, pattern))
 
     def start_timer(self, timer: str, at: datetime, argv: Sequence[str], description: str) -> None:
-        self.calls.append(("start_timer", timer))
-        self._start(timer)
-        self.timers[timer] = (at, list(argv))
+        with self._lock:
+            self.calls.append(("start_timer", timer))
+            if timer in self.running:
+                raise HostError(f"systemd says {timer} already exists", code="unit_exists")
+            self._start(timer)
+            self.timers[timer] = (at, list(argv))
 
     def _start(self, unit: str) -> None:
-        from slicebox.model.errors import HostError
-
         if unit in self.fail_start:
-            raise HostError(f"systemd could not start {unit}")
+            self.failed.add(unit)
+            raise HostError(f"systemd could not start {unit}; see `journalctl -u {unit}`")
+        self.failed.discard(unit)
         self.running.add(unit)
+
+    def _loaded(self) -> set[str]:
+        return self.running | self.installed | self.failed | set(self.properties)
+
+    def _known(self, unit: str) -> bool:
+        return unit.endswith(".slice") or unit in self._loaded()
+
+    def _must_know(self, unit: str) -> None:
+        if not self._known(unit):
+            raise HostError(f"systemd has no unit {unit} loaded", code="no_such_unit")
+
+    def _active_state(self, unit: str) -> str:
+        if unit in self.running:
+            return "active"
+        return "failed" if unit in self.failed else "inactive"

@@ -1,11 +1,20 @@
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
 from slicebox.core.slices import SliceManager
+from slicebox.host.systemd import UnitStatus
 from slicebox.model.config import parse_config
+from slicebox.model.errors import HostError
 from slicebox.model.limits import INFINITY, Ceiling
 from tests.fakes.systemd import FakeSystemd
+from tests.fakes.systemd_contract import check_refusals
 
 MiB = 1024 * 1024
+UNIT = "slicebox-al-new.slice"
 
 
 def test_ensure_starts_a_transient_slice_then_updates_it() -> None:
@@ -72,3 +81,54 @@ def test_wait_stopped_times_out_without_sleeping_for_real() -> None:
     assert not slices.wait_stopped("docker-x.scope", timeout=1.0)
     systemd.running.clear()
     assert slices.wait_stopped("docker-x.scope")
+
+
+def test_the_fake_refuses_what_systemd_refuses() -> None:
+    check_refusals(FakeSystemd(), "slicebox-contract.slice", "slicebox-contract.service")
+
+
+def test_list_units_without_active_only_also_lists_loaded_inactive_units() -> None:
+    systemd = FakeSystemd()
+    systemd.installed.add("slicebox.slice")
+    SliceManager(systemd).ensure("slicebox-a.slice", Ceiling())
+    assert systemd.list_units("slicebox*.slice", active_only=True) == ["slicebox-a.slice"]
+    assert systemd.list_units("slicebox*.slice") == ["slicebox-a.slice", "slicebox.slice"]
+
+
+class RacingSystemd(FakeSystemd):
+    """Both callers look before either starts: the interleaving that made creates fail."""
+
+    def __init__(self, callers: int) -> None:
+        super().__init__()
+        self.barrier = threading.Barrier(callers, timeout=5)
+
+    def status(self, unit: str) -> UnitStatus:
+        seen = super().status(unit)
+        self.barrier.wait()
+        return seen
+
+
+def test_two_concurrent_ensures_of_a_new_slice_both_succeed() -> None:
+    systemd = RacingSystemd(callers=2)
+    slices = SliceManager(systemd)
+    with ThreadPoolExecutor(2) as pool:
+        started = list(pool.map(lambda _: slices.ensure(UNIT, Ceiling(pids=7)), range(2)))
+    assert sorted(started) == [False, True]  # one created it, the other configured it
+    assert systemd.list_units(UNIT, active_only=True) == [UNIT]
+    assert systemd.properties[UNIT]["TasksMax"] == 7
+    assert [c for c, _ in systemd.calls].count("start_transient") == 2
+
+
+def test_a_slice_left_with_drop_ins_is_configured_and_started() -> None:
+    systemd = FakeSystemd()
+    systemd.set_properties(UNIT, [("TasksMax", 1)])  # inactive, but systemd holds drop-ins
+    assert not SliceManager(systemd).ensure(UNIT, Ceiling(pids=9))
+    assert systemd.list_units(UNIT, active_only=True) == [UNIT]
+    assert systemd.properties[UNIT]["TasksMax"] == 9
+
+
+def test_other_start_failures_still_fail() -> None:
+    systemd = FakeSystemd()
+    systemd.fail_start.add(UNIT)
+    with pytest.raises(HostError, match="could not start"):
+        SliceManager(systemd).ensure(UNIT, Ceiling())

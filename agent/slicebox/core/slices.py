@@ -15,7 +15,10 @@ under ``/run/systemd/system.control/``, which a reload re-reads as well. Nothing
 systemd reports a slice without a unit file as ``loaded`` even before it exists, so "installed"
 is decided by ``FragmentPath``, not by ``LoadState``.
 
-A slice is only stopped when empty: stopping a slice stops every unit inside it.
+A slice is only stopped when empty: stopping a slice stops every unit inside it. Creates run
+concurrently and nothing locks between our look at a slice and our start of it: when systemd
+answers that the unit already exists, the slice is there as asked, and ``ensure`` sets its
+ceilings instead, so two creates in a new project both succeed.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from collections.abc import Callable
 
 from slicebox.host.systemd import Systemd
 from slicebox.model.config import Config
-from slicebox.model.errors import InvalidName
-from slicebox.model.limits import Ceiling, ceiling_properties
+from slicebox.model.errors import HostError, InvalidName
+from slicebox.model.limits import Ceiling, Property, ceiling_properties
 from slicebox.model.names import MANAGED_SLICE, PREFIX, parse_slice
 
 log = logging.getLogger(__name__)
@@ -47,17 +50,29 @@ class SliceManager:
         self._sleep = sleep
 
     def ensure(self, unit: str, ceiling: Ceiling) -> bool:
-        """Make ``unit`` run with ``ceiling``; True when this call started it."""
+        """Make ``unit`` run with ``ceiling``; True when this call created or started it."""
         properties = ceiling_properties(ceiling)
         status = self._systemd.status(unit)
         if status.active or status.installed:
-            self._systemd.set_properties(unit, properties)
-            if not status.active:
-                self._systemd.start(unit)
-            return not status.active
+            return self._configure(unit, properties, start=not status.active)
         log.info("creating %s with %s", unit, properties)
-        self._systemd.start_transient(unit, properties, f"slicebox {unit}")
+        try:
+            self._systemd.start_transient(unit, properties, f"slicebox {unit}")
+        except HostError as exc:
+            if exc.code != "unit_exists":
+                raise
+            # Another create made it between our look and our start (or it lingers with
+            # drop-ins): it exists, which is what was asked; give it these ceilings.
+            log.info("%s appeared meanwhile; setting its properties", unit)
+            self._configure(unit, properties, start=True)
+            return False
         return True
+
+    def _configure(self, unit: str, properties: list[Property], *, start: bool) -> bool:
+        self._systemd.set_properties(unit, properties)
+        if start:
+            self._systemd.start(unit)  # joins a start in progress; a no-op on a running unit
+        return start
 
     def update(self, unit: str, ceiling: Ceiling) -> bool:
         """Change the ceilings of a running slice live; False when it is not running."""

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 
 ACTIVE = frozenset({"active", "activating", "reloading"})
+_UNIT_EXISTS = "org.freedesktop.systemd1.UnitExists"
 TIMER_ACCURACY_USEC = 1_000_000  # systemd coalesces timers by a minute unless told otherwise
 
 
@@ -49,14 +50,17 @@ class Systemd(Protocol):
     def status(self, unit: str) -> UnitStatus: ...
 
     def start_transient(self, unit: str, properties: Sequence[Property], description: str) -> None:
-        """Start a new transient unit with ``properties``."""
+        """Start a new transient unit with ``properties``; a unit of that name that runs, has
+        a file or drop-ins is refused with :class:`HostError` code ``unit_exists``."""
 
     def set_properties(self, unit: str, properties: Sequence[Property]) -> None:
         """Change a unit's properties now and until reboot (runtime drop-ins)."""
 
     def start(self, unit: str) -> None: ...
 
-    def stop(self, unit: str) -> None: ...
+    def stop(self, unit: str) -> None:
+        """Stop ``unit``; an unknown slice is fine (systemd makes slices on demand), any other
+        unknown unit is :class:`HostError` code ``no_such_unit``."""
 
     def has_children(self, unit: str) -> bool:
         """Whether anything (a scope, a child slice) is running inside the unit."""
@@ -188,11 +192,20 @@ def _props(properties: Sequence[Property]) -> dict[bytes, Any]:
 
 
 def _call(unit: str, call: Callable[[], R]) -> R:
-    from pystemd.dbusexc import DBusBaseError
+    """``call``, with systemd's refusals mapped to codes callers can act on: a unit that is
+    already there (``UnitExists``, which pystemd has no class for) and one that is not."""
+    from pystemd.dbusexc import DBusBaseError, DBusNoSuchUnitError
 
     try:
         return call()
+    except DBusNoSuchUnitError as exc:
+        raise HostError(f"systemd has no unit {unit} loaded: {exc}", code="no_such_unit") from exc
     except DBusBaseError as exc:
+        if _UNIT_EXISTS in str(exc):
+            raise HostError(
+                f"systemd says {unit} already exists; set its properties instead",
+                code="unit_exists",
+            ) from exc
         raise HostError(f"systemd refused an operation on {unit}: {exc}") from exc
 
 

@@ -1,0 +1,29 @@
+"""What systemd refuses, as every :class:`~slicebox.host.systemd.Systemd` must report it.
+
+Run against the fake by the unit tests and against real systemd by ``tests/host/test_slices.py``,
+so the fake cannot drift from what the real adapter raises.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from slicebox.host.systemd import Systemd
+from slicebox.model.errors import HostError
+
+
+def check_refusals(systemd: Systemd, slice_unit: str, service_unit: str) -> None:
+    """``slice_unit`` and ``service_unit`` must be unused names; the slice is stopped again."""
+    systemd.start_transient(slice_unit, [("TasksMax", 50)], "contract")
+    try:
+        with pytest.raises(HostError, match="already exists") as caught:
+            systemd.start_transient(slice_unit, [("TasksMax", 60)], "contract")
+        assert caught.value.code == "unit_exists"
+        assert systemd.list_units(slice_unit, active_only=True) == [slice_unit]
+    finally:
+        systemd.stop(slice_unit)
+    assert systemd.list_units(slice_unit, active_only=True) == []
+    systemd.stop(slice_unit)  # an unknown slice: systemd loads slices on demand
+    with pytest.raises(HostError) as caught:
+        systemd.stop(service_unit)
+    assert caught.value.code == "no_such_unit"

@@ -6,16 +6,19 @@ their ceilings through ``systemctl daemon-reload``; a re-applied config changes 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from slicebox.core.slices import SliceManager
-from slicebox.host.systemd import PystemdSystemd
+from slicebox.host.systemd import PystemdSystemd, UnitStatus
 from slicebox.model.config import parse_config
 from slicebox.model.limits import Ceiling
 from slicebox.model.names import MANAGED_SLICE, slice_names
+from tests.fakes.systemd_contract import check_refusals
 from tests.host.helpers import sh, unique
 from tests.host.sliceboxhost import active, cleanup_slices, read
 
@@ -135,3 +138,39 @@ def test_installed_managed_slice_takes_runtime_ceilings(manager: SliceManager) -
         cleanup_slices(MANAGED_SLICE)
         unit_file.unlink()
         sh("systemctl", "daemon-reload")
+
+
+def test_real_systemd_refuses_what_the_fake_refuses(tree: tuple[str, str]) -> None:
+    user, _ = tree
+    names = slice_names(user, "contract")
+    try:
+        check_refusals(PystemdSystemd(), names.project, f"{unique('sbx-none-')}.service")
+    finally:
+        cleanup_slices(names.project, names.user)
+
+
+class RacingSystemd(PystemdSystemd):
+    """Each caller's first look waits for the other's: both see the slice absent."""
+
+    def __init__(self, callers: int) -> None:
+        super().__init__()
+        self._barrier = threading.Barrier(callers, timeout=60)
+        self._looked: set[int] = set()
+
+    def status(self, unit: str) -> UnitStatus:
+        seen = super().status(unit)
+        if threading.get_ident() not in self._looked:
+            self._looked.add(threading.get_ident())
+            self._barrier.wait()
+        return seen
+
+
+def test_two_creates_in_a_new_project_at_once_both_succeed(tree: tuple[str, str]) -> None:
+    user, project = tree
+    unit = slice_names(user, project).project
+    manager = SliceManager(RacingSystemd(callers=2))
+    with ThreadPoolExecutor(2) as pool:
+        started = list(pool.map(lambda _: manager.ensure(unit, Ceiling(pids=77)), range(2)))
+    assert sorted(started) == [False, True]
+    assert active(unit)
+    assert read(slice_names(user, project).cgroups().project, "pids.max").strip() == "77"

@@ -277,7 +277,7 @@ def test_extending_a_deadline_needs_no_relabelling(agent: Client) -> None:
         ["slicebox", "extend", box["id"], "0"], capture_output=True, text=True, check=False
     )
     assert refused.returncode == 2
-    assert "invalid_field" in refused.stderr
+    assert "invalid_ttl" in refused.stderr
 
 
 def test_the_reap_command_prints_the_plan_and_only_admins_may_run_it(agent: Client) -> None:

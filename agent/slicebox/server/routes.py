@@ -184,8 +184,13 @@ async def _stream(
     try:
         while (item := await asyncio.to_thread(items.get)) is not _DONE:
             await response.write(_line(item))
+    except ConnectionError:
+        # A caller that closes its stream early (Ctrl-C, a client's close()) is not a failure
+        # of the agent: the producer stops and closes the exec, and nothing is left to answer.
+        gone.set()
+        return response
     except BaseException:
-        gone.set()  # the caller went away: the producer stops and closes the exec
+        gone.set()  # the producer stops and closes the exec
         raise
     await response.write_eof()
     return response

@@ -13,7 +13,6 @@ arrive as the right branch of the tree (``.code`` keeps the exact code).
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -179,22 +178,18 @@ def error_class(code: str, status: int) -> ErrorClass:
     by_code = {kind.code: kind for kind in _tree(errors.SliceboxError)}
     if code in by_code:
         return by_code[code]
-    return _by_status().get(status) or (
-        errors.InvalidRequest if 400 <= status < 500 else errors.SliceboxError
-    )
+    owners = [kind for kind in errors.SliceboxError.__subclasses__() if kind.http_status == status]
+    if len(owners) == 1:
+        return owners[0]
+    # Several branches share 409 and 500: only the root is sure. A 4xx no branch owns (413,
+    # 405) is still the caller's request that cannot be taken as it is.
+    return errors.InvalidRequest if not owners and 400 <= status < 500 else errors.SliceboxError
 
 
 def _tree(root: ErrorClass) -> Iterator[ErrorClass]:
     yield root
     for child in root.__subclasses__():
         yield from _tree(child)
-
-
-def _by_status() -> dict[int, ErrorClass]:
-    # Only statuses that one branch owns: 409 is admission or not-running, 500 several things.
-    branches = errors.SliceboxError.__subclasses__()
-    owners = Counter(kind.http_status for kind in branches)
-    return {kind.http_status: kind for kind in branches if owners[kind.http_status] == 1}
 
 
 def bad_answer(what: str, exc: Exception) -> errors.Unavailable:

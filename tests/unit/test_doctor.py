@@ -6,7 +6,17 @@ from pathlib import Path
 import pytest
 
 from slicebox.cli import main as cli
-from slicebox.cli.doctor import Host, check_agent, check_cgroup2, check_controllers, check_systemd
+from slicebox.cli.doctor import (
+    Host,
+    State,
+    check_agent,
+    check_cgroup2,
+    check_controllers,
+    check_docker,
+    check_systemd,
+    failed,
+    lines,
+)
 
 
 def fake_host(tmp_path: Path, pid1: str, controllers: str | None) -> Host:
@@ -53,14 +63,28 @@ def test_cli_doctor_exits_nonzero_and_prints_fixes(
     assert "fix: systemctl start slicebox.socket" in out
 
 
-def test_docker_socket_of_someone_else_is_not_a_failure(
+def test_a_docker_socket_not_ours_is_skipped_not_passed_nor_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from slicebox.cli.doctor import check_docker
-
     sock = tmp_path / "docker.sock"
     sock.touch(mode=0o600)
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # as an ordinary user sees it
-    check = check_docker(Host(docker_socket=str(sock)))
-    assert check.ok
-    assert "run doctor as root" in check.detail
+    check = check_docker(Host(docker_socket=str(sock), docker_host=None))
+    assert check.state is State.SKIP
+    assert not check.ok
+    assert "sudo slicebox doctor" in check.fix
+    assert not failed([check])
+    assert list(lines([check])) == [
+        f"skip docker               {check.detail}",
+        f"     {'':<20} to check: {check.fix}",
+    ]
+
+
+def test_docker_host_names_the_engine_as_dockers_own_tools_read_it(tmp_path: Path) -> None:
+    assert Host(docker_socket="/a.sock", docker_host=None).docker_path == Path("/a.sock")
+    assert Host(docker_host="unix:///b.sock").docker_path == Path("/b.sock")
+    assert Host(docker_host="tcp://10.0.0.1:2375").docker_path is None
+    unreachable = check_docker(Host(docker_host=f"unix://{tmp_path / 'none.sock'}"))
+    assert unreachable.state is State.FAIL
+    assert "none.sock" in unreachable.detail
+    assert "DOCKER_HOST" in unreachable.fix

@@ -1,29 +1,53 @@
-"""A Python client for the agent's unix-socket API (standard library only).
+"""The Python client for the agent's unix-socket API (standard library only; asyncio: see
+``asyncclient``).
 
-Errors come back as the same exception tree the agent uses (``slicebox.model.errors``), chosen by
-the stable code in the error envelope, so scripts can catch ``NotFound`` or check ``.code``.
+One method per route, taking and returning the agent's own pydantic models. Errors arrive as the
+agent's exception tree (``slicebox.model.errors``), chosen by the envelope's stable code, so a
+script can catch ``NotFound`` or read ``.code``; a socket that is not there or an agent that does
+not answer is ``Unavailable`` (``agent_unreachable`` / ``agent_no_answer``).
+
+    with Client() as agent:                      # on exit, destroys what it created
+        box = agent.create(CreateSandbox(project="web"))
+        for event in agent.exec_stream(box.id, ExecRequest(argv=("make",))):
+            ...                                  # StreamChunk..., then the ExecResult
+
+Each call opens its own connection, so one client may be shared by threads. Closing an exec
+stream early (``close()``, or leaving a ``with closing(...)`` block) closes its connection, and
+the agent then kills the command.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
-import json
 import socket
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Generator
+from types import TracebackType
+from typing import Any, Self, TypeVar
 
-from slicebox.model import errors
+from pydantic import BaseModel, TypeAdapter
+
+from slicebox.cli import wire
+from slicebox.model.api import (
+    CreateSandbox,
+    Destroyed,
+    Extend,
+    Health,
+    ReapRequest,
+    RunRequest,
+    RunResult,
+    SandboxView,
+)
+from slicebox.model.errors import SliceboxError
+from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult
 from slicebox.model.paths import AGENT_SOCKET
+from slicebox.model.reaper import Report
+from slicebox.model.usage import LevelNode, ResourceUsage
 
 DEFAULT_SOCKET = AGENT_SOCKET
-
-_BY_STATUS: dict[int, type[errors.SliceboxError]] = {
-    400: errors.InvalidRequest,
-    403: errors.Forbidden,
-    404: errors.NotFound,
-    409: errors.AdmissionRefused,
-    503: errors.Unavailable,
-}
+READ_SIZE = 64 * 1024
+T = TypeVar("T", bound=BaseModel)
+_SILENT = (TimeoutError, ConnectionError, http.client.HTTPException)
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -38,12 +62,7 @@ class _UnixConnection(http.client.HTTPConnection):
             sock.connect(self._path)
         except OSError as exc:
             sock.close()
-            raise errors.Unavailable(
-                f"cannot connect to the agent at {self._path} ({exc.strerror}); is "
-                "slicebox.socket active (systemctl status slicebox.socket) and are you in "
-                "group slicebox?",
-                code="agent_unreachable",
-            ) from exc
+            raise wire.unreachable(self._path, exc.strerror or str(exc)) from exc
         self.sock = sock
 
 
@@ -51,50 +70,125 @@ class Client:
     def __init__(self, path: str = DEFAULT_SOCKET, timeout: float = 300.0) -> None:
         self.path = path
         self.timeout = timeout
+        self._created = wire.Created()
+
+    # --- the routes ---------------------------------------------------------------------------
+
+    def health(self) -> Health:
+        return self._call(wire.health())
+
+    def create(self, spec: CreateSandbox) -> SandboxView:
+        view = self._call(wire.create(spec))
+        self._created.add(view.id)
+        return view
+
+    def list_sandboxes(self) -> list[SandboxView]:
+        return self._call(wire.list_sandboxes()).root
+
+    def get(self, sandbox_id: str) -> SandboxView:
+        return self._call(wire.get(sandbox_id))
+
+    def destroy(self, sandbox_id: str) -> Destroyed:
+        gone = self._call(wire.destroy(sandbox_id))
+        self._created.discard(sandbox_id)
+        return gone
+
+    def destroy_task(self, root_task_id: str) -> list[Destroyed]:
+        gone = self._call(wire.destroy_task(root_task_id)).root
+        self._created.discard(*(each.id for each in gone))
+        return gone
+
+    def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+        return self._call(wire.exec_(sandbox_id, request))
+
+    def exec_stream(
+        self, sandbox_id: str, request: ExecRequest
+    ) -> Generator[ExecEvent, None, None]:
+        """Output chunks as the command produces them, then its ``ExecResult``."""
+        return self._stream(wire.exec_stream(sandbox_id, request))
+
+    def usage(self, sandbox_id: str) -> ResourceUsage:
+        return self._call(wire.usage(sandbox_id)).usage
+
+    def level_tree(self) -> LevelNode:
+        return self._call(wire.level_tree())
+
+    def extend(self, sandbox_id: str, request: Extend) -> SandboxView:
+        return self._call(wire.extend(sandbox_id, request))
+
+    def run(self, request: RunRequest) -> RunResult:
+        return self._call(wire.run(request))
+
+    def reap(self, request: ReapRequest | None = None) -> Report:
+        return self._call(wire.reap(request or ReapRequest()))
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
+        """Untyped JSON for what has no method (``/openapi.json``, a newer agent's routes)."""
+        payload = None if body is None else TypeAdapter(Any).dump_json(body)
+        status, raw = self._exchange(method, wire.API_PREFIX + path, payload, self.timeout)
+        if status >= 400:
+            raise wire.error_from(status, raw)
+        return TypeAdapter(Any).validate_json(raw) if raw else None
+
+    # --- clean-up -----------------------------------------------------------------------------
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        failures: list[SliceboxError] = []
+        for sandbox_id in self._created.take():
+            try:
+                self.destroy(sandbox_id)
+            except SliceboxError as error:
+                failures.append(error)
+        if failures and exc is None:
+            raise failures[0]  # an error already on its way out says more; it is not masked
+
+    # --- transport ----------------------------------------------------------------------------
+
+    def _call(self, call: wire.Call[T]) -> T:
+        timeout = max(self.timeout, call.min_timeout)
+        return wire.answer(call, *self._exchange(call.method, call.target, call.body, timeout))
+
+    def _exchange(
+        self, method: str, target: str, body: bytes | None, timeout: float
+    ) -> tuple[int, bytes]:
+        conn = _UnixConnection(self.path, timeout)
         try:
-            with self._open(method, path, body) as response:
-                return _decode(response)
-        except (TimeoutError, ConnectionError, http.client.HTTPException) as exc:
-            raise self._no_answer(exc) from exc
+            response = _send(conn, method, target, body)
+            return response.status, response.read()
+        except _SILENT as exc:
+            raise wire.no_answer(self.path, timeout, exc) from exc
+        finally:
+            conn.close()
 
-    def _no_answer(self, exc: Exception) -> errors.Unavailable:
-        return errors.Unavailable(
-            f"the agent at {self.path} did not answer ({exc.__class__.__name__}) within "
-            f"{self.timeout:.0f}s; check `systemctl status slicebox` and its journal",
-            code="agent_no_answer",
-        )
-
-    def stream(self, method: str, path: str, body: Any = None) -> Iterator[Any]:
-        """Newline-delimited JSON objects, as the agent produces them."""
+    def _stream(self, call: wire.Call[ExecResult]) -> Generator[ExecEvent, None, None]:
+        timeout = max(self.timeout, call.min_timeout)
+        conn = _UnixConnection(self.path, timeout)
+        decoder = wire.EventDecoder(f"{call.method} {call.target}")
+        response: http.client.HTTPResponse | None = None
         try:
-            with self._open(method, path, body) as response:
-                if response.status >= 400:
-                    _decode(response)
-                for line in response:
-                    if line.strip():
-                        yield json.loads(line)
-        except (TimeoutError, ConnectionError, http.client.HTTPException) as exc:
-            raise self._no_answer(exc) from exc
-
-    def _open(self, method: str, path: str, body: Any) -> http.client.HTTPResponse:
-        conn = _UnixConnection(self.path, self.timeout)
-        payload = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if payload is not None else {}
-        conn.request(method, "/v1" + path, body=payload, headers=headers)
-        return conn.getresponse()
+            response = _send(conn, call.method, call.target, call.body)
+            if response.status >= 400:
+                raise wire.error_from(response.status, response.read())
+            while not decoder.finished and (data := response.read1(READ_SIZE)):
+                yield from decoder.feed(data)
+            decoder.end()
+        except _SILENT as exc:
+            raise wire.no_answer(self.path, timeout, exc) from exc
+        finally:
+            if response is not None:
+                response.close()  # http.client hands a closing socket over to the response
+            conn.close()
 
 
-def _decode(response: http.client.HTTPResponse) -> Any:
-    raw = response.read()
-    data = json.loads(raw) if raw else None
-    if response.status < 400:
-        return data
-    envelope = data if isinstance(data, dict) else {}
-    kind = _BY_STATUS.get(response.status, errors.SliceboxError)
-    raise kind(
-        str(envelope.get("message", f"HTTP {response.status}")),
-        code=str(envelope.get("code", "http_error")),
-        field=envelope.get("field"),
-    )
+def _send(
+    conn: _UnixConnection, method: str, target: str, body: bytes | None
+) -> http.client.HTTPResponse:
+    # The agent may refuse a body before reading it all (too large): its answer says why.
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        conn.request(method, target, body=body, headers=wire.JSON_HEADERS if body else {})
+    return conn.getresponse()

@@ -2,32 +2,64 @@
 
 Each check is a small function returning a ``Check`` (data), so the command, the agent's
 health and the tests share one list. Paths are parameters so tests can point them at a
-temporary tree.
+temporary tree. A check has three states: ``ok``, ``fail`` (with the fix), and ``skip`` when it
+could not be made from here (with why, and how to make it): a check not made is not a pass,
+nor a failure of the host.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, RootModel, computed_field
 
 from slicebox.cli.client import Client
 from slicebox.model.errors import SliceboxError
 from slicebox.model.paths import AGENT_SOCKET, CGROUP_MOUNT, DOCKER_SOCKET
 
 REQUIRED_CONTROLLERS = ("cpu", "memory", "pids", "io")
+UNIX_SCHEME = "unix://"
+
+
+class State(StrEnum):
+    OK = "ok"
+    FAIL = "fail"
+    SKIP = "skip"
 
 
 class Check(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
-    ok: bool
+    state: State
     detail: str
-    fix: str = ""
+    fix: str = ""  # for a failure, what to do; for a skip, how to make the check
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def ok(self) -> bool:
+        """Scripts that read ``ok`` see only a check that was made and passed."""
+        return self.state is State.OK
+
+
+class CheckList(RootModel[list[Check]]):
+    pass
+
+
+def passed(name: str, detail: str) -> Check:
+    return Check(name=name, state=State.OK, detail=detail)
+
+
+def verdict(name: str, ok: bool, detail: str, fix: str) -> Check:
+    return Check(name=name, state=State.OK if ok else State.FAIL, detail=detail, fix=fix)
+
+
+def _docker_host() -> str | None:
+    return os.environ.get("DOCKER_HOST") or None
 
 
 @dataclass(frozen=True)
@@ -36,36 +68,47 @@ class Host:
     cgroup: Path = CGROUP_MOUNT
     agent_socket: str = AGENT_SOCKET
     docker_socket: str = DOCKER_SOCKET
+    docker_host: str | None = field(default_factory=_docker_host)  # as Docker's own tools read it
+
+    @property
+    def docker_url(self) -> str:
+        return self.docker_host or UNIX_SCHEME + self.docker_socket
+
+    @property
+    def docker_path(self) -> Path | None:
+        """The engine's socket file, when it is one (not for tcp:// or ssh://)."""
+        url = self.docker_url
+        return Path(url.removeprefix(UNIX_SCHEME)) if url.startswith(UNIX_SCHEME) else None
 
 
 def check_systemd(host: Host) -> Check:
     comm = _read(host.proc / "1" / "comm") or "unknown"
-    return Check(
-        name="systemd is PID 1",
-        ok=comm == "systemd",
-        detail=f"PID 1 is {comm}",
-        fix="slicebox needs systemd as the init system to manage its slices",
+    return verdict(
+        "systemd is PID 1",
+        comm == "systemd",
+        f"PID 1 is {comm}",
+        "slicebox needs systemd as the init system to manage its slices",
     )
 
 
 def check_cgroup2(host: Host) -> Check:
     controllers = _read(host.cgroup / "cgroup.controllers")
-    return Check(
-        name="cgroup v2",
-        ok=controllers is not None,
-        detail=f"{host.cgroup} is {'cgroup v2' if controllers is not None else 'not cgroup v2'}",
-        fix="boot with systemd.unified_cgroup_hierarchy=1 (the default on current distributions)",
+    return verdict(
+        "cgroup v2",
+        controllers is not None,
+        f"{host.cgroup} is {'cgroup v2' if controllers is not None else 'not cgroup v2'}",
+        "boot with systemd.unified_cgroup_hierarchy=1 (the default on current distributions)",
     )
 
 
 def check_controllers(host: Host) -> Check:
     enabled = set((_read(host.cgroup / "cgroup.subtree_control") or "").split())
     missing = [name for name in REQUIRED_CONTROLLERS if name not in enabled]
-    return Check(
-        name="cgroup controllers",
-        ok=not missing,
-        detail=f"enabled: {' '.join(sorted(enabled)) or 'none'}",
-        fix=f"enable {' '.join(missing)} in the root cgroup (systemd does so for slices with "
+    return verdict(
+        "cgroup controllers",
+        not missing,
+        f"enabled: {' '.join(sorted(enabled)) or 'none'}",
+        f"enable {' '.join(missing)} in the root cgroup (systemd does so for slices with "
         "limits; check the kernel command line for cgroup_disable=)"
         if missing
         else "",
@@ -73,32 +116,33 @@ def check_controllers(host: Host) -> Check:
 
 
 def check_docker(host: Host) -> Check:
-    sock = Path(host.docker_socket)
-    if sock.exists() and not os.access(sock, os.R_OK | os.W_OK):
+    sock = host.docker_path
+    if sock is not None and sock.exists() and not os.access(sock, os.R_OK | os.W_OK):
         return Check(
             name="docker",
-            ok=True,
-            detail=f"not checked: {sock} is not yours to use (the agent's is); run doctor as root",
+            state=State.SKIP,
+            detail=f"not checked: {sock} is not yours to use (the agent uses it as root)",
+            fix="run `sudo slicebox doctor` to check the Docker engine",
         )
     try:
         import docker
 
-        with docker.APIClient(timeout=10) as api:
+        with docker.APIClient(base_url=host.docker_url, timeout=10) as api:
             info = api.info()
     except Exception as exc:
-        return Check(
-            name="docker",
-            ok=False,
-            detail=f"cannot reach the Docker engine ({exc.__class__.__name__})",
-            fix="start docker.service, or set DOCKER_HOST; slicebox falls back to native "
+        return verdict(
+            "docker",
+            False,
+            f"cannot reach the Docker engine at {host.docker_url} ({exc.__class__.__name__})",
+            "start docker.service, or set DOCKER_HOST; slicebox falls back to native "
             "sandboxes only when allow_native_fallback is on",
         )
     driver, version = info.get("CgroupDriver"), info.get("CgroupVersion")
-    return Check(
-        name="docker",
-        ok=driver == "systemd" and version == "2",
-        detail=f"Docker {info.get('ServerVersion')}, cgroup driver {driver}, cgroup v{version}",
-        fix='set "exec-opts": ["native.cgroupdriver=systemd"] in /etc/docker/daemon.json '
+    return verdict(
+        "docker",
+        driver == "systemd" and version == "2",
+        f"Docker {info.get('ServerVersion')}, cgroup driver {driver}, cgroup v{version}",
+        'set "exec-opts": ["native.cgroupdriver=systemd"] in /etc/docker/daemon.json '
         "and restart docker",
     )
 
@@ -106,17 +150,11 @@ def check_docker(host: Host) -> Check:
 def check_agent(host: Host) -> Check:
     try:
         # The first call may start the agent through its socket: allow for its start-up.
-        health = Client(host.agent_socket, timeout=90).request("GET", "/health")
+        health = Client(host.agent_socket, timeout=90).health()
     except SliceboxError as exc:
-        return Check(
-            name="agent", ok=False, detail=exc.message, fix="systemctl start slicebox.socket"
-        )
-    return Check(
-        name="agent",
-        ok=True,
-        detail=f"sliceboxd {health['version']} answers; you are {health['user']}"
-        + (" (admin)" if health["admin"] else ""),
-    )
+        return verdict("agent", False, exc.message, "systemctl start slicebox.socket")
+    admin = " (admin)" if health.admin else ""
+    return passed("agent", f"sliceboxd {health.version} answers; you are {health.user}{admin}")
 
 
 CHECKS: tuple[Callable[[Host], Check], ...] = (
@@ -130,6 +168,22 @@ CHECKS: tuple[Callable[[Host], Check], ...] = (
 
 def run_checks(host: Host | None = None) -> list[Check]:
     return [check(host or Host()) for check in CHECKS]
+
+
+_LABELS = {State.OK: "ok", State.FAIL: "FAIL", State.SKIP: "skip"}  # a failure stands out
+
+
+def failed(checks: Iterable[Check]) -> bool:
+    return any(check.state is State.FAIL for check in checks)
+
+
+def lines(checks: Iterable[Check]) -> Iterator[str]:
+    """The human report: a failure says what to fix, a skip how to make the check."""
+    for check in checks:
+        yield f"{_LABELS[check.state]:<4} {check.name:<20} {check.detail}"
+        if check.state is not State.OK and check.fix:
+            label = "fix:" if check.state is State.FAIL else "to check:"
+            yield f"     {'':<20} {label} {check.fix}"
 
 
 def _read(path: Path) -> str | None:

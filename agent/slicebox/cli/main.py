@@ -1,26 +1,32 @@
-"""``slicebox``: the command line for people and scripts.
+"""``slicebox``: the command line for people and scripts, on the typed ``Client``.
 
 Human tables by default, ``--json`` for scripts. Errors print their stable code and the
 message that says what to do, and exit 2; a command's own exit code passes through ``exec``
-and ``run``.
+and ``run``. Their output is bytes: each stream goes to its own file descriptor exactly as the
+command wrote it, as it is produced; stdin (when it is not a terminal) is sent as bytes.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import json
+import os
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import BinaryIO, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from slicebox import __version__
-from slicebox.cli import doctor
+from slicebox.cli import doctor, tables
 from slicebox.cli.client import DEFAULT_SOCKET, Client
-from slicebox.model.errors import SliceboxError
+from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest, SandboxList
+from slicebox.model.errors import InvalidRequest, SliceboxError
+from slicebox.model.exec import MAX_OUTPUT_CAP, ExecRequest, ExecResult, OutputStream
 
 Command = Callable[[argparse.Namespace, Client], int]
+M = TypeVar("M", bound=BaseModel)
+BROKEN_PIPE_EXIT = 141  # what a shell reports for a writer killed by SIGPIPE
 
 
 def _sandbox_options(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +45,12 @@ def _sandbox_options(parser: argparse.ArgumentParser) -> None:
 def _exec_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, help="seconds before the command is killed")
     parser.add_argument("--cwd", help="working directory (default /workspace)")
+    parser.add_argument(
+        "--output-cap",
+        type=int,
+        metavar="BYTES",
+        help=f"bytes kept of each of stdout and stderr (default 50000, at most {MAX_OUTPUT_CAP})",
+    )
     parser.add_argument("argv", nargs=argparse.REMAINDER, help="the command and its arguments")
 
 
@@ -73,117 +85,164 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _spec(options: argparse.Namespace) -> dict[str, Any]:
-    spec: dict[str, Any] = {
+# --- requests from options ------------------------------------------------------------------
+
+
+def _parse(model: type[M], fields: dict[str, object]) -> M:
+    """A request model from the command line: a bad option names its field, as the agent does."""
+    try:
+        return model.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "request"
+        raise InvalidRequest(f"{where}: {first['msg']}", code="invalid_field", field=where) from exc
+
+
+def _env(items: Iterable[str]) -> dict[str, str]:
+    pairs = [item.partition("=") for item in items]
+    bad = [name for name, sep, _ in pairs if not sep or not name]
+    if bad:
+        raise InvalidRequest(f"--env takes NAME=VALUE, not {bad[0]!r}", field="env")
+    return {name: value for name, _, value in pairs}
+
+
+def _spec(options: argparse.Namespace) -> CreateSandbox:
+    fields: dict[str, object] = {
         "project": options.project,
         "user": options.user,
         "image": options.image,
         "memory": options.memory,
         "cpus": options.cpus,
         "pids": options.pids,
+        "network": options.network,
         "ttl_seconds": options.ttl,
         "root_task_id": options.root_task,
-        "env": dict(item.split("=", 1) for item in options.env),
+        "env": _env(options.env) or None,
     }
-    if options.network:
-        spec["network"] = options.network
-    return {key: value for key, value in spec.items() if value not in (None, {})}
+    return _parse(CreateSandbox, fields)
 
 
-def _exec_body(options: argparse.Namespace) -> dict[str, Any]:
+def _stdin() -> bytes | None:
+    stream = sys.stdin
+    if stream is None or stream.isatty():
+        return None  # a terminal is a person, not input for the command
+    return stream.buffer.read()
+
+
+def _exec_request(options: argparse.Namespace) -> ExecRequest:
     argv = options.argv[1:] if options.argv[:1] == ["--"] else options.argv
-    body: dict[str, Any] = {"argv": argv}
-    if not sys.stdin.isatty():
-        body["stdin"] = base64.b64encode(sys.stdin.buffer.read()).decode()
-    if options.timeout is not None:
-        body["timeout"] = options.timeout
-    if options.cwd:
-        body["cwd"] = options.cwd
-    return body
+    fields: dict[str, object] = {
+        "argv": argv,
+        "stdin": _stdin(),
+        "timeout": options.timeout,
+        "cwd": options.cwd,
+        "output_cap": options.output_cap,
+    }
+    return ExecRequest.parse({k: v for k, v in fields.items() if v is not None})
 
 
-def _print_result(result: dict[str, Any], as_json: bool) -> int:
-    if as_json:
-        print(json.dumps(result, indent=2))
-    else:
-        sys.stdout.buffer.write(base64.b64decode(result["stdout"]))
-        sys.stderr.buffer.write(base64.b64decode(result["stderr"]))
-        for name in ("stdout", "stderr"):
-            if result[f"{name}_truncated"]:
-                dropped = result[f"{name}_dropped_bytes"]
-                print(f"slicebox: {name} truncated, {dropped} bytes dropped", file=sys.stderr)
-        if result["timed_out"]:
-            print("slicebox: the command timed out and was killed", file=sys.stderr)
-        if result["oom_killed"]:
-            print("slicebox: the kernel killed a process (out of memory)", file=sys.stderr)
-    return int(result["exit_code"])
+# --- output ---------------------------------------------------------------------------------
+
+
+def _fd(stream: OutputStream) -> BinaryIO:
+    return sys.stdout.buffer if stream is OutputStream.STDOUT else sys.stderr.buffer
+
+
+def _write(stream: OutputStream, data: bytes) -> None:
+    out = _fd(stream)
+    out.write(data)
+    out.flush()  # as it is produced: a person or a pipe sees it now, not at the end
+
+
+def _json(model: BaseModel) -> None:
+    print(model.model_dump_json(indent=2))
+
+
+def _finish(result: ExecResult) -> int:
+    for note in tables.notes(result):
+        print(note, file=sys.stderr, flush=True)
+    return result.exit_code
+
+
+def _stream(client: Client, sandbox_id: str, request: ExecRequest) -> ExecResult:
+    """Run ``request`` with its output written as it comes; its result at the end."""
+    events = client.exec_stream(sandbox_id, request)
+    try:
+        for event in events:
+            if isinstance(event, ExecResult):
+                return event
+            _write(event.stream, event.data)
+    finally:
+        events.close()  # an interrupted CLI closes the stream: the agent kills the command
+    raise AssertionError("the exec stream ends with its result")  # EventDecoder guarantees it
+
+
+# --- commands -------------------------------------------------------------------------------
 
 
 def cmd_doctor(options: argparse.Namespace, client: Client) -> int:
     checks = doctor.run_checks(doctor.Host(agent_socket=options.socket))
     if options.json:
-        print(json.dumps([check.model_dump() for check in checks], indent=2))
+        print(doctor.CheckList(checks).model_dump_json(indent=2))
     else:
-        for check in checks:
-            print(f"{'ok  ' if check.ok else 'FAIL'} {check.name:<20} {check.detail}")
-            if not check.ok and check.fix:
-                print(f"     {'':<20} fix: {check.fix}")
-    return 0 if all(check.ok for check in checks) else 1
+        for line in doctor.lines(checks):
+            print(line)
+    return 1 if doctor.failed(checks) else 0
 
 
 def cmd_run(options: argparse.Namespace, client: Client) -> int:
-    outcome = client.request(
-        "POST", "/run", {"sandbox": _spec(options), "exec": _exec_body(options)}
-    )
-    return _print_result(outcome if options.json else outcome["result"], options.json)
+    spec, request = _spec(options), _exec_request(options)
+    if options.json:  # one answer to print: the agent's one-shot route
+        _json(client.run(RunRequest(sandbox=spec, exec=request)))
+        return 0
+    # A person wants output as it is produced, and /run answers only at the end: the same
+    # create, exec, destroy, streamed. The client's context destroys the sandbox on Ctrl-C too.
+    with client:
+        box = client.create(spec)
+        result = _stream(client, box.id, request)
+        client.destroy(box.id)
+    return _finish(result)
 
 
 def cmd_create(options: argparse.Namespace, client: Client) -> int:
-    view = client.request("POST", "/sandboxes", _spec(options))
-    print(json.dumps(view, indent=2) if options.json else view["id"])
+    view = client.create(_spec(options))
+    if options.json:
+        _json(view)
+    else:
+        print(view.id)
     return 0
 
 
 def cmd_ps(options: argparse.Namespace, client: Client) -> int:
-    views = client.request("GET", "/sandboxes")
+    views = client.list_sandboxes()
     if options.json:
-        print(json.dumps(views, indent=2))
-        return 0
-    print(
-        f"{'ID':<18} {'USER':<12} {'PROJECT':<14} {'MEMORY':>10} {'CPUS':>5} "
-        f"{'CREATED':<25} {'EXPIRES'}"
-    )
-    for v in views:
-        memory = f"{v['limits']['memory_bytes'] // (1024 * 1024)}MB"
-        print(
-            f"{v['id']:<18} {v['user']:<12} {v['project']:<14} {memory:>10} "
-            f"{v['limits']['cpus']:>5} {v['created_at']:<25} {v.get('expires_at') or '-'}"
-        )
+        _json(SandboxList(views))
+    else:
+        print("\n".join(tables.sandboxes(views)))
     return 0
 
 
 def cmd_exec(options: argparse.Namespace, client: Client) -> int:
-    result = client.request("POST", f"/sandboxes/{options.sandbox}/exec", _exec_body(options))
-    return _print_result(result, options.json)
+    request = _exec_request(options)
+    if options.json:
+        result = client.exec(options.sandbox, request)
+        _json(result)
+        return result.exit_code
+    return _finish(_stream(client, options.sandbox, request))
 
 
 def cmd_rm(options: argparse.Namespace, client: Client) -> int:
     for sandbox in options.sandboxes:
-        gone = client.request("DELETE", f"/sandboxes/{sandbox}")
-        if options.json:
-            print(json.dumps(gone))
-        else:
-            cpu = (gone.get("usage") or {}).get("cpu_seconds")
-            state = "destroyed" if gone["destroyed"] else "already gone"
-            print(f"{sandbox} {state}" + (f" (cpu {cpu:.2f}s)" if cpu is not None else ""))
+        gone = client.destroy(sandbox)
+        print(gone.model_dump_json() if options.json else tables.destroyed(gone))
     return 0
 
 
 def cmd_usage(options: argparse.Namespace, client: Client) -> int:
     if options.sandbox:
-        print(json.dumps(client.request("GET", f"/sandboxes/{options.sandbox}/usage"), indent=2))
+        _json(client.usage(options.sandbox))
     else:
-        _print_tree(client.request("GET", "/usage/tree"), options.json)
+        _print_tree(client, options.json)
     return 0
 
 
@@ -192,56 +251,39 @@ def cmd_top(options: argparse.Namespace, client: Client) -> int:
     while options.count == 0 or shown < options.count:
         if shown and not options.json:
             print("\033[H\033[J", end="")
-        _print_tree(client.request("GET", "/usage/tree"), options.json)
+        _print_tree(client, options.json)
         shown += 1
         if options.count == 0 or shown < options.count:
             time.sleep(options.interval)
     return 0
 
 
+def _print_tree(client: Client, as_json: bool) -> None:
+    node = client.level_tree()
+    if as_json:
+        _json(node)
+    else:
+        print("\n".join(tables.tree(node)))
+
+
 def cmd_extend(options: argparse.Namespace, client: Client) -> int:
-    body = {"ttl_seconds": options.seconds}
-    view = client.request("POST", f"/sandboxes/{options.sandbox}/deadline", body)
-    print(
-        json.dumps(view, indent=2) if options.json else f"{view['id']} expires {view['expires_at']}"
-    )
+    request = _parse(Extend, {"ttl_seconds": options.seconds})
+    view = client.extend(options.sandbox, request)
+    if options.json:
+        _json(view)
+    else:
+        print(f"{view.id} expires {view.expires_at}")
     return 0
 
 
 def cmd_reap(options: argparse.Namespace, client: Client) -> int:
-    report = client.request("POST", "/reaper", {"dry_run": options.dry_run})
+    report = client.reap(ReapRequest(dry_run=options.dry_run))
     if options.json:
-        print(json.dumps(report, indent=2))
+        _json(report)
         return 0
-    results = [o["result"] for o in report["outcomes"]] or ["planned"] * len(report["plan"])
-    verb = "would take" if report["dry_run"] else "took"
-    print(f"reaper {verb} {len(report['plan'])} actions (agent run {report['instance_id']})")
-    for action, result in zip(report["plan"], results, strict=True):
-        print(f"{result:<10} {action['kind']:<17} {action['target']:<40} {action['reason']}")
-    failed = [r for r in results if r not in ("ok", "skipped", "planned")]
+    lines, failed = tables.reaper(report)
+    print("\n".join(lines))
     return 1 if failed else 0
-
-
-def _print_tree(node: dict[str, Any], as_json: bool, depth: int = 0) -> None:
-    if as_json:
-        print(json.dumps(node, indent=2))
-        return
-    if depth == 0:
-        print(f"{'LEVEL':<40} {'MEMORY':>10} {'MAX':>10} {'PIDS':>6} {'CPU s':>8} {'OOM':>4}")
-    label = ("  " * depth) + (node.get("name") or node["unit"])
-    mark = " !oom" if node.get("ooms_caused") else ""
-    mark += " !throttled" if node.get("cpu_nr_throttled") else ""
-    print(
-        f"{label[:40]:<40} {_mb(node.get('memory_current')):>10} {_mb(node.get('memory_max')):>10} "
-        f"{node.get('pids_current') or 0:>6} {(node.get('cpu_usage_usec') or 0) / 1e6:>8.2f} "
-        f"{node.get('oom_kills') or 0:>4}{mark}"
-    )
-    for child in node.get("children", []):
-        _print_tree(child, False, depth + 1)
-
-
-def _mb(value: int | None) -> str:
-    return "-" if value is None else f"{value / (1024 * 1024):.1f}MB"
 
 
 COMMANDS: dict[str, Command] = {
@@ -267,3 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (``| head``): stop quietly, and keep Python from complaining
+        # again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE_EXIT

@@ -234,6 +234,13 @@ CODES: tuple[ErrorCode, ...] = (
         "Retry; read the agent's journal.",
     ),
     _c(
+        "agent_bad_answer",
+        None,
+        "The agent answered with a body this client cannot read as the route's model.",
+        "Check that the client and the agent are the same version (slicebox --version and "
+        "GET /v1/health).",
+    ),
+    _c(
         "http_error",
         None,
         "The agent answered an error without the JSON envelope.",

@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 API_PREFIX = "/v1"
 MAX_BODY_BYTES = 1024 * 1024
+# An exec carries its stdin as base64 (4/3 of the bytes) in JSON: 4 MiB of body is about 3 MiB
+# of stdin. Only the exec and run routes take this much; larger inputs belong in a workspace.
+MAX_EXEC_BODY_BYTES = 4 * 1024 * 1024
 # aiohttp >= 3.12 types request storage keys; older versions (Debian's) take a string.
 IDENTITY_KEY: Any = (
     web.RequestKey("identity", Identity) if hasattr(web, "RequestKey") else "slicebox.host.identity"
@@ -69,8 +72,12 @@ def json_ok(model: BaseModel, status: int = 200) -> web.Response:
     )
 
 
-async def parse_body(request: web.Request, model: type[Model]) -> Model:
+async def parse_body(
+    request: web.Request, model: type[Model], limit: int = MAX_BODY_BYTES
+) -> Model:
     """The request body as ``model``: bad JSON and every schema error name what to fix."""
+    if limit != request.client_max_size:
+        request = request.clone(client_max_size=limit)
     raw = await request.read()
     try:
         data = json.loads(raw or b"{}")
@@ -125,7 +132,9 @@ _OTHER_HTTP_CODE = "bad_request"
 _HTTP_HINTS = {
     404: "no such route; see GET /v1/openapi.json",
     405: "this route does not take that method; see GET /v1/openapi.json",
-    413: f"the body is larger than {human_bytes(MAX_BODY_BYTES)}; send less",
+    413: f"the body is larger than this route takes ({human_bytes(MAX_BODY_BYTES)}; exec and run "
+    f"{human_bytes(MAX_EXEC_BODY_BYTES)}, about {human_bytes(MAX_EXEC_BODY_BYTES * 3 // 4)} of "
+    "stdin): send less, or put large inputs in the sandbox's workspace",
 }
 
 

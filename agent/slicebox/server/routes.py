@@ -36,7 +36,14 @@ from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import ExecRequest, ExecResult, StreamChunk
 from slicebox.model.reaper import Report
 from slicebox.model.usage import LevelNode
-from slicebox.server.api import Route, base_routes, identity_of, json_ok, parse_body
+from slicebox.server.api import (
+    MAX_EXEC_BODY_BYTES,
+    Route,
+    base_routes,
+    identity_of,
+    json_ok,
+    parse_body,
+)
 
 T = TypeVar("T")
 STREAM_QUEUE = 16
@@ -76,18 +83,18 @@ def _routes() -> list[Route]:
         )
 
     async def exec_(request: web.Request) -> web.StreamResponse:
-        body = await parse_body(request, ExecRequest)
+        body = await parse_body(request, ExecRequest, MAX_EXEC_BODY_BYTES)
         return json_ok(
             await _call(_service(request).exec, identity_of(request), _id(request), body)
         )
 
     async def exec_stream(request: web.Request) -> web.StreamResponse:
-        body = await parse_body(request, ExecRequest)
+        body = await parse_body(request, ExecRequest, MAX_EXEC_BODY_BYTES)
         events = _service(request).exec_stream(identity_of(request), _id(request), body)
         return await _stream(request, events)
 
     async def run(request: web.Request) -> web.StreamResponse:
-        body = await parse_body(request, RunRequest)
+        body = await parse_body(request, RunRequest, MAX_EXEC_BODY_BYTES)
         return json_ok(await _call(_service(request).run, identity_of(request), body))
 
     async def usage(request: web.Request) -> web.StreamResponse:
@@ -177,8 +184,13 @@ async def _stream(
     try:
         while (item := await asyncio.to_thread(items.get)) is not _DONE:
             await response.write(_line(item))
+    except ConnectionError:
+        # A caller that closes its stream early (Ctrl-C, a client's close()) is not a failure
+        # of the agent: the producer stops and closes the exec, and nothing is left to answer.
+        gone.set()
+        return response
     except BaseException:
-        gone.set()  # the caller went away: the producer stops and closes the exec
+        gone.set()  # the producer stops and closes the exec
         raise
     await response.write_eof()
     return response

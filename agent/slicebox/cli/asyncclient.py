@@ -1,0 +1,167 @@
+"""The asyncio Python client: ``Client``'s methods as coroutines, over aiohttp's unix connector.
+
+    async with AsyncClient() as agent:           # on exit, destroys what it created
+        box = await agent.create(CreateSandbox(project="web"))
+        async with aclosing(agent.exec_stream(box.id, ExecRequest(argv=("make",)))) as events:
+            async for event in events:
+                ...                              # StreamChunk..., then the ExecResult
+
+An exec stream closed early (``aclose()``, or leaving ``aclosing``) closes its connection, and
+the agent then kills the command. Without ``async with``, call ``aclose()`` when done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
+from typing import Self, TypeVar
+
+import aiohttp
+from pydantic import BaseModel
+
+from slicebox.cli import wire
+from slicebox.model.api import (
+    CreateSandbox,
+    Destroyed,
+    Extend,
+    Health,
+    ReapRequest,
+    RunRequest,
+    RunResult,
+    SandboxView,
+)
+from slicebox.model.errors import SliceboxError
+from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult
+from slicebox.model.paths import AGENT_SOCKET
+from slicebox.model.reaper import Report
+from slicebox.model.usage import LevelNode, ResourceUsage
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class AsyncClient:
+    def __init__(self, path: str = AGENT_SOCKET, timeout: float = 300.0) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._created = wire.Created()
+        self._session: aiohttp.ClientSession | None = None
+
+    # --- the routes ---------------------------------------------------------------------------
+
+    async def health(self) -> Health:
+        return await self._call(wire.health())
+
+    async def create(self, spec: CreateSandbox) -> SandboxView:
+        view = await self._call(wire.create(spec))
+        self._created.add(view.id)
+        return view
+
+    async def list_sandboxes(self) -> list[SandboxView]:
+        return (await self._call(wire.list_sandboxes())).root
+
+    async def get(self, sandbox_id: str) -> SandboxView:
+        return await self._call(wire.get(sandbox_id))
+
+    async def destroy(self, sandbox_id: str) -> Destroyed:
+        gone = await self._call(wire.destroy(sandbox_id))
+        self._created.discard(sandbox_id)
+        return gone
+
+    async def destroy_task(self, root_task_id: str) -> list[Destroyed]:
+        gone = (await self._call(wire.destroy_task(root_task_id))).root
+        self._created.discard(*(each.id for each in gone))
+        return gone
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+        return await self._call(wire.exec_(sandbox_id, request))
+
+    def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncGenerator[ExecEvent, None]:
+        """Output chunks as the command produces them, then its ``ExecResult``."""
+        return self._stream(wire.exec_stream(sandbox_id, request))
+
+    async def usage(self, sandbox_id: str) -> ResourceUsage:
+        return (await self._call(wire.usage(sandbox_id))).usage
+
+    async def level_tree(self) -> LevelNode:
+        return await self._call(wire.level_tree())
+
+    async def extend(self, sandbox_id: str, request: Extend) -> SandboxView:
+        return await self._call(wire.extend(sandbox_id, request))
+
+    async def run(self, request: RunRequest) -> RunResult:
+        return await self._call(wire.run(request))
+
+    async def reap(self, request: ReapRequest | None = None) -> Report:
+        return await self._call(wire.reap(request or ReapRequest()))
+
+    # --- clean-up -----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            failures: list[SliceboxError] = []
+            for sandbox_id in self._created.take():
+                try:
+                    await self.destroy(sandbox_id)
+                except SliceboxError as error:
+                    failures.append(error)
+            if failures and exc is None:
+                raise failures[0]  # an error already on its way out says more; it is not masked
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    # --- transport ----------------------------------------------------------------------------
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.path))
+        return self._session
+
+    def _timeout(self, call: wire.Call[T]) -> aiohttp.ClientTimeout:
+        wait = max(self.timeout, call.min_timeout)
+        return aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=wait)
+
+    def _request(self, call: wire.Call[T]) -> AbstractAsyncContextManager[aiohttp.ClientResponse]:
+        headers = wire.JSON_HEADERS if call.body else {}
+        url = "http://localhost" + call.target
+        return self._http().request(
+            call.method, url, data=call.body, headers=headers, timeout=self._timeout(call)
+        )
+
+    async def _call(self, call: wire.Call[T]) -> T:
+        try:
+            async with self._request(call) as response:
+                return wire.answer(call, response.status, await response.read())
+        except aiohttp.ClientConnectorError as exc:
+            raise wire.unreachable(self.path, exc.strerror or str(exc)) from exc
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise wire.no_answer(self.path, max(self.timeout, call.min_timeout), exc) from exc
+
+    async def _stream(self, call: wire.Call[ExecResult]) -> AsyncGenerator[ExecEvent, None]:
+        decoder = wire.EventDecoder(f"{call.method} {call.target}")
+        try:
+            async with self._request(call) as response:
+                if response.status >= 400:
+                    raise wire.error_from(response.status, await response.read())
+                try:
+                    async for data in response.content.iter_any():
+                        for event in decoder.feed(data):
+                            yield event
+                    decoder.end()
+                finally:
+                    if not decoder.finished:
+                        response.close()  # not back to the pool: the agent must see us gone
+        except aiohttp.ClientConnectorError as exc:
+            raise wire.unreachable(self.path, exc.strerror or str(exc)) from exc
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise wire.no_answer(self.path, max(self.timeout, call.min_timeout), exc) from exc

@@ -1,0 +1,83 @@
+"""The agent's real aiohttp app, every route, on a real unix socket, with the core over fakes.
+
+For tests of what talks to the agent (the Python clients, the CLI): the bytes on the socket
+are the agent's own, only Docker, systemd and the exec behind them are fakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from slicebox.host.identity import SystemUsers
+from slicebox.host.listen import bind_unix
+from slicebox.model.exec import OutputStream, StreamChunk
+from slicebox.server.api import build_app
+from slicebox.server.routes import ROUTES, SERVICE
+from tests.fakes.exec_fakes import FakeExec
+from tests.unit.test_service import World
+
+
+class AnyContainer(dict[str, int]):
+    """Every container the fake Docker made can be exec'd in (init pid 100)."""
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __getitem__(self, key: str) -> int:
+        return 100
+
+
+@dataclass
+class Agent:
+    socket: str
+    world: World
+
+    def script(self, *chunks: tuple[OutputStream, bytes], exit_code: int = 0) -> FakeExec:
+        """The next exec prints ``chunks`` (one per read), then exits with ``exit_code``."""
+        run = FakeExec(
+            [[StreamChunk(stream=stream, data=data)] for stream, data in chunks] + [None],
+            exit_code=exit_code,
+        )
+        self.world.exec_api.run = run
+        return run
+
+    def sandboxes(self) -> list[str]:
+        return [v.id for v in self.world.service.list_sandboxes(self.world.service_identity())]
+
+
+@contextmanager
+def served(tmp: Path) -> Iterator[Agent]:
+    world = World(tmp)
+    world.exec_api.containers = AnyContainer()
+    path = tmp / "agent.sock"
+    sock = bind_unix(path, group=None)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(build_app(ROUTES, SystemUsers(), {SERVICE: world.service}))
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.SockSite(runner, sock).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield Agent(str(path), world)
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+        sock.close()
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(0.02)

@@ -1,0 +1,249 @@
+"""Both Python clients against the agent's real app on a real unix socket (core over fakes)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+
+from slicebox.cli import wire
+from slicebox.cli.asyncclient import AsyncClient
+from slicebox.cli.client import Client
+from slicebox.host.listen import bind_unix
+from slicebox.model import errors
+from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest
+from slicebox.model.exec import MAX_OUTPUT_CAP, ExecRequest, ExecResult, OutputStream, StreamChunk
+from tests.unit.agentserver import Agent, served, wait_for
+
+OUT, ERR = OutputStream.STDOUT, OutputStream.STDERR
+WEB = CreateSandbox(project="web")
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Agent]:
+    with served(tmp_path) as running:
+        yield running
+        assert running.sandboxes() == [], "a test left a sandbox behind"
+
+
+def test_every_route_answers_its_model(agent: Agent) -> None:
+    client = Client(agent.socket)
+    assert client.health().admin is True  # the test runs as root: the kernel says so
+    box = client.create(CreateSandbox(project="web", memory="128MB", ttl_seconds=60))
+    assert box.limits.memory_bytes == 128 * 1024 * 1024
+    assert [v.id for v in client.list_sandboxes()] == [box.id]
+    assert client.get(box.id) == box
+    assert client.extend(box.id, Extend(ttl_seconds=600)).expires_at is not None
+    assert client.usage(box.id).sandbox is not None
+    assert client.level_tree().unit == "slicebox.slice"
+    agent.script((OUT, b"hi\n"), exit_code=3)
+    assert client.exec(box.id, ExecRequest(argv=("echo", "hi"))).exit_code == 3
+    assert client.reap(ReapRequest(dry_run=True)).dry_run is True
+    gone = client.destroy_task(box.root_task_id)
+    assert [each.id for each in gone] == [box.id]
+    assert client.destroy(box.id).destroyed is False  # idempotent
+    agent.script((OUT, b"once\n"))
+    ran = client.run(RunRequest(sandbox=WEB, exec=ExecRequest(argv=("x",))))
+    assert ran.result.stdout == b"once\n"
+    assert client.request("GET", "/openapi.json")["openapi"].startswith("3.1")
+
+
+def test_bytes_go_both_ways_exactly(agent: Agent) -> None:
+    client = Client(agent.socket)
+    box = client.create(WEB)
+    odd = bytes([0xFB, 0xFF, 0xFE, 0x3E, 0x3F])  # base64url "-__-Pj8=": '-', '_' and padding
+    run = agent.script((OUT, odd), (ERR, b"\0err"))
+    result = client.exec(box.id, ExecRequest(argv=("cat",), stdin=odd))
+    assert (run.stdin, result.stdout, result.stderr) == (odd, odd, b"\0err")
+    client.destroy(box.id)
+
+
+def test_a_mebibyte_of_stdin_fits_and_too_much_is_refused_by_code(agent: Agent) -> None:
+    client = Client(agent.socket)
+    box = client.create(WEB)
+    big = os.urandom(1024 * 1024)
+    run = agent.script()
+    client.exec(box.id, ExecRequest(argv=("cat",), stdin=big))
+    assert run.stdin == big
+    with pytest.raises(errors.InvalidRequest) as caught:
+        client.exec(box.id, ExecRequest(argv=("cat",), stdin=big * 4))
+    assert caught.value.code == "body_too_large"
+    assert "workspace" in caught.value.message
+    client.destroy(box.id)
+
+
+def test_a_shell_command_round_trips(agent: Agent) -> None:
+    client = Client(agent.socket)
+    box = client.create(WEB)
+    run = agent.script()
+    client.exec(box.id, ExecRequest(shell=True, argv="echo $HOME | wc -c"))
+    assert run.request is not None
+    assert run.request.argv == ("sh", "-c", "echo $HOME | wc -c")
+    client.destroy(box.id)
+
+
+@pytest.mark.parametrize(
+    ("spec", "kind", "code"),
+    [
+        (CreateSandbox(project="web", memory="lots"), errors.InvalidLimit, "invalid_limit"),
+        (CreateSandbox(project="web", memory="64GB"), errors.AdmissionRefused, "admission_refused"),
+        (CreateSandbox(project="bad/name"), errors.InvalidName, "invalid_name"),
+        # A code no class declares arrives as its status's branch, the code kept exact.
+        (CreateSandbox(project="web", privileged=True), errors.InvalidRequest, "policy_privileged"),
+    ],
+)
+def test_the_envelope_code_picks_the_error_class(
+    agent: Agent, spec: CreateSandbox, kind: type[errors.SliceboxError], code: str
+) -> None:
+    with pytest.raises(kind) as caught:
+        Client(agent.socket).create(spec)
+    assert type(caught.value) is kind
+    assert caught.value.code == code
+    assert caught.value.message
+
+
+def test_errors_keep_code_message_and_field(agent: Agent) -> None:
+    client = Client(agent.socket)
+    with pytest.raises(errors.NotFound) as missing:
+        client.get("sbx-nothing")
+    assert missing.value.code == "not_found"
+    assert "sbx-nothing" in missing.value.message
+    with pytest.raises(errors.InvalidRequest) as bad:
+        client.request("POST", "/sandboxes", {"project": "web", "colour": "red"})
+    assert (bad.value.code, bad.value.field) == ("invalid_field", "colour")
+
+
+def test_every_class_is_found_by_its_own_code_and_unknown_codes_by_status() -> None:
+    for kind in wire._tree(errors.SliceboxError):
+        assert wire.error_class(kind.code, kind.http_status) is kind
+    assert wire.error_class("from_a_newer_agent", 404) is errors.NotFound
+    assert wire.error_class("from_a_newer_agent", 503) is errors.Unavailable
+    assert wire.error_class("body_too_large", 413) is errors.InvalidRequest
+    assert wire.error_class("from_a_newer_agent", 409) is errors.SliceboxError  # two own 409
+    assert wire.error_class("from_a_newer_agent", 500) is errors.SliceboxError
+
+
+def _use_and_fail(socket: str) -> None:
+    with Client(socket) as client:
+        client.create(WEB)
+        kept = client.create(WEB)
+        client.destroy(kept.id)
+        client.create(WEB)
+        raise RuntimeError("the caller failed")
+
+
+def test_the_context_manager_destroys_what_it_made_and_no_more(agent: Agent) -> None:
+    outside = Client(agent.socket).create(WEB)
+    with pytest.raises(RuntimeError, match="the caller failed"):
+        _use_and_fail(agent.socket)
+    assert agent.sandboxes() == [outside.id]
+    Client(agent.socket).destroy(outside.id)
+
+
+def test_a_stream_gives_chunks_as_produced_then_the_result(agent: Agent) -> None:
+    client = Client(agent.socket)
+    box = client.create(WEB)
+    agent.script((OUT, b"one\n"), (ERR, b"two\n"), (OUT, b"three\n"), exit_code=5)
+    events = list(client.exec_stream(box.id, ExecRequest(argv=("x",))))
+    assert events[:-1] == [
+        StreamChunk(stream=OUT, data=b"one\n"),
+        StreamChunk(stream=ERR, data=b"two\n"),
+        StreamChunk(stream=OUT, data=b"three\n"),
+    ]
+    assert isinstance(events[-1], ExecResult)
+    assert events[-1].exit_code == 5
+    with pytest.raises(errors.NotFound):
+        next(client.exec_stream("sbx-nothing", ExecRequest(argv=("x",))))
+    client.destroy(box.id)
+
+
+def _endless(agent: Agent) -> None:
+    """An exec that prints more than any buffer holds, until it is killed."""
+    run = agent.script(*[(OUT, b"y" * 65536)] * 1000)
+    agent.world.host.procs[run.pid] = 100
+
+
+def test_an_abandoned_stream_closes_and_the_agent_kills_the_command(agent: Agent) -> None:
+    client = Client(agent.socket)
+    box = client.create(WEB)
+    _endless(agent)
+    events = client.exec_stream(box.id, ExecRequest(argv=("yes",), output_cap=MAX_OUTPUT_CAP))
+    assert isinstance(next(events), StreamChunk)
+    events.close()
+    wait_for(lambda: agent.world.host.kill_calls)
+    assert agent.world.exec_api.run.closed
+    client.destroy(box.id)
+
+
+def test_no_agent_and_a_silent_agent_are_unavailable(tmp_path: Path) -> None:
+    with pytest.raises(errors.Unavailable) as caught:
+        Client(str(tmp_path / "none.sock")).health()
+    assert caught.value.code == "agent_unreachable"
+    with bind_unix(tmp_path / "silent.sock", group=None), pytest.raises(errors.Unavailable) as mute:
+        Client(str(tmp_path / "silent.sock"), timeout=0.5).health()
+    assert mute.value.code == "agent_no_answer"
+
+
+# --- asyncio ---------------------------------------------------------------------------------
+
+
+def test_async_routes_errors_and_stream(agent: Agent) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(agent.socket) as client:
+            assert (await client.health()).admin is True
+            box = await client.create(WEB)
+            assert [v.id for v in await client.list_sandboxes()] == [box.id]
+            agent.script((OUT, b"\xfb\xff"), (ERR, b"e"), exit_code=4)
+            events = [e async for e in client.exec_stream(box.id, ExecRequest(argv=("x",)))]
+            assert events[0] == StreamChunk(stream=OUT, data=b"\xfb\xff")
+            assert isinstance(events[-1], ExecResult)
+            assert events[-1].exit_code == 4
+            with pytest.raises(errors.InvalidLimit):
+                await client.create(CreateSandbox(project="web", memory="lots"))
+            with pytest.raises(errors.NotFound):
+                await client.exec("sbx-nothing", ExecRequest(argv=("x",)))
+            assert (await client.destroy(box.id)).destroyed is True
+
+    asyncio.run(scenario())
+
+
+def test_async_context_manager_destroys_what_it_made(agent: Agent) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(agent.socket) as client:
+            await asyncio.gather(*(client.create(WEB) for _ in range(3)))
+            assert len(agent.sandboxes()) == 3
+
+    asyncio.run(scenario())
+    assert agent.sandboxes() == []
+
+
+def test_async_abandoned_stream_closes_and_the_agent_kills_the_command(agent: Agent) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(agent.socket) as client:
+            box = await client.create(WEB)
+            _endless(agent)
+            request = ExecRequest(argv=("yes",), output_cap=MAX_OUTPUT_CAP)
+            async with aclosing(client.exec_stream(box.id, request)) as events:
+                assert isinstance(await anext(events), StreamChunk)
+            await asyncio.to_thread(wait_for, lambda: agent.world.host.kill_calls)
+            await client.destroy(box.id)
+
+    asyncio.run(scenario())
+    assert agent.world.exec_api.run.closed
+
+
+def test_async_no_agent_and_a_silent_agent_are_unavailable(tmp_path: Path) -> None:
+    async def call(path: Path, timeout: float) -> None:
+        async with AsyncClient(str(path), timeout=timeout) as client:
+            await client.health()
+
+    with pytest.raises(errors.Unavailable) as caught:
+        asyncio.run(call(tmp_path / "none.sock", 5))
+    assert caught.value.code == "agent_unreachable"
+    with bind_unix(tmp_path / "silent.sock", group=None), pytest.raises(errors.Unavailable) as mute:
+        asyncio.run(call(tmp_path / "silent.sock", 0.5))
+    assert mute.value.code == "agent_no_answer"

@@ -7,6 +7,7 @@ target host) changes, these say exactly which assumption broke.
 from __future__ import annotations
 
 import json
+import struct
 import time
 from pathlib import Path
 
@@ -175,3 +176,62 @@ def test_docker_exec_lands_in_container_cgroup_and_counts_pids(
         parent = json.dumps(container.attrs["HostConfig"]["CgroupParent"])
         remove(container)
         stop_unit(json.loads(parent))
+
+
+def unit_properties(unit: str, *names: str) -> dict[str, str]:
+    shown = sh("systemctl", "show", unit, *(f"--property={name}" for name in names)).stdout
+    return dict(line.split("=", 1) for line in shown.splitlines())
+
+
+def test_cpu_bandwidth_key_was_switched_at_boot_before_docker() -> None:
+    # Under QEMU's TCG the first CPU-limited cgroup can kill the guest's kernel (RIG.md); the
+    # rig switches that key once at boot with one CPU online, before dockerd can start any.
+    rig = unit_properties(
+        "rig-cpu-bandwidth.service",
+        "ActiveState",
+        "SubState",
+        "Result",
+        "ExecMainStatus",
+        "ExecMainExitTimestampMonotonic",
+    )
+    assert (rig["ActiveState"], rig["SubState"], rig["Result"]) == ("active", "exited", "success")
+    assert rig["ExecMainStatus"] == "0"
+    docker_started = unit_properties("docker.service", "ExecMainStartTimestampMonotonic")
+    assert (
+        0
+        < int(rig["ExecMainExitTimestampMonotonic"])
+        < int(docker_started["ExecMainStartTimestampMonotonic"])
+    )
+    # It took CPUs offline for a moment: every one of them is back.
+    assert Path("/sys/devices/system/cpu/offline").read_text().strip() == ""
+
+
+def kernel_symbol(name: str) -> int:
+    for line in Path("/proc/kallsyms").read_text().splitlines():
+        address, _, symbol = line.split()[:3]
+        if symbol == name:
+            return int(address, 16)
+    raise AssertionError(f"{name} is not in /proc/kallsyms")
+
+
+def read_kernel(address: int, size: int) -> bytes:
+    """Read kernel memory through /proc/kcore, an ELF core file of the running kernel."""
+    with Path("/proc/kcore").open("rb") as core:
+        header = core.read(64)
+        (phoff,) = struct.unpack_from("<Q", header, 32)
+        phentsize, phnum = struct.unpack_from("<HH", header, 54)
+        for index in range(phnum):
+            core.seek(phoff + index * phentsize)
+            kind, _, offset, vaddr, _, _, memsz, _ = struct.unpack("<IIQQQQQQ", core.read(56))
+            if kind == 1 and vaddr <= address < vaddr + memsz:  # PT_LOAD
+                core.seek(offset + address - vaddr)
+                return core.read(size)
+    raise AssertionError(f"{address:#x} is in no segment of /proc/kcore")
+
+
+def test_cpu_bandwidth_key_stays_on_once_switched() -> None:
+    # The boot unit's cgroup is gone, yet the key it switched must stay on: this kernel only
+    # lowers it when a quota is set back to "max", not when a cgroup with a quota is removed.
+    # Were that to change, the first CPU-limited container would patch the kernel text again.
+    (enabled,) = struct.unpack("<i", read_kernel(kernel_symbol("__cfs_bandwidth_used"), 4))
+    assert enabled >= 1

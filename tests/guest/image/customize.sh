@@ -40,6 +40,25 @@ for unit in apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer fstrim.tim
 done
 ln -sf /dev/null "$root/etc/systemd/system/serial-getty@ttyS0.service"
 
+# Under QEMU's TCG the first CPU-limited cgroup can kill the kernel ("Oops: int3"): switch the
+# kernel's CPU-bandwidth key once, early, with one CPU online (see the script for why).
+install -m 755 "$(dirname "$0")/rig-cpu-bandwidth" "$root/usr/local/sbin/rig-cpu-bandwidth"
+cat > "$root/etc/systemd/system/rig-cpu-bandwidth.service" <<UNIT
+[Unit]
+Description=Switch the CPU-bandwidth static key with one CPU online (QEMU TCG patching race)
+DefaultDependencies=no
+Conflicts=shutdown.target
+Before=sysinit.target shutdown.target docker.service
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+Delegate=yes
+ExecStart=/usr/local/sbin/rig-cpu-bandwidth
+[Install]
+WantedBy=sysinit.target
+UNIT
+chroot "$root" systemctl enable rig-cpu-bandwidth.service
+
 # The checkout's agent/ is importable as the installed project (the rig adds the scripts).
 py=$(ls -d "$root"/usr/lib/python3/dist-packages)
 echo /src/agent > "$py/slicebox-checkout.pth"

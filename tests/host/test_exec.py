@@ -80,9 +80,13 @@ class Agent:
     def spec(self, project: str, **fields: object) -> SandboxSpec:
         return SandboxSpec.model_validate({"user": self.user, "project": project, **fields})
 
-    def leftovers(self) -> tuple[list[str], list[str]]:
-        found = self.backend.find({"slicebox.user": self.user})
-        return [c.id for c in found], slicebox_units(slice_names(self.user, "x").user[:-6] + "*")
+    def units(self) -> list[str]:
+        return slicebox_units(slice_names(self.user, "x").user[:-6] + "*")
+
+    def leftovers(self, project: str) -> tuple[list[str], list[str]]:
+        """The project's containers and slice (the module's shared sandbox is elsewhere)."""
+        found = self.backend.find({"slicebox.user": self.user, "slicebox.project": project})
+        return [c.id for c in found], slicebox_units(slice_names(self.user, project).project)
 
 
 class Sandbox:
@@ -107,7 +111,7 @@ def agent() -> Iterator[Agent]:
     yield made
     for leftover in made.manager.find(user=made.user):
         made.manager.destroy(leftover.id)
-    cleanup_slices(*made.leftovers()[1])
+    cleanup_slices(*made.units())
     if not managed_was_active:
         cleanup_slices(MANAGED_SLICE)
 
@@ -267,7 +271,7 @@ def test_every_default_works_on_an_image_without_workspace(agent: Agent) -> None
         assert box.pids() == box.baseline
     finally:
         assert agent.manager.destroy(made.id) is not None
-    assert agent.leftovers() == ([], [])
+    assert agent.leftovers("stock") == ([], [])
 
 
 def test_one_shot_run_destroys_its_sandbox_even_on_timeout(
@@ -282,7 +286,7 @@ def test_one_shot_run_destroys_its_sandbox_even_on_timeout(
     assert (ran.result.exit_code, ran.result.timed_out) == (124, True)
     assert ran.usage is not None, "the final usage of the one-shot's sandbox"
     assert client.api.containers(all=True, filters={"name": ran.sandbox_id}) == []
-    assert agent.leftovers() == ([], [])
+    assert agent.leftovers("oneshot") == ([], [])
     assert [event for event, _ in agent.journal.events()] == [
         "sandbox_created",
         "exec",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import docker
 
-from slicebox.backends.docker import DockerPy
+from slicebox.backends.docker import DockerBackend
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import SandboxManager
@@ -65,7 +65,7 @@ def main() -> int:
     systemd = PystemdSystemd()
     slices = SliceManager(systemd)
     manager = SandboxManager(
-        DockerPy(client),
+        DockerBackend.from_env(),
         slices,
         config=parse_config('default_image = "slicebox-test/busybox:latest"\n'),
         host_memory=read_host_memory(),
@@ -76,7 +76,7 @@ def main() -> int:
         reaper = Reaper(
             manager,
             slices,
-            DockerPy(client),
+            DockerBackend.from_env(),
             auditor=Auditor(NoJournal()),
             config=lambda: ReaperConfig(state_dir=Path(state)),
         )

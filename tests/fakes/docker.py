@@ -1,63 +1,163 @@
-"""An in-memory :class:`slicebox.backends.docker.DockerApi`; it places scopes in FakeSystemd."""
+"""An in-memory :class:`slicebox.backends.base.SandboxBackend` that fails the way Docker does.
+
+- a create whose name is taken raises what the adapter maps Docker's 409 to
+  (``sandbox_name_conflict``); an image that is not present raises ``image_unavailable``;
+- a start that fails (``fail_start``) removes the container and raises ``container_start_failed``;
+- removing a missing container answers False; removing one another removal holds
+  (:meth:`FakeDocker.begin_removal`) answers False too (Docker's 409 "removal ... already in
+  progress"), and the container stays until that removal finishes;
+- exec on a missing container raises ``sandbox_not_found``, on a stopped one
+  ``sandbox_not_running``; the exec itself is scripted by a ``FakeExecApi``.
+
+Running containers get a scope in FakeSystemd below their slice, as Docker's systemd cgroup
+driver makes one.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from slicebox.backends.docker import ContainerInfo, ContainerRequest
-from slicebox.model.errors import ImageUnavailable, InvalidRequest
+from slicebox.backends.base import (
+    Availability,
+    ExecAttachment,
+    SandboxInfo,
+    SandboxRequest,
+    SandboxState,
+)
+from slicebox.model.errors import (
+    HostError,
+    ImageUnavailable,
+    InvalidRequest,
+    SandboxNotFound,
+    SandboxNotRunning,
+    Unavailable,
+)
+from slicebox.model.exec import ExecRequest, ExecState
 from slicebox.model.names import scope_name
+from slicebox.model.spec import Backend
+from tests.fakes.exec_fakes import FakeExecApi
 from tests.fakes.systemd import FakeSystemd
 
 
 class FakeDocker:
-    def __init__(self, systemd: FakeSystemd, images: set[str] | None = None) -> None:
+    kind = Backend.DOCKER
+
+    def __init__(
+        self,
+        systemd: FakeSystemd,
+        images: set[str] | None = None,
+        execs: FakeExecApi | None = None,
+    ) -> None:
         self.systemd = systemd
+        self.execs = execs
         self.images = images if images is not None else {"alpine:3.19"}
         self.registry: set[str] = set()
-        self.containers: dict[str, ContainerInfo] = {}
-        self.requests: dict[str, ContainerRequest] = {}
+        self.containers: dict[str, SandboxInfo] = {}
+        self.requests: dict[str, SandboxRequest] = {}
         self.removed: list[str] = []
         self.fail_start = False
+        self.down: str | None = None  # why the daemon is unreachable, when it is
+        self.created = 0
 
-    def has_image(self, image: str) -> bool:
-        return image in self.images
+    def availability(self) -> Availability:
+        if self.down is not None:
+            return Availability(kind=self.kind, available=False, detail=self.down)
+        return Availability(kind=self.kind, available=True, detail="fake Docker")
 
-    def pull(self, image: str) -> None:
+    def prepare(self, image: str) -> None:
+        self._reachable()
+        if image in self.images:
+            return
         if image not in self.registry:
             raise ImageUnavailable(f"image {image!r} cannot be pulled")
         self.images.add(image)
 
-    def create(self, request: ContainerRequest) -> str:
-        container_id = f"{len(self.requests) + 1:064x}"
+    def create(self, request: SandboxRequest) -> SandboxInfo:
+        self._reachable()
+        if request.image not in self.images:
+            raise ImageUnavailable(f"image of {request.name} not found")
+        if any(info.name == request.name for info in self.containers.values()):
+            raise HostError(f"a sandbox named {request.name} exists", code="sandbox_name_conflict")
+        self.created += 1
+        container_id = f"{self.created:064x}"
         self.requests[container_id] = request
-        self.containers[container_id] = ContainerInfo(
-            id=container_id, name=request.name, labels=request.labels, status="created"
+        self.containers[container_id] = SandboxInfo(
+            id=container_id, name=request.name, labels=request.labels, state=SandboxState.CREATED
         )
-        return container_id
-
-    def start(self, container_id: str) -> None:
         if self.fail_start:
+            self.remove(container_id)
             raise InvalidRequest("cannot start", code="container_start_failed")
-        info = self.containers[container_id]
-        self.containers[container_id] = info.model_copy(update={"status": "running"})
-        parent = self.requests[container_id].cgroup_parent
-        self.systemd.children.setdefault(parent, set()).add(scope_name(container_id))
+        self._set_state(container_id, SandboxState.RUNNING)
+        self.systemd.children.setdefault(request.slice, set()).add(scope_name(container_id))
+        return self.containers[container_id]
 
-    def inspect(self, container: str) -> ContainerInfo | None:
-        return self.containers.get(container)
+    def inspect(self, backend_id: str) -> SandboxInfo | None:
+        self._reachable()
+        if backend_id in self.containers:
+            return self.containers[backend_id]
+        return next((i for i in self.containers.values() if i.name == backend_id), None)
 
-    def find(self, labels: Mapping[str, str]) -> list[ContainerInfo]:
+    def find(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
+        self._reachable()
         return [
             info
             for info in self.containers.values()
             if all(info.labels.get(k) == v for k, v in labels.items())
         ]
 
-    def remove(self, container_id: str) -> bool:
-        if self.containers.pop(container_id, None) is None:
+    def remove(self, backend_id: str) -> bool:
+        self._reachable()
+        info = self.containers.get(backend_id)
+        if info is None or info.state is SandboxState.REMOVING:
             return False
-        self.removed.append(container_id)
-        parent = self.requests[container_id].cgroup_parent
-        self.systemd.children.get(parent, set()).discard(scope_name(container_id))
+        self.finish_removal(backend_id)
         return True
+
+    def begin_removal(self, backend_id: str) -> None:
+        """Another caller starts removing the container (Docker marks it ``removing``)."""
+        self._set_state(backend_id, SandboxState.REMOVING)
+
+    def finish_removal(self, backend_id: str) -> None:
+        self.containers.pop(backend_id)
+        self.removed.append(backend_id)
+        parent = self.requests[backend_id].slice
+        self.systemd.children.get(parent, set()).discard(scope_name(backend_id))
+
+    def stop(self, backend_id: str) -> None:
+        """The container's main process exited (say, killed at its deadline)."""
+        self._set_state(backend_id, SandboxState.EXITED)
+        parent = self.requests[backend_id].slice
+        self.systemd.children.get(parent, set()).discard(scope_name(backend_id))
+
+    # --- exec primitives ------------------------------------------------------------------
+
+    def sandbox_pid(self, backend_id: str) -> int:
+        info = self.inspect(backend_id)
+        if info is None:
+            raise SandboxNotFound(f"no sandbox {backend_id}: check the id")
+        if info.state is not SandboxState.RUNNING:
+            raise SandboxNotRunning(f"sandbox {backend_id} is not running ({info.state})")
+        return 100
+
+    def exec_create(self, backend_id: str, request: ExecRequest) -> str:
+        self.sandbox_pid(backend_id)
+        return self._execs().exec_create(backend_id, request)
+
+    def exec_start(self, exec_id: str, stdin: bytes) -> ExecAttachment:
+        return self._execs().exec_start(exec_id, stdin)
+
+    def exec_inspect(self, exec_id: str) -> ExecState:
+        return self._execs().exec_inspect(exec_id)
+
+    def _execs(self) -> FakeExecApi:
+        if self.execs is None:
+            raise HostError("this fake Docker has no exec script; pass execs=FakeExecApi(...)")
+        return self.execs
+
+    def _set_state(self, backend_id: str, state: SandboxState) -> None:
+        info = self.containers[backend_id]
+        self.containers[backend_id] = info.model_copy(update={"state": state})
+
+    def _reachable(self) -> None:
+        if self.down is not None:
+            raise Unavailable(f"the Docker daemon is not reachable ({self.down})")

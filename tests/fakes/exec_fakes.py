@@ -1,4 +1,4 @@
-"""Fakes of the exec engine's interfaces (execution.ExecApi, ExecAttachment, SandboxHost).
+"""Fakes of the exec engine's interfaces (backends.base.ExecApi, ExecAttachment, SandboxHost).
 
 They keep a tiny model of a sandbox: a table of processes in its cgroup, an OOM counter, and a
 scripted output stream. Time is a FakeClock that reads advance, so timeouts need no sleeping.
@@ -105,16 +105,16 @@ class FakeExecApi:
             raise SandboxNotFound(f"no sandbox {container_id}")
         return self.containers[container_id]
 
-    def create(self, container_id: str, request: ExecRequest) -> str:
+    def exec_create(self, container_id: str, request: ExecRequest) -> str:
         self.run.request = request
         return "exec-1"
 
-    def start(self, exec_id: str, stdin: bytes) -> FakeAttachment:
+    def exec_start(self, exec_id: str, stdin: bytes) -> FakeAttachment:
         self.run.stdin = stdin
         self.host.procs.setdefault(self.run.pid, 100)
         return FakeAttachment(self.run, self.clock, self.host)
 
-    def inspect(self, exec_id: str) -> ExecState:
+    def exec_inspect(self, exec_id: str) -> ExecState:
         run = self.run
         run.inspects += 1
         run.killed = run.pid not in self.host.procs

@@ -1,15 +1,19 @@
-"""The exec engine and one-shot runs on a real host (issue 4's "Done when").
+"""The exec engine and one-shot runs on a real host, on sandboxes made by the agent's own
+create path (issue 4's "Done when", issue 12's "no stand-in").
 
-One hardened sandbox (MinimalDockerProvider: no capabilities, no-new-privileges, network none,
-pids 100, 256 MB, 0.5 CPU, init, ``sleep infinity``) serves the whole module: container starts
-are slow in the guest. Each test checks afterwards that only the sandbox's own init and main
-process are left in its scope cgroup.
+The sandboxes come from ``SandboxManager.create`` over the real Docker backend, slices and
+deadlines, with the security defaults the agent gives every sandbox (no capabilities,
+no-new-privileges, network none, pids 100, 256 MB, 0.5 CPU, init, ``sleep infinity``, a tmpfs
+at /workspace). One sandbox serves most of the module: container starts are slow in the guest
+(three in all: that one, the stock-image one, the one-shot). Each test checks afterwards that
+only the sandbox's own init and main process are left in its scope cgroup.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,19 +22,71 @@ import docker
 import docker.errors
 import pytest
 
-from slicebox.backends.dockerstream import DockerExecApi
+from slicebox.backends.docker import DockerBackend
+from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
-from slicebox.core.oneshot import MinimalDockerProvider, MinimalSandboxConfig, execute
+from slicebox.core.sandboxes import SandboxManager
+from slicebox.core.service import Service
+from slicebox.core.slices import SliceManager
+from slicebox.core.telemetry import MemoryIntegrator, TreeReader, UsageReader
+from slicebox.host.cgroupfs import CgroupFS
+from slicebox.host.identity import Identity
+from slicebox.host.journal import Auditor
 from slicebox.host.procs import CgroupHost
+from slicebox.host.systemd import PystemdSystemd
+from slicebox.model.api import CreateSandbox, RunRequest
+from slicebox.model.config import parse_config, read_host_memory
 from slicebox.model.errors import InvalidCommand, InvalidTimeout, SandboxNotFound
 from slicebox.model.exec import ExecRequest, ExecResult, OutputStream, StreamChunk
-from tests.host.helpers import CGROUP_ROOT, TEST_IMAGE, stop_unit
+from slicebox.model.names import MANAGED_SLICE, slice_names
+from slicebox.model.spec import SandboxSpec
+from tests.fakes.journal import ListJournal
+from tests.host.helpers import TEST_IMAGE, unique
+from tests.host.sliceboxhost import active, cleanup_slices, slicebox_units
 
 pytestmark = pytest.mark.host
 
-SLICE = "slicebox-exectest-p.slice"
-CONFIG = MinimalSandboxConfig(image=TEST_IMAGE, cgroup_parent=SLICE)
+STOCK_IMAGE = "slicebox-test/stock:latest"  # no /workspace in it, like alpine:3.19
 TEN_MB = 10_000_000
+
+
+class Agent:
+    """The agent's parts over the real host, assembled as ``server.runtime`` does."""
+
+    def __init__(self) -> None:
+        systemd = PystemdSystemd()
+        self.user = unique("exec-")
+        self.backend = DockerBackend.from_env()
+        self.engine = ExecEngine(self.backend, CgroupHost())
+        self.manager = SandboxManager(
+            self.backend,
+            SliceManager(systemd),
+            config=parse_config(f'default_image = "{TEST_IMAGE}"\n'),
+            host_memory=read_host_memory(),
+            instance_id=unique("test-"),
+            deadlines=Deadlines(systemd),
+        )
+        self.journal = ListJournal()
+        self.service = Service(
+            self.manager,
+            self.engine,
+            usage=UsageReader(CgroupFS(), integrator=MemoryIntegrator(time.monotonic)),
+            tree=TreeReader(CgroupFS()),
+            auditor=Auditor(self.journal),
+            pid_of=lambda container_id: None,
+        )
+        self.who = Identity(uid=0, gid=0, pid=os.getpid(), user_name=self.user, is_admin=False)
+
+    def spec(self, project: str, **fields: object) -> SandboxSpec:
+        return SandboxSpec.model_validate({"user": self.user, "project": project, **fields})
+
+    def units(self) -> list[str]:
+        return slicebox_units(slice_names(self.user, "x").user[:-6] + "*")
+
+    def leftovers(self, project: str) -> tuple[list[str], list[str]]:
+        """The project's containers and slice (the module's shared sandbox is elsewhere)."""
+        found = self.backend.find({"slicebox.user": self.user, "slicebox.project": project})
+        return [c.id for c in found], slicebox_units(slice_names(self.user, project).project)
 
 
 class Sandbox:
@@ -38,7 +94,7 @@ class Sandbox:
         self.id = container_id
         self.engine = engine
         self.host = host
-        self.cgroup = host.cgroup_of(DockerExecApi.from_env().sandbox_pid(container_id))
+        self.cgroup = host.cgroup_of(DockerBackend.from_env().sandbox_pid(container_id))
         self.baseline = self.pids()
 
     def pids(self) -> set[int]:
@@ -49,26 +105,29 @@ class Sandbox:
 
 
 @pytest.fixture(scope="module")
-def engine() -> ExecEngine:
-    return ExecEngine(DockerExecApi.from_env(), CgroupHost())
+def agent() -> Iterator[Agent]:
+    managed_was_active = active(MANAGED_SLICE)
+    made = Agent()
+    yield made
+    for leftover in made.manager.find(user=made.user):
+        made.manager.destroy(leftover.id)
+    cleanup_slices(*made.units())
+    if not managed_was_active:
+        cleanup_slices(MANAGED_SLICE)
 
 
 @pytest.fixture(scope="module")
-def provider(client: docker.DockerClient) -> Iterator[MinimalDockerProvider]:
-    yield MinimalDockerProvider(client)
-    for unit in (SLICE, "slicebox-exectest.slice"):
-        stop_unit(unit)
-    if not [p for p in (CGROUP_ROOT / "slicebox.slice").glob("*") if p.is_dir()]:
-        stop_unit("slicebox.slice")
+def engine(agent: Agent) -> ExecEngine:
+    return agent.engine
 
 
 @pytest.fixture(scope="module")
-def sandbox(provider: MinimalDockerProvider, engine: ExecEngine) -> Iterator[Sandbox]:
-    container_id = provider.create(CONFIG)
+def sandbox(agent: Agent) -> Iterator[Sandbox]:
+    made = agent.manager.create(agent.spec("shared"))
     try:
-        yield Sandbox(container_id, engine, CgroupHost())
+        yield Sandbox(made.container_id, agent.engine, CgroupHost())
     finally:
-        provider.destroy(container_id)
+        assert agent.manager.destroy(made.id) is not None
 
 
 @pytest.fixture
@@ -196,25 +255,43 @@ def test_five_hundred_echoes_lose_no_byte(sandbox: Sandbox) -> None:
     assert {r.exit_code for r in outputs} == {0}
 
 
-def test_one_shot_destroys_its_sandbox_even_on_timeout(
-    provider: MinimalDockerProvider, engine: ExecEngine, client: docker.DockerClient
+def test_every_default_works_on_an_image_without_workspace(agent: Agent) -> None:
+    made = agent.manager.create(agent.spec("stock", image=STOCK_IMAGE))
+    try:
+        box = Sandbox(made.container_id, agent.engine, CgroupHost())
+        assert box.run(argv=["echo", "hi"]).stdout == b"hi\n"
+        assert box.run(argv=["pwd"]).stdout == b"/workspace\n"
+        wrote = box.run(argv="echo kept > note && cat /workspace/note && id -u", shell=True)
+        assert (wrote.exit_code, wrote.stdout, wrote.stderr) == (0, b"kept\n0\n", b"")
+        mounts = box.run(argv=["grep", " /workspace ", "/proc/mounts"]).stdout.decode()
+        assert mounts.startswith("tmpfs /workspace tmpfs rw,"), mounts
+        assert f"size={128 * 1024}k" in mounts, "half the sandbox's 256 MB"
+        script = "printf '#!/bin/sh\\necho ran\\n' > run.sh && chmod +x run.sh && ./run.sh"
+        assert box.run(argv=script, shell=True).stdout == b"ran\n", "programs may run there"
+        assert box.pids() == box.baseline
+    finally:
+        assert agent.manager.destroy(made.id) is not None
+    assert agent.leftovers("stock") == ([], [])
+
+
+def test_one_shot_run_destroys_its_sandbox_even_on_timeout(
+    agent: Agent, client: docker.DockerClient
 ) -> None:
-    created: list[str] = []
-
-    class Recording:
-        def create(self, config: MinimalSandboxConfig) -> str:
-            created.append(provider.create(config))
-            return created[-1]
-
-        def destroy(self, container_id: str) -> None:
-            provider.destroy(container_id)
-
-    request = ExecRequest(argv="echo started; sleep 60", shell=True, timeout=6)
-    result = execute(request, CONFIG, provider=Recording(), engine=engine)
-    assert result.stdout == b"started\n"
-    assert (result.exit_code, result.timed_out) == (124, True)
-    with pytest.raises(docker.errors.NotFound):
-        client.containers.get(created[0])
+    request = RunRequest(
+        sandbox=CreateSandbox(project="oneshot"),
+        exec=ExecRequest(argv="echo started; sleep 60", shell=True, timeout=6),
+    )
+    ran = agent.service.run(agent.who, request)
+    assert ran.result.stdout == b"started\n"
+    assert (ran.result.exit_code, ran.result.timed_out) == (124, True)
+    assert ran.usage is not None, "the final usage of the one-shot's sandbox"
+    assert client.api.containers(all=True, filters={"name": ran.sandbox_id}) == []
+    assert agent.leftovers("oneshot") == ([], [])
+    assert [event for event, _ in agent.journal.events()] == [
+        "sandbox_created",
+        "exec",
+        "sandbox_destroyed",
+    ]
 
 
 def _oom_kills(cgroup: Path) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 import docker
 import pytest
 
-from slicebox.backends.docker import DockerPy
+from slicebox.backends.docker import DockerBackend
 from slicebox.cli.client import Client
 from slicebox.core.deadlines import PATTERN as TIMERS
 from slicebox.core.deadlines import Deadlines, parse_timer
@@ -56,7 +56,7 @@ class Host:
         self.slices = SliceManager(systemd)
         self.deadlines = Deadlines(systemd)
         self.manager = SandboxManager(
-            DockerPy(client),
+            DockerBackend.from_env(),
             self.slices,
             config=parse_config(f'default_image = "{TEST_IMAGE}"\n'),
             host_memory=read_host_memory(),
@@ -68,7 +68,7 @@ class Host:
         self.reaper = Reaper(
             self.manager,
             self.slices,
-            DockerPy(client),
+            DockerBackend.from_env(),
             auditor=Auditor(self.journal),
             config=lambda: self.config,
             clock=lambda: datetime.now(UTC) + self.offset,

@@ -13,7 +13,7 @@ from pathlib import Path, PurePosixPath
 import docker
 import pytest
 
-from slicebox.backends.docker import DockerPy
+from slicebox.backends.docker import DockerBackend
 from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.host.systemd import PystemdSystemd
@@ -46,7 +46,7 @@ class Env:
 
     def manager(self, config: Config | None = None) -> SandboxManager:
         return SandboxManager(
-            DockerPy(self.client),
+            DockerBackend.from_env(),
             SliceManager(PystemdSystemd()),
             config=config or self.config,
             host_memory=read_host_memory(),

@@ -14,17 +14,16 @@ from pathlib import Path
 import pytest
 
 from slicebox.backends import dockerstream as execstream
+from slicebox.backends.docker import DockerBackend
 from slicebox.backends.dockerstream import (
-    DockerExecApi,
+    DockerEndpoint,
     FrameDecoder,
     RawExecAttachment,
-    socket_path_from_host,
     split_response_head,
     start_request,
 )
 from slicebox.model.errors import HostError, SandboxNotFound, SandboxNotRunning, Unavailable
 from slicebox.model.exec import OutputStream, StreamChunk
-from slicebox.model.paths import DOCKER_SOCKET as DEFAULT_SOCKET
 
 OUT, ERR = OutputStream.STDOUT, OutputStream.STDERR
 
@@ -87,19 +86,6 @@ def test_start_request_asks_for_an_upgrade() -> None:
     assert text.endswith('{"Detach": false, "Tty": false}')
 
 
-@pytest.mark.parametrize(
-    ("host", "path"),
-    [(None, DEFAULT_SOCKET), ("", DEFAULT_SOCKET), ("unix:///run/d.sock", "/run/d.sock")],
-)
-def test_socket_path_from_docker_host(host: str | None, path: str) -> None:
-    assert socket_path_from_host(host) == path
-
-
-def test_tcp_docker_host_is_refused_clearly() -> None:
-    with pytest.raises(Unavailable, match="unix socket"):
-        socket_path_from_host("tcp://10.0.0.1:2375")
-
-
 def read_all(attachment: RawExecAttachment) -> list[StreamChunk]:
     chunks: list[StreamChunk] = []
     while (got := attachment.read(1.0)) is not None:
@@ -151,11 +137,19 @@ class StubClient:
     api_version = "1.45"
 
 
+def backend(path: str) -> DockerBackend:
+    return DockerBackend(DockerEndpoint(scheme="unix", address=path), client=StubClient())
+
+
 def serve_once(path: str, reply: bytes) -> threading.Thread:
     """A daemon stand-in: answers one request with ``reply`` in a single write, then EOF."""
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(1)
+    return _answer_once(server, reply)
+
+
+def _answer_once(server: socket.socket, reply: bytes) -> threading.Thread:
 
     def answer() -> None:
         with server, server.accept()[0] as conn:
@@ -173,11 +167,24 @@ def test_output_sent_with_the_upgrade_response_is_not_lost(tmp_path: Path) -> No
     path = str(tmp_path / "docker.sock")
     head = b"HTTP/1.1 101 UPGRADED\r\nContent-Type: application/vnd.docker.raw-stream\r\n\r\n"
     thread = serve_once(path, head + frame(1, b"hi\n") + frame(2, b"!"))
-    attachment = DockerExecApi(StubClient(), path).start("e1", b"")
+    attachment = backend(path).exec_start("e1", b"")
     chunks = read_all(attachment)
     attachment.close()
     thread.join()
     assert joined(chunks) == {OUT: b"hi\n", ERR: b"!"}
+
+
+def test_the_exec_stream_works_over_plain_tcp_too() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    head = b"HTTP/1.1 101 UPGRADED\r\nContent-Type: application/vnd.docker.raw-stream\r\n\r\n"
+    thread = _answer_once(server, head + frame(1, b"over tcp\n"))
+    endpoint = DockerEndpoint(scheme="tcp", address="127.0.0.1", port=port)
+    attachment = DockerBackend(endpoint, client=StubClient()).exec_start("e1", b"")
+    chunks = read_all(attachment)
+    attachment.close()
+    thread.join()
+    assert joined(chunks) == {OUT: b"over tcp\n", ERR: b""}
 
 
 @pytest.mark.parametrize(("status", "error"), [(404, SandboxNotFound), (409, SandboxNotRunning)])
@@ -185,13 +192,13 @@ def test_start_refusals_are_mapped(tmp_path: Path, status: int, error: type[Exce
     path = str(tmp_path / "docker.sock")
     thread = serve_once(path, f"HTTP/1.1 {status} No\r\n\r\n{{}}".encode())
     with pytest.raises(error):
-        DockerExecApi(StubClient(), path).start("e1", b"")
+        backend(path).exec_start("e1", b"")
     thread.join()
 
 
 def test_no_daemon_is_unavailable(tmp_path: Path) -> None:
     with pytest.raises(Unavailable, match="not reachable"):
-        DockerExecApi(StubClient(), str(tmp_path / "none.sock")).start("e1", b"")
+        backend(str(tmp_path / "none.sock")).exec_start("e1", b"")
 
 
 def test_a_daemon_that_never_answers_is_unavailable(
@@ -203,4 +210,4 @@ def test_a_daemon_that_never_answers_is_unavailable(
         silent.bind(path)
         silent.listen(1)
         with pytest.raises(Unavailable, match="in time"):
-            DockerExecApi(StubClient(), path).start("e1", b"")
+            backend(path).exec_start("e1", b"")

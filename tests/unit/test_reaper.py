@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.backends.docker import ContainerInfo
+from slicebox.backends.base import SandboxInfo, SandboxState
 from slicebox.core.deadlines import Deadlines, Timer, timer_unit
 from slicebox.core.reaper import Reaper
 from slicebox.core.reaping import Observed, plan
@@ -41,7 +41,7 @@ def box(
     project: str = "p",
     pool: bool = False,
     age: float = 60,
-) -> ContainerInfo:
+) -> SandboxInfo:
     created = NOW - timedelta(seconds=age)
     lineage = Lineage(
         sandbox_id=sandbox_id,
@@ -59,12 +59,15 @@ def box(
         provisioned_pids=100,
         pool=pool,
     )
-    return ContainerInfo(
-        id=f"c-{sandbox_id}", name=sandbox_id, labels=lineage.to_labels(), status=status
+    return SandboxInfo(
+        id=f"c-{sandbox_id}",
+        name=sandbox_id,
+        labels=lineage.to_labels(),
+        state=SandboxState(status),
     )
 
 
-def observed(*containers: ContainerInfo, **fields: object) -> Observed:
+def observed(*containers: SandboxInfo, **fields: object) -> Observed:
     return Observed.model_validate({"instance_id": RUN, "containers": containers, **fields})
 
 
@@ -136,7 +139,7 @@ def test_an_adopted_orphan_still_expires() -> None:
 
 
 def test_managed_containers_without_readable_lineage_are_removed() -> None:
-    bare = ContainerInfo(id="c-bare", name="x", labels={MANAGED: "true"}, status="running")
+    bare = SandboxInfo(id="c-bare", name="x", labels={MANAGED: "true"}, state=SandboxState.RUNNING)
     broken = box("b").model_copy(update={"labels": {**box("b").labels, "slicebox.depth": "deep"}})
     actions = plan(observed(bare, broken), NOW, POLICY)
     assert (actions[1].user, actions[1].sandbox_id) == ("alice", "b"), "kept for the audit"

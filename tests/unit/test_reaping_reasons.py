@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from slicebox.backends.docker import ContainerInfo
+from slicebox.backends.base import SandboxInfo, SandboxState
 from slicebox.core.deadlines import Timer
 from slicebox.core.reaping import plan
 from slicebox.model.config import OrphanPolicy, ReaperConfig
@@ -15,14 +15,14 @@ from tests.unit.test_reaper import NOW, POLICY, box, observed
 
 
 def reasons(
-    *containers: ContainerInfo, policy: ReaperConfig = POLICY, **seen: object
+    *containers: SandboxInfo, policy: ReaperConfig = POLICY, **seen: object
 ) -> dict[tuple[Rule, str], str]:
     return {(a.rule, a.target): a.reason for a in plan(observed(*containers, **seen), NOW, policy)}
 
 
 def test_a_container_with_missing_labels_says_which_and_why() -> None:
     labels = {k: v for k, v in box("b").labels.items() if k != "slicebox.user"}
-    found = reasons(ContainerInfo(id="c-b", name="web-1", labels=labels, status="running"))
+    found = reasons(SandboxInfo(id="c-b", name="web-1", labels=labels, state=SandboxState.RUNNING))
     assert found[Rule.MISSING_LINEAGE, "c-b"] == (
         "container web-1: its labels are incomplete (missing slicebox.user); "
         "it was not made by a complete create"
@@ -30,7 +30,7 @@ def test_a_container_with_missing_labels_says_which_and_why() -> None:
 
 
 def test_a_container_with_only_the_managed_label_lists_every_missing_one() -> None:
-    bare = ContainerInfo(id="c-bare", name="", labels={MANAGED: "true"}, status="running")
+    bare = SandboxInfo(id="c-bare", name="", labels={MANAGED: "true"}, state=SandboxState.RUNNING)
     reason = reasons(bare)[Rule.MISSING_LINEAGE, "c-bare"]
     assert reason.startswith("container c-bare: its labels are incomplete (missing ")
     assert "slicebox.sandbox_id, slicebox.instance_id" in reason
@@ -40,7 +40,7 @@ def test_a_container_with_only_the_managed_label_lists_every_missing_one() -> No
 
 def test_a_container_with_a_malformed_label_names_it() -> None:
     broken = box("b").labels | {"slicebox.depth": "deep"}
-    found = reasons(ContainerInfo(id="c-b", name="b", labels=broken, status="running"))
+    found = reasons(SandboxInfo(id="c-b", name="b", labels=broken, state=SandboxState.RUNNING))
     assert found[Rule.MISSING_LINEAGE, "c-b"] == (
         "container b: its labels are malformed (slicebox.depth: Input should be a valid integer, "
         "unable to parse string as an integer); slicebox did not write them"

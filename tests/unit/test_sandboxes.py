@@ -10,6 +10,7 @@ from slicebox.core.slices import SliceManager
 from slicebox.model.config import parse_config
 from slicebox.model.errors import HostError, ImageUnavailable, InvalidRequest, NotFound
 from slicebox.model.labels import decode
+from slicebox.model.limits import Limits
 from slicebox.model.names import MANAGED_SLICE
 from slicebox.model.spec import SandboxSpec
 from tests.fakes.docker import FakeDocker
@@ -50,11 +51,10 @@ def spec(**fields: object) -> SandboxSpec:
 def test_create_places_hardens_and_labels(world: World) -> None:
     box = world.manager.create(spec(memory="200MB", ttl_seconds=60, env={"TOKEN": "s3cret"}))
     request = world.docker.requests[box.container_id]
-    assert request.cgroup_parent == "slicebox-al\\x2dice-p.slice"
-    assert request.cap_drop == ("ALL",)
-    assert request.security_opt == ("no-new-privileges:true",)
-    assert (request.network, request.init, request.pids) == ("none", True, 100)
-    assert (request.memory_bytes, request.nano_cpus) == (200 * MiB, 500_000_000)
+    assert request.slice == "slicebox-al\\x2dice-p.slice"
+    assert (request.network, request.cap_add, request.mounts) == ("none", (), ())
+    assert request.limits == Limits(cpus=0.5, memory_bytes=200 * MiB, pids=100)
+    assert request.command == ("sleep", "infinity")
     assert "s3cret" not in str(request.labels), "secrets never reach labels"
     assert box.id == "sbx-000000000001" == request.name
     assert box.expires_at == NOW + timedelta(seconds=60)
@@ -75,6 +75,32 @@ def test_destroy_is_idempotent_and_removes_empty_slices(world: World) -> None:
     world.manager.destroy(second.id)
     assert world.user_slices() == set()
     assert MANAGED_SLICE in world.systemd.running
+
+
+def test_destroy_while_another_removal_runs_is_idempotent(world: World) -> None:
+    box = world.manager.create(spec())
+    world.docker.begin_removal(box.container_id)  # say, the reaper's destroy of it
+    assert world.manager.destroy(box.id) == box, "no error: the sandbox is on its way out"
+    world.docker.finish_removal(box.container_id)
+    assert world.manager.destroy(box.id) is None
+    assert world.manager.find(user="al-ice") == []
+
+
+def test_a_name_taken_on_the_backend_is_refused_and_leaves_no_slice(world: World) -> None:
+    ids = iter(["sbx-same", "sbx-same"])
+    world.manager = SandboxManager(
+        world.docker,
+        SliceManager(world.systemd),
+        config=parse_config(""),
+        host_memory=4096 * MiB,
+        instance_id="run-1",
+        new_id=lambda: next(ids),
+    )
+    world.manager.create(spec(project="one"))
+    with pytest.raises(HostError) as taken:
+        world.manager.create(spec(project="two"))
+    assert taken.value.code == "sandbox_name_conflict"
+    assert "slicebox-al\\x2dice-two.slice" not in world.systemd.running
 
 
 def test_cascade_destroys_deepest_first(world: World) -> None:

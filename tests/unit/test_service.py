@@ -37,8 +37,10 @@ ORCH = Identity(uid=1002, gid=1002, pid=13, user_name="orch", is_admin=True)
 class World:
     def __init__(self, tmp: Path) -> None:
         systemd = FakeSystemd()
-        self.docker = FakeDocker(systemd)
-        self.docker.images.add("alpine:3.19")
+        clock, self.host = FakeClock(), FakeSandboxHost()
+        self.run = FakeExec([[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None])
+        self.exec_api = FakeExecApi(clock, self.host, self.run)
+        self.docker = FakeDocker(systemd, execs=self.exec_api)
         ids = (f"sbx-{n:012x}" for n in itertools.count(1))
         slices = SliceManager(systemd)
         self.systemd = systemd
@@ -52,13 +54,10 @@ class World:
             new_id=lambda: next(ids),
             deadlines=Deadlines(systemd),
         )
-        clock, self.host = FakeClock(), FakeSandboxHost()
-        self.run = FakeExec([[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None])
-        self.exec_api = FakeExecApi(clock, self.host, self.run)
         self.journal = ListJournal()
         self.service = Service(
             self.sandboxes,
-            ExecEngine(self.exec_api, self.host, clock=clock, sleep=clock.sleep),
+            ExecEngine(self.docker, self.host, clock=clock, sleep=clock.sleep),
             usage=UsageReader(CgroupFS(tmp)),
             tree=TreeReader(CgroupFS(tmp)),
             auditor=Auditor(self.journal),
@@ -78,9 +77,7 @@ class World:
         return ORCH
 
     def create(self, who: Identity, user: str | None = None) -> str:
-        view = self.service.create(who, CreateSandbox(user=user, project="web"))
-        self.exec_api.containers[view.container_id] = 100
-        return view.id
+        return self.service.create(who, CreateSandbox(user=user, project="web")).id
 
 
 @pytest.fixture
@@ -137,7 +134,6 @@ def test_every_action_is_audited_with_the_caller(world: World) -> None:
 
 
 def test_one_shot_run_leaves_nothing(world: World) -> None:
-    world.exec_api.containers = _AnyContainer()
     outcome = world.service.run(
         ALICE, RunRequest(sandbox=CreateSandbox(project="web"), exec=ExecRequest(argv=("x",)))
     )
@@ -156,14 +152,6 @@ def test_destroy_tree_only_touches_what_the_caller_may_see(world: World) -> None
     gone = world.service.destroy_tree(ALICE, "t1")
     assert [d.id for d in gone] == [alices.id]
     assert world.service.get(BOB, bobs.id).id == bobs.id
-
-
-class _AnyContainer(dict[str, int]):
-    def __contains__(self, key: object) -> bool:
-        return True
-
-    def __getitem__(self, key: str) -> int:
-        return 100
 
 
 def test_only_admins_run_the_reaper_and_a_dry_run_is_not_audited(world: World) -> None:

@@ -1,219 +1,388 @@
-"""The small part of the Docker Engine slicebox needs, and its docker-py implementation.
+"""The Docker backend: the one adapter between slicebox and the Docker Engine.
 
-Docker's errors are mapped here, at the edge, into the slicebox tree: a missing image that
-cannot be pulled is :class:`ImageUnavailable`, an unreachable daemon :class:`Unavailable`, a
-request the engine refuses (say, a command that does not exist in the image)
-:class:`InvalidRequest` with code ``container_start_failed``.
+Three things live here once:
+
+- The create settings. :func:`host_settings` turns a :class:`SandboxRequest` into data, one
+  :class:`Setting` per HostConfig field with its ``docker run`` flag beside it, security
+  defaults included (all capabilities dropped, no-new-privileges, network ``none`` unless asked,
+  an init, pids/memory/swap/cpu limits, the project slice as cgroup parent). The Engine API's
+  HostConfig (:func:`host_config`) and the equivalent CLI flags (:func:`run_flags`, the bench's
+  baseline) are both derived from that one list, so they cannot drift apart.
+- The workspace. Exec's default cwd is ``/workspace``, which stock images (alpine) lack. When no
+  mount targets it, the sandbox gets a tmpfs there: it costs no disk and no cleanup, it is gone
+  with the container, and its pages are charged to the sandbox's memory cgroup, so the sandbox's
+  own memory limit bounds it. Its size is half that limit, so filling it answers ENOSPC to the
+  writer instead of an OOM kill of the sandbox; mode 1777 (as /tmp) lets whatever user the
+  sandbox runs as write there. Programs may run from it (``exec``, where Docker's tmpfs default
+  is ``noexec``), as they may from a bind-mounted workspace: an agent builds and runs code
+  there, and noexec would guard nothing that no-new-privileges and no capabilities do not.
+- The errors. :func:`map_error` maps docker-py's exceptions and Docker's HTTP answers into the
+  slicebox tree; a 409 "removal ... already in progress" on remove means someone else removes
+  the container, which makes a concurrent destroy idempotent instead of an error.
+
+Exec output is read off the daemon's socket by :mod:`slicebox.backends.dockerstream`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+import docker
+import docker.errors
+import requests.exceptions
 
-from slicebox.model.errors import HostError, ImageUnavailable, InvalidRequest, NotFound, Unavailable
+from slicebox.backends.base import (
+    WORKSPACE,
+    Availability,
+    SandboxInfo,
+    SandboxRequest,
+    SandboxState,
+)
+from slicebox.backends.dockerstream import (
+    DockerEndpoint,
+    RawExecAttachment,
+    StartRefused,
+    attach,
+    endpoint_from_env,
+)
+from slicebox.model.errors import (
+    HostError,
+    ImageUnavailable,
+    InvalidRequest,
+    SandboxNotFound,
+    SandboxNotRunning,
+    SliceboxError,
+    Unavailable,
+)
+from slicebox.model.exec import ExecRequest, ExecState
+from slicebox.model.limits import nano_cpus
+from slicebox.model.spec import Backend, Mount, MountKind
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
 
-
-class BindMount(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    source: str  # a host path, or a volume name
-    target: str
-    read_only: bool = False
-    volume: bool = False
+NO_NEW_PRIVILEGES = "no-new-privileges:true"
+START_FAILED_CODE = "container_start_failed"
 
 
-class ContainerRequest(BaseModel):
-    """Everything a sandbox container is created with; the hardening is on by default."""
+class Setting(NamedTuple):
+    """One create setting: its HostConfig field and value, and the same as ``docker run``."""
 
-    model_config = ConfigDict(frozen=True)
-
-    name: str
-    image: str
-    command: tuple[str, ...] | None = None
-    labels: dict[str, str]
-    cgroup_parent: str
-    memory_bytes: int
-    nano_cpus: int
-    pids: int
-    network: str = "none"
-    env: dict[str, str] = {}
-    user: str | None = None
-    workdir: str | None = None
-    mounts: tuple[BindMount, ...] = ()
-    cap_add: tuple[str, ...] = ()
-    cap_drop: tuple[str, ...] = ("ALL",)
-    security_opt: tuple[str, ...] = ("no-new-privileges:true",)
-    init: bool = True
+    key: str  # the Engine API HostConfig field
+    value: object  # its value there
+    flag: str  # the equivalent ``docker run`` flag
+    args: tuple[str, ...] | None = None  # one flag per argument; None: a bare switch
 
 
-class ContainerInfo(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    id: str
-    name: str
-    labels: dict[str, str]
-    status: str  # created, running, exited...
-    pid: int = 0
-
-
-class DockerApi(Protocol):
-    def has_image(self, image: str) -> bool: ...
-
-    def pull(self, image: str) -> None: ...
-
-    def create(self, request: ContainerRequest) -> str:
-        """Create (not start) a container; its id."""
-
-    def start(self, container_id: str) -> None: ...
-
-    def inspect(self, container: str) -> ContainerInfo | None:
-        """A container by id or name; None when there is none."""
-
-    def find(self, labels: Mapping[str, str]) -> list[ContainerInfo]:
-        """All containers (running or not) carrying every one of ``labels``."""
-
-    def remove(self, container_id: str) -> bool:
-        """Kill and remove; False when it was already gone."""
+def host_settings(request: SandboxRequest) -> list[Setting]:
+    """The create settings of ``request``, security defaults first (pure; table-tested)."""
+    limits, caps = request.limits, request.cap_add
+    mounts = [_mount(m) for m in request.mounts]
+    tmpfs = _workspace(request)
+    return [
+        Setting("CapDrop", ["ALL"], "--cap-drop", ("ALL",)),
+        Setting("CapAdd", list(caps), "--cap-add", caps),
+        Setting("SecurityOpt", [NO_NEW_PRIVILEGES], "--security-opt", (NO_NEW_PRIVILEGES,)),
+        Setting("Privileged", False, "--privileged", ()),
+        Setting("NetworkMode", request.network, "--network", (request.network,)),
+        Setting("Init", True, "--init"),
+        Setting("PidsLimit", limits.pids, "--pids-limit", (str(limits.pids),)),
+        Setting("Memory", limits.memory_bytes, "--memory", (str(limits.memory_bytes),)),
+        # swap limit = memory limit: no swap beyond the memory limit
+        Setting("MemorySwap", limits.memory_bytes, "--memory-swap", (str(limits.memory_bytes),)),
+        Setting("NanoCpus", nano_cpus(limits.cpus), "--cpus", (repr(limits.cpus),)),
+        Setting("CgroupParent", request.slice, "--cgroup-parent", (request.slice,)),
+        Setting("Mounts", [api for api, _ in mounts], "--mount", tuple(cli for _, cli in mounts)),
+        Setting("Tmpfs", tmpfs, "--tmpfs", tuple(f"{k}:{v}" for k, v in tmpfs.items())),
+    ]
 
 
-class DockerPy:
-    """:class:`DockerApi` over docker-py's low-level client."""
+def host_config(request: SandboxRequest) -> dict[str, object]:
+    """The Engine API HostConfig of ``request``."""
+    return {setting.key: setting.value for setting in host_settings(request)}
 
-    def __init__(self, client: Any = None) -> None:
-        if client is None:
-            import docker
 
-            client = _mapped("docker", docker.from_env)
-        self._api = client.api
+def run_flags(request: SandboxRequest) -> list[str]:
+    """``docker run`` flags equivalent to what :class:`DockerBackend` creates (no labels)."""
+    flags: list[str] = []
+    for setting in host_settings(request):
+        if setting.args is None:
+            flags.append(setting.flag)
+        flags += [f"{setting.flag}={arg}" for arg in setting.args or ()]
+    flags += [f"--env={key}={value}" for key, value in request.env.items()]
+    flags += [f"--user={request.user}"] if request.user else []
+    return flags + ([f"--workdir={request.workdir}"] if request.workdir else [])
 
-    def has_image(self, image: str) -> bool:
-        import docker.errors
 
+def workspace_bytes(request: SandboxRequest) -> int:
+    return request.limits.memory_bytes // 2
+
+
+def _workspace(request: SandboxRequest) -> dict[str, str]:
+    """A tmpfs at /workspace unless a mount provides it (see the module docstring)."""
+    if any(m.target.rstrip("/") == WORKSPACE for m in request.mounts):
+        return {}
+    return {WORKSPACE: f"rw,exec,nosuid,nodev,size={workspace_bytes(request)},mode=1777"}
+
+
+def _mount(mount: Mount) -> tuple[dict[str, object], str]:
+    kind = "volume" if mount.kind is MountKind.VOLUME else "bind"
+    api: dict[str, object] = {
+        "Type": kind,
+        "Source": mount.source,
+        "Target": mount.target,
+        "ReadOnly": mount.read_only,
+    }
+    cli = f"type={kind},source={mount.source},target={mount.target}"
+    return api, cli + (",readonly" if mount.read_only else "")
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+class RemovalInProgress(HostError):
+    """Docker's 409 on a remove while another removal of the container runs."""
+
+    code = "removal_in_progress"
+
+
+def map_status(status: int | None, text: str, what: str) -> SliceboxError:
+    """Docker's answer ``status``/``text`` to a request about ``what``, as a slicebox error."""
+    if status == 404:
+        return SandboxNotFound(f"no sandbox {what}: check the id (it may have been destroyed)")
+    if status == 409:
+        return _conflict(text, what)
+    if status is not None and 400 <= status < 500:
+        return InvalidRequest(
+            f"Docker refused {what}: {text}; check the image, command, user and mounts",
+            code=START_FAILED_CODE,
+        )
+    return HostError(f"Docker failed on {what} (HTTP {status}): {text}")
+
+
+def _conflict(text: str, what: str) -> SliceboxError:
+    lowered = text.lower()
+    if "removal of container" in lowered and "already in progress" in lowered:
+        return RemovalInProgress(f"sandbox {what} is being removed already")
+    if "already in use" in lowered:
+        return HostError(
+            f"a sandbox named {what} exists already ({text}); create again for a new id",
+            code="sandbox_name_conflict",
+        )
+    return SandboxNotRunning(f"sandbox {what} is not running ({text}): create a new one")
+
+
+def map_error(exc: Exception, what: str) -> SliceboxError | None:
+    """docker-py's exception ``exc`` as a slicebox error; None for a foreign one (a bug)."""
+    if isinstance(exc, docker.errors.ImageNotFound):
+        return ImageUnavailable(
+            f"image of {what} not found ({exc.explanation}); pull or load it, or choose another"
+        )
+    if isinstance(exc, docker.errors.APIError):
+        return map_status(exc.status_code, str(exc.explanation), what)
+    if isinstance(exc, docker.errors.DockerException | requests.exceptions.RequestException):
+        return Unavailable(f"the Docker daemon is not reachable ({exc}); is docker.service up?")
+    return None
+
+
+# --- the backend ----------------------------------------------------------------------------
+
+
+class DockerBackend:
+    """:class:`slicebox.backends.base.SandboxBackend` over the Docker Engine API."""
+
+    kind = Backend.DOCKER
+
+    def __init__(self, endpoint: DockerEndpoint, client: Any = None) -> None:
+        self._endpoint = endpoint
+        self._client = client  # docker.APIClient; made on first use (the daemon may be late)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> DockerBackend:
+        """The daemon DOCKER_HOST names, else the default socket; TLS is refused."""
+        return cls(endpoint_from_env(os.environ if env is None else env))
+
+    @property
+    def endpoint(self) -> DockerEndpoint:
+        return self._endpoint
+
+    def availability(self) -> Availability:
         try:
-            self._api.inspect_image(image)
-        except docker.errors.ImageNotFound:
+            version = self._call("the version", lambda api: api.version())
+        except SliceboxError as exc:
+            return Availability(kind=self.kind, available=False, detail=exc.message)
+        detail = f"Docker {version.get('Version')} (API {version.get('ApiVersion')})"
+        return Availability(kind=self.kind, available=True, detail=f"{detail} at {self._url}")
+
+    def prepare(self, image: str) -> None:
+        if self._has_image(image):
+            return
+        log.info("pulling %s", image)
+        try:
+            self._call(image, lambda api: api.pull(image))
+        except SliceboxError as exc:
+            raise _unpullable(image, exc.message) from exc
+        if not self._has_image(image):  # a failed pull can answer 200 with an error inside
+            raise _unpullable(image, "the pull did not produce it")
+
+    def create(self, request: SandboxRequest) -> SandboxInfo:
+        created = self._call(request.name, lambda api: _create(api, request))
+        container_id = str(created["Id"])
+        try:
+            self._api().start(container_id)
+        except Exception as exc:
+            self.remove(container_id)
+            raise _start_failed(exc) from exc
+        except BaseException:
+            self.remove(container_id)
+            raise
+        state = SandboxState.RUNNING
+        return SandboxInfo(id=container_id, name=request.name, labels=request.labels, state=state)
+
+    def inspect(self, backend_id: str) -> SandboxInfo | None:
+        try:
+            attrs = self._call(backend_id, lambda api: api.inspect_container(backend_id))
+        except SandboxNotFound:
+            return None
+        return SandboxInfo(
+            id=attrs["Id"],
+            name=str(attrs.get("Name", "")).lstrip("/"),
+            labels=(attrs.get("Config") or {}).get("Labels") or {},
+            state=SandboxState.parse((attrs.get("State") or {}).get("Status")),
+        )
+
+    def find(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
+        wanted = [f"{key}={value}" for key, value in labels.items()]
+        found = self._call(
+            "the list", lambda api: api.containers(all=True, filters={"label": wanted})
+        )
+        return [_listed(entry) for entry in found]
+
+    def remove(self, backend_id: str) -> bool:
+        try:
+            self._call(backend_id, lambda api: api.remove_container(backend_id, force=True, v=True))
+        except (SandboxNotFound, RemovalInProgress):
             return False
         return True
 
-    def pull(self, image: str) -> None:
-        import docker.errors
+    # --- exec primitives ------------------------------------------------------------------
 
-        log.info("pulling %s", image)
-        try:
-            self._api.pull(image)
-        except docker.errors.DockerException as exc:
-            raise ImageUnavailable(
-                f"image {image!r} is not on this host and could not be pulled ({exc}); "
-                "load it with `docker load`/`docker pull` or choose another image"
-            ) from exc
+    def sandbox_pid(self, backend_id: str) -> int:
+        attrs = self._call(backend_id, lambda api: api.inspect_container(backend_id))
+        state = attrs["State"]
+        if not state.get("Running") or state.get("Paused"):
+            raise SandboxNotRunning(
+                f"sandbox {backend_id} is not running ({state.get('Status')}): create a new one"
+            )
+        return int(state["Pid"])
 
-    def create(self, request: ContainerRequest) -> str:
-        host_config = self._api.create_host_config(**_host_config(request))
-        created = _mapped(
-            request.name,
-            lambda: self._api.create_container(
-                request.image,
-                command=list(request.command) if request.command is not None else None,
-                name=request.name,
-                labels=request.labels,
-                environment=request.env,
-                user=request.user,
-                working_dir=request.workdir,
-                host_config=host_config,
+    def exec_create(self, backend_id: str, request: ExecRequest) -> str:
+        created = self._call(
+            backend_id,
+            lambda api: api.exec_create(
+                backend_id,
+                list(request.argv),
+                stdin=bool(request.stdin),
+                environment=dict(request.env),
+                workdir=request.cwd,
             ),
         )
         return str(created["Id"])
 
-    def start(self, container_id: str) -> None:
-        import docker.errors
-
+    def exec_start(self, exec_id: str, stdin: bytes) -> RawExecAttachment:
+        version = str(self._api().api_version)
         try:
-            self._api.start(container_id)
-        except docker.errors.APIError as exc:
-            # The engine answers 400 or 500 alike when the request cannot run (no such user,
-            # workdir or program): the caller's request is what needs changing.
-            raise InvalidRequest(
-                f"the sandbox could not start: {exc.explanation}; check image, command, user",
-                code="container_start_failed",
-            ) from exc
+            return attach(self._endpoint.connect(), version, exec_id, stdin)
+        except StartRefused as exc:
+            raise map_status(exc.status, exc.text, f"of exec {exec_id}") from exc
 
-    def inspect(self, container: str) -> ContainerInfo | None:
+    def exec_inspect(self, exec_id: str) -> ExecState:
+        data = self._call(exec_id, lambda api: api.exec_inspect(exec_id))
+        return ExecState(
+            pid=int(data.get("Pid") or 0),
+            running=bool(data.get("Running")),
+            exit_code=data.get("ExitCode"),
+        )
+
+    # --- the client -----------------------------------------------------------------------
+
+    @property
+    def _url(self) -> str:
+        return self._endpoint.base_url
+
+    def _api(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                self._client = self._call_raw(
+                    "the connection",
+                    lambda: docker.APIClient(base_url=self._url, version="auto"),
+                )
+            return self._client
+
+    def _call(self, what: str, call: Callable[[Any], R]) -> R:
+        api = self._api()
+        return self._call_raw(what, lambda: call(api))
+
+    def _call_raw(self, what: str, call: Callable[[], R]) -> R:
         try:
-            attrs = _mapped(container, lambda: self._api.inspect_container(container))
-        except NotFound:
-            return None
-        return _info(attrs)
+            return call()
+        except Exception as exc:
+            mapped = map_error(exc, what)
+            if mapped is None:
+                raise
+            raise mapped from exc
 
-    def find(self, labels: Mapping[str, str]) -> list[ContainerInfo]:
-        wanted = [f"{key}={value}" for key, value in labels.items()]
-        found = _mapped("list", lambda: self._api.containers(all=True, filters={"label": wanted}))
-        return [info for entry in found if (info := self.inspect(entry["Id"])) is not None]
-
-    def remove(self, container_id: str) -> bool:
+    def _has_image(self, image: str) -> bool:
         try:
-            _mapped(
-                container_id, lambda: self._api.remove_container(container_id, force=True, v=True)
-            )
-        except NotFound:
+            self._call(image, lambda api: api.inspect_image(image))
+        except (ImageUnavailable, SandboxNotFound):
             return False
         return True
 
 
-def _host_config(request: ContainerRequest) -> dict[str, Any]:
-    return {
-        "cgroup_parent": request.cgroup_parent,
-        "mem_limit": request.memory_bytes,
-        "memswap_limit": request.memory_bytes,  # no swap beyond the memory limit
-        "nano_cpus": request.nano_cpus,
-        "pids_limit": request.pids,
-        "network_mode": request.network,
-        "cap_drop": list(request.cap_drop),
-        "cap_add": list(request.cap_add) or None,
-        "security_opt": list(request.security_opt),
-        "init": request.init,
-        "privileged": False,
-        "binds": [_bind(mount) for mount in request.mounts] or None,
-    }
-
-
-def _bind(mount: BindMount) -> str:
-    return f"{mount.source}:{mount.target}:{'ro' if mount.read_only else 'rw'}"
-
-
-def _info(attrs: Mapping[str, Any]) -> ContainerInfo:
-    state = attrs.get("State") or {}
-    return ContainerInfo(
-        id=attrs["Id"],
-        name=str(attrs.get("Name", "")).lstrip("/"),
-        labels=(attrs.get("Config") or {}).get("Labels") or {},
-        status=state.get("Status", "unknown"),
-        pid=state.get("Pid") or 0,
+def _create(api: Any, request: SandboxRequest) -> Any:
+    return api.create_container(
+        request.image,
+        command=list(request.command),
+        name=request.name,
+        labels=request.labels,
+        environment=request.env,
+        user=request.user,
+        working_dir=request.workdir,
+        detach=True,
+        host_config=host_config(request),
     )
 
 
-def _mapped(what: str, call: Callable[[], R]) -> R:
-    """Run a docker-py call, mapping its exceptions into the slicebox tree."""
-    import docker.errors
+def _listed(entry: Mapping[str, Any]) -> SandboxInfo:
+    """A list entry as SandboxInfo: the listing carries labels and state, no inspect needed."""
+    names = entry.get("Names") or [""]
+    return SandboxInfo(
+        id=entry["Id"],
+        name=str(names[0]).lstrip("/"),
+        labels=entry.get("Labels") or {},
+        state=SandboxState.parse(entry.get("State")),
+    )
 
-    try:
-        return call()
-    except docker.errors.ImageNotFound as exc:
-        raise ImageUnavailable(f"{what}: image not found ({exc.explanation})") from exc
-    except docker.errors.NotFound as exc:
-        raise NotFound(f"{what}: no such container") from exc
-    except docker.errors.APIError as exc:
-        if exc.status_code is not None and 400 <= exc.status_code < 500:
-            raise InvalidRequest(
-                f"docker refused {what}: {exc.explanation}; check the image, command and user",
-                code="container_start_failed",
-            ) from exc
-        raise HostError(f"docker failed on {what}: {exc.explanation}") from exc
-    except docker.errors.DockerException as exc:
-        raise Unavailable(f"docker is not reachable ({exc}); is docker.service running?") from exc
+
+def _start_failed(exc: Exception) -> SliceboxError:
+    if isinstance(exc, docker.errors.APIError):
+        # The engine answers 400 or 500 alike when the request cannot run (no such user,
+        # workdir or program): the caller's request is what needs changing.
+        return InvalidRequest(
+            f"the sandbox could not start: {exc.explanation}; check image, command, user",
+            code=START_FAILED_CODE,
+        )
+    return map_error(exc, "the start") or HostError(f"the sandbox could not start: {exc}")
+
+
+def _unpullable(image: str, why: str) -> ImageUnavailable:
+    return ImageUnavailable(
+        f"image {image!r} is not on this host and could not be pulled ({why}); "
+        "load it with `docker load`/`docker pull` or choose another image"
+    )

@@ -1,12 +1,18 @@
-"""Docker's exec endpoints, with the attached output stream read straight off the socket.
+"""The Docker daemon's connection: where it is (DOCKER_HOST), and exec streams read off the socket.
 
-Why not ``APIClient.exec_start``: docker-py (7.x) sends the start request through an HTTP
-client, and the first bytes of output can arrive in the same read as the ``101 Switching
-Protocols`` response. The HTTP client buffers them while parsing the head, and the raw socket
-docker-py then hands out starts after them: those bytes are lost (docker-py issue 3332; short
-commands such as ``echo hi`` hit it).
+Where: ``DOCKER_HOST`` as ``unix:///path`` or ``tcp://host:port`` (plain TCP; ``http://`` is
+the same), the default socket when it is unset. TLS (``https://``, ``DOCKER_TLS_VERIFY``) and the
+other schemes (``ssh://``, ``fd://``) are refused with their own codes: the raw exec stream
+below speaks plain HTTP on its own connection, and a half-supported TLS would fail later and
+less clearly.
 
-Here the start request is written on our own connection to the daemon's unix socket and the
+Why the exec stream is not ``APIClient.exec_start``: docker-py (7.x) sends the start request
+through an HTTP client, and the first bytes of output can arrive in the same read as the
+``101 Switching Protocols`` response. The HTTP client buffers them while parsing the head, and
+the raw socket docker-py then hands out starts after them: those bytes are lost (docker-py
+issue 3332; short commands such as ``echo hi`` hit it).
+
+Here the start request is written on our own connection to the daemon (unix or TCP) and the
 response head is parsed by hand: every byte received after the blank line that ends the head is
 the start of the multiplexed stream and goes to the frame decoder first. Nothing is buffered
 anywhere else, so nothing can be lost.
@@ -23,19 +29,18 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import select
 import socket
 import struct
 import time
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Literal
+from urllib.parse import SplitResult, urlsplit
 
-import docker
-import docker.errors
-import requests.exceptions
+from pydantic import BaseModel, ConfigDict
 
-from slicebox.model.errors import HostError, SandboxNotFound, SandboxNotRunning, Unavailable
-from slicebox.model.exec import ExecRequest, ExecState, OutputStream, StreamChunk
+from slicebox.model.errors import HostError, Unavailable
+from slicebox.model.exec import OutputStream, StreamChunk
 from slicebox.model.paths import DOCKER_SOCKET
 
 log = logging.getLogger(__name__)
@@ -45,6 +50,92 @@ STREAM_IDS = {1: OutputStream.STDOUT, 2: OutputStream.STDERR}
 MAX_HEAD = 64 * 1024
 READ_SIZE = 64 * 1024
 START_TIMEOUT = 120.0
+DEFAULT_TCP_PORT = 2375  # Docker's plain-TCP port
+
+
+class DockerEndpoint(BaseModel):
+    """Where the Docker daemon listens: a unix socket path, or a TCP host and port."""
+
+    model_config = ConfigDict(frozen=True)
+
+    scheme: Literal["unix", "tcp"]
+    address: str  # the socket path, or the host name / IP address
+    port: int = 0
+
+    @property
+    def base_url(self) -> str:
+        """The URL docker-py's client takes."""
+        if self.scheme == "unix":
+            return f"unix://{self.address}"
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"tcp://{host}:{self.port}"
+
+    def connect(self) -> socket.socket:
+        """A new connection to the daemon; Unavailable when nothing answers there."""
+        try:
+            if self.scheme == "unix":
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                with _closed_on_error(sock):
+                    sock.connect(self.address)
+                return sock
+            return socket.create_connection((self.address, self.port), timeout=START_TIMEOUT)
+        except OSError as exc:
+            raise Unavailable(
+                f"the Docker daemon at {self.base_url} is not reachable ({exc}); "
+                "is docker.service running, and is DOCKER_HOST right?"
+            ) from exc
+
+
+def parse_docker_host(value: str | None) -> DockerEndpoint:
+    """The endpoint a DOCKER_HOST value names (unset or empty: the default socket)."""
+    if not value:
+        return DockerEndpoint(scheme="unix", address=DOCKER_SOCKET)
+    url = urlsplit(value)
+    if url.scheme == "unix" and url.path.startswith("/"):
+        return DockerEndpoint(scheme="unix", address=url.path)
+    if url.scheme in ("tcp", "http") and url.hostname:
+        return DockerEndpoint(scheme="tcp", address=url.hostname, port=_port(value, url))
+    if url.scheme == "https":
+        raise _tls_refused()
+    raise Unavailable(
+        f"DOCKER_HOST={value!r} is not supported; use unix:///path/to/docker.sock or "
+        "tcp://host:port",
+        code="docker_host_unsupported",
+    )
+
+
+def endpoint_from_env(env: Mapping[str, str]) -> DockerEndpoint:
+    """The endpoint of DOCKER_HOST in ``env``; TLS settings are refused, not ignored."""
+    if env.get("DOCKER_TLS_VERIFY") or env.get("DOCKER_TLS"):
+        raise _tls_refused()
+    return parse_docker_host(env.get("DOCKER_HOST"))
+
+
+def _port(value: str, url: SplitResult) -> int:
+    try:
+        return url.port or DEFAULT_TCP_PORT
+    except ValueError as exc:  # urlsplit checks the port only when it is read
+        raise Unavailable(
+            f"DOCKER_HOST={value!r} has no valid port; use tcp://host:port",
+            code="docker_host_unsupported",
+        ) from exc
+
+
+def _tls_refused() -> Unavailable:
+    return Unavailable(
+        "Docker over TLS (https://, DOCKER_TLS_VERIFY) is not supported; point DOCKER_HOST at "
+        "the daemon's unix socket, or at a plain tcp://host:port reachable only by this host",
+        code="docker_tls_unsupported",
+    )
+
+
+@contextlib.contextmanager
+def _closed_on_error(sock: socket.socket) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        sock.close()
+        raise
 
 
 class FrameDecoder:
@@ -102,17 +193,6 @@ def start_request(api_version: str, exec_id: str) -> bytes:
         f"Content-Length: {len(body)}\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n\r\n"
     )
     return head.encode() + body
-
-
-def socket_path_from_host(docker_host: str | None) -> str:
-    """The daemon's unix socket from a DOCKER_HOST value (None: the default socket)."""
-    if not docker_host:
-        return DOCKER_SOCKET
-    if docker_host.startswith("unix://"):
-        return docker_host[len("unix://") :]
-    raise Unavailable(
-        f"exec streams need the Docker daemon on a unix socket, DOCKER_HOST is {docker_host!r}"
-    )
 
 
 class RawExecAttachment:
@@ -177,90 +257,6 @@ class RawExecAttachment:
         self._sock.close()
 
 
-class DockerExecApi:
-    """``execution.ExecApi`` on the Docker Engine API; foreign errors mapped here."""
-
-    def __init__(self, client: docker.APIClient, socket_path: str) -> None:
-        self._client = client
-        self._socket_path = socket_path
-
-    @classmethod
-    def from_env(cls) -> DockerExecApi:
-        path = socket_path_from_host(os.environ.get("DOCKER_HOST"))
-        return cls(docker.APIClient(base_url=f"unix://{path}", version="auto"), path)
-
-    def sandbox_pid(self, container_id: str) -> int:
-        state = self._call(container_id, self._client.inspect_container, container_id)["State"]
-        if not state.get("Running") or state.get("Paused"):
-            raise SandboxNotRunning(
-                f"sandbox {container_id} is not running ({state.get('Status')}): start it first"
-            )
-        return int(state["Pid"])
-
-    def create(self, container_id: str, request: ExecRequest) -> str:
-        created = self._call(
-            container_id,
-            self._client.exec_create,
-            container_id,
-            list(request.argv),
-            stdin=bool(request.stdin),
-            environment=dict(request.env),
-            workdir=request.cwd,
-        )
-        return str(created["Id"])
-
-    def start(self, exec_id: str, stdin: bytes) -> RawExecAttachment:
-        sock = self._connect()
-        try:
-            sock.settimeout(START_TIMEOUT)  # a daemon that never answers must not hang us
-            sock.sendall(start_request(self._client.api_version, exec_id))
-            status, head, rest = _read_head(sock)
-            if status not in (101, 200):
-                raise _start_error(exec_id, status, head + b"\r\n\r\n" + rest)
-        except TimeoutError as exc:
-            sock.close()
-            raise Unavailable(f"the Docker daemon did not start exec {exec_id} in time") from exc
-        except BaseException:
-            sock.close()
-            raise
-        return RawExecAttachment(sock, rest, stdin)
-
-    def inspect(self, exec_id: str) -> ExecState:
-        data = self._call(exec_id, self._client.exec_inspect, exec_id)
-        return ExecState(
-            pid=int(data.get("Pid") or 0),
-            running=bool(data.get("Running")),
-            exit_code=data.get("ExitCode"),
-        )
-
-    def _connect(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(self._socket_path)
-        except OSError as exc:
-            sock.close()
-            raise Unavailable(
-                f"the Docker daemon at {self._socket_path} is not reachable: {exc}"
-            ) from exc
-        return sock
-
-    def _call(self, what: str, method: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(*args, **kwargs)
-        except docker.errors.NotFound as exc:
-            raise SandboxNotFound(
-                f"no sandbox {what}: check the id (it may have been destroyed)"
-            ) from exc
-        except docker.errors.APIError as exc:
-            if exc.status_code == 409:
-                raise SandboxNotRunning(
-                    f"sandbox {what} is not running: {exc.explanation}"
-                ) from exc
-            raise HostError(f"Docker refused the exec: {exc.explanation}") from exc
-        except (requests.exceptions.ConnectionError, docker.errors.DockerException) as exc:
-            raise Unavailable(f"the Docker daemon is not reachable: {exc}") from exc
-
-
 def _read_head(sock: socket.socket) -> tuple[int, bytes, bytes]:
     buffer = b""
     while (parsed := split_response_head(buffer)) is None:
@@ -271,10 +267,26 @@ def _read_head(sock: socket.socket) -> tuple[int, bytes, bytes]:
     return parsed
 
 
-def _start_error(exec_id: str, status: int, response: bytes) -> Exception:
-    text = response.decode(errors="replace")[-500:]
-    if status == 404:
-        return SandboxNotFound(f"exec {exec_id} or its sandbox is gone: {text}")
-    if status == 409:
-        return SandboxNotRunning(f"the sandbox of exec {exec_id} is not running: {text}")
-    return HostError(f"Docker could not start exec {exec_id} (HTTP {status}): {text}")
+class StartRefused(Exception):
+    """The daemon answered an exec start with an HTTP error (mapped by the backend)."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"HTTP {status}: {text}")
+        self.status = status
+        self.text = text
+
+
+def attach(sock: socket.socket, api_version: str, exec_id: str, stdin: bytes) -> RawExecAttachment:
+    """Start exec ``exec_id`` on ``sock`` (a fresh connection, which this takes over) and
+    return its attachment; StartRefused, or Unavailable when the daemon does not answer."""
+    with _closed_on_error(sock):
+        sock.settimeout(START_TIMEOUT)  # a daemon that never answers must not hang us
+        sock.sendall(start_request(api_version, exec_id))
+        try:
+            status, head, rest = _read_head(sock)
+        except TimeoutError as exc:
+            raise Unavailable(f"the Docker daemon did not start exec {exec_id} in time") from exc
+        if status not in (101, 200):
+            text = (head + b"\r\n\r\n" + rest).decode(errors="replace")[-500:]
+            raise StartRefused(status, text)
+    return RawExecAttachment(sock, rest, stdin)

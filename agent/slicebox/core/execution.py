@@ -3,9 +3,10 @@
 The engine talks to the world through three small interfaces, so its logic (caps, the timeout,
 the OOM verdict) is tested with fakes and proved in the guest with the real ones:
 
-- ``ExecApi``: Docker's exec endpoints (``execstream.DockerExecApi``).
+- ``ExecApi``: the backend's exec primitives (:mod:`slicebox.backends.base`; the Docker
+  backend's read the output off the daemon's socket).
 - ``ExecAttachment``: one exec's attached output stream, already demultiplexed.
-- ``SandboxHost``: the sandbox's scope cgroup and its processes (``execprocs.CgroupHost``).
+- ``SandboxHost``: the sandbox's scope cgroup and its processes (``host.procs.CgroupHost``).
 
 What is kept of an output stream: its head. The first ``output_cap`` bytes of each stream are
 kept (and streamed); the rest is read and dropped, so the command never blocks on a full pipe,
@@ -27,13 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from slicebox.backends.base import ExecApi, ExecAttachment
 from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import (
     TIMEOUT_EXIT_CODE,
     ExecEvent,
     ExecRequest,
     ExecResult,
-    ExecState,
     OutputStream,
     StreamChunk,
 )
@@ -48,26 +49,6 @@ EXIT_POLL = 0.02
 START_FAILED = 126
 NOT_FOUND_EXIT_CODE = 127
 OCI_START_FAILURE = b"OCI runtime exec failed"
-
-
-class ExecAttachment(Protocol):
-    def read(self, timeout: float) -> list[StreamChunk] | None:
-        """Output that arrived within ``timeout`` seconds ([] if none); None at end of stream."""
-
-    def close(self) -> None: ...
-
-
-class ExecApi(Protocol):
-    def sandbox_pid(self, container_id: str) -> int:
-        """Host pid of the running container's init; SandboxNotFound / SandboxNotRunning."""
-
-    def create(self, container_id: str, request: ExecRequest) -> str:
-        """Create an exec (not started) and return its id."""
-
-    def start(self, exec_id: str, stdin: bytes) -> ExecAttachment:
-        """Start the exec, feed ``stdin`` (then EOF) and return its attached output."""
-
-    def inspect(self, exec_id: str) -> ExecState: ...
 
 
 class SandboxHost(Protocol):
@@ -159,7 +140,7 @@ class ExecEngine:
         """
         run = self._begin(container_id, request)
         capture = OutputCapture(request.output_cap)
-        attachment = self._api.start(run.exec_id, request.stdin)
+        attachment = self._api.exec_start(run.exec_id, request.stdin)
         try:
             for chunk in self._pump(run, attachment):
                 if (kept := capture.add(chunk)) is not None:
@@ -174,7 +155,7 @@ class ExecEngine:
     def _begin(self, container_id: str, request: ExecRequest) -> _Run:
         cgroup = self._host.cgroup_of(self._api.sandbox_pid(container_id))
         oom_before = self._host.oom_kills(cgroup)
-        exec_id = self._api.create(container_id, request)
+        exec_id = self._api.exec_create(container_id, request)
         started = self._clock()
         return _Run(exec_id, cgroup, oom_before, started, started + request.timeout)
 
@@ -226,10 +207,10 @@ class ExecEngine:
     def _exec_pid(self, run: _Run) -> int:
         """The exec's host pid; Docker reports 0 until the exec has started, so wait for it."""
         give_up = self._clock() + KILL_GRACE
-        state = self._api.inspect(run.exec_id)
+        state = self._api.exec_inspect(run.exec_id)
         while state.pid == 0 and state.exit_code is None and self._clock() < give_up:
             self._sleep(0.05)
-            state = self._api.inspect(run.exec_id)
+            state = self._api.exec_inspect(run.exec_id)
         return state.pid
 
     def _exit_code(self, run: _Run) -> int:
@@ -237,10 +218,10 @@ class ExecEngine:
         the deadline is timed out like any other."""
         if run.timed_out:
             return TIMEOUT_EXIT_CODE
-        state = self._api.inspect(run.exec_id)
+        state = self._api.exec_inspect(run.exec_id)
         while state.running and self._clock() < run.deadline:
             self._sleep(EXIT_POLL)
-            state = self._api.inspect(run.exec_id)
+            state = self._api.exec_inspect(run.exec_id)
         if state.running:
             self._time_out(run)
             return TIMEOUT_EXIT_CODE

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from slicebox.backends.docker import DockerApi
+from slicebox.backends.base import SandboxBackend
 from slicebox.core.deadlines import Timer
 from slicebox.core.reaping import FinalUsage, Observed, plan
 from slicebox.core.sandboxes import SandboxManager
@@ -35,7 +35,7 @@ class Reaper:
         self,
         sandboxes: SandboxManager,
         slices: SliceManager,
-        docker: DockerApi,
+        backend: SandboxBackend,
         *,
         auditor: Auditor,
         config: Callable[[], ReaperConfig],
@@ -44,7 +44,7 @@ class Reaper:
     ) -> None:
         self._sandboxes = sandboxes
         self._slices = slices
-        self._docker = docker
+        self._backend = backend
         self._auditor = auditor
         self._config = config
         self._clock = clock
@@ -63,7 +63,7 @@ class Reaper:
             instance_id=self._sandboxes.instance_id,
             # in flight first: a create that finishes meanwhile is then seen as a container
             in_flight=self._sandboxes.in_flight(),
-            containers=self._docker.find(selector()),
+            containers=self._backend.find(selector()),
             slices=self._slices.running_slices(),
             timers=deadlines.timers() if deadlines is not None else [],
             state_dirs=sorted(p.name for p in _children(state_dir)),

@@ -34,7 +34,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict
 
-from slicebox.backends.docker import ContainerInfo
+from slicebox.backends.base import SandboxInfo, SandboxState
 from slicebox.core.deadlines import Timer, latest
 from slicebox.core.sandboxes import Sandbox
 from slicebox.model.config import OrphanPolicy, ReaperConfig
@@ -46,7 +46,7 @@ from slicebox.model.reaper import Action, Kind, Rule
 log = logging.getLogger(__name__)
 
 
-GONE = frozenset({"exited", "dead"})
+GONE = frozenset({SandboxState.EXITED, SandboxState.DEAD})
 
 
 class Observed(BaseModel):
@@ -55,7 +55,7 @@ class Observed(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     instance_id: str
-    containers: list[ContainerInfo] = []
+    containers: list[SandboxInfo] = []  # the backend's managed sandboxes, as listed
     slices: list[str] = []  # running user and project slices
     timers: list[Timer] = []
     state_dirs: list[str] = []  # sandbox ids that have a state directory
@@ -91,7 +91,7 @@ def _sandboxes(
         if info.name in observed.in_flight:
             continue
         try:
-            sandbox = Sandbox.from_container(info)
+            sandbox = Sandbox.from_info(info)
         except SliceboxError as exc:
             removals.append(
                 Action(
@@ -108,7 +108,7 @@ def _sandboxes(
             )
             continue
         if sandbox.id not in observed.in_flight:
-            sandboxes[sandbox.id] = (sandbox, info.status)
+            sandboxes[sandbox.id] = (sandbox, info.state)
     return sandboxes, removals
 
 

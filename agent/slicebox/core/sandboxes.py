@@ -18,17 +18,17 @@ from pathlib import PurePosixPath
 
 from pydantic import BaseModel, ConfigDict
 
-from slicebox.backends.docker import BindMount, ContainerInfo, ContainerRequest, DockerApi
+from slicebox.backends.base import SandboxBackend, SandboxInfo, SandboxRequest
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.policy import Admitted, admit
 from slicebox.core.slices import SliceManager
 from slicebox.model.config import Config
-from slicebox.model.errors import InvalidRequest, NotFound
+from slicebox.model.errors import InvalidRequest, NotFound, Unavailable
 from slicebox.model.labels import Lineage, decode, selector
-from slicebox.model.limits import Limits, nano_cpus
+from slicebox.model.limits import Limits
 from slicebox.model.names import SliceCgroups, SliceNames, scope_name, slice_names
 from slicebox.model.paths import CGROUP_ROOT
-from slicebox.model.spec import MountKind, SandboxSpec
+from slicebox.model.spec import SandboxSpec
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Sandbox(BaseModel):
     expires_at: datetime | None
 
     @classmethod
-    def from_container(cls, info: ContainerInfo) -> Sandbox:
+    def from_info(cls, info: SandboxInfo) -> Sandbox:
         lineage = decode(info.labels)
         return cls(
             id=lineage.sandbox_id,
@@ -90,7 +90,7 @@ class Sandbox(BaseModel):
 class SandboxManager:
     def __init__(
         self,
-        docker: DockerApi,
+        backend: SandboxBackend,
         slices: SliceManager,
         *,
         config: Config,
@@ -100,7 +100,7 @@ class SandboxManager:
         new_id: Callable[[], str] = new_sandbox_id,
         deadlines: Deadlines | None = None,
     ) -> None:
-        self._docker = docker
+        self._backend = backend
         self._slices = slices
         self._config = config
         self._host_memory = host_memory
@@ -139,44 +139,42 @@ class SandboxManager:
     def create(self, spec: SandboxSpec) -> Sandbox:
         """Admit, place and start a sandbox; on any failure nothing is left behind."""
         admitted = admit(spec, self._config, self._host_memory)
+        self._check_backend(spec)
         lineage = self._lineage(admitted)
-        self._ensure_image(admitted.image)
+        self._backend.prepare(admitted.image)
         with self._creating(lineage):
             made = self._ensure_slices(admitted, lineage.sandbox_id)
             try:
-                container_id = self._start(_request(admitted, lineage))
+                info = self._backend.create(_request(admitted, lineage))
             except BaseException:
                 self._undo(made, lineage.sandbox_id)
                 raise
             try:
-                self._arm(lineage.sandbox_id, container_id, lineage.expires_at)
+                self._arm(lineage.sandbox_id, info.id, lineage.expires_at)
             except BaseException:
-                self.remove_container(container_id)
+                self.remove_container(info.id)
                 self._undo(made, lineage.sandbox_id)
                 raise
         log.info(
             "created %s (%s) in %s",
             lineage.sandbox_id,
-            container_id[:12],
+            info.id[:12],
             admitted.placement.names.project,
         )
-        info = self._docker.inspect(container_id)
-        if info is None:
-            raise NotFound(f"sandbox {lineage.sandbox_id} vanished right after it started")
-        return Sandbox.from_container(info)
+        return Sandbox.from_info(info)
 
     def get(self, sandbox_id: str, *, current_deadline: bool = False) -> Sandbox:
         """The sandbox; with ``current_deadline`` its ``expires_at`` is the one systemd holds
         now (one more systemd call), otherwise the one its labels were created with."""
-        found = self._docker.find(selector(sandbox_id=sandbox_id))
+        found = self._backend.find(selector(sandbox_id=sandbox_id))
         if not found:
             raise NotFound(f"no sandbox {sandbox_id}; list sandboxes to see the ids")
-        sandbox = Sandbox.from_container(found[0])
+        sandbox = Sandbox.from_info(found[0])
         return self._with_deadlines([sandbox])[0] if current_deadline else sandbox
 
     def find(self, **labels: str) -> list[Sandbox]:
         """Sandboxes whose labels match, e.g. ``list(user='alice', root_task_id='t1')``."""
-        found = [Sandbox.from_container(info) for info in self._docker.find(selector(**labels))]
+        found = [Sandbox.from_info(info) for info in self._backend.find(selector(**labels))]
         return self._with_deadlines(found)
 
     def extend(self, sandbox_id: str, ttl_seconds: int) -> Sandbox:
@@ -199,7 +197,7 @@ class SandboxManager:
             sandbox = self.get(sandbox_id)
         except NotFound:
             return None
-        self._docker.remove(sandbox.container_id)
+        self._backend.remove(sandbox.container_id)
         self._slices.wait_stopped(scope_name(sandbox.container_id))
         if self._deadlines is not None:
             self._deadlines.disarm(sandbox.id)
@@ -209,7 +207,7 @@ class SandboxManager:
 
     def remove_container(self, container_id: str) -> bool:
         """Remove a container whatever its labels say (the reaper's last resort)."""
-        gone = self._docker.remove(container_id)
+        gone = self._backend.remove(container_id)
         self._slices.wait_stopped(scope_name(container_id))
         return gone
 
@@ -228,9 +226,9 @@ class SandboxManager:
     def remove_empty_slices(self, user: str, project: str) -> None:
         """Stop the project and user slices when no sandbox of theirs is left."""
         names = slice_names(user, project)
-        if not self._docker.find(selector(user=user, project=project)):
+        if not self._backend.find(selector(user=user, project=project)):
             self.stop_slice_if_idle(names.project)
-        if not self._docker.find(selector(user=user)):
+        if not self._backend.find(selector(user=user)):
             self.stop_slice_if_idle(names.user)
 
     @contextmanager
@@ -296,19 +294,13 @@ class SandboxManager:
             )
         return root, parent.lineage.depth + 1
 
-    def _ensure_image(self, image: str) -> None:
-        if not self._docker.has_image(image):
-            self._docker.pull(image)
-
-    def _start(self, request: ContainerRequest) -> str:
-        container_id = self._docker.create(request)
-        try:
-            self._docker.start(container_id)
-        except BaseException:
-            self._docker.remove(container_id)
-            self._slices.wait_stopped(scope_name(container_id))  # or its slice is not empty
-            raise
-        return container_id
+    def _check_backend(self, spec: SandboxSpec) -> None:
+        if spec.backend != self._backend.kind:
+            raise Unavailable(
+                f"backend {spec.backend.value!r} is not available on this host; "
+                f"use {self._backend.kind.value!r}",
+                code="backend_unavailable",
+            )
 
     def _ensure_slices(self, admitted: Admitted, sandbox_id: str) -> list[str]:
         """Ensure the three slices top down; the ones this call created."""
@@ -343,29 +335,19 @@ class SandboxManager:
         return busy
 
 
-def _request(admitted: Admitted, lineage: Lineage) -> ContainerRequest:
-    spec, limits = admitted.spec, admitted.limits
-    return ContainerRequest(
+def _request(admitted: Admitted, lineage: Lineage) -> SandboxRequest:
+    spec = admitted.spec
+    return SandboxRequest(
         name=lineage.sandbox_id,
         image=admitted.image,
         command=spec.command if spec.command is not None else KEEP_ALIVE,
         labels=lineage.to_labels(),
-        cgroup_parent=admitted.placement.names.project,
-        memory_bytes=limits.memory_bytes,
-        nano_cpus=nano_cpus(limits.cpus),
-        pids=limits.pids,
+        slice=admitted.placement.names.project,
+        limits=admitted.limits,
         network=spec.network,
         env=spec.env,
         user=spec.run_as,
         workdir=spec.workdir,
-        mounts=tuple(
-            BindMount(
-                source=m.source,
-                target=m.target,
-                read_only=m.read_only,
-                volume=m.kind is MountKind.VOLUME,
-            )
-            for m in spec.mounts
-        ),
+        mounts=spec.mounts,
         cap_add=tuple(cap.upper().removeprefix("CAP_") for cap in spec.cap_add),
     )

@@ -189,6 +189,31 @@ CODES: tuple[ErrorCode, ...] = (
         "Load or pull the image on the host, or choose another.",
     ),
     _c(
+        "backend_unavailable",
+        503,
+        "The request names a backend this agent cannot run now.",
+        "Leave `backend` out for the default, or ask an operator which backends `slicebox "
+        "doctor` reports as available.",
+    ),
+    _c(
+        "docker_host_unsupported",
+        503,
+        "The agent's DOCKER_HOST is neither unix:///path nor tcp://host:port.",
+        "An operator sets DOCKER_HOST in the agent's environment to a supported value.",
+    ),
+    _c(
+        "docker_tls_unsupported",
+        503,
+        "The agent's DOCKER_HOST asks for Docker over TLS, which slicebox does not speak.",
+        "An operator points DOCKER_HOST at the daemon's unix socket or a local plain tcp port.",
+    ),
+    _c(
+        "sandbox_name_conflict",
+        500,
+        "Docker already has a container with the new sandbox's name.",
+        "Create again: each create gets a new id.",
+    ),
+    _c(
         "host_error",
         500,
         "systemd, cgroupfs, netlink or Docker misbehaved.",

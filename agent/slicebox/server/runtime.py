@@ -12,8 +12,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from slicebox.backends.docker import DockerPy
-from slicebox.backends.dockerstream import DockerExecApi
+from slicebox.backends.docker import DockerBackend
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
 from slicebox.core.reaper import Reaper
@@ -28,7 +27,7 @@ from slicebox.host.procs import CgroupHost
 from slicebox.host.systemd import PystemdSystemd
 from slicebox.model.audit import AuditEvent, AuditRecord
 from slicebox.model.config import Config, load_config, read_host_memory
-from slicebox.model.errors import SliceboxError
+from slicebox.model.errors import SliceboxError, Unavailable
 from slicebox.model.names import parse_slice
 from slicebox.model.paths import CGROUP_MOUNT
 from slicebox.model.reaper import Kind
@@ -96,22 +95,25 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
     host_memory = read_host_memory()
     systemd = PystemdSystemd()
     slices = SliceManager(systemd)
-    docker = DockerPy()
+    backend = DockerBackend.from_env()
+    available = backend.availability()
+    if not available.available:  # systemd restarts the agent until the daemon answers
+        raise Unavailable(available.detail)
+    log.info("backend %s: %s", backend.kind.value, available.detail)
     sandboxes = SandboxManager(
-        docker,
+        backend,
         slices,
         config=config,
         host_memory=host_memory,
         instance_id="run-" + uuid.uuid4().hex[:12],
         deadlines=Deadlines(systemd),
     )
-    exec_api = DockerExecApi.from_env()
     integrator = MemoryIntegrator(time.monotonic)
     usage = UsageReader(CgroupFS(), NetnsCounters(), integrator)
 
     def pid_of(container_id: str) -> int | None:
         try:
-            return exec_api.sandbox_pid(container_id)
+            return backend.sandbox_pid(container_id)
         except SliceboxError:
             return None
 
@@ -121,14 +123,14 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
     reaper = Reaper(
         sandboxes,
         slices,
-        docker,
+        backend,
         auditor=auditor,
         config=lambda: sandboxes.config.reaper,  # what a reload leaves in force
         final_usage=final_usage,
     )
     service = Service(
         sandboxes,
-        ExecEngine(exec_api, CgroupHost()),
+        ExecEngine(backend, CgroupHost()),
         usage=usage,
         tree=TreeReader(CgroupFS(), decode=decode_unit),
         auditor=auditor,

@@ -1,0 +1,138 @@
+"""The backend interface: what the core asks of whatever runs a sandbox.
+
+Everything above this interface (placement, policy, lineage, deadlines, telemetry, audit) is
+backend-neutral; a backend only turns a :class:`SandboxRequest` into a running sandbox inside
+the project slice it is given, runs execs in it, lists sandboxes by their labels and removes
+them. ``docker`` is the one backend today (:mod:`slicebox.backends.docker`); ``native``,
+``wasm`` and ``daytona`` implement the same :class:`SandboxBackend` when they come, each with
+its own :class:`~slicebox.model.spec.Backend` kind.
+
+Errors are the slicebox tree (:mod:`slicebox.model.errors`), mapped inside each backend: a
+backend that cannot be reached raises ``Unavailable``, an image that is neither present nor
+obtainable ``ImageUnavailable``, a sandbox that cannot start ``InvalidRequest`` with code
+``container_start_failed``, an exec on a missing or stopped sandbox ``SandboxNotFound`` /
+``SandboxNotRunning``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+from slicebox.model.exec import ExecRequest, ExecState, StreamChunk
+from slicebox.model.limits import Limits
+from slicebox.model.spec import Backend, Mount
+
+# The default exec cwd (``ExecRequest.cwd``): every backend makes it exist and writable.
+WORKSPACE = "/workspace"
+
+
+class Availability(BaseModel):
+    """Whether a backend can run sandboxes now and, when it cannot, why and what to do."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kind: Backend
+    available: bool
+    detail: str  # what was found (a version, an endpoint) or what is wrong and the fix
+
+
+class SandboxRequest(BaseModel):
+    """A sandbox to create and start, in backend-neutral terms (no backend's flags)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str  # the sandbox id; backends name their container/unit after it where they can
+    image: str
+    command: tuple[str, ...]
+    labels: dict[str, str]
+    slice: str  # the project slice unit the sandbox is placed in
+    limits: Limits
+    network: str = "none"
+    env: dict[str, str] = {}
+    user: str | None = None
+    workdir: str | None = None
+    mounts: tuple[Mount, ...] = ()
+    cap_add: tuple[str, ...] = ()  # capability names without CAP_, upper case
+
+
+class SandboxState(StrEnum):
+    """A sandbox's run state; Docker's own words, which the other backends map onto."""
+
+    CREATED = "created"
+    RUNNING = "running"
+    PAUSED = "paused"
+    RESTARTING = "restarting"
+    REMOVING = "removing"
+    EXITED = "exited"
+    DEAD = "dead"
+    UNKNOWN = "unknown"
+
+    @classmethod
+    def parse(cls, value: object) -> SandboxState:
+        try:
+            return cls(str(value))
+        except ValueError:
+            return cls.UNKNOWN
+
+
+class SandboxInfo(BaseModel):
+    """One sandbox as its backend lists it: its backend id, name, labels and state."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str  # the backend's id (Docker: the container id)
+    name: str
+    labels: dict[str, str]
+    state: SandboxState
+
+
+class ExecAttachment(Protocol):
+    def read(self, timeout: float) -> list[StreamChunk] | None:
+        """Output that arrived within ``timeout`` seconds ([] if none); None at end of stream."""
+
+    def close(self) -> None: ...
+
+
+class ExecApi(Protocol):
+    """The exec primitives :class:`slicebox.core.execution.ExecEngine` drives."""
+
+    def sandbox_pid(self, backend_id: str) -> int:
+        """Host pid of the running sandbox's init; SandboxNotFound / SandboxNotRunning."""
+
+    def exec_create(self, backend_id: str, request: ExecRequest) -> str:
+        """Create an exec (not started) and return its id."""
+
+    def exec_start(self, exec_id: str, stdin: bytes) -> ExecAttachment:
+        """Start the exec, feed ``stdin`` (then EOF) and return its attached output."""
+
+    def exec_inspect(self, exec_id: str) -> ExecState: ...
+
+
+class SandboxBackend(ExecApi, Protocol):
+    """A kind of sandbox: its lifecycle and listing, plus the exec primitives."""
+
+    @property
+    def kind(self) -> Backend: ...
+
+    def availability(self) -> Availability:
+        """Can this backend run sandboxes now (never raises)."""
+
+    def prepare(self, image: str) -> None:
+        """Make ``image`` usable (present, or pulled); ImageUnavailable when it cannot be."""
+
+    def create(self, request: SandboxRequest) -> SandboxInfo:
+        """Create and start the sandbox; on failure nothing of it is left and the error is
+        raised."""
+
+    def inspect(self, backend_id: str) -> SandboxInfo | None:
+        """A sandbox by backend id or name; None when there is none."""
+
+    def find(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
+        """Every sandbox (running or not) carrying all of ``labels``, in one listing call."""
+
+    def remove(self, backend_id: str) -> bool:
+        """Kill and remove; False when it was gone already or another removal has it."""

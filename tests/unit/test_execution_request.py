@@ -80,3 +80,10 @@ def test_result_serialises_output_as_base64() -> None:
     data = json.loads(result.model_dump_json())
     assert base64.urlsafe_b64decode(data["stdout"] + "==") == b"\xff\x00"
     assert ExecResult.model_validate_json(result.model_dump_json()) == result
+
+
+def test_a_shell_request_survives_its_own_serialization() -> None:
+    request = ExecRequest.model_validate({"shell": True, "argv": "echo $HOME | wc -c"})
+    again = ExecRequest.model_validate_json(request.model_dump_json())
+    assert again == request
+    assert again.argv == ("sh", "-c", "echo $HOME | wc -c")

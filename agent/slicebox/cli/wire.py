@@ -73,12 +73,7 @@ def _body(model: BaseModel) -> bytes:
 
 
 def _exec_fields(request: ExecRequest) -> dict[str, object]:
-    fields = request.model_dump(mode="json", exclude_unset=True)
-    if request.shell:
-        # The model turns a shell command into ("sh", "-c", command) and accepts it back only
-        # as the one string, so send what the caller wrote.
-        fields["argv"] = request.argv[-1]
-    return fields
+    return request.model_dump(mode="json", exclude_unset=True)
 
 
 def _exec_body(request: ExecRequest) -> bytes:

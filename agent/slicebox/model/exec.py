@@ -54,7 +54,7 @@ class ExecRequest(BaseModel):
             if not shell:
                 raise ValueError("a string command needs shell: true; or pass a list of arguments")
             value = ("sh", "-c", value)
-        elif shell:
+        elif shell and not _shell_form(value):
             raise ValueError("shell: true takes the command as one string")
         return value
 
@@ -103,6 +103,12 @@ class ExecRequest(BaseModel):
             return cls.model_validate_json(raw)
         except ValidationError as exc:
             raise refusal(exc) from exc
+
+
+def _shell_form(value: object) -> bool:
+    """``("sh", "-c", command)``: what a shell command becomes, accepted back as it is so that
+    a request survives its own serialization."""
+    return isinstance(value, list | tuple) and len(value) == 3 and list(value[:2]) == ["sh", "-c"]
 
 
 class StreamChunk(BaseModel):

@@ -58,11 +58,17 @@ def build(out: Path, *options: str) -> list[Path]:
     return [Path(line) for line in done.stdout.split()]
 
 
+SUBPACKAGES = sorted(
+    path.name for path in (ROOT / "agent" / "slicebox").iterdir() if (path / "__init__.py").exists()
+)
+
+
 def expected_files(version: str) -> set[str]:
     """Every file either package must hold, from the checkout itself."""
+    package = ROOT / "agent" / "slicebox"
     modules = {
-        f"/usr/lib/slicebox/slicebox/{path.name}"
-        for path in (ROOT / "agent" / "slicebox").iterdir()
+        f"/usr/lib/slicebox/slicebox/{path.relative_to(package)}"
+        for path in package.rglob("*")
         if path.suffix == ".py" or path.name == "py.typed"
     }
     info = f"/usr/lib/slicebox/slicebox-{version}.dist-info"
@@ -127,6 +133,7 @@ def test_rpm_file_list_matches_the_checkout_and_the_deb(packages: dict[str, Path
         "/etc/slicebox",
         "/usr/lib/slicebox",
         "/usr/lib/slicebox/slicebox",
+        *(f"/usr/lib/slicebox/slicebox/{layer}" for layer in SUBPACKAGES),
         f"/usr/lib/slicebox/slicebox-{VERSION}.dist-info",
         "/usr/share/doc/slicebox",
     }

@@ -150,3 +150,10 @@ def test_mistakes_exit_2_with_the_code_and_what_to_do(
 ) -> None:
     assert slicebox(agent, *argv) == 2
     assert said in capfdbinary.readouterr().err
+
+
+def test_a_bad_option_gets_the_same_code_as_the_agent_gives(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["--socket", "/nonexistent/agent.sock", "extend", "sbx-1", "0"]) == 2
+    assert "invalid_ttl: ttl_seconds" in capsys.readouterr().err

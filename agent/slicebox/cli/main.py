@@ -23,6 +23,7 @@ from slicebox.cli.client import DEFAULT_SOCKET, Client
 from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest, SandboxList
 from slicebox.model.errors import InvalidRequest, SliceboxError
 from slicebox.model.exec import MAX_OUTPUT_CAP, ExecRequest, ExecResult, OutputStream
+from slicebox.model.validation import refusal
 
 Command = Callable[[argparse.Namespace, Client], int]
 M = TypeVar("M", bound=BaseModel)
@@ -93,9 +94,7 @@ def _parse(model: type[M], fields: dict[str, object]) -> M:
     try:
         return model.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "request"
-        raise InvalidRequest(f"{where}: {first['msg']}", code="invalid_field", field=where) from exc
+        raise refusal(exc) from exc
 
 
 def _env(items: Iterable[str]) -> dict[str, str]:

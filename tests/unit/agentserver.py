@@ -54,8 +54,8 @@ class Agent:
 
 
 @contextmanager
-def served(tmp: Path) -> Iterator[Agent]:
-    world = World(tmp)
+def served(tmp: Path, world: World | None = None) -> Iterator[Agent]:
+    world = world or World(tmp)
     world.exec_api.containers = AnyContainer()
     path = tmp / "agent.sock"
     sock = bind_unix(path, group=None)

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slicebox.host.identity import SystemUsers
-from slicebox.host.listen import bind_unix
-from slicebox.server.api import build_app
 from slicebox.server.openapi import document
-from slicebox.server.routes import ROUTES, SERVICE
+from tests.unit.agentserver import served
 from tests.unit.test_service import World
 
 DOCUMENT = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
@@ -87,20 +81,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Wor
     tmp = tmp_path_factory.mktemp("fuzz")
     world = World(tmp)
     world.create(world.service_identity())  # one sandbox exists: sbx-000000000001
-    path = tmp / "agent.sock"
-    sock = bind_unix(path, group=None)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(build_app(ROUTES, SystemUsers(), {SERVICE: world.service}))
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.SockSite(runner, sock).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield path, world
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
-    sock.close()
+    with served(tmp, world) as agent:
+        yield Path(agent.socket), world
 
 
 def send(path: Path, method: str, target: str, body: bytes) -> tuple[int, bytes]:

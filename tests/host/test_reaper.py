@@ -324,6 +324,7 @@ class Churn(threading.Thread):
         self.destroyed: set[str] = set()
         self.calls = 0
         self.failures = 0
+        self.answered = 0  # calls that got an answer: the test kills only after progress
 
     def run(self) -> None:
         client = Client(str(SOCKET), timeout=60)
@@ -342,6 +343,7 @@ class Churn(threading.Thread):
                     target = self.random.choice(live)
                     self.destroyed.add(target)  # no promise once asked, answered or not
                     client.request("DELETE", f"/sandboxes/{target}")
+                self.answered += 1
             except SliceboxError:
                 self.failures += 1
                 time.sleep(0.2)
@@ -363,7 +365,12 @@ def test_kill_9_twenty_times_leaks_nothing_and_loses_nothing(agent: Client) -> N
     try:
         while kills < 20:
             wait_for(lambda: main_pid() != 0 and active("slicebox.service"), timeout=120)
-            time.sleep(rng.uniform(0.2, 6.0))  # a create takes seconds here: some finish
+            # An emulated create takes seconds and the restarted agent answers the first call
+            # late: kill only once the churn got an answer from this agent, then at a random
+            # point of whatever it does next, so every kill interrupts real work.
+            answered = churn.answered
+            wait_for(lambda seen=answered: churn.answered > seen, timeout=180)  # type: ignore[misc]
+            time.sleep(rng.uniform(0.0, 4.0))
             pid = main_pid()
             if pid:
                 sh("kill", "-9", str(pid))
@@ -372,7 +379,10 @@ def test_kill_9_twenty_times_leaks_nothing_and_loses_nothing(agent: Client) -> N
     finally:
         churn.stop.set()
         churn.join(timeout=120)
-    print(f"churn: {churn.calls} calls, {churn.failures} failed, {len(churn.created)} created")
+    print(
+        f"churn: {churn.calls} calls, {churn.answered} answered, {churn.failures} failed, "
+        f"{len(churn.created)} created"
+    )
     assert len(churn.created) >= 6, "the churn really ran"
     assert churn.failures >= 5, "kills really hit requests in flight"
     wait_for(lambda: active("slicebox.service"), timeout=120)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -346,3 +348,47 @@ def test_in_flight_creates_protect_their_slices(world: World) -> None:
         assert not world.manager.stop_slice_if_idle(unit)
     assert [a.target for a in world.reaper.run().plan] == [unit]
     assert unit not in world.systemd.running
+
+
+def test_a_create_that_starts_after_the_plan_was_observed_is_not_destroyed(
+    world: World,
+) -> None:
+    """The race of issue 13: the create registers after the reaper snapshotted the creates in
+    flight and before it listed containers, so the plan holds its half-made container as
+    never started; the check when acting leaves it alone."""
+    late = box("sbx-late", status="created")
+    creating = contextlib.ExitStack()
+    listed = world.docker.find
+
+    def find_while_a_create_starts(labels: Mapping[str, str]) -> list[SandboxInfo]:
+        if "sbx-late" not in world.docker.containers:
+            creating.enter_context(world.manager._creating(decode(late.labels)))
+            world.docker.containers["sbx-late"] = late
+        return listed(labels)
+
+    world.docker.find = find_while_a_create_starts  # type: ignore[method-assign]
+    with creating:
+        report = world.reaper.run()
+        assert [(a.kind, a.rule, a.target) for a in report.plan] == [
+            (Kind.DESTROY, Rule.NEVER_STARTED, "sbx-late")
+        ]
+        assert [o.result for o in report.outcomes] == ["deferred"]
+        assert "sbx-late" in world.docker.containers
+    assert [e["SLICEBOX_RESULT"] for e in world.journal.entries] == ["deferred"]
+
+
+def test_no_reaper_action_while_an_exec_or_destroy_is_in_flight(world: World) -> None:
+    sandbox_id = world.create(ttl_seconds=10)
+    world.now = NOW + timedelta(seconds=11)
+    with world.manager.operation(sandbox_id):  # an exec, say, still running
+        report = world.reaper.run()
+        assert [(a.kind, o.result) for a, o in zip(report.plan, report.outcomes, strict=True)][
+            :1
+        ] == [(Kind.DESTROY, "deferred")]
+        assert [s.id for s in world.manager.find()] == [sandbox_id]
+    with world.manager.claim(sandbox_id) as free:
+        assert free
+        with world.manager.claim(sandbox_id) as again:
+            assert not again, "one claim at a time"
+    assert [o.result for o in world.reaper.run().outcomes][:1] == ["ok"]
+    assert world.manager.find() == []

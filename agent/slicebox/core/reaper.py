@@ -91,6 +91,9 @@ class Reaper:
         try:
             done, usage = self._apply(action)
             outcome = Outcome(action=action, result="ok" if done else "skipped")
+        except _Deferred as exc:
+            log.info("reaper: %s %s deferred: %s", action.kind, action.target, exc)
+            outcome = Outcome(action=action, result="deferred", message=str(exc))
         except SliceboxError as exc:
             log.warning("reaper: %s %s failed: %s", action.kind, action.target, exc.message)
             outcome = Outcome(action=action, result=exc.code, message=exc.message)
@@ -113,6 +116,16 @@ class Reaper:
         return outcome
 
     def _apply(self, action: Action) -> tuple[bool, dict[str, object] | None]:
+        if not action.sandbox_id or action.kind in (Kind.ADOPT, Kind.STOP_SLICE):
+            return self._act(action)
+        # Checked when acting, not only when planning: a create, exec or destroy that began
+        # after the plan was made keeps its sandbox; the next pass looks again.
+        with self._sandboxes.claim(action.sandbox_id) as free:
+            if not free:
+                raise _Deferred(f"{action.sandbox_id} has an operation in flight; next pass")
+            return self._act(action)
+
+    def _act(self, action: Action) -> tuple[bool, dict[str, object] | None]:
         if action.kind is Kind.DESTROY:
             return self._destroy(action)
         steps: dict[Kind, Callable[[Action], bool]] = {
@@ -151,6 +164,10 @@ class Reaper:
         gone = self._sandboxes.destroy(sandbox.id) is not None
         self._adopted.discard(sandbox.id)
         return gone, usage
+
+
+class _Deferred(Exception):
+    """An action left for the next pass: its sandbox has an operation in flight."""
 
 
 def _children(directory: Path) -> list[Path]:

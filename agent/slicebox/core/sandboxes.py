@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -112,6 +113,9 @@ class SandboxManager:
         # containers and slices for leftovers. A create registers before it ensures its
         # slices, and a slice is stopped only under the same lock after checking this.
         self._in_flight: dict[str, tuple[str, str]] = {}
+        # Every other operation in progress (exec, destroy, extend, a reaper action), counted
+        # by sandbox id under the same lock: the reaper acts on a sandbox only when none is.
+        self._operations: Counter[str] = Counter()
         self._placing = threading.Lock()
 
     @property
@@ -131,6 +135,40 @@ class SandboxManager:
         """Sandbox id -> (user, project) of every create still in progress."""
         with self._placing:
             return dict(self._in_flight)
+
+    @contextmanager
+    def operation(self, sandbox_id: str) -> Iterator[None]:
+        """Mark an operation on the sandbox while it runs (an exec, a destroy, an extend): the
+        reaper leaves the sandbox alone until it ends."""
+        with self._placing:
+            self._operations[sandbox_id] += 1
+        try:
+            yield
+        finally:
+            self._end(sandbox_id)
+
+    def _end(self, sandbox_id: str) -> None:
+        with self._placing:
+            self._operations[sandbox_id] -= 1
+            if self._operations[sandbox_id] <= 0:
+                del self._operations[sandbox_id]
+
+    @contextmanager
+    def claim(self, sandbox_id: str) -> Iterator[bool]:
+        """The reaper's claim, taken when it acts (not when it plans): True, and held as an
+        operation until the block ends, when nothing else is in flight on the sandbox; False
+        when a create or any other operation is."""
+        with self._placing:
+            free = sandbox_id not in self._in_flight and self._operations[sandbox_id] == 0
+            if free:
+                self._operations[sandbox_id] += 1
+        if not free:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self._end(sandbox_id)
 
     def reconfigure(self, config: Config) -> None:
         """Use ``config`` from now on (``systemctl reload``); running sandboxes keep theirs."""
@@ -183,7 +221,8 @@ class SandboxManager:
             raise InvalidRequest("this agent enforces no deadlines; extending needs systemd")
         sandbox = self.get(sandbox_id)
         at = self._clock() + timedelta(seconds=ttl_seconds)
-        self._deadlines.arm(sandbox.id, sandbox.container_id, at)
+        with self.operation(sandbox.id):
+            self._deadlines.arm(sandbox.id, sandbox.container_id, at)
         log.info("deadline of %s is now %s", sandbox_id, at.isoformat())
         return sandbox.model_copy(update={"expires_at": at.replace(microsecond=0)})
 
@@ -197,10 +236,11 @@ class SandboxManager:
             sandbox = self.get(sandbox_id)
         except NotFound:
             return None
-        self._backend.remove(sandbox.container_id)
-        self._slices.wait_stopped(scope_name(sandbox.container_id))
-        if self._deadlines is not None:
-            self._deadlines.disarm(sandbox.id)
+        with self.operation(sandbox.id):
+            self._backend.remove(sandbox.container_id)
+            self._slices.wait_stopped(scope_name(sandbox.container_id))
+            if self._deadlines is not None:
+                self._deadlines.disarm(sandbox.id)
         self.remove_empty_slices(sandbox.user, sandbox.project)
         log.info("destroyed %s", sandbox_id)
         return sandbox

@@ -157,7 +157,10 @@ class Service:
 
     def exec(self, who: Identity, sandbox_id: str, request: ExecRequest) -> ExecResult:
         sandbox = self._visible(who, sandbox_id)
-        with self._audit(AuditEvent.EXEC, who, **_subject(sandbox)) as record:
+        with (
+            self._audit(AuditEvent.EXEC, who, **_subject(sandbox)) as record,
+            self._sandboxes.operation(sandbox.id),
+        ):
             result = self._engine.run(sandbox.container_id, request)
             record["exit_code"] = result.exit_code
             return result
@@ -166,7 +169,10 @@ class Service:
         self, who: Identity, sandbox_id: str, request: ExecRequest
     ) -> Iterator[StreamChunk | ExecResult]:
         sandbox = self._visible(who, sandbox_id)
-        with self._audit(AuditEvent.EXEC, who, **_subject(sandbox)) as record:
+        with (
+            self._audit(AuditEvent.EXEC, who, **_subject(sandbox)) as record,
+            self._sandboxes.operation(sandbox.id),
+        ):
             for event in self._engine.stream(sandbox.container_id, request):
                 if isinstance(event, ExecResult):
                     record["exit_code"] = event.exit_code

@@ -55,7 +55,7 @@ class Outcome(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     action: Action
-    result: str  # "ok", "skipped" or an error code
+    result: str  # "ok", "skipped", "deferred" (an operation was in flight) or an error code
     message: str = ""
 
 

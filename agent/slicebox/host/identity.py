@@ -12,8 +12,11 @@ import os
 import pwd
 import socket
 import struct
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -21,6 +24,9 @@ from slicebox.model.audit import Caller
 from slicebox.model.errors import Forbidden
 
 ADMIN_GROUP = "slicebox-admin"
+USER_CACHE_SECONDS = 10.0  # how long a name and its groups are trusted (nscd: 600 s)
+K = TypeVar("K")
+V = TypeVar("V")
 _UCRED = struct.Struct("3i")  # struct ucred { pid_t pid; uid_t uid; gid_t gid; }
 
 
@@ -68,6 +74,41 @@ class SystemUsers:
             except KeyError:
                 continue
         return frozenset(names)
+
+
+class CachedUsers:
+    """A ``UserDirectory`` that remembers answers for ``ttl`` seconds: every request resolves
+    its caller, and NSS (files, LDAP, sssd) need not be asked each time. Thread-safe."""
+
+    def __init__(
+        self,
+        users: UserDirectory,
+        ttl: float = USER_CACHE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._users = users
+        self._ttl = ttl
+        self._clock = clock
+        self._names: dict[int, tuple[float, str | None]] = {}
+        self._groups: dict[tuple[str, int], tuple[float, frozenset[str]]] = {}
+        self._lock = threading.Lock()
+
+    def user_name(self, uid: int) -> str | None:
+        return self._cached(self._names, uid, lambda: self._users.user_name(uid))
+
+    def group_names(self, user: str, gid: int) -> frozenset[str]:
+        return self._cached(self._groups, (user, gid), lambda: self._users.group_names(user, gid))
+
+    def _cached(self, table: dict[K, tuple[float, V]], key: K, look_up: Callable[[], V]) -> V:
+        now = self._clock()
+        with self._lock:
+            hit = table.get(key)
+        if hit is not None and now - hit[0] < self._ttl:
+            return hit[1]
+        value = look_up()  # outside the lock: one slow look-up does not hold up the others
+        with self._lock:
+            table[key] = (now, value)
+        return value
 
 
 class Identity(BaseModel):

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from slicebox import __version__
 from slicebox.host.identity import (
+    CachedUsers,
     Identity,
     PeerCredentials,
     SocketOptions,
@@ -35,6 +36,7 @@ from slicebox.model.codes import CODES
 from slicebox.model.errors import InvalidRequest, SliceboxError
 from slicebox.model.limits import human_bytes
 from slicebox.model.validation import refusal
+from slicebox.server.pools import POOLS, Pools, pools_of, run_in
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +116,8 @@ def make_middlewares(users: UserDirectory) -> list[Any]:
             creds = _peer(request)
             if creds is None:
                 return error_response(403, "no_peer_credentials", "connect over the unix socket")
-            request[IDENTITY_KEY] = resolve(creds, users)
+            # NSS may be slow (LDAP, sssd): look-ups run on a worker thread and are cached.
+            request[IDENTITY_KEY] = await run_in(pools_of(request).calls, resolve, creds, users)
             return await handler(request)
         except SliceboxError as exc:
             return error_response(exc.http_status, exc.code, exc.message, exc.field)
@@ -216,9 +219,18 @@ def build_app(
     state: Mapping[web.AppKey[Any], object] | None = None,
 ) -> web.Application:
     """The app serving ``routes``; ``state`` is what their handlers find in ``request.app``."""
-    app = web.Application(middlewares=make_middlewares(users), client_max_size=MAX_BODY_BYTES)
+    app = web.Application(
+        middlewares=make_middlewares(CachedUsers(users)), client_max_size=MAX_BODY_BYTES
+    )
     for key, value in (state or {}).items():
         app[key] = value
+    if POOLS not in app:
+        pools = app[POOLS] = Pools()
+
+        async def shut_down(app: web.Application) -> None:
+            pools.shutdown()
+
+        app.on_cleanup.append(shut_down)
     document = openapi_document(routes)
 
     async def openapi(request: web.Request) -> web.StreamResponse:

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,6 +30,7 @@ from slicebox.model.config import DEFAULT_PATH as DEFAULT_CONFIG
 from slicebox.model.errors import SliceboxError
 from slicebox.model.paths import AGENT_SOCKET
 from slicebox.server.api import Route, build_app
+from slicebox.server.pools import POOLS, run_in
 from slicebox.server.routes import ROUTES, SERVICE
 from slicebox.server.runtime import assemble
 
@@ -99,7 +101,10 @@ class Agent:
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self._on_reload()))
-        tasks = [loop.create_task(_every(interval, job)) for interval, job in self._periodic]
+        background = runner.app[POOLS].background  # the reaper never waits behind requests
+        tasks = [
+            loop.create_task(_every(interval, job, background)) for interval, job in self._periodic
+        ]
         watchdog = self._start_watchdog()
         self._notifier.notify(f"READY=1\nSTATUS=answering on {socket_path}")
         self._auditor.record(AuditRecord(event=AuditEvent.AGENT_STARTED, detail=__version__))
@@ -129,12 +134,12 @@ class Agent:
         self._notifier.notify(f"READY=1\nSTATUS={status}")
 
 
-async def _every(interval: float, job: Callable[[], object]) -> None:
-    """Run a blocking ``job`` in a worker thread every ``interval`` seconds; failures are logged."""
+async def _every(interval: float, job: Callable[[], object], pool: ThreadPoolExecutor) -> None:
+    """Run a blocking ``job`` on ``pool`` every ``interval`` seconds; failures are logged."""
     while True:
         await asyncio.sleep(interval)
         try:
-            await asyncio.to_thread(job)
+            await run_in(pool, job)
         except Exception:
             log.exception("periodic %s failed", getattr(job, "__name__", job))
 

@@ -1,16 +1,20 @@
 """The ``/v1`` routes: parse at the edge, call :class:`~slicebox.service.Service`, serialize.
 
-Docker and systemd calls block, so each runs in a worker thread: the event loop stays free to
-answer other callers and to ping systemd's watchdog. Streaming exec answers newline-delimited
-JSON: ``{"stream": "stdout", "data": <base64>}`` chunks as output is produced, then one
-``{"result": {...}}``. A bounded queue between the exec and the socket keeps memory flat
-whatever the command prints; a caller that goes away ends the exec (its processes are killed).
+Docker and systemd calls block, so each runs on a bounded pool of worker threads
+(:mod:`slicebox.server.pools`): short steps on the calls pool, execs on the exec pool, so
+long-running commands never make a list or a create wait. The event loop stays free to answer
+other callers and to ping systemd's watchdog. Streaming exec answers newline-delimited JSON:
+``{"stream": "stdout", "data": <base64>}`` chunks as output is produced, then one
+``{"result": {...}}``. A bounded asyncio queue between the exec's thread and the socket keeps
+memory flat whatever the command prints; a caller that goes away ends the exec (its processes
+are killed).
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
+import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -44,9 +48,12 @@ from slicebox.server.api import (
     json_ok,
     parse_body,
 )
+from slicebox.server.pools import pools_of, run_in
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 STREAM_QUEUE = 16
+HANDOFF_POLL = 0.5  # how often a blocked producer looks whether its caller is gone
 _DONE = object()
 
 
@@ -62,31 +69,38 @@ def _routes() -> list[Route]:
 
     async def create(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, CreateSandbox)
-        view = await _call(_service(request).create, identity_of(request), body)
+        view = await _call(request, _service(request).create, identity_of(request), body)
         return json_ok(view, status=201)
 
     async def list_sandboxes(request: web.Request) -> web.StreamResponse:
         return json_ok(
-            SandboxList(await _call(_service(request).list_sandboxes, identity_of(request)))
+            SandboxList(
+                await _call(request, _service(request).list_sandboxes, identity_of(request))
+            )
         )
 
     async def get(request: web.Request) -> web.StreamResponse:
-        return json_ok(await _call(_service(request).get, identity_of(request), _id(request)))
+        return json_ok(
+            await _call(request, _service(request).get, identity_of(request), _id(request))
+        )
 
     async def destroy(request: web.Request) -> web.StreamResponse:
-        return json_ok(await _call(_service(request).destroy, identity_of(request), _id(request)))
+        return json_ok(
+            await _call(request, _service(request).destroy, identity_of(request), _id(request))
+        )
 
     async def destroy_task(request: web.Request) -> web.StreamResponse:
         root = request.match_info["root_task_id"]
         return json_ok(
-            DestroyedList(await _call(_service(request).destroy_tree, identity_of(request), root))
+            DestroyedList(
+                await _call(request, _service(request).destroy_tree, identity_of(request), root)
+            )
         )
 
     async def exec_(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, ExecRequest, MAX_EXEC_BODY_BYTES)
-        return json_ok(
-            await _call(_service(request).exec, identity_of(request), _id(request), body)
-        )
+        exec_ = _service(request).exec
+        return json_ok(await _exec(request, exec_, identity_of(request), _id(request), body))
 
     async def exec_stream(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, ExecRequest, MAX_EXEC_BODY_BYTES)
@@ -95,24 +109,24 @@ def _routes() -> list[Route]:
 
     async def run(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, RunRequest, MAX_EXEC_BODY_BYTES)
-        return json_ok(await _call(_service(request).run, identity_of(request), body))
+        return json_ok(await _exec(request, _service(request).run, identity_of(request), body))
 
     async def usage(request: web.Request) -> web.StreamResponse:
-        found = await _call(_service(request).usage, identity_of(request), _id(request))
+        found = await _call(request, _service(request).usage, identity_of(request), _id(request))
         return json_ok(UsageAnswer(usage=found))
 
     async def tree(request: web.Request) -> web.StreamResponse:
-        return json_ok(await _call(_service(request).level_tree, identity_of(request)))
+        return json_ok(await _call(request, _service(request).level_tree, identity_of(request)))
 
     async def extend(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, Extend)
         return json_ok(
-            await _call(_service(request).extend, identity_of(request), _id(request), body)
+            await _call(request, _service(request).extend, identity_of(request), _id(request), body)
         )
 
     async def reap(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, ReapRequest)
-        return json_ok(await _call(_service(request).reap, identity_of(request), body))
+        return json_ok(await _call(request, _service(request).reap, identity_of(request), body))
 
     return [
         *base_routes(),
@@ -168,21 +182,31 @@ def _id(request: web.Request) -> str:
     return request.match_info["id"]
 
 
-async def _call(function: Callable[..., T], *args: Any) -> T:
-    return await asyncio.to_thread(function, *args)
+async def _call(request: web.Request, function: Callable[..., T], *args: Any) -> T:
+    """A request's short blocking step (Docker, systemd, cgroupfs) on the calls pool."""
+    return await run_in(pools_of(request).calls, function, *args)
+
+
+async def _exec(request: web.Request, function: Callable[..., T], *args: Any) -> T:
+    """An exec holds its thread until the command ends: the exec pool, never the calls one."""
+    return await run_in(pools_of(request).execs, function, *args)
 
 
 async def _stream(
     request: web.Request, events: Iterator[StreamChunk | ExecResult]
 ) -> web.StreamResponse:
-    first = await asyncio.to_thread(_first, events)  # errors before output are plain errors
+    """Pump ``events`` on one exec-pool thread into a bounded queue on the loop; the socket
+    writes from the loop. A full queue holds the exec back; a caller that is gone stops it."""
+    loop = asyncio.get_running_loop()
+    pool = pools_of(request).execs
+    first = await run_in(pool, _first, events)  # errors before any output are plain errors
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
-    items: queue.Queue[object] = queue.Queue(maxsize=STREAM_QUEUE)
+    items: asyncio.Queue[object] = asyncio.Queue(maxsize=STREAM_QUEUE)
     gone = threading.Event()
-    threading.Thread(target=_produce, args=(first, events, items, gone), daemon=True).start()
+    producer = loop.run_in_executor(pool, _produce, first, events, _Handoff(loop, items, gone))
     try:
-        while (item := await asyncio.to_thread(items.get)) is not _DONE:
+        while (item := await items.get()) is not _DONE:
             await response.write(_line(item))
     except ConnectionError:
         # A caller that closes its stream early (Ctrl-C, a client's close()) is not a failure
@@ -192,40 +216,63 @@ async def _stream(
     except BaseException:
         gone.set()  # the producer stops and closes the exec
         raise
+    finally:
+        if gone.is_set():
+            _drain(items)
+    await producer
     await response.write_eof()
     return response
+
+
+class _Handoff:
+    """The producer thread's side of the queue: put with backpressure until the caller is gone."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, items: asyncio.Queue[object], gone: threading.Event
+    ) -> None:
+        self._loop = loop
+        self._items = items
+        self.gone = gone
+
+    def put(self, item: object) -> bool:
+        while not self.gone.is_set():
+            future = asyncio.run_coroutine_threadsafe(self._items.put(item), self._loop)
+            try:
+                future.result(timeout=HANDOFF_POLL)
+                return True
+            except concurrent.futures.TimeoutError:
+                future.cancel()
+            except (RuntimeError, concurrent.futures.CancelledError):
+                return False  # the loop is closing or the put was cancelled
+        return False
 
 
 def _first(events: Iterator[StreamChunk | ExecResult]) -> object:
     return next(events, _DONE)
 
 
-def _produce(
-    first: object, events: Iterator[object], items: queue.Queue[object], gone: threading.Event
-) -> None:
+def _produce(first: object, events: Iterator[object], handoff: _Handoff) -> None:
     try:
-        if first is not _DONE and _put(items, first, gone):
+        if first is not _DONE and handoff.put(first):
             for event in events:
-                if not _put(items, event, gone):
+                if not handoff.put(event):
                     break
     except SliceboxError as exc:
-        _put(items, ErrorBody(code=exc.code, message=exc.message), gone)
+        handoff.put(ErrorBody(code=exc.code, message=exc.message))
+    except Exception:
+        log.exception("streaming exec failed")
+        handoff.put(ErrorBody(code="internal", message="the agent failed; see its journal"))
     finally:
         close = getattr(events, "close", None)
         if close is not None:
             close()  # closing the exec stream early kills the exec's processes
-        _put(items, _DONE, gone)
+        handoff.put(_DONE)
 
 
-def _put(items: queue.Queue[object], item: object, gone: threading.Event) -> bool:
-    """Queue ``item`` unless the caller is gone; a full queue is the backpressure."""
-    while not gone.is_set():
-        try:
-            items.put(item, timeout=0.5)
-            return True
-        except queue.Full:
-            continue
-    return False
+def _drain(items: asyncio.Queue[object]) -> None:
+    """Free a producer blocked on a full queue once nobody reads it."""
+    while not items.empty():
+        items.get_nowait()
 
 
 def _line(event: object) -> bytes:

@@ -28,7 +28,12 @@ def _c(code: str, status: int | None, when: str, action: str) -> ErrorCode:
 
 CODES: tuple[ErrorCode, ...] = (
     # The request as sent: shape and fields (400).
-    _c("malformed_json", 400, "The body is not valid JSON.", "Send one JSON object."),
+    _c(
+        "malformed_json",
+        400,
+        "The body is not valid JSON, or holds a number too long to read.",
+        "Send one JSON object.",
+    ),
     _c(
         "invalid_field",
         400,

@@ -57,7 +57,7 @@ class SandboxSpec(BaseModel):
     privileged: bool = False
     pid_mode: str | None = None
     ipc_mode: str | None = None
-    ttl_seconds: int | None = Field(default=None, gt=0)
+    ttl_seconds: int | None = Field(default=None, gt=0)  # at most max_ttl_seconds: the policy
     task_id: Id | None = None
     root_task_id: Id | None = None
     parent_id: Id | None = None

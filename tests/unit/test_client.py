@@ -76,6 +76,27 @@ def test_a_deadline_past_the_maximum_is_refused_by_code_never_a_crash(
     client.destroy(box.id)
 
 
+def test_a_create_cannot_ask_for_a_pool_member_the_reaper_would_destroy(agent: Agent) -> None:
+    client = Client(agent.socket)
+    asks = [
+        ("/sandboxes", {"project": "web", "pool": True}, "pool"),
+        (
+            "/run",
+            {"sandbox": {"project": "web", "pool": True}, "exec": {"argv": ["x"]}},
+            "sandbox.pool",
+        ),
+    ]
+    for path, body, field in asks:
+        with pytest.raises(errors.InvalidRequest) as caught:
+            client.request("POST", path, body)
+        assert (caught.value.code, caught.value.field) == ("invalid_field", field)
+    assert client.list_sandboxes() == []
+    box = client.create(WEB)
+    client.reap(ReapRequest())  # a pass used to destroy a pool member as surplus (size 0)
+    assert [view.id for view in client.list_sandboxes()] == [box.id]
+    client.destroy(box.id)
+
+
 def test_bytes_go_both_ways_exactly(agent: Agent) -> None:
     client = Client(agent.socket)
     box = client.create(WEB)

@@ -278,7 +278,6 @@ class SandboxManager:
             provisioned_cpu=limits.cpus,
             provisioned_memory_bytes=limits.memory_bytes,
             provisioned_pids=limits.pids,
-            pool=spec.pool,
         )
 
     def _ancestry(self, spec: SandboxSpec, task_id: str) -> tuple[str, int]:

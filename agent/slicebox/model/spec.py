@@ -62,7 +62,8 @@ class SandboxSpec(BaseModel):
     root_task_id: Id | None = None
     parent_id: Id | None = None
     backend: Backend = Backend.DOCKER
-    pool: bool = False
+    # No ``pool`` field until a warm pool acquires and releases members: a sandbox asked for
+    # as a pool member was idle to the reaper and destroyed as surplus on its next pass.
 
 
 def parse_spec(data: Mapping[str, object]) -> SandboxSpec:

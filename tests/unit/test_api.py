@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import stat
@@ -175,6 +176,15 @@ def test_every_error_is_an_envelope(
     assert head.split()[1] == str(status).encode()
     assert f'"code": "{code}"'.encode() in body or f'"code":"{code}"'.encode() in body
     assert b"secret internals" not in body
+
+
+def test_a_number_too_long_to_read_is_malformed_json_not_a_crash(server: Path) -> None:
+    body = b'{"name": "a", "count": 1' + b"0" * 5000 + b"}"
+    head = b"POST /v1/echo HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+    answer = raw(server, head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    status, _, envelope = answer.partition(b"\r\n\r\n")
+    assert status.split()[1] == b"400"
+    assert json.loads(envelope)["code"] == "malformed_json"
 
 
 def test_huge_body_is_refused_with_413(server: Path) -> None:

@@ -143,6 +143,8 @@ def test_every_other_command_answers_in_models(agent: Agent, capfdbinary: Fd) ->
         (["run", "--env", "NOVALUE", "--", "x"], b"--env takes NAME=VALUE"),
         (["create", "--root-task", "not an id"], b"invalid_field: root_task_id"),
         (["create", "--memory", "lots"], b"invalid_limit"),
+        (["create", "--ttl", "1000000000000"], b"ttl_too_long: ttl_seconds is more than"),
+        (["run", "--ttl", "86401", "--", "x"], b"ttl_too_long: ttl_seconds is more than"),
     ],
 )
 def test_mistakes_exit_2_with_the_code_and_what_to_do(
@@ -150,6 +152,15 @@ def test_mistakes_exit_2_with_the_code_and_what_to_do(
 ) -> None:
     assert slicebox(agent, *argv) == 2
     assert said in capfdbinary.readouterr().err
+
+
+def test_extending_past_the_maximum_says_the_maximum(agent: Agent, capfdbinary: Fd) -> None:
+    box = created(agent, capfdbinary)
+    assert slicebox(agent, "extend", box, str(10**30)) == 2
+    assert b"ttl_too_long: ttl_seconds is more than this agent's maximum of 86400" in (
+        capfdbinary.readouterr().err
+    )
+    assert slicebox(agent, "rm", box) == 0
 
 
 def test_a_bad_option_gets_the_same_code_as_the_agent_gives(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import aclosing
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from tests.unit.agentserver import Agent, served, wait_for
 
 OUT, ERR = OutputStream.STDOUT, OutputStream.STDERR
 WEB = CreateSandbox(project="web")
+EXEC = ExecRequest(argv=("true",))
 
 
 @pytest.fixture
@@ -50,6 +51,50 @@ def test_every_route_answers_its_model(agent: Agent) -> None:
     ran = client.run(RunRequest(sandbox=WEB, exec=ExecRequest(argv=("x",))))
     assert ran.result.stdout == b"once\n"
     assert client.request("GET", "/openapi.json")["openapi"].startswith("3.1")
+
+
+@pytest.mark.parametrize("ttl", [86400 + 1, 10**12, 10**40])
+def test_a_deadline_past_the_maximum_is_refused_by_code_never_a_crash(
+    agent: Agent, ttl: int
+) -> None:
+    client = Client(agent.socket)
+    box = client.create(CreateSandbox(project="web", ttl_seconds=86400))  # the maximum is fine
+    asks: list[Callable[[], object]] = [
+        lambda: client.create(CreateSandbox(project="web", ttl_seconds=ttl)),
+        lambda: client.run(
+            RunRequest(sandbox=CreateSandbox(project="web", ttl_seconds=ttl), exec=EXEC)
+        ),
+        lambda: client.extend(box.id, Extend(ttl_seconds=ttl)),
+    ]
+    for ask in asks:
+        with pytest.raises(errors.InvalidRequest) as caught:  # 400, the caller's to fix
+            ask()
+        assert (caught.value.code, caught.value.field) == ("ttl_too_long", "ttl_seconds")
+        assert "maximum of 86400 seconds (24 h)" in caught.value.message
+    assert client.get(box.id).expires_at == box.expires_at
+    assert [view.id for view in client.list_sandboxes()] == [box.id]
+    client.destroy(box.id)
+
+
+def test_a_create_cannot_ask_for_a_pool_member_the_reaper_would_destroy(agent: Agent) -> None:
+    client = Client(agent.socket)
+    asks = [
+        ("/sandboxes", {"project": "web", "pool": True}, "pool"),
+        (
+            "/run",
+            {"sandbox": {"project": "web", "pool": True}, "exec": {"argv": ["x"]}},
+            "sandbox.pool",
+        ),
+    ]
+    for path, body, field in asks:
+        with pytest.raises(errors.InvalidRequest) as caught:
+            client.request("POST", path, body)
+        assert (caught.value.code, caught.value.field) == ("invalid_field", field)
+    assert client.list_sandboxes() == []
+    box = client.create(WEB)
+    client.reap(ReapRequest())  # a pass used to destroy a pool member as surplus (size 0)
+    assert [view.id for view in client.list_sandboxes()] == [box.id]
+    client.destroy(box.id)
 
 
 def test_bytes_go_both_ways_exactly(agent: Agent) -> None:

@@ -44,11 +44,26 @@ def test_overrides_replace_only_the_fields_they_set(tmp_path: Path) -> None:
         ("[users.x]\ncpus = -1", "users.x.cpus"),
         ("surprise = 1", "surprise"),
         ("default_ttl_seconds = 0", "default_ttl_seconds"),
+        ("max_ttl_seconds = 0", "max_ttl_seconds"),
+        ("max_ttl_seconds = 1000000000000", "max_ttl_seconds"),  # past the one-year ceiling
+        ("max_ttl_seconds = 600", "default_ttl_seconds"),  # the default 3600 is over it
     ],
 )
 def test_bad_settings_are_named(text: str, field: str) -> None:
-    with pytest.raises(ConfigError, match=field):
+    with pytest.raises(ConfigError, match=field) as caught:
         parse_config(text)
+    assert caught.value.field == field
+
+
+def test_the_default_ttl_may_not_exceed_the_maximum() -> None:
+    assert (Config().default_ttl_seconds, Config().max_ttl_seconds) == (3600, 86400)
+    with pytest.raises(ConfigError) as caught:
+        parse_config("default_ttl_seconds = 90000")
+    assert caught.value.message == (
+        "<config>: default_ttl_seconds: 90000 is more than max_ttl_seconds (86400); lower "
+        "default_ttl_seconds or raise max_ttl_seconds; fix these settings"
+    )
+    assert parse_config("max_ttl_seconds = 100000\ndefault_ttl_seconds = 90000")
 
 
 def test_bad_toml() -> None:

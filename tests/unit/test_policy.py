@@ -55,6 +55,8 @@ def test_defaults_are_secure_and_resolved() -> None:
         ({"project": "tight", "memory": "500MB"}, "admission_refused"),
         ({"project": "tight", "pids": 41}, "admission_refused"),
         ({"user": "../root"}, "invalid_name"),
+        ({"ttl_seconds": 86401}, "ttl_too_long"),
+        ({"ttl_seconds": 10**40}, "ttl_too_long"),
     ],
 )
 def test_refusals_have_stable_codes(fields: dict[str, object], code: str) -> None:
@@ -81,6 +83,14 @@ def test_allowed_requests_pass() -> None:
         host_memory=4096 * MiB,
     )
     assert admitted.limits.memory_bytes == 400 * MiB
+
+
+def test_the_maximum_ttl_is_allowed_and_the_setting_moves_it() -> None:
+    assert admit(base(ttl_seconds=86400), CONFIG, 4096 * MiB).spec.ttl_seconds == 86400
+    short = parse_config("max_ttl_seconds = 600\ndefault_ttl_seconds = 60")
+    with pytest.raises(SliceboxError, match="maximum of 600 seconds;") as caught:
+        admit(base(ttl_seconds=601), short, 4096 * MiB)
+    assert (caught.value.code, caught.value.field) == ("ttl_too_long", "ttl_seconds")
 
 
 def test_no_bind_roots_means_no_bind_mounts() -> None:

@@ -4,7 +4,7 @@ Pure functions of (request, config, host memory) that raise before anything is c
 refusal has its own stable code so a caller can tell them apart:
 
     policy_privileged, policy_host_namespace, policy_network, policy_capability, policy_mount,
-    invalid_limit, invalid_name, admission_refused
+    ttl_too_long, invalid_limit, invalid_name, admission_refused
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class Admitted(BaseModel):
 def admit(spec: SandboxSpec, config: Config, host_memory: int) -> Admitted:
     """Check ``spec`` against the policy and the ceilings; raise on the first refusal."""
     check_security(spec, config)
+    check_ttl(spec.ttl_seconds, config)
     limits = resolve_limits(spec, config)
     placement = place(spec.user, spec.project, config, host_memory)
     check_admission(limits, placement)
@@ -123,6 +124,24 @@ def _check_capabilities(cap_add: tuple[str, ...], config: Config) -> None:
             f"capabilities {', '.join(refused)} are not allowed; choose from: {allowed}",
             code="policy_capability",
         )
+
+
+def check_ttl(ttl_seconds: int | None, config: Config) -> None:
+    """Refuse a deadline further off than the configured maximum, however large the number:
+    it is compared as an int, before any date is computed from it."""
+    most = config.max_ttl_seconds
+    if ttl_seconds is not None and ttl_seconds > most:
+        raise PolicyViolation(
+            f"ttl_seconds is more than this agent's maximum of {_seconds(most)}; ask for at "
+            "most that and extend the deadline before it passes, or ask an operator to raise "
+            "max_ttl_seconds",
+            code="ttl_too_long",
+            field="ttl_seconds",
+        )
+
+
+def _seconds(count: int) -> str:
+    return f"{count} seconds ({count / 3600:g} h)" if count >= 3600 else f"{count} seconds"
 
 
 def check_mount(mount: Mount, roots: tuple[PurePosixPath, ...]) -> None:

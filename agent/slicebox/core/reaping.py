@@ -19,6 +19,8 @@ The rules, each with its :class:`Rule` name in the plan and the audit:
 - ``exited`` / ``never_started``: the container exited (say, killed at its deadline while the
   agent was down) or was created and never started, and no create is in progress for it.
 - ``pool_surplus``: idle pool members beyond ``reaper.pool_size`` of a kind (oldest first).
+  Only an agent that still took ``pool`` in a create made them; none does until a warm pool
+  acquires and releases members, so this rule clears what such an agent left.
 - ``deadline_missing``: a running sandbox with a TTL and no timer (the agent died between
   the start and the arming): the timer is armed from the label.
 - ``stale_deadline``: a timer whose sandbox is gone.

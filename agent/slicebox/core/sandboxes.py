@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from slicebox.backends.base import SandboxBackend, SandboxInfo, SandboxRequest
 from slicebox.core.deadlines import Deadlines
-from slicebox.core.policy import Admitted, admit
+from slicebox.core.policy import Admitted, admit, check_ttl
 from slicebox.core.slices import SliceManager
 from slicebox.model.config import Config
 from slicebox.model.errors import InvalidRequest, NotFound, Unavailable
@@ -216,7 +216,9 @@ class SandboxManager:
         return self._with_deadlines(found)
 
     def extend(self, sandbox_id: str, ttl_seconds: int) -> Sandbox:
-        """Move the sandbox's deadline to ``ttl_seconds`` from now (sooner or later)."""
+        """Move the sandbox's deadline to ``ttl_seconds`` from now (sooner or later), at most
+        the configured maximum away."""
+        check_ttl(ttl_seconds, self._config)
         if self._deadlines is None:
             raise InvalidRequest("this agent enforces no deadlines; extending needs systemd")
         sandbox = self.get(sandbox_id)
@@ -316,7 +318,6 @@ class SandboxManager:
             provisioned_cpu=limits.cpus,
             provisioned_memory_bytes=limits.memory_bytes,
             provisioned_pids=limits.pids,
-            pool=spec.pool,
         )
 
     def _ancestry(self, spec: SandboxSpec, task_id: str) -> tuple[str, int]:

@@ -68,11 +68,12 @@ class Destroyed(BaseModel):
 
 
 class Extend(BaseModel):
-    """A new deadline, ``ttl_seconds`` from now; the labels keep the original one."""
+    """A new deadline, ``ttl_seconds`` from now; the labels keep the original one. More than
+    the agent's ``max_ttl_seconds`` (a setting, so not in this schema) is ``ttl_too_long``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    ttl_seconds: int = Field(gt=0, le=366 * 24 * 3600)
+    ttl_seconds: int = Field(gt=0)
 
 
 class ReapRequest(BaseModel):

@@ -28,7 +28,12 @@ def _c(code: str, status: int | None, when: str, action: str) -> ErrorCode:
 
 CODES: tuple[ErrorCode, ...] = (
     # The request as sent: shape and fields (400).
-    _c("malformed_json", 400, "The body is not valid JSON.", "Send one JSON object."),
+    _c(
+        "malformed_json",
+        400,
+        "The body is not valid JSON, or holds a number too long to read.",
+        "Send one JSON object.",
+    ),
     _c(
         "invalid_field",
         400,
@@ -63,7 +68,7 @@ CODES: tuple[ErrorCode, ...] = (
     _c(
         "invalid_ttl",
         400,
-        "`ttl_seconds` is not a positive whole number (or, on extend, more than a year).",
+        "`ttl_seconds` is not a positive whole number.",
         "Give a positive number of seconds.",
     ),
     _c(
@@ -109,6 +114,14 @@ CODES: tuple[ErrorCode, ...] = (
         400,
         "A bind mount is outside the configured roots, or a volume name is invalid.",
         "Mount a directory under a configured root; name volumes with letters, digits, '_.-'.",
+    ),
+    _c(
+        "ttl_too_long",
+        400,
+        "A create's or an extend's `ttl_seconds` is more than the agent's `max_ttl_seconds` "
+        "(24 h unless configured).",
+        "Ask for at most the maximum the message names and extend the deadline before it "
+        "passes, or ask an operator to raise `max_ttl_seconds`.",
     ),
     _c(
         "container_start_failed",

@@ -6,6 +6,8 @@ A missing file means the defaults below. Ceilings are given per level (``managed
 when the file is loaded, so a bad value is refused at load time, naming its field.
 
     default_image = "alpine:3.19"
+    default_ttl_seconds = 3600   # a sandbox's TTL when its request gives none
+    max_ttl_seconds = 86400      # the most a create or an extend may ask (at most a year)
     bind_roots = ["/srv/slicebox/workspaces"]
     [managed]
     memory = "75%"
@@ -29,7 +31,7 @@ from enum import StrEnum
 from pathlib import Path, PurePosixPath
 from typing import TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from slicebox.model.errors import ConfigError, SliceboxError
 from slicebox.model.limits import Ceiling, Limits, RawSize, parse_cpus, parse_pids, parse_size
@@ -43,6 +45,9 @@ DEFAULT_CAPABILITIES = frozenset(
     {"CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "NET_BIND_SERVICE"}
 )
 _ANY_TOTAL = 1 << 40  # validates a percentage at load time; the real total comes later
+# No deadline further than a year: beyond that a sandbox is a server, and a deadline that far
+# off is a typo (and datetime arithmetic overflows long before any int runs out).
+TTL_CEILING_SECONDS = 366 * 24 * 3600
 
 
 def _checked(check: Callable[[], object], value: T) -> T:
@@ -124,7 +129,9 @@ class ReaperConfig(_Strict):
 
 class Config(_Strict):
     default_image: str = "alpine:3.19"
-    default_ttl_seconds: int | None = Field(default=3600, gt=0)
+    max_ttl_seconds: int = Field(default=24 * 3600, gt=0, le=TTL_CEILING_SECONDS)
+    # Checked even when left out: a lowered max_ttl_seconds may be below the built-in default.
+    default_ttl_seconds: int | None = Field(default=3600, gt=0, validate_default=True)
     managed: CeilingConfig = CeilingConfig(memory="75%")
     user: CeilingConfig = CeilingConfig(memory="4GB", pids=2048)
     project: CeilingConfig = CeilingConfig(memory="2GB", pids=1024)
@@ -135,6 +142,17 @@ class Config(_Strict):
     allowed_capabilities: frozenset[str] = DEFAULT_CAPABILITIES
     allowed_networks: frozenset[str] = frozenset({"none", "bridge"})
     reaper: ReaperConfig = ReaperConfig()
+
+    @field_validator("default_ttl_seconds")
+    @classmethod
+    def _default_within_max(cls, value: int | None, info: ValidationInfo) -> int | None:
+        most = info.data.get("max_ttl_seconds")  # absent when it failed its own check
+        if value is not None and most is not None and value > most:
+            raise ValueError(
+                f"{value} is more than max_ttl_seconds ({most}); lower default_ttl_seconds "
+                "or raise max_ttl_seconds"
+            )
+        return value
 
     def managed_ceiling(self, host_memory: int) -> Ceiling:
         return self.managed.resolve(host_memory)

@@ -38,6 +38,8 @@ class Lineage(BaseModel):
     provisioned_cpu: float
     provisioned_memory_bytes: int
     provisioned_pids: int
+    # Only containers made by an agent that took ``pool`` in a create carry pool=true now;
+    # the reaper still trims them (``pool_surplus``), and a warm pool will set it again.
     pool: bool = False
 
     def to_labels(self) -> dict[str, str]:

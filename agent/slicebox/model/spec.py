@@ -57,12 +57,13 @@ class SandboxSpec(BaseModel):
     privileged: bool = False
     pid_mode: str | None = None
     ipc_mode: str | None = None
-    ttl_seconds: int | None = Field(default=None, gt=0)
+    ttl_seconds: int | None = Field(default=None, gt=0)  # at most max_ttl_seconds: the policy
     task_id: Id | None = None
     root_task_id: Id | None = None
     parent_id: Id | None = None
     backend: Backend = Backend.DOCKER
-    pool: bool = False
+    # No ``pool`` field until a warm pool acquires and releases members: a sandbox asked for
+    # as a pool member was idle to the reaper and destroyed as surplus on its next pass.
 
 
 def parse_spec(data: Mapping[str, object]) -> SandboxSpec:

@@ -87,6 +87,12 @@ async def parse_body(
         raise InvalidRequest(
             f"the body is not valid JSON ({exc}); send a JSON object", code="malformed_json"
         ) from exc
+    except ValueError as exc:  # Python refuses ints of more than 4300 digits (CVE-2020-10735)
+        raise InvalidRequest(
+            "the body holds a number of more than 4300 digits, which the agent does not read; "
+            "send a smaller value",
+            code="malformed_json",
+        ) from exc
     try:
         return model.model_validate(data)
     except ValidationError as exc:

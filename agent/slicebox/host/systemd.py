@@ -8,6 +8,7 @@ left systemd's queue (bounded by a timeout), then checks the unit's state; a sta
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
@@ -89,12 +90,15 @@ class PystemdSystemd:
         self._sleep = sleep
 
     def status(self, unit: str) -> UnitStatus:
-        with _unit(unit) as handle:
-            return UnitStatus(
+        handle = _unit(unit)
+        return _call(
+            unit,
+            lambda: UnitStatus(
                 load_state=handle.Unit.LoadState.decode(),
                 active_state=handle.Unit.ActiveState.decode(),
                 fragment_path=handle.Unit.FragmentPath.decode(),
-            )
+            ),
+        )
 
     def start_transient(self, unit: str, properties: Sequence[Property], description: str) -> None:
         props: dict[bytes, Any] = _props(properties)
@@ -117,8 +121,8 @@ class PystemdSystemd:
             raise HostError(f"systemd did not stop {unit}; see `systemctl status {unit}`")
 
     def has_children(self, unit: str) -> bool:
-        with _unit(unit) as handle:
-            group = handle.Slice.ControlGroup.decode().lstrip("/")
+        handle = _unit(unit)
+        group = _call(unit, lambda: handle.Slice.ControlGroup.decode().lstrip("/"))
         directory = self._cgroup_root / group
         try:
             return any(entry.is_dir() for entry in directory.iterdir()) if group else False
@@ -174,7 +178,7 @@ class PystemdSystemd:
 
     def _wait_job(self, manager: Any, unit: str, job: bytes) -> None:
         deadline = self._clock() + self._timeout
-        while any(entry[4] == job for entry in manager.Manager.ListJobs()):
+        while any(entry[4] == job for entry in _call(unit, manager.Manager.ListJobs)):
             if self._clock() > deadline:
                 raise HostError(f"systemd job for {unit} did not finish in {self._timeout}s")
             self._sleep(0.05)
@@ -206,16 +210,52 @@ def _call(unit: str, call: Callable[[], R]) -> R:
                 f"systemd says {unit} already exists; set its properties instead",
                 code="unit_exists",
             ) from exc
+        _drop_bus()  # the connection itself may be what failed: the next call opens a new one
         raise HostError(f"systemd refused an operation on {unit}: {exc}") from exc
+    except Exception:
+        _drop_bus()
+        raise
+
+
+# One system-bus connection per thread, opened on first use and kept: pystemd otherwise opens
+# a connection for every property read and method call (a create cost a few dozen). A thread
+# never shares its connection, so no call waits on another's reply.
+_local = threading.local()
+
+
+def _bus() -> Any:
+    bus = getattr(_local, "bus", None)
+    if bus is None:
+        from pystemd.dbuslib import DBus
+
+        bus = DBus()
+        bus.open()
+        _local.bus = bus
+    return bus
+
+
+def _drop_bus() -> None:
+    bus = getattr(_local, "bus", None)
+    _local.bus = _local.manager = None
+    if bus is not None:
+        try:
+            bus.close()
+        except Exception:  # already broken: nothing more to release
+            log.debug("closing a failed system-bus connection failed", exc_info=True)
 
 
 def _manager() -> Any:
-    from pystemd.systemd1 import Manager
+    """systemd's manager object on this thread's connection, introspected once."""
+    manager = getattr(_local, "manager", None)
+    if manager is None:
+        from pystemd.systemd1 import Manager
 
-    return Manager(_autoload=True)
+        manager = _call("the manager", lambda: Manager(bus=_bus(), _autoload=True))
+        _local.manager = manager
+    return manager
 
 
 def _unit(unit: str) -> Any:
     from pystemd.systemd1 import Unit
 
-    return Unit(unit.encode(), _autoload=True)
+    return _call(unit, lambda: Unit(unit.encode(), bus=_bus(), _autoload=True))

@@ -2,10 +2,27 @@
 
 ``CgroupHost`` is ``execution.SandboxHost`` on a real host. Killing an exec only ever touches
 processes listed in the sandbox's own ``cgroup.procs``: a recycled pid elsewhere on the host is
-never signalled. What belongs to an exec: its process (the host pid Docker reports), every
-descendant, and every process of its session when the exec leads one (runc starts an exec in a
-new session), which catches children that were reparented to the container's init when their
-parent died. A process that started a session of its own (a deliberate daemon) is left alone.
+never signalled.
+
+What belongs to an exec (``exec_members``), decided on the host pid Docker reports for it:
+
+- its session. runc makes every exec a session leader (``setsid`` in nsexec), and the kernel
+  keeps a pid number allocated while any process still has it as its session id, so every
+  process whose session is the exec's pid is the exec's, even after the exec's own process
+  exited and its children were reparented to the container's init. A fork bomb's first shell
+  exits at once, so this is how its processes are found;
+- the exec's process and every descendant of a member (which takes in a child that started a
+  session of its own while its parent lives);
+- nothing that started before the exec began (``since``, in /proc start-time ticks): the
+  container's init and main process, and what earlier execs left, are never signalled.
+
+Other execs of the same sandbox lead sessions of their own and are nobody's descendants inside
+the container, so killing one exec never touches another. Left alone: a process that started
+a session of its own and whose parent has died (a deliberate daemon). Nothing in /proc tells it
+from the daemon of another exec started in the same window (both are young, children of init,
+leaders of their own sessions), so it is left to the sandbox, which it ends with. The one hole:
+once every process of the exec is gone, its pid may be recycled by a newer session leader in
+the same sandbox; that needs the host's whole pid space (``pid_max``) to wrap meanwhile.
 """
 
 from __future__ import annotations
@@ -26,6 +43,8 @@ log = logging.getLogger(__name__)
 
 PROC = Path("/proc")
 KILL_ROUNDS = 50
+ROUND_PAUSE = 0.02
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -33,27 +52,19 @@ class ProcInfo:
     pid: int
     ppid: int
     session: int
+    started: int  # clock ticks after boot (starttime in /proc/<pid>/stat)
 
 
 def parse_stat(pid: int, text: str) -> ProcInfo:
     """Fields of /proc/<pid>/stat after the command name (which may hold spaces and parens)."""
     fields = text[text.rindex(")") + 2 :].split()
-    return ProcInfo(pid=pid, ppid=int(fields[1]), session=int(fields[3]))
+    return ProcInfo(pid=pid, ppid=int(fields[1]), session=int(fields[3]), started=int(fields[19]))
 
 
-def exec_session(target: int, processes: Iterable[ProcInfo]) -> int | None:
-    """The exec's session id if the exec leads its own session, else None."""
-    for proc in processes:
-        if proc.pid == target and proc.session == target:
-            return target
-    return None
-
-
-def exec_members(roots: set[int], session: int | None, processes: Iterable[ProcInfo]) -> set[int]:
-    """Living pids that belong to an exec: the roots, their descendants, the exec's session."""
-    table = {proc.pid: proc for proc in processes}
-    members = {pid for pid in roots if pid in table}
-    members |= {p.pid for p in table.values() if session is not None and p.session == session}
+def exec_members(pid: int, since: int, processes: Iterable[ProcInfo]) -> set[int]:
+    """Living pids that belong to the exec ``pid`` begun at ``since`` (see the module doc)."""
+    table = {p.pid: p for p in processes if p.started >= since}
+    members = {p.pid for p in table.values() if pid in (p.pid, p.session)}
     grew = True
     while grew:
         more = {p.pid for p in table.values() if p.ppid in members} - members
@@ -78,6 +89,11 @@ def cgroup_from_proc(text: str) -> str:
     raise HostError("the process is not in a cgroup v2 hierarchy: slicebox needs cgroup v2")
 
 
+def boot_clock() -> float:
+    """Seconds since boot, suspend included: the clock /proc start times are kept on."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
 class CgroupHost:
     """``execution.SandboxHost`` on cgroupfs and /proc."""
 
@@ -87,11 +103,13 @@ class CgroupHost:
         proc: Path = PROC,
         kill: Callable[[int, int], None] = os.kill,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = boot_clock,
     ) -> None:
         self._root = cgroup_root
         self._proc = proc
         self._kill = kill
         self._sleep = sleep
+        self._clock = clock
 
     def cgroup_of(self, pid: int) -> Path:
         text = _read(self._proc / str(pid) / "cgroup")
@@ -103,18 +121,18 @@ class CgroupHost:
         text = _read(cgroup / "memory.events")
         return None if text is None else parse_oom_kills(text)
 
-    def kill_exec(self, cgroup: Path, pid: int) -> int:
-        session = exec_session(pid, self.processes(cgroup))
-        killed: set[int] = {pid}
+    def process_clock(self) -> int:
+        # Rounded down, like the kernel's start times: a process started now is not earlier.
+        return int(self._clock() * CLOCK_TICKS)
+
+    def kill_exec(self, cgroup: Path, pid: int, since: int) -> int:
+        killed: set[int] = set()
         for _ in range(KILL_ROUNDS):
-            # Killed pids stay roots: their children may outlive them for a moment.
-            members = exec_members(killed, session, self.processes(cgroup))
+            members = self._kill_round(cgroup, pid, since)
             if not members:
                 return len(killed)
-            for member in members:
-                self._signal(member)
             killed |= members
-            self._sleep(0.02)
+            self._sleep(ROUND_PAUSE)
         raise HostError(f"processes of exec pid {pid} survived {KILL_ROUNDS} rounds of SIGKILL")
 
     def processes(self, cgroup: Path) -> list[ProcInfo]:
@@ -122,6 +140,13 @@ class CgroupHost:
         text = _read(cgroup / "cgroup.procs") or ""
         infos = (self._info(int(pid)) for pid in text.split())
         return [info for info in infos if info is not None]
+
+    def _kill_round(self, cgroup: Path, pid: int, since: int) -> set[int]:
+        """SIGKILL every member seen; the members signalled."""
+        members = exec_members(pid, since, self.processes(cgroup))
+        for member in members:
+            self._signal(member)
+        return members
 
     def _info(self, pid: int) -> ProcInfo | None:
         text = _read(self._proc / str(pid) / "stat")

@@ -23,6 +23,11 @@ from the daemon of another exec started in the same window (both are young, chil
 leaders of their own sessions), so it is left to the sandbox, which it ends with. The one hole:
 once every process of the exec is gone, its pid may be recycled by a newer session leader in
 the same sandbox; that needs the host's whole pid space (``pid_max``) to wrap meanwhile.
+
+Forks race any enumerate-then-kill loop, so each round runs with the scope frozen
+(``cgroup.freeze``): a frozen process cannot fork, and cgroup v2 delivers SIGKILL to frozen
+processes, which die without being thawed. The freeze lasts milliseconds for the sandbox's
+other processes. A scope that is frozen already (``docker pause``) is left frozen.
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +50,8 @@ log = logging.getLogger(__name__)
 PROC = Path("/proc")
 KILL_ROUNDS = 50
 ROUND_PAUSE = 0.02
+FREEZE_WAIT = 1.0
+FREEZE_POLL = 0.005
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -81,6 +89,11 @@ def parse_oom_kills(text: str) -> int | None:
     return None
 
 
+def is_frozen(events: str | None) -> bool:
+    """cgroup.events says ``frozen 1``: every process in the cgroup is stopped."""
+    return events is not None and "frozen 1" in events.splitlines()
+
+
 def cgroup_from_proc(text: str) -> str:
     """The cgroup v2 path from /proc/<pid>/cgroup ("0::/a/b.scope")."""
     for line in text.splitlines():
@@ -110,6 +123,9 @@ class CgroupHost:
         self._kill = kill
         self._sleep = sleep
         self._clock = clock
+        # One kill at a time (they are rare and take milliseconds): two execs of a sandbox
+        # timing out together must not thaw the scope under each other.
+        self._killing = threading.Lock()
 
     def cgroup_of(self, pid: int) -> Path:
         text = _read(self._proc / str(pid) / "cgroup")
@@ -127,12 +143,13 @@ class CgroupHost:
 
     def kill_exec(self, cgroup: Path, pid: int, since: int) -> int:
         killed: set[int] = set()
-        for _ in range(KILL_ROUNDS):
-            members = self._kill_round(cgroup, pid, since)
-            if not members:
-                return len(killed)
-            killed |= members
-            self._sleep(ROUND_PAUSE)
+        with self._killing:
+            for _ in range(KILL_ROUNDS):
+                members = self._kill_round(cgroup, pid, since)
+                if not members:
+                    return len(killed)
+                killed |= members
+                self._sleep(ROUND_PAUSE)
         raise HostError(f"processes of exec pid {pid} survived {KILL_ROUNDS} rounds of SIGKILL")
 
     def processes(self, cgroup: Path) -> list[ProcInfo]:
@@ -142,11 +159,47 @@ class CgroupHost:
         return [info for info in infos if info is not None]
 
     def _kill_round(self, cgroup: Path, pid: int, since: int) -> set[int]:
-        """SIGKILL every member seen; the members signalled."""
-        members = exec_members(pid, since, self.processes(cgroup))
-        for member in members:
-            self._signal(member)
+        """SIGKILL every member seen with the scope frozen; the members signalled."""
+        with self._frozen(cgroup):
+            members = exec_members(pid, since, self.processes(cgroup))
+            for member in members:
+                self._signal(member)
         return members
+
+    @contextlib.contextmanager
+    def _frozen(self, cgroup: Path) -> Iterator[None]:
+        """Freeze the cgroup for the block, then thaw it, unless it has no freezer (the block
+        runs as it is) or was frozen already (a paused sandbox stays paused)."""
+        freeze = cgroup / "cgroup.freeze"
+        state = _read(freeze)
+        if state is None or state.strip() != "0" or not _write(freeze, "1"):
+            yield
+            return
+        try:
+            self._wait_frozen(cgroup)
+            yield
+        finally:
+            self._thaw(freeze)
+
+    def _wait_frozen(self, cgroup: Path) -> None:
+        # A process in uninterruptible sleep (a hung NFS read) can hold the freeze off: kill
+        # what can be killed anyway; the next round sees the rest.
+        for _ in range(round(FREEZE_WAIT / FREEZE_POLL)):
+            if is_frozen(_read(cgroup / "cgroup.events")):
+                return
+            self._sleep(FREEZE_POLL)
+        log.warning("%s did not freeze within %ss: killing without it", cgroup, FREEZE_WAIT)
+
+    def _thaw(self, freeze: Path) -> None:
+        try:
+            freeze.write_text("0")
+        except FileNotFoundError:
+            return  # the sandbox is gone, and its cgroup with it
+        except OSError as exc:
+            raise HostError(
+                f"could not thaw {freeze.parent} ({exc}): the sandbox stays frozen until "
+                f"0 is written to {freeze}"
+            ) from exc
 
     def _info(self, pid: int) -> ProcInfo | None:
         text = _read(self._proc / str(pid) / "stat")
@@ -157,6 +210,15 @@ class CgroupHost:
     def _signal(self, pid: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             self._kill(pid, signal.SIGKILL)
+
+
+def _write(path: Path, value: str) -> bool:
+    try:
+        path.write_text(value)
+    except OSError as exc:
+        log.warning("could not write %s to %s: %s", value, path, exc)
+        return False
+    return True
 
 
 def _read(path: Path) -> str | None:

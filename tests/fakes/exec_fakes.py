@@ -65,9 +65,12 @@ class FakeAttachment:
 
 @dataclass
 class FakeSandboxHost:
-    """Processes of one sandbox cgroup as (pid -> parent pid)."""
+    """Processes of one sandbox cgroup as (pid -> parent pid), with the process clock tick each
+    started at (``started``; a process missing there counts as started with the exec)."""
 
     procs: dict[int, int] = field(default_factory=dict)
+    started: dict[int, int] = field(default_factory=dict)
+    ticks: int = 0
     oom_kill_count: int | None = 0
     oom_kills_during_exec: int = 0
     kill_calls: list[int] = field(default_factory=list)
@@ -83,11 +86,16 @@ class FakeSandboxHost:
             return None
         return self.oom_kill_count + (self.oom_kills_during_exec if self.reads > 1 else 0)
 
-    def kill_exec(self, cgroup: Path, pid: int) -> int:
+    def process_clock(self) -> int:
+        self.ticks += 1
+        return self.ticks
+
+    def kill_exec(self, cgroup: Path, pid: int, since: int) -> int:
         self.kill_calls.append(pid)
         doomed = {pid}
         while more := {p for p, parent in self.procs.items() if parent in doomed} - doomed:
             doomed |= more
+        doomed = {p for p in doomed if self.started.get(p, since) >= since}
         for victim in doomed:
             self.procs.pop(victim, None)
         return len(doomed)
@@ -112,6 +120,7 @@ class FakeExecApi:
     def exec_start(self, exec_id: str, stdin: bytes) -> FakeAttachment:
         self.run.stdin = stdin
         self.host.procs.setdefault(self.run.pid, 100)
+        self.host.started.setdefault(self.run.pid, self.host.process_clock())
         return FakeAttachment(self.run, self.clock, self.host)
 
     def exec_inspect(self, exec_id: str) -> ExecState:

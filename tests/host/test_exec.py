@@ -12,10 +12,12 @@ only the sandbox's own init and main process are left in its scope cgroup.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -225,6 +227,21 @@ def test_plain_sleep_times_out_in_about_a_second(no_leftovers: Sandbox) -> None:
     assert result.duration < 10, result.duration
 
 
+def test_timeout_kills_a_fork_bomb_whole_before_answering(no_leftovers: Sandbox) -> None:
+    """The bomb's own shell exits at once: at the timeout its processes are orphans of the
+    container's init, forking and dying at the pids limit. Every one is gone when the answer
+    says timed out (the old kill, which looked for the exec's living process, killed none).
+
+    Keep the timeout at 2 s: Docker ends an exec's streams 2 s after the exec's own process
+    exits, and only a deadline counted from before the start is sure to come first.
+    """
+    with _peak_pids(no_leftovers.cgroup) as peak:
+        result = no_leftovers.run(argv="f(){ f | f & }; f", shell=True, timeout=2)
+    assert (result.exit_code, result.timed_out) == (124, True)
+    assert no_leftovers.pids() == no_leftovers.baseline, "right after the answer"
+    assert peak() >= len(no_leftovers.baseline) + 10, "the bomb forked before the timeout"
+
+
 def test_allocation_past_the_memory_limit_reports_oom_killed(no_leftovers: Sandbox) -> None:
     before = _oom_kills(no_leftovers.cgroup)
     result = no_leftovers.run(argv=["dd", "if=/dev/zero", "of=/dev/null", "bs=300M", "count=1"])
@@ -298,6 +315,26 @@ def test_one_shot_run_destroys_its_sandbox_even_on_timeout(
         "exec",
         "sandbox_destroyed",
     ]
+
+
+@contextlib.contextmanager
+def _peak_pids(cgroup: Path) -> Iterator[Callable[[], int]]:
+    """The most tasks (pids.current) seen in the cgroup, sampled every 10 ms in the block."""
+    peak = 0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.wait(0.01):
+            peak = max(peak, int((cgroup / "pids.current").read_text()))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield lambda: peak
+    finally:
+        done.set()
+        sampler.join()
 
 
 def _oom_kills(cgroup: Path) -> int:

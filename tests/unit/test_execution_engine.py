@@ -93,7 +93,7 @@ def test_a_stream_that_stays_open_after_the_kill_is_given_up() -> None:
     host = FakeSandboxHost(procs={100: 0})
     run = FakeExec([], pid=55)
     engine, _ = make(run, host)
-    host.kill_exec = lambda cgroup, pid: 0  # type: ignore[method-assign]
+    host.kill_exec = lambda cgroup, pid, since: 0  # type: ignore[method-assign]
     result = engine.run("box", request(timeout=1))
     assert result.timed_out
     assert result.duration == pytest.approx(1 + KILL_GRACE, abs=1)

@@ -14,8 +14,9 @@ and ``<stream>_dropped_bytes`` counts what was dropped. Memory is bounded by two
 read buffer whatever the command prints.
 
 Docker cannot kill an exec. On timeout the engine asks the host to kill the exec's processes
-(its host pid from exec inspect, its descendants and its session, inside the sandbox's cgroup
-only); the sandbox itself survives, and the result says ``timed_out`` with exit code 124.
+(found from its host pid in exec inspect: its session and descendants, inside the sandbox's
+cgroup only, none older than the exec) and answers once none is left, orphans and a fork bomb
+included; the sandbox itself survives, and the result says ``timed_out`` with exit code 124.
 """
 
 from __future__ import annotations
@@ -58,9 +59,14 @@ class SandboxHost(Protocol):
     def oom_kills(self, cgroup: Path) -> int | None:
         """memory.events oom_kill of the cgroup; None when it cannot be read."""
 
-    def kill_exec(self, cgroup: Path, pid: int) -> int:
-        """SIGKILL ``pid``, its descendants and its session inside ``cgroup`` until none is
-        left; return how many processes were killed."""
+    def process_clock(self) -> int:
+        """Now, on the clock of process start times: taken before an exec starts, it tells the
+        exec's processes from older ones."""
+
+    def kill_exec(self, cgroup: Path, pid: int, since: int) -> int:
+        """SIGKILL the processes of exec ``pid`` (begun at ``since``) inside ``cgroup``: its
+        session and descendants, orphans included, until none is left, however fast they fork;
+        return how many processes were killed."""
 
 
 class OutputCapture:
@@ -105,6 +111,7 @@ class _Run:
     exec_id: str
     cgroup: Path
     oom_before: int | None
+    since: int  # the host's process clock before the exec was created
     started: float
     deadline: float
     timed_out: bool = False
@@ -155,9 +162,10 @@ class ExecEngine:
     def _begin(self, container_id: str, request: ExecRequest) -> _Run:
         cgroup = self._host.cgroup_of(self._api.sandbox_pid(container_id))
         oom_before = self._host.oom_kills(cgroup)
+        since = self._host.process_clock()
         exec_id = self._api.exec_create(container_id, request)
         started = self._clock()
-        return _Run(exec_id, cgroup, oom_before, started, started + request.timeout)
+        return _Run(exec_id, cgroup, oom_before, since, started, started + request.timeout)
 
     def _finish(self, run: _Run, capture: OutputCapture) -> ExecResult:
         exit_code = self._exit_code(run)  # first: it may time the run out
@@ -201,7 +209,7 @@ class ExecEngine:
 
     def _kill(self, run: _Run, why: str) -> None:
         pid = self._exec_pid(run)
-        killed = self._host.kill_exec(run.cgroup, pid) if pid > 0 else 0
+        killed = self._host.kill_exec(run.cgroup, pid, run.since) if pid > 0 else 0
         log.info("exec %s killed (%s processes) because %s", run.exec_id, killed, why)
 
     def _exec_pid(self, run: _Run) -> int:

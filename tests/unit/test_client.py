@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import aclosing
 from pathlib import Path
@@ -177,6 +178,26 @@ def test_an_abandoned_stream_closes_and_the_agent_kills_the_command(agent: Agent
     wait_for(lambda: agent.world.host.kill_calls)
     assert agent.world.exec_api.run.closed
     client.destroy(box.id)
+
+
+def test_a_caller_that_hangs_up_mid_stream_leaves_one_abandoned_record(agent: Agent) -> None:
+    client = Client(agent.socket)
+    box = client.create(WEB)
+    _endless(agent)
+    body = ExecRequest(argv=("yes",), output_cap=MAX_OUTPUT_CAP).model_dump_json().encode()
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(agent.socket)
+        conn.sendall(
+            f"POST /v1/sandboxes/{box.id}/exec/stream HTTP/1.1\r\nHost: x\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        received = b""
+        while b'"stream":"stdout"' not in received:
+            received += conn.recv(65536)
+    wait_for(lambda: [e for e in agent.world.journal.events() if e[0] == "exec"])
+    client.destroy(box.id)
+    assert [e for e in agent.world.journal.events() if e[0] == "exec"] == [("exec", "abandoned")]
 
 
 def test_no_agent_and_a_silent_agent_are_unavailable(tmp_path: Path) -> None:

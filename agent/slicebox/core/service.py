@@ -3,17 +3,19 @@
 The HTTP layer (:mod:`slicebox.server.routes`) only parses and serializes; this module decides
 who may do what and records it. A caller sees only its own user's sandboxes: another user's sandbox
 answers exactly like one that does not exist (``not_found``). Each action writes one audit
-record, refusals included, with the caller the kernel identified.
+record, refusals included, with the caller the kernel identified; an exec's record says how it
+ended, abandoned included (:mod:`slicebox.core.execaudit`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from datetime import UTC, datetime
 from pathlib import PurePosixPath
 
+from slicebox.core.execaudit import audited_exec, subject
 from slicebox.core.execution import ExecEngine
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import Sandbox, SandboxManager
@@ -99,7 +101,7 @@ class Service:
                 {**request.model_dump(), "user": who.acting_user(request.user)}
             )
             sandbox = self._sandboxes.create(spec)
-            record.update(_subject(sandbox))
+            record.update(subject(sandbox))
             return view_of(sandbox)
 
     def list_sandboxes(self, who: Identity) -> list[SandboxView]:
@@ -127,7 +129,7 @@ class Service:
 
     def extend(self, who: Identity, sandbox_id: str, request: Extend) -> SandboxView:
         sandbox = self._visible(who, sandbox_id)
-        with self._audit(AuditEvent.DEADLINE_CHANGED, who, **_subject(sandbox)) as record:
+        with self._audit(AuditEvent.DEADLINE_CHANGED, who, **subject(sandbox)) as record:
             extended = self._sandboxes.extend(sandbox.id, request.ttl_seconds)
             expires = extended.expires_at.isoformat() if extended.expires_at else "none"
             record["detail"] = f"expires_at {expires}"
@@ -147,7 +149,7 @@ class Service:
         return usage.to_wire() if usage else None
 
     def _destroy(self, who: Identity, sandbox: Sandbox) -> Destroyed:
-        with self._audit(AuditEvent.SANDBOX_DESTROYED, who, **_subject(sandbox)) as record:
+        with self._audit(AuditEvent.SANDBOX_DESTROYED, who, **subject(sandbox)) as record:
             usage = self._final_usage(sandbox)
             gone = self._sandboxes.destroy(sandbox.id) is not None
             record["usage"] = usage.to_wire() if usage else None
@@ -156,21 +158,18 @@ class Service:
     # --- exec ------------------------------------------------------------------------------
 
     def exec(self, who: Identity, sandbox_id: str, request: ExecRequest) -> ExecResult:
-        sandbox = self._visible(who, sandbox_id)
-        with self._audit(AuditEvent.EXEC, who, **_subject(sandbox)) as record:
-            result = self._engine.run(sandbox.container_id, request)
-            record["exit_code"] = result.exit_code
-            return result
+        with audited_exec(self._auditor, who, sandbox_id) as tally:
+            sandbox = tally.found(self._visible(who, sandbox_id))
+            return tally.ran(self._engine.run(sandbox.container_id, request))
 
     def exec_stream(
         self, who: Identity, sandbox_id: str, request: ExecRequest
-    ) -> Iterator[StreamChunk | ExecResult]:
-        sandbox = self._visible(who, sandbox_id)
-        with self._audit(AuditEvent.EXEC, who, **_subject(sandbox)) as record:
-            for event in self._engine.stream(sandbox.container_id, request):
-                if isinstance(event, ExecResult):
-                    record["exit_code"] = event.exit_code
-                yield event
+    ) -> Generator[StreamChunk | ExecResult, None, None]:
+        """Closing the stream early kills the exec, then audits it ``abandoned``."""
+        with audited_exec(self._auditor, who, sandbox_id) as tally:
+            sandbox = tally.found(self._visible(who, sandbox_id))
+            with contextlib.closing(self._engine.stream(sandbox.container_id, request)) as run:
+                yield from map(tally.saw, run)
 
     def run(self, who: Identity, request: RunRequest) -> RunResult:
         """Create, exec, destroy; the sandbox is destroyed whatever the exec did."""
@@ -232,21 +231,11 @@ class Service:
         try:
             yield record
         except SliceboxError as exc:
-            refused = isinstance(exc, REFUSALS) and event == AuditEvent.SANDBOX_CREATED
-            record["event"] = AuditEvent.REQUEST_REFUSED if refused else event
+            refusal = isinstance(exc, REFUSALS) and event == AuditEvent.SANDBOX_CREATED
+            record["event"] = AuditEvent.REQUEST_REFUSED if refusal else event
             self._auditor.record(AuditRecord.model_validate({**record, "result": exc.code}))
             raise
         except Exception:
             self._auditor.record(AuditRecord.model_validate({**record, "result": "internal"}))
             raise
         self._auditor.record(AuditRecord.model_validate(record))
-
-
-def _subject(sandbox: Sandbox) -> dict[str, object]:
-    return {
-        "sandbox_id": sandbox.id,
-        "root_task_id": sandbox.lineage.root_task_id,
-        "task_id": sandbox.lineage.task_id,
-        "user": sandbox.user,
-        "project": sandbox.project,
-    }

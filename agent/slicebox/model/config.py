@@ -7,6 +7,7 @@ when the file is loaded, so a bad value is refused at load time, naming its fiel
 
     default_image = "alpine:3.19"
     bind_roots = ["/srv/slicebox/workspaces"]
+    exec_output_budget = "512MB"  # exec output held at once, all callers; default below
     [managed]
     memory = "75%"
     [project]
@@ -43,6 +44,8 @@ DEFAULT_CAPABILITIES = frozenset(
     {"CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "NET_BIND_SERVICE"}
 )
 _ANY_TOTAL = 1 << 40  # validates a percentage at load time; the real total comes later
+# The exec output budget when the config sets none and the agent runs without a MemoryMax.
+DEFAULT_EXEC_OUTPUT_BUDGET = 256 * 1024 * 1024
 
 
 def _checked(check: Callable[[], object], value: T) -> T:
@@ -135,6 +138,20 @@ class Config(_Strict):
     allowed_capabilities: frozenset[str] = DEFAULT_CAPABILITIES
     allowed_networks: frozenset[str] = frozenset({"none", "bridge"})
     reaper: ReaperConfig = ReaperConfig()
+    # Memory for the output of every exec in flight (core/budget.py); unset: half the agent's
+    # own MemoryMax, or DEFAULT_EXEC_OUTPUT_BUDGET when the agent runs without one.
+    exec_output_budget: RawSize | None = None
+
+    @field_validator("exec_output_budget")
+    @classmethod
+    def _budget(cls, value: RawSize | None) -> RawSize | None:
+        return _checked(lambda: value is None or parse_size("exec_output_budget", value), value)
+
+    def exec_output_budget_bytes(self, agent_memory_max: int | None) -> int:
+        """The budget in bytes, given the agent's own memory limit (None: it has none)."""
+        if self.exec_output_budget is not None:
+            return parse_size("exec_output_budget", self.exec_output_budget)
+        return agent_memory_max // 2 if agent_memory_max else DEFAULT_EXEC_OUTPUT_BUDGET
 
     def managed_ceiling(self, host_memory: int) -> Ceiling:
         return self.managed.resolve(host_memory)

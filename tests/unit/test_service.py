@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from slicebox.core.budget import OutputBudget
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
 from slicebox.core.reaper import Reaper
@@ -20,7 +21,7 @@ from slicebox.host.cgroupfs import CgroupFS
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
 from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest
-from slicebox.model.config import ReaperConfig, parse_config
+from slicebox.model.config import DEFAULT_EXEC_OUTPUT_BUDGET, ReaperConfig, parse_config
 from slicebox.model.errors import Forbidden, NotFound, SandboxNotRunning
 from slicebox.model.exec import ExecRequest, ExecResult, OutputStream, StreamChunk
 from tests.fakes.docker import FakeDocker
@@ -36,7 +37,7 @@ ORCH = Identity(uid=1002, gid=1002, pid=13, user_name="orch", is_admin=True)
 
 
 class World:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, budget: OutputBudget | None = None) -> None:
         systemd = FakeSystemd()
         clock, self.host = FakeClock(), FakeSandboxHost()
         self.run = FakeExec([[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None])
@@ -56,6 +57,7 @@ class World:
             deadlines=Deadlines(systemd),
         )
         self.journal = ListJournal()
+        self.budget = budget or OutputBudget.fixed(DEFAULT_EXEC_OUTPUT_BUDGET)
         self.service = Service(
             self.sandboxes,
             ExecEngine(self.docker, self.host, clock=clock, sleep=clock.sleep),
@@ -64,6 +66,7 @@ class World:
             auditor=Auditor(self.journal),
             pid_of=lambda cid: None,
             clock=lambda: NOW,
+            budget=self.budget,
             reaper=Reaper(
                 self.sandboxes,
                 slices,

@@ -2,8 +2,9 @@
 
 An exec asked for is recorded exactly once, when it ends:
 
-- refused before it ran (no such sandbox, or not the caller's): ``request_refused`` with the
-  code, and ``exec refused: <message>`` as detail;
+- refused before it ran (no such sandbox, or not the caller's; ``busy``; an output cap over the
+  whole budget): ``request_refused`` with the code, and ``<action> refused: <message>`` as
+  detail (``exec``, or ``run`` for a one-shot run refused before its sandbox was created);
 - ran to its end: ``exec`` with result ``ok``, or ``timed_out`` when it was killed at its
   timeout, and its exit code;
 - abandoned by its caller mid-stream (a closed connection): ``exec`` with result ``abandoned``
@@ -102,6 +103,17 @@ def audited_exec(auditor: Auditor, who: Identity, sandbox_id: str) -> Iterator[E
         auditor.record(tally.record(who, INTERNAL, "the agent failed"))
         raise
     auditor.record(tally.record(who, tally.outcome()))
+
+
+def refused(who: Identity, action: str, exc: SliceboxError, sandbox_id: str = "") -> AuditRecord:
+    """The record of a request refused before any sandbox was looked up (the budget's)."""
+    return _record(
+        AuditEvent.REQUEST_REFUSED,
+        caller=who.caller,
+        sandbox_id=sandbox_id,
+        result=exc.code,
+        detail=f"{action} refused: {exc.message}",
+    )
 
 
 def subject(sandbox: Sandbox) -> dict[str, object]:

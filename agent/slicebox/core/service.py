@@ -4,7 +4,8 @@ The HTTP layer (:mod:`slicebox.server.routes`) only parses and serializes; this 
 who may do what and records it. A caller sees only its own user's sandboxes: another user's sandbox
 answers exactly like one that does not exist (``not_found``). Each action writes one audit
 record, refusals included, with the caller the kernel identified; an exec's record says how it
-ended, abandoned included (:mod:`slicebox.core.execaudit`).
+ended, abandoned included (:mod:`slicebox.core.execaudit`). Every exec reserves the memory its
+output may take from one budget shared by all callers (:mod:`slicebox.core.budget`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections.abc import Callable, Generator, Iterator
 from datetime import UTC, datetime
 from pathlib import PurePosixPath
 
-from slicebox.core.execaudit import audited_exec, subject
+from slicebox.core.budget import OutputBudget, Reservation
+from slicebox.core.execaudit import audited_exec, refused, subject
 from slicebox.core.execution import ExecEngine
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import Sandbox, SandboxManager
@@ -32,6 +34,7 @@ from slicebox.model.api import (
     SandboxView,
 )
 from slicebox.model.audit import AuditEvent, AuditRecord
+from slicebox.model.config import DEFAULT_EXEC_OUTPUT_BUDGET
 from slicebox.model.errors import (
     AdmissionRefused,
     Forbidden,
@@ -83,8 +86,10 @@ class Service:
         pid_of: Callable[[str], int | None],
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         reaper: Reaper | None = None,
+        budget: OutputBudget | None = None,
     ) -> None:
         self._reaper = reaper
+        self._budget = budget or OutputBudget.fixed(DEFAULT_EXEC_OUTPUT_BUDGET)
         self._sandboxes = sandboxes
         self._engine = engine
         self._usage = usage
@@ -157,28 +162,68 @@ class Service:
 
     # --- exec ------------------------------------------------------------------------------
 
-    def exec(self, who: Identity, sandbox_id: str, request: ExecRequest) -> ExecResult:
-        with audited_exec(self._auditor, who, sandbox_id) as tally:
+    def reserve(
+        self, who: Identity, output_cap: int, action: str = "exec", sandbox_id: str = ""
+    ) -> Reservation:
+        """Take an exec's share of the output budget before it starts; over budget it is refused
+        now (``busy``) and audited. The HTTP layer holds the reservation until the answer is
+        sent: encoding the answer is when the output takes the most memory."""
+        try:
+            return self._budget.reserve(output_cap)
+        except SliceboxError as exc:
+            self._auditor.record(refused(who, action, exc, sandbox_id))
+            raise
+
+    def exec(
+        self, who: Identity, sandbox_id: str, request: ExecRequest, held: Reservation | None = None
+    ) -> ExecResult:
+        """Run to the end. ``held``: the caller's reservation for it (else one of the call's)."""
+        with (
+            self._holding(who, request.output_cap, held, sandbox_id),
+            audited_exec(self._auditor, who, sandbox_id) as tally,
+        ):
             sandbox = tally.found(self._visible(who, sandbox_id))
             return tally.ran(self._engine.run(sandbox.container_id, request))
 
     def exec_stream(
-        self, who: Identity, sandbox_id: str, request: ExecRequest
+        self, who: Identity, sandbox_id: str, request: ExecRequest, held: Reservation | None = None
     ) -> Generator[StreamChunk | ExecResult, None, None]:
-        """Closing the stream early kills the exec, then audits it ``abandoned``."""
-        with audited_exec(self._auditor, who, sandbox_id) as tally:
+        """Closing the stream early kills the exec, then audits it ``abandoned``, then releases
+        its reservation (when it holds its own)."""
+        with (
+            self._holding(who, request.output_cap, held, sandbox_id),
+            audited_exec(self._auditor, who, sandbox_id) as tally,
+        ):
             sandbox = tally.found(self._visible(who, sandbox_id))
             with contextlib.closing(self._engine.stream(sandbox.container_id, request)) as run:
                 yield from map(tally.saw, run)
 
-    def run(self, who: Identity, request: RunRequest) -> RunResult:
-        """Create, exec, destroy; the sandbox is destroyed whatever the exec did."""
-        view = self.create(who, request.sandbox)
-        try:
-            result = self.exec(who, view.id, request.exec)
-        finally:
-            destroyed = self.destroy(who, view.id)
+    def run(self, who: Identity, request: RunRequest, held: Reservation | None = None) -> RunResult:
+        """Create, exec, destroy; the sandbox is destroyed whatever the exec did. The output
+        budget is reserved first: a busy agent refuses the run before creating anything."""
+        with self._holding(who, request.exec.output_cap, held, action="run") as holding:
+            view = self.create(who, request.sandbox)
+            try:
+                result = self.exec(who, view.id, request.exec, holding)
+            finally:
+                destroyed = self.destroy(who, view.id)
         return RunResult(sandbox_id=view.id, result=result, usage=destroyed.usage)
+
+    @contextlib.contextmanager
+    def _holding(
+        self,
+        who: Identity,
+        output_cap: int,
+        held: Reservation | None,
+        sandbox_id: str = "",
+        action: str = "exec",
+    ) -> Iterator[Reservation]:
+        """``held`` as it is (whoever took it releases it), or a reservation for the block."""
+        if held is not None:
+            yield held
+            return
+        with self.reserve(who, output_cap, action, sandbox_id) as own:
+            yield own
 
     # --- telemetry -------------------------------------------------------------------------
 

@@ -5,6 +5,8 @@ answer other callers and to ping systemd's watchdog. Streaming exec answers newl
 JSON: ``{"stream": "stdout", "data": <base64>}`` chunks as output is produced, then one
 ``{"result": {...}}``. A bounded queue between the exec and the socket keeps memory flat
 whatever the command prints; a caller that goes away ends the exec (its processes are killed).
+An exec's share of the output budget is reserved before it starts and held until its answer is
+sent (see :mod:`slicebox.core.budget`).
 """
 
 from __future__ import annotations
@@ -84,18 +86,22 @@ def _routes() -> list[Route]:
 
     async def exec_(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, ExecRequest, MAX_EXEC_BODY_BYTES)
-        return json_ok(
-            await _call(_service(request).exec, identity_of(request), _id(request), body)
-        )
+        service, who = _service(request), identity_of(request)
+        with await _call(service.reserve, who, body.output_cap, "exec", _id(request)) as held:
+            result = await _call(service.exec, who, _id(request), body, held)
+            return await _sent(request, json_ok(result))
 
     async def exec_stream(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, ExecRequest, MAX_EXEC_BODY_BYTES)
-        events = _service(request).exec_stream(identity_of(request), _id(request), body)
-        return await _stream(request, events)
+        service, who = _service(request), identity_of(request)
+        with await _call(service.reserve, who, body.output_cap, "exec", _id(request)) as held:
+            return await _stream(request, service.exec_stream(who, _id(request), body, held))
 
     async def run(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, RunRequest, MAX_EXEC_BODY_BYTES)
-        return json_ok(await _call(_service(request).run, identity_of(request), body))
+        service, who = _service(request), identity_of(request)
+        with await _call(service.reserve, who, body.exec.output_cap, "run") as held:
+            return await _sent(request, json_ok(await _call(service.run, who, body, held)))
 
     async def usage(request: web.Request) -> web.StreamResponse:
         found = await _call(_service(request).usage, identity_of(request), _id(request))
@@ -170,6 +176,17 @@ def _id(request: web.Request) -> str:
 
 async def _call(function: Callable[..., T], *args: Any) -> T:
     return await asyncio.to_thread(function, *args)
+
+
+async def _sent(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+    """Send the answer now, while the exec's output budget is still held for it: a caller that
+    reads slowly keeps its share reserved instead of leaving an unaccounted copy queued."""
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionError:
+        pass  # the caller went away; its exec is audited, nothing is left to answer
+    return response
 
 
 async def _stream(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import Callable, Iterator
 from contextlib import aclosing
 from pathlib import Path
@@ -13,11 +14,13 @@ import pytest
 from slicebox.cli import wire
 from slicebox.cli.asyncclient import AsyncClient
 from slicebox.cli.client import Client
+from slicebox.core.budget import OutputBudget, exec_reservation
 from slicebox.host.listen import bind_unix
 from slicebox.model import errors
 from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest
 from slicebox.model.exec import MAX_OUTPUT_CAP, ExecRequest, ExecResult, OutputStream, StreamChunk
 from tests.unit.agentserver import Agent, served, wait_for
+from tests.unit.test_service import World
 
 OUT, ERR = OutputStream.STDOUT, OutputStream.STDERR
 WEB = CreateSandbox(project="web")
@@ -222,6 +225,63 @@ def test_an_abandoned_stream_closes_and_the_agent_kills_the_command(agent: Agent
     wait_for(lambda: agent.world.host.kill_calls)
     assert agent.world.exec_api.run.closed
     client.destroy(box.id)
+
+
+def test_a_caller_that_hangs_up_mid_stream_leaves_one_abandoned_record(agent: Agent) -> None:
+    client = Client(agent.socket)
+    box = client.create(WEB)
+    _endless(agent)
+    body = ExecRequest(argv=("yes",), output_cap=MAX_OUTPUT_CAP).model_dump_json().encode()
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(agent.socket)
+        conn.sendall(
+            f"POST /v1/sandboxes/{box.id}/exec/stream HTTP/1.1\r\nHost: x\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        received = b""
+        while b'"stream":"stdout"' not in received:
+            received += conn.recv(65536)
+    wait_for(lambda: [e for e in agent.world.journal.events() if e[0] == "exec"])
+    wait_for(lambda: agent.world.budget.in_use == 0)
+    client.destroy(box.id)
+    assert [e for e in agent.world.journal.events() if e[0] == "exec"] == [("exec", "abandoned")]
+
+
+def test_a_full_budget_answers_503_busy_and_a_stream_holds_its_share(tmp_path: Path) -> None:
+    request = ExecRequest(argv=("yes",), output_cap=MAX_OUTPUT_CAP)
+    world = World(tmp_path, budget=OutputBudget.fixed(exec_reservation(MAX_OUTPUT_CAP)))
+    with served(tmp_path, world) as agent:
+        client = Client(agent.socket)
+        box = client.create(WEB)
+        _endless(agent)
+        events = client.exec_stream(box.id, request)
+        assert isinstance(next(events), StreamChunk)
+        assert world.budget.in_use == exec_reservation(MAX_OUTPUT_CAP)
+        with pytest.raises(errors.Unavailable) as caught:
+            client.exec(box.id, ExecRequest(argv=("x",), output_cap=1))
+        answer = raw_request(agent.socket, f"/v1/sandboxes/{box.id}/exec", request)
+        events.close()
+        wait_for(lambda: world.budget.in_use == 0)
+        client.destroy(box.id)
+    assert caught.value.code == "busy"
+    assert "retry later, or ask for a smaller output_cap" in caught.value.message
+    assert answer.startswith(b"HTTP/1.1 503 ")
+    assert b'"code": "busy"' in answer
+    refused = [e for e in world.journal.events() if e[0] == "request_refused"]
+    assert refused == [("request_refused", "busy")] * 2
+
+
+def raw_request(path: str, route: str, body: ExecRequest) -> bytes:
+    data = body.model_dump_json().encode()
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(path)
+        conn.sendall(
+            f"POST {route} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        return b"".join(iter(lambda: conn.recv(65536), b""))
 
 
 def test_no_agent_and_a_silent_agent_are_unavailable(tmp_path: Path) -> None:

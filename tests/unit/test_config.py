@@ -4,7 +4,13 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from slicebox.model.config import Config, load_config, parse_config, read_host_memory
+from slicebox.model.config import (
+    DEFAULT_EXEC_OUTPUT_BUDGET,
+    Config,
+    load_config,
+    parse_config,
+    read_host_memory,
+)
 from slicebox.model.errors import ConfigError
 
 MiB = 1024 * 1024
@@ -75,3 +81,18 @@ def test_host_memory(tmp_path: Path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:        4015112 kB\nMemFree: 1 kB\n")
     assert read_host_memory(meminfo) == 4015112 * 1024
+
+
+def test_the_budget_defaults_to_half_the_agents_memory_limit() -> None:
+    config = parse_config("")
+    assert config.exec_output_budget_bytes(1024 * MiB) == 512 * MiB
+    assert config.exec_output_budget_bytes(None) == DEFAULT_EXEC_OUTPUT_BUDGET == 256 * MiB
+    assert parse_config('exec_output_budget = "64MB"').exec_output_budget_bytes(None) == 64 * MiB
+    assert parse_config("exec_output_budget = 1000").exec_output_budget_bytes(MiB) == 1000
+
+
+@pytest.mark.parametrize("value", ['"lots"', "0", '"50%"'])
+def test_a_bad_budget_is_refused_at_load_naming_it(value: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(f"exec_output_budget = {value}")
+    assert caught.value.field == "exec_output_budget"

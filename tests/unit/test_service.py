@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
+from slicebox.core.budget import OutputBudget
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
 from slicebox.core.reaper import Reaper
@@ -19,9 +21,9 @@ from slicebox.host.cgroupfs import CgroupFS
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
 from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest
-from slicebox.model.config import ReaperConfig, parse_config
-from slicebox.model.errors import Forbidden, NotFound
-from slicebox.model.exec import ExecRequest, OutputStream, StreamChunk
+from slicebox.model.config import DEFAULT_EXEC_OUTPUT_BUDGET, ReaperConfig, parse_config
+from slicebox.model.errors import Forbidden, NotFound, SandboxNotRunning
+from slicebox.model.exec import ExecRequest, ExecResult, OutputStream, StreamChunk
 from tests.fakes.docker import FakeDocker
 from tests.fakes.exec_fakes import FakeClock, FakeExec, FakeExecApi, FakeSandboxHost
 from tests.fakes.journal import ListJournal
@@ -35,7 +37,7 @@ ORCH = Identity(uid=1002, gid=1002, pid=13, user_name="orch", is_admin=True)
 
 
 class World:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, budget: OutputBudget | None = None) -> None:
         systemd = FakeSystemd()
         clock, self.host = FakeClock(), FakeSandboxHost()
         self.run = FakeExec([[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None])
@@ -55,6 +57,7 @@ class World:
             deadlines=Deadlines(systemd),
         )
         self.journal = ListJournal()
+        self.budget = budget or OutputBudget.fixed(DEFAULT_EXEC_OUTPUT_BUDGET)
         self.service = Service(
             self.sandboxes,
             ExecEngine(self.docker, self.host, clock=clock, sleep=clock.sleep),
@@ -63,6 +66,7 @@ class World:
             auditor=Auditor(self.journal),
             pid_of=lambda cid: None,
             clock=lambda: NOW,
+            budget=self.budget,
             reaper=Reaper(
                 self.sandboxes,
                 slices,
@@ -174,3 +178,94 @@ def test_extending_my_deadline_is_audited_and_others_cannot(world: World) -> Non
     assert [unit for unit in world.systemd.timers if mine in unit] == [
         f"slicebox-ttl-{mine}-{int((NOW + timedelta(seconds=7200)).timestamp())}.timer"
     ]
+
+
+# --- every exec is audited once, with how it ended -----------------------------------------
+
+
+def execs(world: World) -> list[Mapping[str, str]]:
+    """The audit records of execs: run, or refused as an exec."""
+    return [
+        e
+        for e in world.journal.entries
+        if e["SLICEBOX_EVENT"] == "exec" or e.get("SLICEBOX_DETAIL", "").startswith("exec ")
+    ]
+
+
+def endless(world: World) -> None:
+    """The next exec prints a chunk per read until it is killed."""
+    world.run.script = [[StreamChunk(stream=OutputStream.STDOUT, data=b"y" * 1000)]] * 50
+    world.host.procs[world.run.pid] = 100
+
+
+def test_an_abandoned_stream_is_audited_once_as_abandoned(world: World) -> None:
+    box = world.create(ALICE)
+    endless(world)
+    events = world.service.exec_stream(ALICE, box, ExecRequest(argv=("yes",)))
+    assert [next(events), next(events)] == [
+        StreamChunk(stream=OutputStream.STDOUT, data=b"y" * 1000)
+    ] * 2
+    events.close()
+    assert world.host.kill_calls, "closing the stream kills the exec"
+    [record] = execs(world)
+    assert (record["SLICEBOX_EVENT"], record["SLICEBOX_RESULT"]) == ("exec", "abandoned")
+    assert record["SLICEBOX_SANDBOX_ID"] == box
+    assert "streamed stdout=2000 stderr=0 bytes" in record["SLICEBOX_DETAIL"]
+    assert "SLICEBOX_EXIT_CODE" not in record, "nobody waited for an exit code"
+
+
+def test_a_stream_abandoned_after_its_result_keeps_the_exit_code(world: World) -> None:
+    box = world.create(ALICE)
+    world.run.exit_code = 3
+    events = world.service.exec_stream(ALICE, box, ExecRequest(argv=("x",)))
+    assert next(events) == StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")
+    assert isinstance(next(events), ExecResult)
+    events.close()
+    [record] = execs(world)
+    assert (record["SLICEBOX_RESULT"], record["SLICEBOX_EXIT_CODE"]) == ("abandoned", "3")
+    assert "kept stdout=3 stderr=0 bytes" in record["SLICEBOX_DETAIL"]
+
+
+def test_a_stream_read_to_its_end_is_audited_once(world: World) -> None:
+    box = world.create(ALICE)
+    events = list(world.service.exec_stream(ALICE, box, ExecRequest(argv=("x",))))
+    assert isinstance(events[-1], ExecResult)
+    assert [(e["SLICEBOX_RESULT"], e["SLICEBOX_EXIT_CODE"]) for e in execs(world)] == [("ok", "0")]
+
+
+def test_an_exec_on_an_unknown_or_foreign_sandbox_is_one_refused_record(world: World) -> None:
+    mine = world.create(ALICE)
+    with pytest.raises(NotFound):
+        world.service.exec(ALICE, "sbx-nothing", ExecRequest(argv=("id",)))
+    with pytest.raises(NotFound):
+        next(world.service.exec_stream(BOB, mine, ExecRequest(argv=("id",))))
+    unknown, foreign = execs(world)
+    for record, target in ((unknown, "sbx-nothing"), (foreign, mine)):
+        assert (record["SLICEBOX_EVENT"], record["SLICEBOX_RESULT"]) == (
+            "request_refused",
+            "not_found",
+        )
+        assert record["SLICEBOX_SANDBOX_ID"] == target
+        assert record["SLICEBOX_DETAIL"].startswith("exec refused: no sandbox")
+    assert "SLICEBOX_USER" not in foreign, "a refusal says no more about the owner than a 404"
+    assert foreign["SLICEBOX_CALLER_UID"] == "1001"
+
+
+def test_a_timed_out_exec_says_so(world: World) -> None:
+    box = world.create(ALICE)
+    world.run.script = []
+    world.host.procs[world.run.pid] = 100
+    result = world.service.exec(ALICE, box, ExecRequest(argv=("sleep", "9"), timeout=1))
+    assert result.timed_out
+    [record] = execs(world)
+    assert (record["SLICEBOX_RESULT"], record["SLICEBOX_EXIT_CODE"]) == ("timed_out", "124")
+
+
+def test_an_exec_that_fails_while_running_is_audited_with_its_code(world: World) -> None:
+    box = world.create(ALICE)
+    world.docker.stop(world.service.get(ALICE, box).container_id)
+    with pytest.raises(SandboxNotRunning):
+        world.service.exec(ALICE, box, ExecRequest(argv=("id",)))
+    [record] = execs(world)
+    assert (record["SLICEBOX_EVENT"], record["SLICEBOX_RESULT"]) == ("exec", "sandbox_not_running")
+    assert record["SLICEBOX_USER"] == "alice"

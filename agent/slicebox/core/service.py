@@ -3,17 +3,21 @@
 The HTTP layer (:mod:`slicebox.server.routes`) only parses and serializes; this module decides
 who may do what and records it. A caller sees only its own user's sandboxes: another user's sandbox
 answers exactly like one that does not exist (``not_found``). Each action writes one audit
-record, refusals included, with the caller the kernel identified.
+record, refusals included, with the caller the kernel identified; an exec's record says how it
+ended, abandoned included (:mod:`slicebox.core.execaudit`). Every exec reserves the memory its
+output may take from one budget shared by all callers (:mod:`slicebox.core.budget`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from datetime import UTC, datetime
 from pathlib import PurePosixPath
 
+from slicebox.core.budget import OutputBudget, Reservation
+from slicebox.core.execaudit import audited_exec, refused, subject
 from slicebox.core.execution import ExecEngine
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import Sandbox, SandboxManager
@@ -30,6 +34,7 @@ from slicebox.model.api import (
     SandboxView,
 )
 from slicebox.model.audit import AuditEvent, AuditRecord
+from slicebox.model.config import DEFAULT_EXEC_OUTPUT_BUDGET
 from slicebox.model.errors import (
     AdmissionRefused,
     Forbidden,
@@ -81,8 +86,10 @@ class Service:
         pid_of: Callable[[str], int | None],
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         reaper: Reaper | None = None,
+        budget: OutputBudget | None = None,
     ) -> None:
         self._reaper = reaper
+        self._budget = budget or OutputBudget.fixed(DEFAULT_EXEC_OUTPUT_BUDGET)
         self._sandboxes = sandboxes
         self._engine = engine
         self._usage = usage
@@ -99,7 +106,7 @@ class Service:
                 {**request.model_dump(), "user": who.acting_user(request.user)}
             )
             sandbox = self._sandboxes.create(spec)
-            record.update(_subject(sandbox))
+            record.update(subject(sandbox))
             return view_of(sandbox)
 
     def list_sandboxes(self, who: Identity) -> list[SandboxView]:
@@ -127,7 +134,7 @@ class Service:
 
     def extend(self, who: Identity, sandbox_id: str, request: Extend) -> SandboxView:
         sandbox = self._visible(who, sandbox_id)
-        with self._audit(AuditEvent.DEADLINE_CHANGED, who, **_subject(sandbox)) as record:
+        with self._audit(AuditEvent.DEADLINE_CHANGED, who, **subject(sandbox)) as record:
             extended = self._sandboxes.extend(sandbox.id, request.ttl_seconds)
             expires = extended.expires_at.isoformat() if extended.expires_at else "none"
             record["detail"] = f"expires_at {expires}"
@@ -147,7 +154,7 @@ class Service:
         return usage.to_wire() if usage else None
 
     def _destroy(self, who: Identity, sandbox: Sandbox) -> Destroyed:
-        with self._audit(AuditEvent.SANDBOX_DESTROYED, who, **_subject(sandbox)) as record:
+        with self._audit(AuditEvent.SANDBOX_DESTROYED, who, **subject(sandbox)) as record:
             usage = self._final_usage(sandbox)
             gone = self._sandboxes.destroy(sandbox.id) is not None
             record["usage"] = usage.to_wire() if usage else None
@@ -155,37 +162,72 @@ class Service:
 
     # --- exec ------------------------------------------------------------------------------
 
-    def exec(self, who: Identity, sandbox_id: str, request: ExecRequest) -> ExecResult:
-        sandbox = self._visible(who, sandbox_id)
+    def reserve(
+        self, who: Identity, output_cap: int, action: str = "exec", sandbox_id: str = ""
+    ) -> Reservation:
+        """Take an exec's share of the output budget before it starts; over budget it is refused
+        now (``busy``) and audited. The HTTP layer holds the reservation until the answer is
+        sent: encoding the answer is when the output takes the most memory."""
+        try:
+            return self._budget.reserve(output_cap)
+        except SliceboxError as exc:
+            self._auditor.record(refused(who, action, exc, sandbox_id))
+            raise
+
+    def exec(
+        self, who: Identity, sandbox_id: str, request: ExecRequest, held: Reservation | None = None
+    ) -> ExecResult:
+        """Run to the end. ``held``: the caller's reservation for it (else one of the call's)."""
         with (
-            self._audit(AuditEvent.EXEC, who, **_subject(sandbox)) as record,
-            self._sandboxes.operation(sandbox.id),
+            self._holding(who, request.output_cap, held, sandbox_id),
+            audited_exec(self._auditor, who, sandbox_id) as tally,
         ):
-            result = self._engine.run(sandbox.container_id, request)
-            record["exit_code"] = result.exit_code
-            return result
+            sandbox = tally.found(self._visible(who, sandbox_id))
+            with self._sandboxes.operation(sandbox.id):
+                return tally.ran(self._engine.run(sandbox.container_id, request))
 
     def exec_stream(
-        self, who: Identity, sandbox_id: str, request: ExecRequest
-    ) -> Iterator[StreamChunk | ExecResult]:
-        sandbox = self._visible(who, sandbox_id)
+        self, who: Identity, sandbox_id: str, request: ExecRequest, held: Reservation | None = None
+    ) -> Generator[StreamChunk | ExecResult, None, None]:
+        """Closing the stream early kills the exec, then audits it ``abandoned``, then releases
+        its reservation (when it holds its own)."""
         with (
-            self._audit(AuditEvent.EXEC, who, **_subject(sandbox)) as record,
-            self._sandboxes.operation(sandbox.id),
+            self._holding(who, request.output_cap, held, sandbox_id),
+            audited_exec(self._auditor, who, sandbox_id) as tally,
         ):
-            for event in self._engine.stream(sandbox.container_id, request):
-                if isinstance(event, ExecResult):
-                    record["exit_code"] = event.exit_code
-                yield event
+            sandbox = tally.found(self._visible(who, sandbox_id))
+            with (
+                self._sandboxes.operation(sandbox.id),
+                contextlib.closing(self._engine.stream(sandbox.container_id, request)) as run,
+            ):
+                yield from map(tally.saw, run)
 
-    def run(self, who: Identity, request: RunRequest) -> RunResult:
-        """Create, exec, destroy; the sandbox is destroyed whatever the exec did."""
-        view = self.create(who, request.sandbox)
-        try:
-            result = self.exec(who, view.id, request.exec)
-        finally:
-            destroyed = self.destroy(who, view.id)
+    def run(self, who: Identity, request: RunRequest, held: Reservation | None = None) -> RunResult:
+        """Create, exec, destroy; the sandbox is destroyed whatever the exec did. The output
+        budget is reserved first: a busy agent refuses the run before creating anything."""
+        with self._holding(who, request.exec.output_cap, held, action="run") as holding:
+            view = self.create(who, request.sandbox)
+            try:
+                result = self.exec(who, view.id, request.exec, holding)
+            finally:
+                destroyed = self.destroy(who, view.id)
         return RunResult(sandbox_id=view.id, result=result, usage=destroyed.usage)
+
+    @contextlib.contextmanager
+    def _holding(
+        self,
+        who: Identity,
+        output_cap: int,
+        held: Reservation | None,
+        sandbox_id: str = "",
+        action: str = "exec",
+    ) -> Iterator[Reservation]:
+        """``held`` as it is (whoever took it releases it), or a reservation for the block."""
+        if held is not None:
+            yield held
+            return
+        with self.reserve(who, output_cap, action, sandbox_id) as own:
+            yield own
 
     # --- telemetry -------------------------------------------------------------------------
 
@@ -238,21 +280,11 @@ class Service:
         try:
             yield record
         except SliceboxError as exc:
-            refused = isinstance(exc, REFUSALS) and event == AuditEvent.SANDBOX_CREATED
-            record["event"] = AuditEvent.REQUEST_REFUSED if refused else event
+            refusal = isinstance(exc, REFUSALS) and event == AuditEvent.SANDBOX_CREATED
+            record["event"] = AuditEvent.REQUEST_REFUSED if refusal else event
             self._auditor.record(AuditRecord.model_validate({**record, "result": exc.code}))
             raise
         except Exception:
             self._auditor.record(AuditRecord.model_validate({**record, "result": "internal"}))
             raise
         self._auditor.record(AuditRecord.model_validate(record))
-
-
-def _subject(sandbox: Sandbox) -> dict[str, object]:
-    return {
-        "sandbox_id": sandbox.id,
-        "root_task_id": sandbox.lineage.root_task_id,
-        "task_id": sandbox.lineage.task_id,
-        "user": sandbox.user,
-        "project": sandbox.project,
-    }

@@ -78,7 +78,7 @@ class AuditRecord(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     event: AuditEvent
-    result: str = "ok"  # "ok" or the stable error code
+    result: str = "ok"  # "ok", the stable error code, or an exec's "timed_out"/"abandoned"
     sandbox_id: str = ""
     root_task_id: str = ""
     task_id: str = ""

@@ -84,6 +84,14 @@ CODES: tuple[ErrorCode, ...] = (
         "task, an extend where no deadlines are enforced).",
         "Read the message; change the request as it says.",
     ),
+    _c(
+        "output_cap_over_budget",
+        400,
+        "An exec's `output_cap` needs more memory than the agent's whole exec output budget "
+        "(`exec_output_budget`); it could never run.",
+        "Ask for output_cap at most the bytes the message names, or an operator raises "
+        "exec_output_budget.",
+    ),
     # Security policy (400): refused before anything is created.
     _c(
         "policy_privileged",
@@ -194,6 +202,13 @@ CODES: tuple[ErrorCode, ...] = (
         503,
         "Docker or another system service is not reachable.",
         "Retry later; an operator checks docker.service.",
+    ),
+    _c(
+        "busy",
+        503,
+        "Execs in flight hold so much of the agent's exec output budget that this one does not "
+        "fit now.",
+        "Retry later, or ask for a smaller output_cap.",
     ),
     _c(
         "image_unavailable",

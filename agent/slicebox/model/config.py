@@ -9,6 +9,7 @@ when the file is loaded, so a bad value is refused at load time, naming its fiel
     default_ttl_seconds = 3600   # a sandbox's TTL when its request gives none
     max_ttl_seconds = 86400      # the most a create or an extend may ask (at most a year)
     bind_roots = ["/srv/slicebox/workspaces"]
+    exec_output_budget = "512MB"  # exec output held at once, all callers; default below
     [managed]
     memory = "75%"
     [project]
@@ -48,6 +49,9 @@ _ANY_TOTAL = 1 << 40  # validates a percentage at load time; the real total come
 # No deadline further than a year: beyond that a sandbox is a server, and a deadline that far
 # off is a typo (and datetime arithmetic overflows long before any int runs out).
 TTL_CEILING_SECONDS = 366 * 24 * 3600
+
+# The exec output budget when the config sets none and the agent runs without a MemoryMax.
+DEFAULT_EXEC_OUTPUT_BUDGET = 256 * 1024 * 1024
 
 
 def _checked(check: Callable[[], object], value: T) -> T:
@@ -142,6 +146,20 @@ class Config(_Strict):
     allowed_capabilities: frozenset[str] = DEFAULT_CAPABILITIES
     allowed_networks: frozenset[str] = frozenset({"none", "bridge"})
     reaper: ReaperConfig = ReaperConfig()
+    # Memory for the output of every exec in flight (core/budget.py); unset: half the agent's
+    # own MemoryMax, or DEFAULT_EXEC_OUTPUT_BUDGET when the agent runs without one.
+    exec_output_budget: RawSize | None = None
+
+    @field_validator("exec_output_budget")
+    @classmethod
+    def _budget(cls, value: RawSize | None) -> RawSize | None:
+        return _checked(lambda: value is None or parse_size("exec_output_budget", value), value)
+
+    def exec_output_budget_bytes(self, agent_memory_max: int | None) -> int:
+        """The budget in bytes, given the agent's own memory limit (None: it has none)."""
+        if self.exec_output_budget is not None:
+            return parse_size("exec_output_budget", self.exec_output_budget)
+        return agent_memory_max // 2 if agent_memory_max else DEFAULT_EXEC_OUTPUT_BUDGET
 
     @field_validator("default_ttl_seconds")
     @classmethod

@@ -8,6 +8,8 @@ other callers and to ping systemd's watchdog. Streaming exec answers newline-del
 ``{"result": {...}}``. A bounded asyncio queue between the exec's thread and the socket keeps
 memory flat whatever the command prints; a caller that goes away ends the exec (its processes
 are killed).
+An exec's share of the output budget is reserved before it starts and held until its answer is
+sent (see :mod:`slicebox.core.budget`).
 """
 
 from __future__ import annotations
@@ -99,17 +101,26 @@ def _routes() -> list[Route]:
 
     async def exec_(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, ExecRequest, MAX_EXEC_BODY_BYTES)
-        exec_ = _service(request).exec
-        return json_ok(await _exec(request, exec_, identity_of(request), _id(request), body))
+        service, who = _service(request), identity_of(request)
+        with await _call(
+            request, service.reserve, who, body.output_cap, "exec", _id(request)
+        ) as held:
+            result = await _exec(request, service.exec, who, _id(request), body, held)
+            return await _sent(request, json_ok(result))
 
     async def exec_stream(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, ExecRequest, MAX_EXEC_BODY_BYTES)
-        events = _service(request).exec_stream(identity_of(request), _id(request), body)
-        return await _stream(request, events)
+        service, who = _service(request), identity_of(request)
+        with await _call(
+            request, service.reserve, who, body.output_cap, "exec", _id(request)
+        ) as held:
+            return await _stream(request, service.exec_stream(who, _id(request), body, held))
 
     async def run(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, RunRequest, MAX_EXEC_BODY_BYTES)
-        return json_ok(await _exec(request, _service(request).run, identity_of(request), body))
+        service, who = _service(request), identity_of(request)
+        with await _call(request, service.reserve, who, body.exec.output_cap, "run") as held:
+            return await _sent(request, json_ok(await _exec(request, service.run, who, body, held)))
 
     async def usage(request: web.Request) -> web.StreamResponse:
         found = await _call(request, _service(request).usage, identity_of(request), _id(request))
@@ -190,6 +201,17 @@ async def _call(request: web.Request, function: Callable[..., T], *args: Any) ->
 async def _exec(request: web.Request, function: Callable[..., T], *args: Any) -> T:
     """An exec holds its thread until the command ends: the exec pool, never the calls one."""
     return await run_in(pools_of(request).execs, function, *args)
+
+
+async def _sent(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+    """Send the answer now, while the exec's output budget is still held for it: a caller that
+    reads slowly keeps its share reserved instead of leaving an unaccounted copy queued."""
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionError:
+        pass  # the caller went away; its exec is audited, nothing is left to answer
+    return response
 
 
 async def _stream(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slicebox.backends.docker import DockerBackend
+from slicebox.core.budget import OutputBudget
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
 from slicebox.core.reaper import Reaper
@@ -23,6 +24,7 @@ from slicebox.core.telemetry import MemoryIntegrator, TreeReader, UsageReader
 from slicebox.host.cgroupfs import CgroupFS
 from slicebox.host.journal import Auditor
 from slicebox.host.netstats import NetnsCounters
+from slicebox.host.owncgroup import agent_memory_max
 from slicebox.host.procs import CgroupHost
 from slicebox.host.systemd import PystemdSystemd
 from slicebox.model.audit import AuditEvent, AuditRecord
@@ -128,6 +130,9 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         config=lambda: sandboxes.config.reaper,  # what a reload leaves in force
         final_usage=final_usage,
     )
+    agent_memory = agent_memory_max()  # read once; the config's budget is re-read on reload
+    budget = OutputBudget(lambda: sandboxes.config.exec_output_budget_bytes(agent_memory))
+    log.info("exec output budget %s bytes", config.exec_output_budget_bytes(agent_memory))
     service = Service(
         sandboxes,
         ExecEngine(backend, CgroupHost()),
@@ -136,6 +141,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         auditor=auditor,
         pid_of=pid_of,
         reaper=reaper,
+        budget=budget,
     )
     return Runtime(
         config_path,

@@ -1,0 +1,130 @@
+"""One audit record per exec, whatever became of it.
+
+An exec asked for is recorded exactly once, when it ends:
+
+- refused before it ran (no such sandbox, or not the caller's; ``busy``; an output cap over the
+  whole budget): ``request_refused`` with the code, and ``<action> refused: <message>`` as
+  detail (``exec``, or ``run`` for a one-shot run refused before its sandbox was created);
+- ran to its end: ``exec`` with result ``ok``, or ``timed_out`` when it was killed at its
+  timeout, and its exit code;
+- abandoned by its caller mid-stream (a closed connection): ``exec`` with result ``abandoned``
+  and the exit code if the result was already made (the exec's processes are killed);
+- failed while running (the container went away, Docker failed): ``exec`` with the code.
+
+The detail counts output bytes (kept, or streamed before the caller went away, and dropped) and
+the duration; never argv, environment or output, which may hold secrets.
+
+A request body that does not parse (bad JSON, an invalid field, too large) is answered with its
+code at the HTTP edge and not audited: it named no command, and no sandbox was looked up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from slicebox.core.sandboxes import Sandbox
+from slicebox.host.identity import Identity
+from slicebox.host.journal import Auditor
+from slicebox.model.audit import AuditEvent, AuditRecord
+from slicebox.model.errors import SliceboxError
+from slicebox.model.exec import ExecEvent, ExecResult, OutputStream
+
+OK = "ok"
+TIMED_OUT = "timed_out"
+ABANDONED = "abandoned"
+INTERNAL = "internal"
+DETAIL_MAX = 500
+
+
+class ExecTally:
+    """What the service saw of one exec, enough to write its record."""
+
+    def __init__(self, sandbox_id: str) -> None:
+        self.subject: dict[str, object] = {"sandbox_id": sandbox_id}
+        self.started = False
+        self.result: ExecResult | None = None
+        self.streamed = dict.fromkeys(OutputStream, 0)
+
+    def found(self, sandbox: Sandbox) -> Sandbox:
+        """The sandbox is the caller's: from here on the exec runs (it is no longer refused)."""
+        self.subject = subject(sandbox)
+        self.started = True
+        return sandbox
+
+    def saw(self, event: ExecEvent) -> ExecEvent:
+        if isinstance(event, ExecResult):
+            self.result = event
+        else:
+            self.streamed[event.stream] += len(event.data)
+        return event
+
+    def ran(self, result: ExecResult) -> ExecResult:
+        self.result = result
+        return result
+
+    def record(self, who: Identity, result: str, message: str = "") -> AuditRecord:
+        fields = {"caller": who.caller, **self.subject, "result": result}
+        if not self.started:
+            detail = f"exec refused: {message}"
+            return _record(AuditEvent.REQUEST_REFUSED, detail=detail, **fields)
+        exit_code = self.result.exit_code if self.result else None
+        return _record(AuditEvent.EXEC, exit_code=exit_code, detail=self.counters(), **fields)
+
+    def outcome(self) -> str:
+        return TIMED_OUT if self.result is not None and self.result.timed_out else OK
+
+    def counters(self) -> str:
+        result = self.result
+        if result is None:
+            out, err = self.streamed[OutputStream.STDOUT], self.streamed[OutputStream.STDERR]
+            return f"streamed stdout={out} stderr={err} bytes"
+        dropped = result.stdout_dropped_bytes + result.stderr_dropped_bytes
+        oom = ", oom_killed" if result.oom_killed else ""
+        return (
+            f"kept stdout={len(result.stdout)} stderr={len(result.stderr)} bytes, "
+            f"dropped={dropped} bytes, {result.duration:.3f}s{oom}"
+        )
+
+
+@contextlib.contextmanager
+def audited_exec(auditor: Auditor, who: Identity, sandbox_id: str) -> Iterator[ExecTally]:
+    """Write the exec's one record when the block ends, however it ends (see above)."""
+    tally = ExecTally(sandbox_id)
+    try:
+        yield tally
+    except GeneratorExit:  # the stream was closed before its end: its caller went away
+        auditor.record(tally.record(who, ABANDONED))
+        raise
+    except SliceboxError as exc:
+        auditor.record(tally.record(who, exc.code, exc.message))
+        raise
+    except Exception:
+        auditor.record(tally.record(who, INTERNAL, "the agent failed"))
+        raise
+    auditor.record(tally.record(who, tally.outcome()))
+
+
+def refused(who: Identity, action: str, exc: SliceboxError, sandbox_id: str = "") -> AuditRecord:
+    """The record of a request refused before any sandbox was looked up (the budget's)."""
+    return _record(
+        AuditEvent.REQUEST_REFUSED,
+        caller=who.caller,
+        sandbox_id=sandbox_id,
+        result=exc.code,
+        detail=f"{action} refused: {exc.message}",
+    )
+
+
+def subject(sandbox: Sandbox) -> dict[str, object]:
+    return {
+        "sandbox_id": sandbox.id,
+        "root_task_id": sandbox.lineage.root_task_id,
+        "task_id": sandbox.lineage.task_id,
+        "user": sandbox.user,
+        "project": sandbox.project,
+    }
+
+
+def _record(event: AuditEvent, *, detail: str, **fields: object) -> AuditRecord:
+    return AuditRecord.model_validate({"event": event, **fields, "detail": detail[:DETAIL_MAX]})

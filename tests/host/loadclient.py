@@ -1,0 +1,123 @@
+"""One user's share of the load test, run as that user (``runuser``) so the agent identifies it
+by the kernel: ``--clients`` threads create sandboxes across the user's projects, run execs
+(some streaming and abandoned after their first output), read lists and usage, then destroy
+everything they made. Prints one JSON summary on stdout; never raises on a failed request
+(the test counts failures, it does not stop at the first).
+
+    python3 -m tests.host.loadclient --creates 20 --execs 80 --clients 8 --projects a,b
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import pwd
+import threading
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from slicebox.cli.client import Client
+from slicebox.model.api import CreateSandbox
+from slicebox.model.errors import SliceboxError
+from slicebox.model.exec import ExecRequest, ExecResult
+from tests.host.agentunits import SOCKET
+
+
+class Load:
+    def __init__(self, clients: int) -> None:
+        self.clients = clients
+        self.client = Client(str(SOCKET), timeout=600)
+        self.user = pwd.getpwuid(os.getuid()).pw_name
+        self.calls: Counter[str] = Counter()
+        self.failures: list[dict[str, Any]] = []
+        self.created: list[str] = []
+        self.foreign: list[str] = []  # sandboxes of other users this user was shown
+        self.lock = threading.Lock()
+
+    def call(self, route: str, action: Callable[[], Any]) -> Any:
+        try:
+            result = action()
+        except SliceboxError as exc:
+            with self.lock:
+                self.failures.append(
+                    {
+                        "route": route,
+                        "code": exc.code,
+                        "status": exc.http_status,
+                        "message": exc.message,
+                    }
+                )
+            return None
+        with self.lock:
+            self.calls[route] += 1
+        return result
+
+    def create(self, project: str) -> None:
+        made = self.call("create", lambda: self.client.create(CreateSandbox(project=project)))
+        if made is not None:
+            with self.lock:
+                self.created.append(made.id)
+
+    def exec_(self, n: int) -> None:
+        sandbox = self.created[n % len(self.created)]
+        if n % 8 == 3:  # streamed, then abandoned after its first output
+            self.call("exec_abandoned", lambda: self._abandon(sandbox))
+            return
+        request = ExecRequest(argv=("sh", "-c", f"echo {n}"))
+        ran = self.call("exec", lambda: self.client.exec(sandbox, request))
+        if ran is not None and (ran.exit_code, ran.stdout) != (0, f"{n}\n".encode()):
+            self.failures.append(
+                {"route": "exec", "code": "wrong_output", "status": 200, "message": repr(ran)}
+            )
+        if n % 10 == 0:
+            listed = self.call("list", self.client.list_sandboxes) or []
+            with self.lock:
+                self.foreign += [s.id for s in listed if s.user != self.user]
+            self.call("usage", lambda: self.client.usage(sandbox))
+
+    def _abandon(self, sandbox: str) -> None:
+        request = ExecRequest(argv=("sh", "-c", "echo first; sleep 30; echo never"), timeout=60)
+        events = self.client.exec_stream(sandbox, request)
+        try:
+            first = next(events)
+            assert not isinstance(first, ExecResult), first
+        finally:
+            events.close()
+
+    def run(self, creates: int, execs: int, projects: list[str]) -> dict[str, Any]:
+        with ThreadPoolExecutor(self.clients) as pool:
+            list(pool.map(self.create, itertools.islice(itertools.cycle(projects), creates)))
+            if self.created:
+                list(pool.map(self.exec_, range(execs)))
+            list(
+                pool.map(
+                    lambda s: self.call("destroy", lambda: self.client.destroy(s)),
+                    list(self.created),
+                )
+            )
+        return {
+            "user": self.user,
+            "calls": dict(self.calls),
+            "failures": self.failures,
+            "created": self.created,
+            "foreign": self.foreign,
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--creates", type=int, required=True)
+    parser.add_argument("--execs", type=int, required=True)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--projects", required=True, help="comma-separated")
+    args = parser.parse_args()
+    summary = Load(args.clients).run(args.creates, args.execs, args.projects.split(","))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

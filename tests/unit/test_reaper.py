@@ -13,7 +13,7 @@ import pytest
 from slicebox.backends.base import SandboxInfo, SandboxState
 from slicebox.core.deadlines import Deadlines, Timer, timer_unit
 from slicebox.core.reaper import Reaper
-from slicebox.core.reaping import Observed, plan
+from slicebox.core.reaping import Observed, plan, plan_pass
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.host.journal import Auditor
@@ -27,8 +27,9 @@ from tests.fakes.journal import ListJournal
 from tests.fakes.systemd import FakeSystemd
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+NOW_S = "2026-01-02T03:04:05+00:00"
 RUN = "run-now"
-POLICY = ReaperConfig()
+POLICY = ReaperConfig(empty_slice_grace_seconds=0)  # the grace has tests of its own
 
 
 def box(
@@ -130,7 +131,7 @@ def test_orphans_of_another_run_are_adopted_by_default_and_reaped_on_request() -
     assert kinds(plan(found, NOW, POLICY)) == [(Kind.ADOPT, Rule.ADOPT, "a")]
     adopted = found.model_copy(update={"adopted": frozenset({"a"})})
     assert plan(adopted, NOW, POLICY) == []
-    reap = ReaperConfig(orphans=OrphanPolicy.REAP)
+    reap = POLICY.model_copy(update={"orphans": OrphanPolicy.REAP})
     assert kinds(plan(found, NOW, reap)) == [(Kind.DESTROY, Rule.ORPHAN, "a")]
     assert plan(adopted, NOW, reap) == [], "what this run adopted is its own"
 
@@ -176,10 +177,10 @@ def test_idle_pool_members_beyond_the_size_go_oldest_first_per_kind() -> None:
         box("q1", pool=True, project="q"),
         box("busy"),
     )
-    policy = ReaperConfig(pool_size=1)
+    policy = POLICY.model_copy(update={"pool_size": 1})
     surplus = [a.target for a in plan(found, NOW, policy) if a.rule is Rule.POOL_SURPLUS]
     assert surplus == ["p1", "p2"]
-    assert len([a for a in plan(found, NOW, ReaperConfig()) if a.kind is Kind.DESTROY]) == 4
+    assert len([a for a in plan(found, NOW, POLICY) if a.kind is Kind.DESTROY]) == 4
 
 
 def test_a_running_sandbox_without_its_timer_gets_it_back_from_the_label() -> None:
@@ -238,6 +239,32 @@ def test_a_slice_whose_last_sandbox_goes_in_this_pass_goes_after_it() -> None:
     ]
 
 
+def test_an_empty_slice_is_stopped_only_once_its_grace_is_over() -> None:
+    units = ["slicebox-alice.slice", "slicebox-alice-p.slice", "slicebox-alice-q.slice"]
+    policy = ReaperConfig(empty_slice_grace_seconds=300)
+    first = plan_pass(observed(box("a"), slices=units), NOW, policy)
+    assert kinds(first.actions) == [(Kind.ARM_DEADLINE, Rule.DEADLINE_MISSING, "a")]
+    assert first.empty_since == {"slicebox-alice-q.slice": NOW}, "empty from now, in use not"
+    later = observed(box("a"), slices=units, empty_since=first.empty_since)
+    assert plan_pass(later, NOW + timedelta(seconds=299), policy).actions[1:] == []
+    due = plan_pass(later, NOW + timedelta(seconds=300), policy)
+    assert [(a.kind, a.target, a.reason) for a in due.actions[1:]] == [
+        (Kind.STOP_SLICE, "slicebox-alice-q.slice", f"no sandbox of alice/q is left since {NOW_S}")
+    ]
+    assert due.empty_since == first.empty_since, "the memory keeps the first sighting"
+
+
+def test_a_slice_in_use_again_forgets_since_when_it_was_empty() -> None:
+    units = ["slicebox-alice.slice", "slicebox-alice-p.slice"]
+    policy = ReaperConfig(empty_slice_grace_seconds=300)
+    long_ago = {unit: NOW - timedelta(hours=1) for unit in units}
+    timer = Timer(unit="t", sandbox_id="a", at=NOW + timedelta(hours=1))
+    used = plan_pass(
+        observed(box("a"), slices=units, timers=[timer], empty_since=long_ago), NOW, policy
+    )
+    assert used == ([], {})
+
+
 # --- the executor over fakes -------------------------------------------------------------
 
 
@@ -259,7 +286,7 @@ class World:
             deadlines=Deadlines(self.systemd, systemctl="/usr/bin/systemctl"),
         )
         self.journal = ListJournal()
-        self.config = ReaperConfig(state_dir=tmp / "state")
+        self.config = ReaperConfig(state_dir=tmp / "state", empty_slice_grace_seconds=0)
         self.reaper = Reaper(
             self.manager,
             self.slices,

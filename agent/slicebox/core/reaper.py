@@ -1,7 +1,9 @@
 """The reaper's executor: observe the real host, plan (:mod:`slicebox.core.reaping`), act.
 
 Actions run one at a time; a failed action is audited and the rest go on. ``dry_run`` stops
-after planning. Passes are serialized.
+after planning. Passes are serialized. The executor remembers, in memory only, since when each
+slice has been seen empty, so that the planner stops it once its grace is over; a restarted
+agent starts every grace again, which only keeps a slice a little longer.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 from slicebox.backends.base import SandboxBackend
 from slicebox.core.deadlines import Timer
-from slicebox.core.reaping import FinalUsage, Observed, plan
+from slicebox.core.reaping import FinalUsage, Observed, plan_pass
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.host.journal import Auditor
@@ -50,6 +52,7 @@ class Reaper:
         self._clock = clock
         self._final_usage = final_usage
         self._adopted: set[str] = set()
+        self._empty_since: dict[str, datetime] = {}  # slice unit -> seen empty since
         self._pass = threading.Lock()  # one pass at a time: periodic and on demand
 
     @property
@@ -68,6 +71,7 @@ class Reaper:
             timers=deadlines.timers() if deadlines is not None else [],
             state_dirs=sorted(p.name for p in _children(state_dir)),
             adopted=self.adopted,
+            empty_since=dict(self._empty_since),
         )
 
     def run(self, *, dry_run: bool = False) -> Report:
@@ -77,10 +81,11 @@ class Reaper:
     def _run(self, *, dry_run: bool) -> Report:
         now = self._clock()
         observed = self.observe()
-        actions = plan(observed, now, self._config())
+        actions, empty_since = plan_pass(observed, now, self._config())
         report = Report(dry_run=dry_run, at=now, instance_id=observed.instance_id, plan=actions)
         if dry_run:
             return report
+        self._empty_since = empty_since
         outcomes = [self._carry_out(action) for action in actions]
         if actions:
             log.info("reaper: %d actions, %d ok", len(actions), _count_ok(outcomes))

@@ -346,13 +346,32 @@ def test_a_pass_destroys_the_expired_audits_each_action_and_dry_run_changes_noth
     assert {s.id for s in world.manager.find()} == {keep, doomed}
     assert world.journal.entries == []
     done = world.reaper.run()
-    assert [o.result for o in done.outcomes] == ["ok", "ok", "skipped"]  # destroy took the slice
+    assert [o.result for o in done.outcomes] == ["ok", "ok", "ok"]  # destroys leave slices
     assert [s.id for s in world.manager.find()] == [keep]
     assert not (world.config.state_dir / "sbx-gone").exists()
     rules = [e["SLICEBOX_REAPER_RULE"] for e in world.journal.entries]
     assert rules == ["expired", "leftover_files", "empty_slice"]
     assert {e["SLICEBOX_EVENT"] for e in world.journal.entries} == {AuditEvent.REAPER_ACTION}
     assert world.reaper.run().plan == [], "a second pass finds nothing"
+
+
+def test_with_a_grace_the_slices_outlive_their_last_sandbox_by_that_long(world: World) -> None:
+    world.config = world.config.model_copy(update={"empty_slice_grace_seconds": 300})
+    units = {"slicebox-alice.slice", "slicebox-alice-p.slice"}
+
+    def pass_at(seconds: int) -> list[str]:
+        world.now = NOW + timedelta(seconds=seconds)
+        return [a.target for a in world.reaper.run().plan if a.kind is Kind.STOP_SLICE]
+
+    world.manager.destroy(world.create())
+    assert [pass_at(s) for s in (0, 30, 150, 299)] == [[], [], [], []]
+    assert units <= world.systemd.running
+    world.manager.destroy(world.create())  # between passes: the grace starts again
+    assert [pass_at(s) for s in (330, 450)] == [[], []]
+    assert pass_at(600) == ["slicebox-alice-p.slice", "slicebox-alice.slice"]
+    assert not units & world.systemd.running
+    assert world.manager.vacated() == {}
+    assert pass_at(900) == []
 
 
 def test_adoption_happens_once_and_rearms_the_missing_deadline(world: World) -> None:

@@ -66,15 +66,33 @@ def test_create_places_hardens_and_labels(world: World) -> None:
     )
 
 
-def test_destroy_is_idempotent_and_removes_empty_slices(world: World) -> None:
+def test_destroy_is_idempotent_and_leaves_the_slices_to_the_reaper(world: World) -> None:
     first = world.manager.create(spec())
     second = world.manager.create(spec(project="q"))
     assert world.manager.destroy(first.id) == first
-    assert world.user_slices() == {"slicebox-al\\x2dice.slice", "slicebox-al\\x2dice-q.slice"}
     assert world.manager.destroy(first.id) is None
     world.manager.destroy(second.id)
-    assert world.user_slices() == set()
+    assert world.docker.containers == {}
+    assert world.user_slices() == {
+        "slicebox-al\\x2dice.slice",
+        "slicebox-al\\x2dice-p.slice",
+        "slicebox-al\\x2dice-q.slice",
+    }
+    assert set(world.manager.vacated()) == world.user_slices(), "for the reaper's grace"
+    assert world.manager.stop_slice_if_idle("slicebox-al\\x2dice-p.slice")
+    assert set(world.manager.vacated()) == world.user_slices()
     assert MANAGED_SLICE in world.systemd.running
+
+
+def test_one_shot_runs_in_a_project_make_its_slices_once_and_never_stop_them(
+    world: World,
+) -> None:
+    for _ in range(3):
+        world.manager.destroy(world.manager.create(spec()).id)
+    slice_calls = [(call, unit) for call, unit in world.systemd.calls if unit.endswith(".slice")]
+    made = [unit for call, unit in slice_calls if call == "start_transient"]
+    assert made == [MANAGED_SLICE, "slicebox-al\\x2dice.slice", "slicebox-al\\x2dice-p.slice"]
+    assert [unit for call, unit in slice_calls if call in ("stop", "start")] == []
 
 
 def test_destroy_while_another_removal_runs_is_idempotent(world: World) -> None:

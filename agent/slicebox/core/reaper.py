@@ -71,8 +71,14 @@ class Reaper:
             timers=deadlines.timers() if deadlines is not None else [],
             state_dirs=sorted(p.name for p in _children(state_dir)),
             adopted=self.adopted,
-            empty_since=dict(self._empty_since),
+            empty_since=self._seen_empty_since(),
         )
+
+    def _seen_empty_since(self) -> dict[str, datetime]:
+        """Since when each slice is empty: the first pass that saw it so, or the last destroy
+        in it since, whichever is later (a slice used between passes starts its grace anew)."""
+        vacated = self._sandboxes.vacated()
+        return {unit: max(at, vacated.get(unit, at)) for unit, at in self._empty_since.items()}
 
     def run(self, *, dry_run: bool = False) -> Report:
         with self._pass:

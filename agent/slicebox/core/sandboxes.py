@@ -2,8 +2,11 @@
 destroy idempotently, cascade-destroy a task tree deepest first.
 
 Everything a sandbox is lives in its container's immutable labels (see :mod:`slicebox.model.labels`)
-and in systemd; this module keeps no state of its own. A create that fails after it made
-something (a container, a slice) removes what it made before the error reaches the caller.
+and in systemd; in memory there is only what is in progress and when a destroy last left each
+slice. A create that fails after it made something (a container, a slice) removes what it made
+before the error reaches the caller. A destroy leaves the user and project slices in place:
+the next sandbox of the project (one-shot runs come and go) finds them ready, and the reaper
+stops them once they have been empty for ``reaper.empty_slice_grace_seconds``.
 """
 
 from __future__ import annotations
@@ -116,6 +119,10 @@ class SandboxManager:
         # Every other operation in progress (exec, destroy, extend, a reaper action), counted
         # by sandbox id under the same lock: the reaper acts on a sandbox only when none is.
         self._operations: Counter[str] = Counter()
+        # Slice unit -> when a destroy last took a sandbox out of it: the reaper counts a
+        # slice's grace from then at the earliest, even if no pass saw it in use. An entry
+        # goes when the slice is stopped here.
+        self._vacated: dict[str, datetime] = {}
         self._placing = threading.Lock()
 
     @property
@@ -135,6 +142,11 @@ class SandboxManager:
         """Sandbox id -> (user, project) of every create still in progress."""
         with self._placing:
             return dict(self._in_flight)
+
+    def vacated(self) -> dict[str, datetime]:
+        """Slice unit -> when a destroy last took a sandbox out of it."""
+        with self._placing:
+            return dict(self._vacated)
 
     @contextmanager
     def operation(self, sandbox_id: str) -> Iterator[None]:
@@ -243,7 +255,7 @@ class SandboxManager:
             self._slices.wait_stopped(scope_name(sandbox.container_id))
             if self._deadlines is not None:
                 self._deadlines.disarm(sandbox.id)
-        self.remove_empty_slices(sandbox.user, sandbox.project)
+        self._vacate(sandbox)
         log.info("destroyed %s", sandbox_id)
         return sandbox
 
@@ -258,20 +270,15 @@ class SandboxManager:
         ``creating``, the one undoing itself) is placing into."""
         with self._placing:
             busy = self._busy_slices(exclude=creating)
-            return unit not in busy and self._slices.remove_if_empty(unit)
+            stopped = unit not in busy and self._slices.remove_if_empty(unit)
+            if stopped:
+                self._vacated.pop(unit, None)
+            return stopped
 
     def destroy_tree(self, root_task_id: str) -> list[Sandbox]:
         """Destroy every sandbox of a root task, children before parents (deepest first)."""
         members = sorted(self.find(root_task_id=root_task_id), key=lambda s: -s.lineage.depth)
         return [gone for member in members if (gone := self.destroy(member.id)) is not None]
-
-    def remove_empty_slices(self, user: str, project: str) -> None:
-        """Stop the project and user slices when no sandbox of theirs is left."""
-        names = slice_names(user, project)
-        if not self._backend.find(selector(user=user, project=project)):
-            self.stop_slice_if_idle(names.project)
-        if not self._backend.find(selector(user=user)):
-            self.stop_slice_if_idle(names.user)
 
     @contextmanager
     def _creating(self, lineage: Lineage) -> Iterator[None]:
@@ -282,6 +289,11 @@ class SandboxManager:
         finally:
             with self._placing:
                 del self._in_flight[lineage.sandbox_id]
+
+    def _vacate(self, sandbox: Sandbox) -> None:
+        names, now = sandbox.slices(), self._clock()
+        with self._placing:
+            self._vacated[names.user] = self._vacated[names.project] = now
 
     def _arm(self, sandbox_id: str, container_id: str, at: datetime | None) -> None:
         if self._deadlines is not None and at is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -14,7 +15,7 @@ from slicebox.backends.base import SandboxInfo, SandboxState
 from slicebox.core.deadlines import Deadlines, Timer, timer_unit
 from slicebox.core.reaper import Reaper
 from slicebox.core.reaping import Observed, plan, plan_pass
-from slicebox.core.sandboxes import SandboxManager
+from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.host.journal import Auditor
 from slicebox.model.audit import AuditEvent
@@ -317,6 +318,27 @@ def test_create_arms_a_timer_that_kills_the_scope_and_destroy_disarms_it(world: 
     assert world.systemd.timers == {}
 
 
+def test_a_destroy_disarms_the_deadline_beside_the_removal_not_after_it(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sandbox_id = world.create(ttl_seconds=60)
+    disarming = threading.Event()
+    list_units, remove = world.systemd.list_units, world.docker.remove
+
+    def list_while_disarming(pattern: str, *, active_only: bool = False) -> list[str]:
+        disarming.set()
+        return list_units(pattern, active_only=active_only)
+
+    def remove_once_disarming(container_id: str) -> bool:
+        assert disarming.wait(timeout=5), "the disarm did not start beside the removal"
+        return remove(container_id)
+
+    monkeypatch.setattr(world.systemd, "list_units", list_while_disarming)
+    monkeypatch.setattr(world.docker, "remove", remove_once_disarming)
+    assert world.manager.destroy(sandbox_id) is not None
+    assert (world.docker.containers, world.systemd.timers) == ({}, {})
+
+
 def test_extend_arms_the_later_timer_then_stops_the_earlier(world: World) -> None:
     sandbox_id = world.create(ttl_seconds=60)
     extended = world.manager.extend(sandbox_id, 7200)
@@ -372,6 +394,34 @@ def test_with_a_grace_the_slices_outlive_their_last_sandbox_by_that_long(world: 
     assert not units & world.systemd.running
     assert world.manager.vacated() == {}
     assert pass_at(900) == []
+
+
+def test_a_destroy_racing_the_reapers_makes_one_removal_and_no_error(world: World) -> None:
+    sandbox_id = world.create(ttl_seconds=10)
+    world.now = NOW + timedelta(seconds=11)
+    destroyed: list[Sandbox | None] = []
+
+    def caller_destroys_meanwhile(sandbox: Sandbox) -> dict[str, object] | None:
+        destroyed.append(world.manager.destroy(sandbox.id))  # while the reaper looks last
+        return None
+
+    reaper = Reaper(
+        world.manager,
+        world.slices,
+        world.docker,
+        auditor=Auditor(world.journal),
+        config=lambda: world.config,
+        clock=lambda: world.now,
+        final_usage=caller_destroys_meanwhile,
+    )
+    report = reaper.run()
+    assert [(a.kind, o.result) for a, o in zip(report.plan, report.outcomes, strict=True)][:1] == [
+        (Kind.DESTROY, "skipped")  # the caller's destroy removed it first
+    ]
+    assert [s.id for s in destroyed if s is not None] == [sandbox_id]
+    assert len(world.docker.removed) == 1
+    assert world.manager.find() == []
+    assert world.systemd.timers == {}
 
 
 def test_adoption_happens_once_and_rearms_the_missing_deadline(world: World) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -20,8 +21,9 @@ from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
 from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest
 from slicebox.model.config import ReaperConfig, parse_config
-from slicebox.model.errors import Forbidden, NotFound
+from slicebox.model.errors import Forbidden, NotFound, SliceboxError
 from slicebox.model.exec import ExecRequest, OutputStream, StreamChunk
+from tests.fakes.counting import counting
 from tests.fakes.docker import FakeDocker
 from tests.fakes.exec_fakes import FakeClock, FakeExec, FakeExecApi, FakeSandboxHost
 from tests.fakes.journal import ListJournal
@@ -36,16 +38,19 @@ ORCH = Identity(uid=1002, gid=1002, pid=13, user_name="orch", is_admin=True)
 
 class World:
     def __init__(self, tmp: Path) -> None:
-        systemd = FakeSystemd()
+        self.systemd = FakeSystemd()
         clock, self.host = FakeClock(), FakeSandboxHost()
         self.run = FakeExec([[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None])
         self.exec_api = FakeExecApi(clock, self.host, self.run)
-        self.docker = FakeDocker(systemd, execs=self.exec_api)
+        self.docker = FakeDocker(self.systemd, execs=self.exec_api)
+        # Every call the agent makes to Docker and systemd, as "docker.find", "systemd.stop"...
+        self.calls: Counter[str] = Counter()
+        docker = counting(self.docker, self.calls, "docker")
+        systemd = counting(self.systemd, self.calls, "systemd")
         ids = (f"sbx-{n:012x}" for n in itertools.count(1))
         slices = SliceManager(systemd)
-        self.systemd = systemd
         self.sandboxes = SandboxManager(
-            self.docker,
+            docker,
             slices,
             config=parse_config(""),
             host_memory=4096 * MiB,
@@ -55,18 +60,25 @@ class World:
             deadlines=Deadlines(systemd),
         )
         self.journal = ListJournal()
+
+        def pid_of(container_id: str) -> int | None:  # as server.runtime finds it
+            try:
+                return docker.sandbox_pid(container_id)
+            except SliceboxError:
+                return None
+
         self.service = Service(
             self.sandboxes,
-            ExecEngine(self.docker, self.host, clock=clock, sleep=clock.sleep),
+            ExecEngine(docker, self.host, clock=clock, sleep=clock.sleep),
             usage=UsageReader(CgroupFS(tmp)),
             tree=TreeReader(CgroupFS(tmp)),
             auditor=Auditor(self.journal),
-            pid_of=lambda cid: None,
+            pid_of=pid_of,
             clock=lambda: NOW,
             reaper=Reaper(
                 self.sandboxes,
                 slices,
-                self.docker,
+                docker,
                 auditor=Auditor(self.journal),
                 config=lambda: ReaperConfig(state_dir=tmp / "state"),
                 clock=lambda: NOW,
@@ -131,6 +143,39 @@ def test_every_action_is_audited_with_the_caller(world: World) -> None:
     assert all(e["SLICEBOX_CALLER_UID"] == "1000" for e in world.journal.entries)
     assert world.journal.entries[1]["SLICEBOX_EXIT_CODE"] == "0"
     assert {e["SLICEBOX_SANDBOX_ID"] for e in world.journal.entries} == {box}
+
+
+def test_a_destroy_costs_the_same_few_calls_however_many_sandboxes_exist(world: World) -> None:
+    costs = []
+    for _ in range(2):
+        target = world.create(ALICE)
+        world.calls.clear()
+        assert world.service.destroy(ALICE, target).destroyed
+        costs.append(dict(world.calls))
+        for _ in range(5):  # more sandboxes of the same user and project, and timers
+            world.create(ALICE)
+    assert (
+        costs[0]
+        == costs[1]
+        == {
+            "docker.find": 1,  # the sandbox, by its labels
+            "docker.sandbox_pid": 1,  # for its network counters, in the final usage
+            "docker.remove": 1,
+            "systemd.status": 1,  # its scope has stopped
+            "systemd.list_units": 1,  # its deadline timer, to disarm
+            "systemd.stop": 1,
+        }
+    )
+
+
+def test_a_destroy_while_another_removal_runs_answers_false_and_no_error(world: World) -> None:
+    mine = world.create(ALICE)
+    world.docker.begin_removal(world.sandboxes.get(mine).container_id)  # say, the reaper's
+    assert world.service.destroy(ALICE, mine).destroyed is False
+    assert world.journal.events()[-1] == ("sandbox_destroyed", "ok")
+    world.docker.finish_removal(world.sandboxes.get(mine).container_id)
+    assert world.service.destroy(ALICE, mine).destroyed is False
+    assert world.service.list_sandboxes(ALICE) == []
 
 
 def test_one_shot_run_leaves_nothing(world: World) -> None:

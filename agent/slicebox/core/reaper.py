@@ -18,7 +18,7 @@ from pathlib import Path
 from slicebox.backends.base import SandboxBackend
 from slicebox.core.deadlines import Timer
 from slicebox.core.reaping import FinalUsage, Observed, plan_pass
-from slicebox.core.sandboxes import SandboxManager
+from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.host.journal import Auditor
 from slicebox.model.audit import AuditEvent, AuditRecord
@@ -171,10 +171,13 @@ class Reaper:
             sandbox = self._sandboxes.get(action.sandbox_id)
         except SliceboxError:
             return False, None
-        usage = self._final_usage(sandbox) if self._final_usage is not None else None
-        gone = self._sandboxes.destroy(sandbox.id) is not None
+        gone, usage = self._sandboxes.destroy_sandbox(sandbox, self._final_usage or _no_usage)
         self._adopted.discard(sandbox.id)
         return gone, usage
+
+
+def _no_usage(sandbox: Sandbox) -> None:
+    return None
 
 
 class _Deferred(Exception):

@@ -16,9 +16,11 @@ import secrets
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import PurePosixPath
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -39,6 +41,10 @@ log = logging.getLogger(__name__)
 
 # A sandbox without a command of its own stays up for execs, as the seeds' pool containers do.
 KEEP_ALIVE = ("sleep", "infinity")
+# Threads for steps run beside a request's own (a destroy's disarm): as many as the agent has
+# request threads (server.pools), so destroys at once seldom wait for one.
+ASIDE_THREADS = 8
+T = TypeVar("T")
 
 
 def new_sandbox_id() -> str:
@@ -124,6 +130,9 @@ class SandboxManager:
         # goes when the slice is stopped here.
         self._vacated: dict[str, datetime] = {}
         self._placing = threading.Lock()
+        # Threads for a step that runs beside a request's own (a destroy's disarm). Kept, not
+        # one per request: each keeps its system-bus connection (see host.systemd).
+        self._aside = ThreadPoolExecutor(ASIDE_THREADS, thread_name_prefix="slicebox-aside")
 
     @property
     def instance_id(self) -> str:
@@ -250,14 +259,26 @@ class SandboxManager:
             sandbox = self.get(sandbox_id)
         except NotFound:
             return None
-        with self.operation(sandbox.id):
-            self._backend.remove(sandbox.container_id)
-            self._slices.wait_stopped(scope_name(sandbox.container_id))
-            if self._deadlines is not None:
-                self._deadlines.disarm(sandbox.id)
-        self._vacate(sandbox)
-        log.info("destroyed %s", sandbox_id)
+        self.destroy_sandbox(sandbox, _nothing)
         return sandbox
+
+    def destroy_sandbox(
+        self, sandbox: Sandbox, last_look: Callable[[Sandbox], T]
+    ) -> tuple[bool, T]:
+        """Destroy a sandbox already looked up, and what ``last_look`` read just before it went
+        (its final usage). True when this call removed it; False when it was gone already or
+        another removal holds it (a second destroy, the reaper's), which is no error.
+
+        The deadline is disarmed beside the rest, which does not depend on it: should the
+        removal fail, the reaper arms it again from the labels. The slices stay (see the
+        module)."""
+        with self.operation(sandbox.id), _beside(self._aside, self._disarming(sandbox.id)):
+            seen = last_look(sandbox)
+            gone = self._backend.remove(sandbox.container_id)
+            self._slices.wait_stopped(scope_name(sandbox.container_id))
+        self._vacate(sandbox)
+        log.info("destroyed %s" if gone else "%s was gone or going already", sandbox.id)
+        return gone, seen
 
     def remove_container(self, container_id: str) -> bool:
         """Remove a container whatever its labels say (the reaper's last resort)."""
@@ -277,8 +298,11 @@ class SandboxManager:
 
     def destroy_tree(self, root_task_id: str) -> list[Sandbox]:
         """Destroy every sandbox of a root task, children before parents (deepest first)."""
-        members = sorted(self.find(root_task_id=root_task_id), key=lambda s: -s.lineage.depth)
-        return [gone for member in members if (gone := self.destroy(member.id)) is not None]
+        found = self._backend.find(selector(root_task_id=root_task_id))
+        members = sorted(map(Sandbox.from_info, found), key=lambda s: -s.lineage.depth)
+        for member in members:
+            self.destroy_sandbox(member, _nothing)
+        return members
 
     @contextmanager
     def _creating(self, lineage: Lineage) -> Iterator[None]:
@@ -294,6 +318,10 @@ class SandboxManager:
         names, now = sandbox.slices(), self._clock()
         with self._placing:
             self._vacated[names.user] = self._vacated[names.project] = now
+
+    def _disarming(self, sandbox_id: str) -> Callable[[], None] | None:
+        deadlines = self._deadlines
+        return None if deadlines is None else lambda: deadlines.disarm(sandbox_id)
 
     def _arm(self, sandbox_id: str, container_id: str, at: datetime | None) -> None:
         if self._deadlines is not None and at is not None:
@@ -386,6 +414,25 @@ class SandboxManager:
                 names = slice_names(user, project)
                 busy |= {names.user, names.project}
         return busy
+
+
+def _nothing(sandbox: Sandbox) -> None:
+    """A last look that reads nothing."""
+
+
+@contextmanager
+def _beside(pool: Executor, work: Callable[[], None] | None) -> Iterator[None]:
+    """Run ``work`` on ``pool`` while the block runs; then wait for it and raise its error,
+    unless the block's own error is on its way."""
+    if work is None:
+        yield
+        return
+    done = pool.submit(work)
+    try:
+        yield
+    finally:
+        wait([done])
+    done.result()
 
 
 def _request(admitted: Admitted, lineage: Lineage) -> SandboxRequest:

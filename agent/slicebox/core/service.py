@@ -147,9 +147,10 @@ class Service:
         return usage.to_wire() if usage else None
 
     def _destroy(self, who: Identity, sandbox: Sandbox) -> Destroyed:
+        """``destroyed`` says whether this call removed it: of two destroys at once (or one and
+        the reaper's), the other answers false."""
         with self._audit(AuditEvent.SANDBOX_DESTROYED, who, **_subject(sandbox)) as record:
-            usage = self._final_usage(sandbox)
-            gone = self._sandboxes.destroy(sandbox.id) is not None
+            gone, usage = self._sandboxes.destroy_sandbox(sandbox, self._final_usage)
             record["usage"] = usage.to_wire() if usage else None
             return Destroyed(id=sandbox.id, destroyed=gone, usage=usage)
 

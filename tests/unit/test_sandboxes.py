@@ -5,6 +5,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from slicebox.backends.base import SandboxInfo, SandboxState
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.model.config import parse_config
@@ -170,3 +171,21 @@ def test_failed_slice_start_undoes_the_user_slice(world: World) -> None:
 def test_get_unknown_is_not_found(world: World) -> None:
     with pytest.raises(NotFound):
         world.manager.get("sbx-nope")
+
+
+def test_get_looks_up_the_name_and_believes_only_the_labels(world: World) -> None:
+    box = world.manager.create(spec())
+    assert world.manager.get(box.id) == box
+    world.docker.containers["c-x"] = SandboxInfo(
+        id="c-x",
+        name="sbx-stranger",
+        labels={"slicebox.managed": "true"},
+        state=SandboxState.RUNNING,
+    )
+    for not_a_sandbox in ("sbx-stranger", box.container_id, box.container_id[:12]):
+        with pytest.raises(NotFound):
+            world.manager.get(not_a_sandbox)
+    world.docker.down = "no Docker call for a name Docker would refuse"
+    for hostile in ("../../images/json", "a/b", "", "-x", "sbx-1?all=1"):
+        with pytest.raises(NotFound):
+            world.manager.get(hostile)

@@ -158,7 +158,7 @@ def test_a_destroy_costs_the_same_few_calls_however_many_sandboxes_exist(world: 
         costs[0]
         == costs[1]
         == {
-            "docker.find": 1,  # the sandbox, by its labels
+            "docker.inspect": 1,  # the sandbox, by its container's name
             "docker.sandbox_pid": 1,  # for its network counters, in the final usage
             "docker.remove": 1,
             "systemd.status": 1,  # its scope has stopped

@@ -12,6 +12,7 @@ stops them once they have been empty for ``reaper.empty_slice_grace_seconds``.
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import threading
 from collections import Counter
@@ -45,6 +46,9 @@ KEEP_ALIVE = ("sleep", "infinity")
 # request threads (server.pools), so destroys at once seldom wait for one.
 ASIDE_THREADS = 8
 T = TypeVar("T")
+# What Docker accepts as a container name: anything else is no sandbox's id, and never reaches
+# Docker's API as part of a path.
+CONTAINER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]+")
 
 
 def new_sandbox_id() -> str:
@@ -224,11 +228,15 @@ class SandboxManager:
 
     def get(self, sandbox_id: str, *, current_deadline: bool = False) -> Sandbox:
         """The sandbox; with ``current_deadline`` its ``expires_at`` is the one systemd holds
-        now (one more systemd call), otherwise the one its labels were created with."""
-        found = self._backend.find(selector(sandbox_id=sandbox_id))
-        if not found:
+        now (one more systemd call), otherwise the one its labels were created with.
+
+        Its container is named after it, so it is looked up by name, which costs the same
+        however many containers there are (a list filtered by label goes through them all);
+        its labels still decide whether it is that sandbox."""
+        info = self._backend.inspect(sandbox_id) if CONTAINER_NAME.fullmatch(sandbox_id) else None
+        if info is None or not _labelled(info, sandbox_id):
             raise NotFound(f"no sandbox {sandbox_id}; list sandboxes to see the ids")
-        sandbox = Sandbox.from_info(found[0])
+        sandbox = Sandbox.from_info(info)
         return self._with_deadlines([sandbox])[0] if current_deadline else sandbox
 
     def find(self, **labels: str) -> list[Sandbox]:
@@ -414,6 +422,11 @@ class SandboxManager:
                 names = slice_names(user, project)
                 busy |= {names.user, names.project}
         return busy
+
+
+def _labelled(info: SandboxInfo, sandbox_id: str) -> bool:
+    """Whether the container carries the labels of slicebox's sandbox ``sandbox_id``."""
+    return all(info.labels.get(k) == v for k, v in selector(sandbox_id=sandbox_id).items())
 
 
 def _nothing(sandbox: Sandbox) -> None:

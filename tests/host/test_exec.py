@@ -74,7 +74,7 @@ class Agent:
             usage=UsageReader(CgroupFS(), integrator=MemoryIntegrator(time.monotonic)),
             tree=TreeReader(CgroupFS()),
             auditor=Auditor(self.journal),
-            pid_of=lambda container_id: None,
+            pid_of=lambda sandbox: None,
         )
         self.who = Identity(uid=0, gid=0, pid=os.getpid(), user_name=self.user, is_admin=False)
 

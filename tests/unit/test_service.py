@@ -12,16 +12,16 @@ import pytest
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
 from slicebox.core.reaper import Reaper
-from slicebox.core.sandboxes import SandboxManager
-from slicebox.core.service import Service
+from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.service import Service, cgroups_of
 from slicebox.core.slices import SliceManager
-from slicebox.core.telemetry import TreeReader, UsageReader
+from slicebox.core.telemetry import TreeReader, UsageReader, scope_pid
 from slicebox.host.cgroupfs import CgroupFS
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
 from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest
 from slicebox.model.config import ReaperConfig, parse_config
-from slicebox.model.errors import Forbidden, NotFound, SliceboxError
+from slicebox.model.errors import Forbidden, NotFound
 from slicebox.model.exec import ExecRequest, OutputStream, StreamChunk
 from tests.fakes.counting import counting
 from tests.fakes.docker import FakeDocker
@@ -61,11 +61,8 @@ class World:
         )
         self.journal = ListJournal()
 
-        def pid_of(container_id: str) -> int | None:  # as server.runtime finds it
-            try:
-                return docker.sandbox_pid(container_id)
-            except SliceboxError:
-                return None
+        def pid_of(sandbox: Sandbox) -> int | None:  # as server.runtime finds it
+            return scope_pid(CgroupFS(tmp), cgroups_of(sandbox).scope)
 
         self.service = Service(
             self.sandboxes,
@@ -159,7 +156,6 @@ def test_a_destroy_costs_the_same_few_calls_however_many_sandboxes_exist(world: 
         == costs[1]
         == {
             "docker.inspect": 1,  # the sandbox, by its container's name
-            "docker.sandbox_pid": 1,  # for its network counters, in the final usage
             "docker.remove": 1,
             "systemd.status": 1,  # its scope has stopped
             "systemd.list_units": 1,  # its deadline timer, to disarm

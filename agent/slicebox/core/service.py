@@ -78,7 +78,7 @@ class Service:
         usage: UsageReader,
         tree: TreeReader,
         auditor: Auditor,
-        pid_of: Callable[[str], int | None],
+        pid_of: Callable[[Sandbox], int | None],
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         reaper: Reaper | None = None,
     ) -> None:
@@ -217,7 +217,7 @@ class Service:
             created_at=sandbox.created_at,
             cpu=sandbox.limits.cpus,
             memory_bytes=sandbox.limits.memory_bytes,
-            init_pid=self._pid_of(sandbox.container_id),
+            init_pid=self._pid_of(sandbox),
         )
 
     # --- authorization and audit -----------------------------------------------------------

@@ -96,6 +96,14 @@ def test_one_shot_runs_in_a_project_make_its_slices_once_and_never_stop_them(
     assert [unit for call, unit in slice_calls if call in ("stop", "start")] == []
 
 
+def test_a_create_into_a_kept_slice_gives_it_the_ceiling_in_force(world: World) -> None:
+    world.manager.destroy(world.manager.create(spec()).id)
+    assert world.systemd.properties["slicebox-al\\x2dice-p.slice"]["MemoryMax"] == 400 * MiB
+    world.manager.reconfigure(parse_config('[projects."al-ice/p"]\nmemory = "300MB"\n'))
+    world.manager.create(spec())
+    assert world.systemd.properties["slicebox-al\\x2dice-p.slice"]["MemoryMax"] == 300 * MiB
+
+
 def test_destroy_while_another_removal_runs_is_idempotent(world: World) -> None:
     box = world.manager.create(spec())
     world.docker.begin_removal(box.container_id)  # say, the reaper's destroy of it

@@ -71,7 +71,7 @@ class Agent:
             usage=UsageReader(CgroupFS(), integrator=MemoryIntegrator(time.monotonic)),
             tree=TreeReader(CgroupFS()),
             auditor=Auditor(SystemJournal()),  # the agent audits every action too
-            pid_of=lambda container_id: None,
+            pid_of=lambda sandbox: None,
         )
         self.who = Identity(uid=0, gid=0, pid=os.getpid(), user_name=USER, is_admin=True)
 

@@ -14,7 +14,19 @@ UNITS = Path(__file__).resolve().parents[2] / "units"
 RUNTIME = Path("/run/systemd/system")
 SOCKET = Path("/run/slicebox/slicebox.sock")
 CONFIG = Path("/etc/slicebox/config.toml")
-TEST_CONFIG = 'default_image = "slicebox-test/busybox:latest"\n'
+
+
+def agent_config(reaper: str = "") -> str:
+    """The test agents' config: the guest's image, and ``reaper`` settings after a grace of 0
+    for empty slices, so a reaper pass after a test's destroys takes the slices they left
+    (with the default they would stay 300 s) and proves that none leaks."""
+    return (
+        'default_image = "slicebox-test/busybox:latest"\n'
+        f"[reaper]\nempty_slice_grace_seconds = 0\n{reaper}"
+    )
+
+
+TEST_CONFIG = agent_config()
 
 
 def drop_in(watchdog_sec: int, start_limit: bool = True) -> str:
@@ -50,6 +62,10 @@ def installed_agent(
     try:
         yield
     finally:
+        # The test removed its sandboxes; a pass takes the slices they left (grace 0 above).
+        # A stopped agent is not started for it: the tests that stop theirs make no sandbox.
+        if prop("slicebox.service", "ActiveState") == "active":
+            sh("slicebox", "reap", check=False)
         sh("systemctl", "stop", "slicebox.service", "slicebox.socket", check=False)
         sh("systemctl", "reset-failed", "slicebox.service", "slicebox.socket", check=False)
         shutil.rmtree(directory)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from slicebox.core.sandboxes import SandboxManager
+from slicebox.model.errors import SliceboxError
+from slicebox.model.names import parse_slice
 from slicebox.model.paths import CGROUP_ROOT as PURE_ROOT
 from tests.host.helpers import CGROUP_ROOT, sh, stop_unit
 
@@ -34,3 +37,19 @@ def cleanup_slices(*units: str) -> None:
         stop_unit(unit)
         for directory in CONTROL_DIRS:
             shutil.rmtree(directory / f"{unit}.d", ignore_errors=True)
+
+
+def reap_empty_slices(manager: SandboxManager, user: str) -> None:
+    """What a reaper pass without a grace does to the user's slices once their sandboxes are
+    gone (a destroy leaves them): stop each that holds nothing, projects first. A slice that
+    still holds something stays, for the test's leftovers check to find."""
+    units = [unit for unit in slicebox_units("slicebox-*.slice") if _owner(unit) == user]
+    for unit in sorted(units, key=lambda u: -u.count("-")):
+        manager.stop_slice_if_idle(unit)
+
+
+def _owner(unit: str) -> str | None:
+    try:
+        return parse_slice(unit)[0]
+    except SliceboxError:  # the managed slice, or a name slicebox does not make
+        return None

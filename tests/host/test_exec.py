@@ -45,7 +45,7 @@ from slicebox.model.names import MANAGED_SLICE, slice_names
 from slicebox.model.spec import SandboxSpec
 from tests.fakes.journal import ListJournal
 from tests.host.helpers import TEST_IMAGE, unique
-from tests.host.sliceboxhost import active, cleanup_slices, slicebox_units
+from tests.host.sliceboxhost import active, cleanup_slices, reap_empty_slices, slicebox_units
 
 pytestmark = pytest.mark.host
 
@@ -76,7 +76,7 @@ class Agent:
             usage=UsageReader(CgroupFS(), integrator=MemoryIntegrator(time.monotonic)),
             tree=TreeReader(CgroupFS()),
             auditor=Auditor(self.journal),
-            pid_of=lambda container_id: None,
+            pid_of=lambda sandbox: None,
         )
         self.who = Identity(uid=0, gid=0, pid=os.getpid(), user_name=self.user, is_admin=False)
 
@@ -87,7 +87,9 @@ class Agent:
         return slicebox_units(slice_names(self.user, "x").user[:-6] + "*")
 
     def leftovers(self, project: str) -> tuple[list[str], list[str]]:
-        """The project's containers and slice (the module's shared sandbox is elsewhere)."""
+        """The project's containers and slice (the module's shared sandbox is elsewhere), once
+        a reaper pass without a grace stopped the slices its destroys left."""
+        reap_empty_slices(self.manager, self.user)
         found = self.backend.find({"slicebox.user": self.user, "slicebox.project": project})
         return [c.id for c in found], slicebox_units(slice_names(self.user, project).project)
 

@@ -36,7 +36,7 @@ from slicebox.model.names import MANAGED_SLICE
 from slicebox.model.reaper import Action, Kind, Rule
 from slicebox.model.spec import SandboxSpec
 from tests.fakes.journal import ListJournal
-from tests.host.agentunits import SOCKET, TEST_CONFIG, installed_agent
+from tests.host.agentunits import SOCKET, agent_config, installed_agent
 from tests.host.helpers import TEST_IMAGE, sh, unique, wait_for
 from tests.host.sliceboxhost import active, cleanup_slices, slicebox_units
 
@@ -64,7 +64,8 @@ class Host:
             deadlines=self.deadlines,
         )
         self.journal = ListJournal()
-        self.config = ReaperConfig(state_dir=state_dir)
+        # No grace: a pass stops the slices its own destroys emptied, as these tests expect.
+        self.config = ReaperConfig(state_dir=state_dir, empty_slice_grace_seconds=0)
         self.reaper = Reaper(
             self.manager,
             self.slices,
@@ -207,7 +208,7 @@ def test_dry_run_changes_nothing_and_a_pass_removes_every_kind_of_leftover(host:
 
 # --- the agent: deadlines while it is down, extension, the CLI, and kill -9 ----------------
 
-AGENT_CONFIG = TEST_CONFIG + "[reaper]\ninterval_seconds = 3600\n"  # passes only on demand
+AGENT_CONFIG = agent_config(reaper="interval_seconds = 3600\n")  # passes only on demand
 
 
 @pytest.fixture

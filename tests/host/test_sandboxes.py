@@ -23,7 +23,14 @@ from slicebox.model.labels import selector
 from slicebox.model.names import MANAGED_SLICE, slice_names
 from slicebox.model.spec import Mount, SandboxSpec
 from tests.host.helpers import TEST_IMAGE, unique, wait_for
-from tests.host.sliceboxhost import active, cleanup_slices, events, read, slicebox_units
+from tests.host.sliceboxhost import (
+    active,
+    cleanup_slices,
+    events,
+    read,
+    reap_empty_slices,
+    slicebox_units,
+)
 
 pytestmark = pytest.mark.host
 MiB = 1024 * 1024
@@ -126,6 +133,7 @@ def test_sandbox_in_its_scope_with_lineage_limits_and_hardening(env: Env) -> Non
     assert gone is not None
     assert gone.id == box.id
     assert manager.destroy(box.id) is None, "destroy is idempotent"
+    reap_empty_slices(manager, env.user)
     assert env.leftovers(env.user) == ([], [])
     assert not Path(str(cgroups.user)).exists()
 
@@ -152,6 +160,7 @@ def test_project_ceiling_oom_kills_inside_that_project_only(env: Env) -> None:
     finally:
         for box in [*tight, other]:
             manager.destroy(box.id)
+    reap_empty_slices(manager, env.user)
     assert env.leftovers(env.user) == ([], [])
 
 
@@ -178,6 +187,7 @@ def test_fork_bombs_main_and_exec_stay_under_project_tasksmax(env: Env) -> None:
     finally:
         manager.destroy(main.id)
         manager.destroy(other.id)
+    reap_empty_slices(manager, env.user)
     assert env.leftovers(env.user) == ([], [])
 
 
@@ -202,6 +212,7 @@ def test_user_ceiling_caps_the_sum_of_its_projects(env: Env) -> None:
     finally:
         for box in boxes:
             manager.destroy(box.id)
+    reap_empty_slices(manager, user)
     assert env.leftovers(user) == ([], [])
 
 
@@ -260,4 +271,5 @@ def test_cascade_destroys_a_root_task_deepest_first(env: Env) -> None:
         )
         == []
     )
+    reap_empty_slices(manager, env.user)
     assert env.leftovers(env.user) == ([], [])

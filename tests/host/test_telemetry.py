@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +22,13 @@ import pytest
 from docker.models.containers import Container
 from pydantic import ValidationError
 
-from slicebox.core.telemetry import SandboxCgroups, SandboxMeta, TreeReader, UsageReader
+from slicebox.core.telemetry import (
+    SandboxCgroups,
+    SandboxMeta,
+    TreeReader,
+    UsageReader,
+    scope_pid,
+)
 from slicebox.host.cgroupfs import CgroupFS, CgroupReader
 from slicebox.host.netstats import NetnsCounters
 from slicebox.model.usage import Level, LevelNode, ResourceUsage, oom_blame, throttle_blame
@@ -64,10 +71,13 @@ def sandbox(client: docker.DockerClient, project: str, **kwargs: object) -> Sand
         cgroup_parent=project_slice(project),
         **kwargs,
     )
-    pid = client.api.inspect_container(container.id)["State"]["Pid"]
+    init = client.api.inspect_container(container.id)["State"]["Pid"]
     scope = f"slicebox.slice/slicebox-{USER}.slice/{project_slice(project)}"
     where = SandboxCgroups.of_scope(f"{scope}/docker-{container.id}.scope")
     assert (CGROUP_ROOT / where.scope).is_dir()
+    pid = scope_pid(CgroupFS(), where.scope)  # as the agent finds it: no Docker call
+    assert pid is not None
+    assert os.readlink(f"/proc/{pid}/ns/net") == os.readlink(f"/proc/{init}/ns/net")
     meta = SandboxMeta("docker", datetime.now(UTC), 0.5, 256 * MiB, init_pid=pid)
     return Sandbox(container, where, meta)
 

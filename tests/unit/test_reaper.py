@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -13,8 +14,8 @@ import pytest
 from slicebox.backends.base import SandboxInfo, SandboxState
 from slicebox.core.deadlines import Deadlines, Timer, timer_unit
 from slicebox.core.reaper import Reaper
-from slicebox.core.reaping import Observed, plan
-from slicebox.core.sandboxes import SandboxManager
+from slicebox.core.reaping import Observed, plan, plan_pass
+from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.host.journal import Auditor
 from slicebox.model.audit import AuditEvent
@@ -27,8 +28,9 @@ from tests.fakes.journal import ListJournal
 from tests.fakes.systemd import FakeSystemd
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+NOW_S = "2026-01-02T03:04:05+00:00"
 RUN = "run-now"
-POLICY = ReaperConfig()
+POLICY = ReaperConfig(empty_slice_grace_seconds=0)  # the grace has tests of its own
 
 
 def box(
@@ -130,7 +132,7 @@ def test_orphans_of_another_run_are_adopted_by_default_and_reaped_on_request() -
     assert kinds(plan(found, NOW, POLICY)) == [(Kind.ADOPT, Rule.ADOPT, "a")]
     adopted = found.model_copy(update={"adopted": frozenset({"a"})})
     assert plan(adopted, NOW, POLICY) == []
-    reap = ReaperConfig(orphans=OrphanPolicy.REAP)
+    reap = POLICY.model_copy(update={"orphans": OrphanPolicy.REAP})
     assert kinds(plan(found, NOW, reap)) == [(Kind.DESTROY, Rule.ORPHAN, "a")]
     assert plan(adopted, NOW, reap) == [], "what this run adopted is its own"
 
@@ -176,10 +178,10 @@ def test_idle_pool_members_beyond_the_size_go_oldest_first_per_kind() -> None:
         box("q1", pool=True, project="q"),
         box("busy"),
     )
-    policy = ReaperConfig(pool_size=1)
+    policy = POLICY.model_copy(update={"pool_size": 1})
     surplus = [a.target for a in plan(found, NOW, policy) if a.rule is Rule.POOL_SURPLUS]
     assert surplus == ["p1", "p2"]
-    assert len([a for a in plan(found, NOW, ReaperConfig()) if a.kind is Kind.DESTROY]) == 4
+    assert len([a for a in plan(found, NOW, POLICY) if a.kind is Kind.DESTROY]) == 4
 
 
 def test_a_running_sandbox_without_its_timer_gets_it_back_from_the_label() -> None:
@@ -238,6 +240,32 @@ def test_a_slice_whose_last_sandbox_goes_in_this_pass_goes_after_it() -> None:
     ]
 
 
+def test_an_empty_slice_is_stopped_only_once_its_grace_is_over() -> None:
+    units = ["slicebox-alice.slice", "slicebox-alice-p.slice", "slicebox-alice-q.slice"]
+    policy = ReaperConfig(empty_slice_grace_seconds=300)
+    first = plan_pass(observed(box("a"), slices=units), NOW, policy)
+    assert kinds(first.actions) == [(Kind.ARM_DEADLINE, Rule.DEADLINE_MISSING, "a")]
+    assert first.empty_since == {"slicebox-alice-q.slice": NOW}, "empty from now, in use not"
+    later = observed(box("a"), slices=units, empty_since=first.empty_since)
+    assert plan_pass(later, NOW + timedelta(seconds=299), policy).actions[1:] == []
+    due = plan_pass(later, NOW + timedelta(seconds=300), policy)
+    assert [(a.kind, a.target, a.reason) for a in due.actions[1:]] == [
+        (Kind.STOP_SLICE, "slicebox-alice-q.slice", f"no sandbox of alice/q is left since {NOW_S}")
+    ]
+    assert due.empty_since == first.empty_since, "the memory keeps the first sighting"
+
+
+def test_a_slice_in_use_again_forgets_since_when_it_was_empty() -> None:
+    units = ["slicebox-alice.slice", "slicebox-alice-p.slice"]
+    policy = ReaperConfig(empty_slice_grace_seconds=300)
+    long_ago = {unit: NOW - timedelta(hours=1) for unit in units}
+    timer = Timer(unit="t", sandbox_id="a", at=NOW + timedelta(hours=1))
+    used = plan_pass(
+        observed(box("a"), slices=units, timers=[timer], empty_since=long_ago), NOW, policy
+    )
+    assert used == ([], {})
+
+
 # --- the executor over fakes -------------------------------------------------------------
 
 
@@ -259,7 +287,7 @@ class World:
             deadlines=Deadlines(self.systemd, systemctl="/usr/bin/systemctl"),
         )
         self.journal = ListJournal()
-        self.config = ReaperConfig(state_dir=tmp / "state")
+        self.config = ReaperConfig(state_dir=tmp / "state", empty_slice_grace_seconds=0)
         self.reaper = Reaper(
             self.manager,
             self.slices,
@@ -288,6 +316,27 @@ def test_create_arms_a_timer_that_kills_the_scope_and_destroy_disarms_it(world: 
     assert argv == ["/usr/bin/systemctl", "kill", "--signal=SIGKILL", f"docker-{container}.scope"]
     world.manager.destroy(sandbox_id)
     assert world.systemd.timers == {}
+
+
+def test_a_destroy_disarms_the_deadline_beside_the_removal_not_after_it(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sandbox_id = world.create(ttl_seconds=60)
+    disarming = threading.Event()
+    list_units, remove = world.systemd.list_units, world.docker.remove
+
+    def list_while_disarming(pattern: str, *, active_only: bool = False) -> list[str]:
+        disarming.set()
+        return list_units(pattern, active_only=active_only)
+
+    def remove_once_disarming(container_id: str) -> bool:
+        assert disarming.wait(timeout=5), "the disarm did not start beside the removal"
+        return remove(container_id)
+
+    monkeypatch.setattr(world.systemd, "list_units", list_while_disarming)
+    monkeypatch.setattr(world.docker, "remove", remove_once_disarming)
+    assert world.manager.destroy(sandbox_id) is not None
+    assert (world.docker.containers, world.systemd.timers) == ({}, {})
 
 
 def test_extend_arms_the_later_timer_then_stops_the_earlier(world: World) -> None:
@@ -319,13 +368,60 @@ def test_a_pass_destroys_the_expired_audits_each_action_and_dry_run_changes_noth
     assert {s.id for s in world.manager.find()} == {keep, doomed}
     assert world.journal.entries == []
     done = world.reaper.run()
-    assert [o.result for o in done.outcomes] == ["ok", "ok", "skipped"]  # destroy took the slice
+    assert [o.result for o in done.outcomes] == ["ok", "ok", "ok"]  # destroys leave slices
     assert [s.id for s in world.manager.find()] == [keep]
     assert not (world.config.state_dir / "sbx-gone").exists()
     rules = [e["SLICEBOX_REAPER_RULE"] for e in world.journal.entries]
     assert rules == ["expired", "leftover_files", "empty_slice"]
     assert {e["SLICEBOX_EVENT"] for e in world.journal.entries} == {AuditEvent.REAPER_ACTION}
     assert world.reaper.run().plan == [], "a second pass finds nothing"
+
+
+def test_with_a_grace_the_slices_outlive_their_last_sandbox_by_that_long(world: World) -> None:
+    world.config = world.config.model_copy(update={"empty_slice_grace_seconds": 300})
+    units = {"slicebox-alice.slice", "slicebox-alice-p.slice"}
+
+    def pass_at(seconds: int) -> list[str]:
+        world.now = NOW + timedelta(seconds=seconds)
+        return [a.target for a in world.reaper.run().plan if a.kind is Kind.STOP_SLICE]
+
+    world.manager.destroy(world.create())
+    assert [pass_at(s) for s in (0, 30, 150, 299)] == [[], [], [], []]
+    assert units <= world.systemd.running
+    world.manager.destroy(world.create())  # between passes: the grace starts again
+    assert [pass_at(s) for s in (330, 450)] == [[], []]
+    assert pass_at(600) == ["slicebox-alice-p.slice", "slicebox-alice.slice"]
+    assert not units & world.systemd.running
+    assert world.manager.vacated() == {}
+    assert pass_at(900) == []
+
+
+def test_a_destroy_racing_the_reapers_makes_one_removal_and_no_error(world: World) -> None:
+    sandbox_id = world.create(ttl_seconds=10)
+    world.now = NOW + timedelta(seconds=11)
+    destroyed: list[Sandbox | None] = []
+
+    def caller_destroys_meanwhile(sandbox: Sandbox) -> dict[str, object] | None:
+        destroyed.append(world.manager.destroy(sandbox.id))  # while the reaper looks last
+        return None
+
+    reaper = Reaper(
+        world.manager,
+        world.slices,
+        world.docker,
+        auditor=Auditor(world.journal),
+        config=lambda: world.config,
+        clock=lambda: world.now,
+        final_usage=caller_destroys_meanwhile,
+    )
+    report = reaper.run()
+    assert [(a.kind, o.result) for a, o in zip(report.plan, report.outcomes, strict=True)][:1] == [
+        (Kind.DESTROY, "skipped")  # the caller's destroy removed it first
+    ]
+    assert [s.id for s in destroyed if s is not None] == [sandbox_id]
+    assert len(world.docker.removed) == 1
+    assert world.manager.find() == []
+    assert world.systemd.timers == {}
 
 
 def test_adoption_happens_once_and_rearms_the_missing_deadline(world: World) -> None:

@@ -48,7 +48,7 @@ def test_a_container_with_a_malformed_label_names_it() -> None:
 
 
 def test_every_other_rule_reads_as_a_sentence() -> None:
-    reap = ReaperConfig(orphans=OrphanPolicy.REAP, pool_size=0)
+    reap = POLICY.model_copy(update={"orphans": OrphanPolicy.REAP, "pool_size": 0})
     found = reasons(
         box("gone", status="exited"),
         box("new", status="created"),

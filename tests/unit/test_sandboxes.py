@@ -5,6 +5,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from slicebox.backends.base import SandboxInfo, SandboxState
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.model.config import parse_config
@@ -66,15 +67,41 @@ def test_create_places_hardens_and_labels(world: World) -> None:
     )
 
 
-def test_destroy_is_idempotent_and_removes_empty_slices(world: World) -> None:
+def test_destroy_is_idempotent_and_leaves_the_slices_to_the_reaper(world: World) -> None:
     first = world.manager.create(spec())
     second = world.manager.create(spec(project="q"))
     assert world.manager.destroy(first.id) == first
-    assert world.user_slices() == {"slicebox-al\\x2dice.slice", "slicebox-al\\x2dice-q.slice"}
     assert world.manager.destroy(first.id) is None
     world.manager.destroy(second.id)
-    assert world.user_slices() == set()
+    assert world.docker.containers == {}
+    assert world.user_slices() == {
+        "slicebox-al\\x2dice.slice",
+        "slicebox-al\\x2dice-p.slice",
+        "slicebox-al\\x2dice-q.slice",
+    }
+    assert set(world.manager.vacated()) == world.user_slices(), "for the reaper's grace"
+    assert world.manager.stop_slice_if_idle("slicebox-al\\x2dice-p.slice")
+    assert set(world.manager.vacated()) == world.user_slices()
     assert MANAGED_SLICE in world.systemd.running
+
+
+def test_one_shot_runs_in_a_project_make_its_slices_once_and_never_stop_them(
+    world: World,
+) -> None:
+    for _ in range(3):
+        world.manager.destroy(world.manager.create(spec()).id)
+    slice_calls = [(call, unit) for call, unit in world.systemd.calls if unit.endswith(".slice")]
+    made = [unit for call, unit in slice_calls if call == "start_transient"]
+    assert made == [MANAGED_SLICE, "slicebox-al\\x2dice.slice", "slicebox-al\\x2dice-p.slice"]
+    assert [unit for call, unit in slice_calls if call in ("stop", "start")] == []
+
+
+def test_a_create_into_a_kept_slice_gives_it_the_ceiling_in_force(world: World) -> None:
+    world.manager.destroy(world.manager.create(spec()).id)
+    assert world.systemd.properties["slicebox-al\\x2dice-p.slice"]["MemoryMax"] == 400 * MiB
+    world.manager.reconfigure(parse_config('[projects."al-ice/p"]\nmemory = "300MB"\n'))
+    world.manager.create(spec())
+    assert world.systemd.properties["slicebox-al\\x2dice-p.slice"]["MemoryMax"] == 300 * MiB
 
 
 def test_destroy_while_another_removal_runs_is_idempotent(world: World) -> None:
@@ -152,3 +179,21 @@ def test_failed_slice_start_undoes_the_user_slice(world: World) -> None:
 def test_get_unknown_is_not_found(world: World) -> None:
     with pytest.raises(NotFound):
         world.manager.get("sbx-nope")
+
+
+def test_get_looks_up_the_name_and_believes_only_the_labels(world: World) -> None:
+    box = world.manager.create(spec())
+    assert world.manager.get(box.id) == box
+    world.docker.containers["c-x"] = SandboxInfo(
+        id="c-x",
+        name="sbx-stranger",
+        labels={"slicebox.managed": "true"},
+        state=SandboxState.RUNNING,
+    )
+    for not_a_sandbox in ("sbx-stranger", box.container_id, box.container_id[:12]):
+        with pytest.raises(NotFound):
+            world.manager.get(not_a_sandbox)
+    world.docker.down = "no Docker call for a name Docker would refuse"
+    for hostile in ("../../images/json", "a/b", "", "-x", "sbx-1?all=1"):
+        with pytest.raises(NotFound):
+            world.manager.get(hostile)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -13,10 +14,10 @@ from slicebox.core.budget import OutputBudget
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
 from slicebox.core.reaper import Reaper
-from slicebox.core.sandboxes import SandboxManager
-from slicebox.core.service import Service
+from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.service import Service, cgroups_of
 from slicebox.core.slices import SliceManager
-from slicebox.core.telemetry import TreeReader, UsageReader
+from slicebox.core.telemetry import TreeReader, UsageReader, scope_pid
 from slicebox.host.cgroupfs import CgroupFS
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
@@ -24,6 +25,7 @@ from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest
 from slicebox.model.config import DEFAULT_EXEC_OUTPUT_BUDGET, ReaperConfig, parse_config
 from slicebox.model.errors import Forbidden, NotFound, SandboxNotRunning
 from slicebox.model.exec import ExecRequest, ExecResult, OutputStream, StreamChunk
+from tests.fakes.counting import counting
 from tests.fakes.docker import FakeDocker
 from tests.fakes.exec_fakes import FakeClock, FakeExec, FakeExecApi, FakeSandboxHost
 from tests.fakes.journal import ListJournal
@@ -38,16 +40,19 @@ ORCH = Identity(uid=1002, gid=1002, pid=13, user_name="orch", is_admin=True)
 
 class World:
     def __init__(self, tmp: Path, budget: OutputBudget | None = None) -> None:
-        systemd = FakeSystemd()
+        self.systemd = FakeSystemd()
         clock, self.host = FakeClock(), FakeSandboxHost()
         self.run = FakeExec([[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None])
         self.exec_api = FakeExecApi(clock, self.host, self.run)
-        self.docker = FakeDocker(systemd, execs=self.exec_api)
+        self.docker = FakeDocker(self.systemd, execs=self.exec_api)
+        # Every call the agent makes to Docker and systemd, as "docker.find", "systemd.stop"...
+        self.calls: Counter[str] = Counter()
+        docker = counting(self.docker, self.calls, "docker")
+        systemd = counting(self.systemd, self.calls, "systemd")
         ids = (f"sbx-{n:012x}" for n in itertools.count(1))
         slices = SliceManager(systemd)
-        self.systemd = systemd
         self.sandboxes = SandboxManager(
-            self.docker,
+            docker,
             slices,
             config=parse_config(""),
             host_memory=4096 * MiB,
@@ -58,19 +63,23 @@ class World:
         )
         self.journal = ListJournal()
         self.budget = budget or OutputBudget.fixed(DEFAULT_EXEC_OUTPUT_BUDGET)
+
+        def pid_of(sandbox: Sandbox) -> int | None:  # as server.runtime finds it
+            return scope_pid(CgroupFS(tmp), cgroups_of(sandbox).scope)
+
         self.service = Service(
             self.sandboxes,
-            ExecEngine(self.docker, self.host, clock=clock, sleep=clock.sleep),
+            ExecEngine(docker, self.host, clock=clock, sleep=clock.sleep),
             usage=UsageReader(CgroupFS(tmp)),
             tree=TreeReader(CgroupFS(tmp)),
             auditor=Auditor(self.journal),
-            pid_of=lambda cid: None,
+            pid_of=pid_of,
             clock=lambda: NOW,
             budget=self.budget,
             reaper=Reaper(
                 self.sandboxes,
                 slices,
-                self.docker,
+                docker,
                 auditor=Auditor(self.journal),
                 config=lambda: ReaperConfig(state_dir=tmp / "state"),
                 clock=lambda: NOW,
@@ -135,6 +144,38 @@ def test_every_action_is_audited_with_the_caller(world: World) -> None:
     assert all(e["SLICEBOX_CALLER_UID"] == "1000" for e in world.journal.entries)
     assert world.journal.entries[1]["SLICEBOX_EXIT_CODE"] == "0"
     assert {e["SLICEBOX_SANDBOX_ID"] for e in world.journal.entries} == {box}
+
+
+def test_a_destroy_costs_the_same_few_calls_however_many_sandboxes_exist(world: World) -> None:
+    costs = []
+    for _ in range(2):
+        target = world.create(ALICE)
+        world.calls.clear()
+        assert world.service.destroy(ALICE, target).destroyed
+        costs.append(dict(world.calls))
+        for _ in range(5):  # more sandboxes of the same user and project, and timers
+            world.create(ALICE)
+    assert (
+        costs[0]
+        == costs[1]
+        == {
+            "docker.inspect": 1,  # the sandbox, by its container's name
+            "docker.remove": 1,
+            "systemd.status": 1,  # its scope has stopped
+            "systemd.list_units": 1,  # its deadline timer, to disarm
+            "systemd.stop": 1,
+        }
+    )
+
+
+def test_a_destroy_while_another_removal_runs_answers_false_and_no_error(world: World) -> None:
+    mine = world.create(ALICE)
+    world.docker.begin_removal(world.sandboxes.get(mine).container_id)  # say, the reaper's
+    assert world.service.destroy(ALICE, mine).destroyed is False
+    assert world.journal.events()[-1] == ("sandbox_destroyed", "ok")
+    world.docker.finish_removal(world.sandboxes.get(mine).container_id)
+    assert world.service.destroy(ALICE, mine).destroyed is False
+    assert world.service.list_sandboxes(ALICE) == []
 
 
 def test_one_shot_run_leaves_nothing(world: World) -> None:

@@ -16,6 +16,7 @@ from slicebox.core.telemetry import (
     SandboxMeta,
     TreeReader,
     UsageReader,
+    scope_pid,
 )
 from slicebox.host.cgroupfs import CgroupFS
 from slicebox.host.netstats import LinkCounters, NetnsCounters, link_counters, total_bytes
@@ -124,6 +125,17 @@ def test_usage_reads_the_seed_fields_from_the_tree(tree_root: Path) -> None:
         "disk_bytes_written": 52428800,
         "network_bytes": 1234,
     }
+
+
+def test_a_process_of_the_scope_stands_for_its_netns_and_none_when_it_is_gone(
+    tree_root: Path,
+) -> None:
+    files = CgroupFS(tree_root)
+    (tree_root / SCOPE / "cgroup.procs").write_text("4242\n4250\n")
+    assert scope_pid(files, SCOPE) == 4242
+    (tree_root / SCOPE / "cgroup.procs").write_text("")
+    assert scope_pid(files, SCOPE) is None
+    assert scope_pid(files, f"{PROJECT}/docker-gone.scope") is None
 
 
 def test_of_scope_derives_the_three_slices() -> None:

@@ -1,7 +1,9 @@
 """The reaper's executor: observe the real host, plan (:mod:`slicebox.core.reaping`), act.
 
 Actions run one at a time; a failed action is audited and the rest go on. ``dry_run`` stops
-after planning. Passes are serialized.
+after planning. Passes are serialized. The executor remembers, in memory only, since when each
+slice has been seen empty, so that the planner stops it once its grace is over; a restarted
+agent starts every grace again, which only keeps a slice a little longer.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from pathlib import Path
 
 from slicebox.backends.base import SandboxBackend
 from slicebox.core.deadlines import Timer
-from slicebox.core.reaping import FinalUsage, Observed, plan
-from slicebox.core.sandboxes import SandboxManager
+from slicebox.core.reaping import FinalUsage, Observed, plan_pass
+from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.host.journal import Auditor
 from slicebox.model.audit import AuditEvent, AuditRecord
@@ -50,6 +52,7 @@ class Reaper:
         self._clock = clock
         self._final_usage = final_usage
         self._adopted: set[str] = set()
+        self._empty_since: dict[str, datetime] = {}  # slice unit -> seen empty since
         self._pass = threading.Lock()  # one pass at a time: periodic and on demand
 
     @property
@@ -68,7 +71,14 @@ class Reaper:
             timers=deadlines.timers() if deadlines is not None else [],
             state_dirs=sorted(p.name for p in _children(state_dir)),
             adopted=self.adopted,
+            empty_since=self._seen_empty_since(),
         )
+
+    def _seen_empty_since(self) -> dict[str, datetime]:
+        """Since when each slice is empty: the first pass that saw it so, or the last destroy
+        in it since, whichever is later (a slice used between passes starts its grace anew)."""
+        vacated = self._sandboxes.vacated()
+        return {unit: max(at, vacated.get(unit, at)) for unit, at in self._empty_since.items()}
 
     def run(self, *, dry_run: bool = False) -> Report:
         with self._pass:
@@ -77,10 +87,11 @@ class Reaper:
     def _run(self, *, dry_run: bool) -> Report:
         now = self._clock()
         observed = self.observe()
-        actions = plan(observed, now, self._config())
+        actions, empty_since = plan_pass(observed, now, self._config())
         report = Report(dry_run=dry_run, at=now, instance_id=observed.instance_id, plan=actions)
         if dry_run:
             return report
+        self._empty_since = empty_since
         outcomes = [self._carry_out(action) for action in actions]
         if actions:
             log.info("reaper: %d actions, %d ok", len(actions), _count_ok(outcomes))
@@ -160,10 +171,13 @@ class Reaper:
             sandbox = self._sandboxes.get(action.sandbox_id)
         except SliceboxError:
             return False, None
-        usage = self._final_usage(sandbox) if self._final_usage is not None else None
-        gone = self._sandboxes.destroy(sandbox.id) is not None
+        gone, usage = self._sandboxes.destroy_sandbox(sandbox, self._final_usage or _no_usage)
         self._adopted.discard(sandbox.id)
         return gone, usage
+
+
+def _no_usage(sandbox: Sandbox) -> None:
+    return None
 
 
 class _Deferred(Exception):

@@ -25,14 +25,20 @@ The rules, each with its :class:`Rule` name in the plan and the audit:
   the start and the arming): the timer is armed from the label.
 - ``stale_deadline``: a timer whose sandbox is gone.
 - ``leftover_files``: a state directory whose sandbox is gone.
-- ``empty_slice``: a user or project slice no sandbox and no create in progress uses.
+- ``empty_slice``: a user or project slice no sandbox and no create in progress uses, and has
+  not used for ``reaper.empty_slice_grace_seconds``. Destroying a sandbox leaves its slices
+  alone, so a project whose sandboxes come and go (one-shot runs) keeps them instead of making
+  and stopping them for every sandbox. Since when a slice is empty is the executor's memory
+  (:attr:`Observed.empty_since`; an agent restart starts the grace again), and what
+  :func:`plan_pass` hands back for the next pass.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -63,24 +69,41 @@ class Observed(BaseModel):
     state_dirs: list[str] = []  # sandbox ids that have a state directory
     in_flight: dict[str, tuple[str, str]] = {}  # creates in progress: id -> (user, project)
     adopted: frozenset[str] = frozenset()
+    # Slice unit -> since when it is known to be empty; a slice not here is empty from now.
+    empty_since: dict[str, datetime] = {}
+
+
+class Plan(NamedTuple):
+    actions: list[Action]
+    # Every slice nothing uses once the removals are done -> since when: the next pass's
+    # ``Observed.empty_since``.
+    empty_since: dict[str, datetime]
 
 
 def plan(observed: Observed, now: datetime, policy: ReaperConfig) -> list[Action]:
     """The actions a pass takes, in order: removals deepest first, then the bookkeeping."""
+    return plan_pass(observed, now, policy).actions
+
+
+def plan_pass(observed: Observed, now: datetime, policy: ReaperConfig) -> Plan:
+    """:func:`plan`, and since when each unused slice is empty (for the next pass)."""
     sandboxes, removals = _sandboxes(observed)
     deadlines = latest(observed.timers)
     doomed = _doomed(observed, sandboxes, deadlines, now, policy)
     ordered = sorted(doomed, key=lambda i: (-sandboxes[i][0].lineage.depth, i))
     removals += [_about(sandboxes[i][0], Kind.DESTROY, *doomed[i]) for i in ordered]
     alive = {i: s for i, (s, _) in sandboxes.items() if i not in doomed}
-    return [
+    empty = _empty_slices(observed, alive)
+    since = {a.target: observed.empty_since.get(a.target, now) for a in empty}
+    actions = [
         *removals,
         *_adoptions(observed, alive),
         *_missing_deadlines(sandboxes, alive, deadlines, now),
         *_stale_timers(observed, sandboxes),
         *_leftover_files(observed, alive),
-        *_empty_slices(observed, alive),
+        *_past_grace(empty, since, now, policy.empty_slice_grace_seconds),
     ]
+    return Plan(actions, since)
 
 
 def _sandboxes(
@@ -259,6 +282,19 @@ def _empty_slices(observed: Observed, alive: dict[str, Sandbox]) -> list[Action]
             reason = f"no sandbox of {user}/{project} is left"
             projects.append(_slice_action(unit, user, project, reason))
     return projects + user_level
+
+
+def _past_grace(
+    empty: list[Action], since: dict[str, datetime], now: datetime, grace: float
+) -> list[Action]:
+    """The stops of the empty slices whose grace is over; with a grace, the reason says since
+    when the slice is empty."""
+    due = [a for a in empty if now - since[a.target] >= timedelta(seconds=grace)]
+    if not grace:
+        return due
+    return [
+        a.model_copy(update={"reason": f"{a.reason} since {stamp(since[a.target])}"}) for a in due
+    ]
 
 
 def _slice_action(unit: str, user: str, project: str, reason: str) -> Action:

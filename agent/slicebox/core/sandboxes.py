@@ -2,20 +2,26 @@
 destroy idempotently, cascade-destroy a task tree deepest first.
 
 Everything a sandbox is lives in its container's immutable labels (see :mod:`slicebox.model.labels`)
-and in systemd; this module keeps no state of its own. A create that fails after it made
-something (a container, a slice) removes what it made before the error reaches the caller.
+and in systemd; in memory there is only what is in progress and when a destroy last left each
+slice. A create that fails after it made something (a container, a slice) removes what it made
+before the error reaches the caller. A destroy leaves the user and project slices in place:
+the next sandbox of the project (one-shot runs come and go) finds them ready, and the reaper
+stops them once they have been empty for ``reaper.empty_slice_grace_seconds``.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import PurePosixPath
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -36,6 +42,13 @@ log = logging.getLogger(__name__)
 
 # A sandbox without a command of its own stays up for execs, as the seeds' pool containers do.
 KEEP_ALIVE = ("sleep", "infinity")
+# Threads for steps run beside a request's own (a destroy's disarm): as many as the agent has
+# request threads (server.pools), so destroys at once seldom wait for one.
+ASIDE_THREADS = 8
+T = TypeVar("T")
+# What Docker accepts as a container name: anything else is no sandbox's id, and never reaches
+# Docker's API as part of a path.
+CONTAINER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]+")
 
 
 def new_sandbox_id() -> str:
@@ -116,7 +129,14 @@ class SandboxManager:
         # Every other operation in progress (exec, destroy, extend, a reaper action), counted
         # by sandbox id under the same lock: the reaper acts on a sandbox only when none is.
         self._operations: Counter[str] = Counter()
+        # Slice unit -> when a destroy last took a sandbox out of it: the reaper counts a
+        # slice's grace from then at the earliest, even if no pass saw it in use. An entry
+        # goes when the slice is stopped here.
+        self._vacated: dict[str, datetime] = {}
         self._placing = threading.Lock()
+        # Threads for a step that runs beside a request's own (a destroy's disarm). Kept, not
+        # one per request: each keeps its system-bus connection (see host.systemd).
+        self._aside = ThreadPoolExecutor(ASIDE_THREADS, thread_name_prefix="slicebox-aside")
 
     @property
     def instance_id(self) -> str:
@@ -135,6 +155,11 @@ class SandboxManager:
         """Sandbox id -> (user, project) of every create still in progress."""
         with self._placing:
             return dict(self._in_flight)
+
+    def vacated(self) -> dict[str, datetime]:
+        """Slice unit -> when a destroy last took a sandbox out of it."""
+        with self._placing:
+            return dict(self._vacated)
 
     @contextmanager
     def operation(self, sandbox_id: str) -> Iterator[None]:
@@ -203,11 +228,15 @@ class SandboxManager:
 
     def get(self, sandbox_id: str, *, current_deadline: bool = False) -> Sandbox:
         """The sandbox; with ``current_deadline`` its ``expires_at`` is the one systemd holds
-        now (one more systemd call), otherwise the one its labels were created with."""
-        found = self._backend.find(selector(sandbox_id=sandbox_id))
-        if not found:
+        now (one more systemd call), otherwise the one its labels were created with.
+
+        Its container is named after it, so it is looked up by name, which costs the same
+        however many containers there are (a list filtered by label goes through them all);
+        its labels still decide whether it is that sandbox."""
+        info = self._backend.inspect(sandbox_id) if CONTAINER_NAME.fullmatch(sandbox_id) else None
+        if info is None or not _labelled(info, sandbox_id):
             raise NotFound(f"no sandbox {sandbox_id}; list sandboxes to see the ids")
-        sandbox = Sandbox.from_info(found[0])
+        sandbox = Sandbox.from_info(info)
         return self._with_deadlines([sandbox])[0] if current_deadline else sandbox
 
     def find(self, **labels: str) -> list[Sandbox]:
@@ -238,14 +267,26 @@ class SandboxManager:
             sandbox = self.get(sandbox_id)
         except NotFound:
             return None
-        with self.operation(sandbox.id):
-            self._backend.remove(sandbox.container_id)
-            self._slices.wait_stopped(scope_name(sandbox.container_id))
-            if self._deadlines is not None:
-                self._deadlines.disarm(sandbox.id)
-        self.remove_empty_slices(sandbox.user, sandbox.project)
-        log.info("destroyed %s", sandbox_id)
+        self.destroy_sandbox(sandbox, _nothing)
         return sandbox
+
+    def destroy_sandbox(
+        self, sandbox: Sandbox, last_look: Callable[[Sandbox], T]
+    ) -> tuple[bool, T]:
+        """Destroy a sandbox already looked up, and what ``last_look`` read just before it went
+        (its final usage). True when this call removed it; False when it was gone already or
+        another removal holds it (a second destroy, the reaper's), which is no error.
+
+        The deadline is disarmed beside the rest, which does not depend on it: should the
+        removal fail, the reaper arms it again from the labels. The slices stay (see the
+        module)."""
+        with self.operation(sandbox.id), _beside(self._aside, self._disarming(sandbox.id)):
+            seen = last_look(sandbox)
+            gone = self._backend.remove(sandbox.container_id)
+            self._slices.wait_stopped(scope_name(sandbox.container_id))
+        self._vacate(sandbox)
+        log.info("destroyed %s" if gone else "%s was gone or going already", sandbox.id)
+        return gone, seen
 
     def remove_container(self, container_id: str) -> bool:
         """Remove a container whatever its labels say (the reaper's last resort)."""
@@ -258,20 +299,18 @@ class SandboxManager:
         ``creating``, the one undoing itself) is placing into."""
         with self._placing:
             busy = self._busy_slices(exclude=creating)
-            return unit not in busy and self._slices.remove_if_empty(unit)
+            stopped = unit not in busy and self._slices.remove_if_empty(unit)
+            if stopped:
+                self._vacated.pop(unit, None)
+            return stopped
 
     def destroy_tree(self, root_task_id: str) -> list[Sandbox]:
         """Destroy every sandbox of a root task, children before parents (deepest first)."""
-        members = sorted(self.find(root_task_id=root_task_id), key=lambda s: -s.lineage.depth)
-        return [gone for member in members if (gone := self.destroy(member.id)) is not None]
-
-    def remove_empty_slices(self, user: str, project: str) -> None:
-        """Stop the project and user slices when no sandbox of theirs is left."""
-        names = slice_names(user, project)
-        if not self._backend.find(selector(user=user, project=project)):
-            self.stop_slice_if_idle(names.project)
-        if not self._backend.find(selector(user=user)):
-            self.stop_slice_if_idle(names.user)
+        found = self._backend.find(selector(root_task_id=root_task_id))
+        members = sorted(map(Sandbox.from_info, found), key=lambda s: -s.lineage.depth)
+        for member in members:
+            self.destroy_sandbox(member, _nothing)
+        return members
 
     @contextmanager
     def _creating(self, lineage: Lineage) -> Iterator[None]:
@@ -282,6 +321,15 @@ class SandboxManager:
         finally:
             with self._placing:
                 del self._in_flight[lineage.sandbox_id]
+
+    def _vacate(self, sandbox: Sandbox) -> None:
+        names, now = sandbox.slices(), self._clock()
+        with self._placing:
+            self._vacated[names.user] = self._vacated[names.project] = now
+
+    def _disarming(self, sandbox_id: str) -> Callable[[], None] | None:
+        deadlines = self._deadlines
+        return None if deadlines is None else lambda: deadlines.disarm(sandbox_id)
 
     def _arm(self, sandbox_id: str, container_id: str, at: datetime | None) -> None:
         if self._deadlines is not None and at is not None:
@@ -374,6 +422,30 @@ class SandboxManager:
                 names = slice_names(user, project)
                 busy |= {names.user, names.project}
         return busy
+
+
+def _labelled(info: SandboxInfo, sandbox_id: str) -> bool:
+    """Whether the container carries the labels of slicebox's sandbox ``sandbox_id``."""
+    return all(info.labels.get(k) == v for k, v in selector(sandbox_id=sandbox_id).items())
+
+
+def _nothing(sandbox: Sandbox) -> None:
+    """A last look that reads nothing."""
+
+
+@contextmanager
+def _beside(pool: Executor, work: Callable[[], None] | None) -> Iterator[None]:
+    """Run ``work`` on ``pool`` while the block runs; then wait for it and raise its error,
+    unless the block's own error is on its way."""
+    if work is None:
+        yield
+        return
+    done = pool.submit(work)
+    try:
+        yield
+    finally:
+        wait([done])
+    done.result()
 
 
 def _request(admitted: Admitted, lineage: Lineage) -> SandboxRequest:

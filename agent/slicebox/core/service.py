@@ -83,7 +83,7 @@ class Service:
         usage: UsageReader,
         tree: TreeReader,
         auditor: Auditor,
-        pid_of: Callable[[str], int | None],
+        pid_of: Callable[[Sandbox], int | None],
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         reaper: Reaper | None = None,
         budget: OutputBudget | None = None,
@@ -154,9 +154,10 @@ class Service:
         return usage.to_wire() if usage else None
 
     def _destroy(self, who: Identity, sandbox: Sandbox) -> Destroyed:
+        """``destroyed`` says whether this call removed it: of two destroys at once (or one and
+        the reaper's), the other answers false."""
         with self._audit(AuditEvent.SANDBOX_DESTROYED, who, **subject(sandbox)) as record:
-            usage = self._final_usage(sandbox)
-            gone = self._sandboxes.destroy(sandbox.id) is not None
+            gone, usage = self._sandboxes.destroy_sandbox(sandbox, self._final_usage)
             record["usage"] = usage.to_wire() if usage else None
             return Destroyed(id=sandbox.id, destroyed=gone, usage=usage)
 
@@ -258,7 +259,7 @@ class Service:
             created_at=sandbox.created_at,
             cpu=sandbox.limits.cpus,
             memory_bytes=sandbox.limits.memory_bytes,
-            init_pid=self._pid_of(sandbox.container_id),
+            init_pid=self._pid_of(sandbox),
         )
 
     # --- authorization and audit -----------------------------------------------------------

@@ -73,6 +73,14 @@ class SandboxMeta:
         return _sandbox_info(self)
 
 
+def scope_pid(files: CgroupFiles, scope: str) -> int | None:
+    """A process of the sandbox, from its scope's ``cgroup.procs``, for its network counters
+    (every process in the scope shares the container's network namespace): no Docker call.
+    None when the scope is empty or gone."""
+    procs = (files.read(scope, "cgroup.procs") or "").split()
+    return int(procs[0]) if procs else None
+
+
 @functools.lru_cache(maxsize=4096)
 def _sandbox_info(meta: SandboxMeta) -> SandboxInfo:
     """Validated once per sandbox, not once per poll: the metadata never changes."""

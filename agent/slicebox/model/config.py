@@ -21,6 +21,7 @@ when the file is loaded, so a bad value is refused at load time, naming its fiel
     interval_seconds = 30
     orphans = "adopt"        # or "reap": what becomes of another agent run's sandboxes
     pool_size = 0            # idle pool members kept per kind
+    empty_slice_grace_seconds = 300  # an empty user or project slice is kept this long
 """
 
 from __future__ import annotations
@@ -127,6 +128,9 @@ class ReaperConfig(_Strict):
     interval_seconds: float = Field(default=30.0, gt=0)
     orphans: OrphanPolicy = OrphanPolicy.ADOPT
     pool_size: int = Field(default=0, ge=0)
+    # An empty user or project slice is stopped only once it has been empty this long, so the
+    # next sandbox of a project that comes and goes (one-shot runs) finds its slices in place.
+    empty_slice_grace_seconds: float = Field(default=300.0, ge=0)
     # Per-sandbox files (credential helpers, sockets) live in <state_dir>/<sandbox id>/.
     state_dir: Path = Path("/run/slicebox/sandboxes")
 

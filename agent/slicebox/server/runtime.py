@@ -18,9 +18,9 @@ from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import Sandbox, SandboxManager
-from slicebox.core.service import Service
+from slicebox.core.service import Service, cgroups_of
 from slicebox.core.slices import SliceManager
-from slicebox.core.telemetry import MemoryIntegrator, TreeReader, UsageReader
+from slicebox.core.telemetry import MemoryIntegrator, TreeReader, UsageReader, scope_pid
 from slicebox.host.cgroupfs import CgroupFS
 from slicebox.host.journal import Auditor
 from slicebox.host.netstats import NetnsCounters
@@ -111,13 +111,11 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         deadlines=Deadlines(systemd),
     )
     integrator = MemoryIntegrator(time.monotonic)
-    usage = UsageReader(CgroupFS(), NetnsCounters(), integrator)
+    files = CgroupFS()
+    usage = UsageReader(files, NetnsCounters(), integrator)
 
-    def pid_of(container_id: str) -> int | None:
-        try:
-            return backend.sandbox_pid(container_id)
-        except SliceboxError:
-            return None
+    def pid_of(sandbox: Sandbox) -> int | None:
+        return scope_pid(files, cgroups_of(sandbox).scope)
 
     def final_usage(sandbox: Sandbox) -> dict[str, object] | None:
         return service.final_usage_wire(sandbox)
@@ -137,7 +135,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         sandboxes,
         ExecEngine(backend, CgroupHost()),
         usage=usage,
-        tree=TreeReader(CgroupFS(), decode=decode_unit),
+        tree=TreeReader(files, decode=decode_unit),
         auditor=auditor,
         pid_of=pid_of,
         reaper=reaper,

@@ -63,6 +63,10 @@ class Systemd(Protocol):
         """Stop ``unit``; an unknown slice is fine (systemd makes slices on demand), any other
         unknown unit is :class:`HostError` code ``no_such_unit``."""
 
+    def kill(self, unit: str, signal: int) -> None:
+        """Send ``signal`` to every process of ``unit`` (``KillUnit``, whom ``all``); a unit
+        systemd has not loaded (a scope that stopped) is :class:`HostError` ``no_such_unit``."""
+
     def has_children(self, unit: str) -> bool:
         """Whether anything (a scope, a child slice) is running inside the unit."""
 
@@ -119,6 +123,10 @@ class PystemdSystemd:
         self._run(unit, lambda m: m.StopUnit(unit.encode(), b"fail"))
         if self.status(unit).active:
             raise HostError(f"systemd did not stop {unit}; see `systemctl status {unit}`")
+
+    def kill(self, unit: str, signal: int) -> None:
+        with _manager() as manager:
+            _call(unit, lambda: manager.Manager.KillUnit(unit.encode(), b"all", signal))
 
     def has_children(self, unit: str) -> bool:
         handle = _unit(unit)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from slicebox.backends.base import SandboxInfo, SandboxState
-from slicebox.core.deadlines import Deadlines, Timer, timer_unit
+from slicebox.core.deadlines import Deadlines, Timer, find_program, timer_unit
 from slicebox.core.reaper import Reaper
 from slicebox.core.reaping import Observed, plan
 from slicebox.core.sandboxes import SandboxManager
@@ -256,7 +256,7 @@ class World:
             instance_id=RUN,
             clock=lambda: self.now,
             new_id=lambda: next(ids),
-            deadlines=Deadlines(self.systemd, systemctl="/usr/bin/systemctl"),
+            deadlines=Deadlines(self.systemd, program=lambda: "/usr/bin/sliceboxd"),
         )
         self.journal = ListJournal()
         self.config = ReaperConfig(state_dir=tmp / "state")
@@ -279,15 +279,45 @@ def world(tmp_path: Path) -> World:
     return World(tmp_path)
 
 
-def test_create_arms_a_timer_that_kills_the_scope_and_destroy_disarms_it(world: World) -> None:
+def test_create_arms_a_timer_that_runs_the_expiry_and_destroy_disarms_it(world: World) -> None:
     sandbox_id = world.create(ttl_seconds=60)
     container = world.manager.get(sandbox_id).container_id
     unit = timer_unit(sandbox_id, NOW + timedelta(seconds=60))
     at, argv = world.systemd.timers[unit]
     assert at == NOW + timedelta(seconds=60)
-    assert argv == ["/usr/bin/systemctl", "kill", "--signal=SIGKILL", f"docker-{container}.scope"]
+    epoch = str(int(at.timestamp()))
+    assert argv == ["/usr/bin/sliceboxd", "expire", sandbox_id, container, "--deadline", epoch]
     world.manager.destroy(sandbox_id)
     assert world.systemd.timers == {}
+
+
+def test_without_sliceboxd_the_timer_only_kills_the_scope(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    deadlines = Deadlines(world.systemd, systemctl="/usr/bin/systemctl")
+    at = NOW + timedelta(seconds=60)
+    deadlines.arm("sbx-a", "c1", at)
+    deadlines.arm("sbx-b", "c2", at)
+    assert world.systemd.timers[timer_unit("sbx-a", at)][1] == [
+        "/usr/bin/systemctl",
+        "kill",
+        "--signal=SIGKILL",
+        "docker-c1.scope",
+    ]
+    assert [r.levelname for r in caplog.records] == ["WARNING"], "said once, not per arm"
+
+
+def test_sliceboxd_is_the_agent_s_own_program_else_the_one_on_path() -> None:
+    def which(name: str) -> str | None:
+        return "/usr/bin/sliceboxd" if name == "sliceboxd" else None
+
+    def runnable(path: str) -> bool:
+        return path in {"/usr/local/bin/sliceboxd", "/usr/bin/sliceboxd"}
+
+    assert find_program("/usr/local/bin/sliceboxd", which, runnable) == "/usr/local/bin/sliceboxd"
+    assert find_program("/opt/gone/sliceboxd", which, runnable) == "/usr/bin/sliceboxd"
+    assert find_program("/usr/bin/pytest", which, runnable) == "/usr/bin/sliceboxd"
+    assert find_program("/usr/bin/pytest", lambda name: None, runnable) is None
 
 
 def test_extend_arms_the_later_timer_then_stops_the_earlier(world: World) -> None:

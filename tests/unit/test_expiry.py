@@ -12,13 +12,15 @@ import pytest
 
 from slicebox.core.deadlines import Deadlines, timer_unit
 from slicebox.core.expiry import Expiry, Result
+from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.core.telemetry import UsageReader
 from slicebox.host.cgroupfs import CgroupFS
 from slicebox.host.journal import Auditor
-from slicebox.model.config import parse_config
+from slicebox.model.config import ReaperConfig, parse_config
 from slicebox.model.errors import HostError
+from slicebox.model.reaper import Kind, Rule
 from slicebox.model.spec import SandboxSpec
 from tests.fakes.docker import FakeDocker
 from tests.fakes.journal import ListJournal
@@ -204,3 +206,46 @@ def test_a_failed_removal_still_enforces_the_deadline(host: Host) -> None:
     assert host.expiry.expire(sandbox_id, container, deadline) is Result.KILLED
     assert host.systemd.killed == [(f"docker-{container}.scope", signal.SIGKILL)]
     assert len(host.expired()) == 1
+
+
+def reaper_of(host: Host, tmp: Path) -> Reaper:
+    return Reaper(
+        host.manager,
+        SliceManager(host.systemd),
+        host.docker,
+        auditor=Auditor(host.journal),
+        config=lambda: ReaperConfig(state_dir=tmp / "state"),
+        clock=lambda: host.now,
+    )
+
+
+def test_after_the_expiry_the_reaper_finds_nothing_and_audits_nothing(
+    host: Host, tmp_path: Path
+) -> None:
+    sandbox_id, container = host.create(ttl=60)
+    reaper = reaper_of(host, tmp_path)
+    host.now = deadline = NOW + timedelta(seconds=60)
+    assert reaper.run().plan == [], "while the timer runs its expiry, the sandbox is the timer's"
+    assert host.expiry.expire(sandbox_id, container, deadline) is Result.EXPIRED
+    host.systemd.stop(timer_unit(sandbox_id, deadline))  # its service ended: the timer goes
+    assert reaper.run().plan == []
+    assert [e["SLICEBOX_REAPER_RULE"] for e in host.journal.entries] == ["expired"]
+
+
+def test_when_only_the_scope_was_killed_the_reaper_removes_the_container_as_exited(
+    host: Host, tmp_path: Path
+) -> None:
+    sandbox_id, container = host.create(ttl=60)
+    host.docker.down = "connection refused"
+    host.now = deadline = NOW + timedelta(seconds=60)
+    assert host.expiry.expire(sandbox_id, container, deadline) is Result.KILLED
+    host.systemd.stop(timer_unit(sandbox_id, deadline))
+    host.docker.down = None
+    host.docker.stop(container)
+    done = reaper_of(host, tmp_path).run()
+    assert [(a.kind, a.rule, a.target) for a in done.plan][:1] == [
+        (Kind.DESTROY, Rule.EXITED, sandbox_id)
+    ]
+    assert host.docker.containers == {}
+    rules = [e["SLICEBOX_REAPER_RULE"] for e in host.journal.entries]
+    assert rules[:2] == ["expired", "exited"], "the expiry's story, then the removal's"

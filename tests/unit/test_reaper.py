@@ -13,7 +13,7 @@ import pytest
 from slicebox.backends.base import SandboxInfo, SandboxState
 from slicebox.core.deadlines import Deadlines, Timer, find_program, timer_unit
 from slicebox.core.reaper import Reaper
-from slicebox.core.reaping import Observed, plan
+from slicebox.core.reaping import TIMER_GRACE, Observed, plan
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.host.journal import Auditor
@@ -94,9 +94,21 @@ def test_an_extended_timer_outlives_the_label_and_a_shortened_one_wins() -> None
     extended = Timer(unit="x", sandbox_id="a", at=NOW + timedelta(hours=2))
     found = observed(box("a", ttl=30, age=60), timers=[extended])
     assert [a for a in plan(found, NOW, POLICY) if a.kind is Kind.DESTROY] == []
-    shortened = Timer(unit="y", sandbox_id="b", at=NOW - timedelta(seconds=1))
+    shortened = Timer(unit="y", sandbox_id="b", at=NOW - TIMER_GRACE - timedelta(seconds=1))
     found = observed(box("b", ttl=3600), timers=[shortened])
     assert kinds(plan(found, NOW, POLICY)) == [(Kind.DESTROY, Rule.EXPIRED, "b")]
+
+
+def test_a_deadline_a_timer_holds_is_its_expiry_s_first_then_the_reaper_s() -> None:
+    """The timer runs ``sliceboxd expire`` at the deadline, which audits and removes; a pass
+    in the meantime must not audit the same expiry again."""
+    timer = Timer(unit="t", sandbox_id="a", at=NOW - timedelta(seconds=1))
+    held = observed(box("a", ttl=30, age=31), timers=[timer])
+    assert [a for a in plan(held, NOW, POLICY) if a.kind is Kind.DESTROY] == []
+    late = NOW + TIMER_GRACE
+    assert kinds(plan(held, late, POLICY)) == [(Kind.DESTROY, Rule.EXPIRED, "a")], "it failed"
+    unheld = observed(box("a", ttl=30, age=31))  # the timer is gone (its expiry ran) or was lost
+    assert kinds(plan(unheld, NOW, POLICY)) == [(Kind.DESTROY, Rule.EXPIRED, "a")]
 
 
 def test_a_three_level_tree_goes_deepest_first_when_its_root_expires() -> None:
@@ -337,7 +349,7 @@ def test_a_pass_destroys_the_expired_audits_each_action_and_dry_run_changes_noth
 ) -> None:
     keep, doomed = world.create(ttl_seconds=3600), world.create(ttl_seconds=10, project="q")
     (world.config.state_dir / "sbx-gone").mkdir(parents=True)
-    world.now = NOW + timedelta(seconds=11)
+    world.now = NOW + timedelta(seconds=11) + TIMER_GRACE  # the fake timers never fire
     dry = world.reaper.run(dry_run=True)
     assert dry.dry_run
     assert dry.outcomes == []
@@ -409,7 +421,7 @@ def test_a_create_that_starts_after_the_plan_was_observed_is_not_destroyed(
 
 def test_no_reaper_action_while_an_exec_or_destroy_is_in_flight(world: World) -> None:
     sandbox_id = world.create(ttl_seconds=10)
-    world.now = NOW + timedelta(seconds=11)
+    world.now = NOW + timedelta(seconds=11) + TIMER_GRACE  # the fake timers never fire
     with world.manager.operation(sandbox_id):  # an exec, say, still running
         report = world.reaper.run()
         assert [(a.kind, o.result) for a, o in zip(report.plan, report.outcomes, strict=True)][

@@ -249,3 +249,15 @@ def test_when_only_the_scope_was_killed_the_reaper_removes_the_container_as_exit
     assert host.docker.containers == {}
     rules = [e["SLICEBOX_REAPER_RULE"] for e in host.journal.entries]
     assert rules[:2] == ["expired", "exited"], "the expiry's story, then the removal's"
+
+
+def test_a_usage_read_that_fails_costs_the_numbers_not_the_expiry(host: Host) -> None:
+    sandbox_id, container = host.create(ttl=60)
+    broken = host.cgroupfs / PROJECT_CGROUP / f"docker-{container}.scope" / "cpu.stat"
+    broken.unlink()
+    broken.mkdir()  # a read answers EISDIR: not "vanished", an error the reader raises
+    host.now = deadline = NOW + timedelta(seconds=60)
+    assert host.expiry.expire(sandbox_id, container, deadline) is Result.EXPIRED
+    [record] = host.expired()
+    assert "SLICEBOX_USAGE_CPU_SECONDS" not in record
+    assert host.docker.containers == {}

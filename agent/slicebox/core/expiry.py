@@ -37,7 +37,7 @@ from slicebox.backends.base import SandboxBackend, SandboxState
 from slicebox.core.deadlines import timer_unit
 from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.service import cgroups_of, meta_of
-from slicebox.core.telemetry import SandboxCgroups, UsageReader, find_scope
+from slicebox.core.telemetry import SandboxCgroups, SandboxMeta, UsageReader, find_scope
 from slicebox.host.journal import Auditor
 from slicebox.host.systemd import Systemd
 from slicebox.model.audit import AuditEvent, AuditRecord
@@ -115,7 +115,7 @@ class Expiry:
 
     def _audit_expired(self, sandbox: Sandbox, due: datetime) -> None:
         pid = self._pid(sandbox.container_id)
-        usage = self._usage.final_usage(cgroups_of(sandbox), meta_of(sandbox, pid), self._clock())
+        usage = self._final_usage(cgroups_of(sandbox), meta_of(sandbox, pid))
         self._auditor.record(
             AuditRecord(
                 event=AuditEvent.REAPER_ACTION,
@@ -125,7 +125,7 @@ class Expiry:
                 user=sandbox.user,
                 project=sandbox.project,
                 rule=Rule.EXPIRED.value,
-                usage=usage.to_wire(),
+                usage=usage,
                 detail=f"{Kind.DESTROY.value} {sandbox.id}: its deadline {stamp(due)} has passed; "
                 "its deadline timer expired it (sliceboxd expire)"[:500],
             )
@@ -164,7 +164,7 @@ class Expiry:
             return Result.NOT_DUE
         where = SandboxCgroups.of_scope(scope)
         user, project = _owner(where)
-        usage = self._usage.final_usage(where, None, self._clock())
+        usage = self._final_usage(where, None)
         self._auditor.record(
             AuditRecord(
                 event=AuditEvent.REAPER_ACTION,
@@ -172,7 +172,7 @@ class Expiry:
                 user=user,
                 project=project,
                 rule=Rule.EXPIRED.value,
-                usage=usage.to_wire(),
+                usage=usage,
                 detail=f"kill {sandbox_id}: its deadline {stamp(due)} has passed; its deadline "
                 f"timer killed its scope through systemd (Docker did not answer: {why}); the "
                 "reaper removes the container"[:500],
@@ -180,6 +180,16 @@ class Expiry:
         )
         self._kill_scope(container_id)
         return Result.KILLED
+
+    def _final_usage(
+        self, where: SandboxCgroups, meta: SandboxMeta | None
+    ) -> dict[str, object] | None:
+        """The usage for the record; a read that fails costs the numbers, not the expiry."""
+        try:
+            return self._usage.final_usage(where, meta, self._clock()).to_wire()
+        except Exception:
+            log.exception("could not read the final usage of %s", where.scope)
+            return None
 
     def _kill_scope(self, container_id: str) -> None:
         try:

@@ -144,8 +144,9 @@ class Expiry:
         return Result.EXPIRED
 
     def _stop_other_timers(self, sandbox_id: str, deadline: datetime | None) -> None:
-        """Stop what else is armed for it; its own timer goes when this command ends (stopping a
-        timer whose service runs is not worth the question of what systemd does then)."""
+        """Stop what else is armed for it, but not its own timer: that one is unloaded by
+        systemd once this command ends, and stopping the unit that started this very process
+        would only risk the process."""
         deadlines = self._sandboxes.deadlines
         if deadlines is None:
             return

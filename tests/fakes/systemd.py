@@ -29,6 +29,7 @@ class FakeSystemd:
         self.fail_start: set[str] = set()
         self.calls: list[tuple[str, str]] = []
         self.timers: dict[str, tuple[datetime, list[str]]] = {}
+        self.killed: list[tuple[str, int]] = []
         self._lock = threading.Lock()  # systemd serialises its bus calls
 
     def status(self, unit: str) -> UnitStatus:
@@ -70,6 +71,18 @@ class FakeSystemd:
             self.timers.pop(unit, None)
             if unit not in self.installed:
                 self.properties.pop(unit, None)  # a stopped transient unit loses its files
+
+    def kill(self, unit: str, signal: int) -> None:
+        """A killed scope stops: it leaves its slice, as a SIGKILLed container's does."""
+        with self._lock:
+            self.calls.append(("kill", unit))
+            holders = [kids for kids in self.children.values() if unit in kids]
+            if unit not in self.running and not holders:
+                raise HostError(f"systemd has no unit {unit} loaded", code="no_such_unit")
+            self.killed.append((unit, signal))
+            self.running.discard(unit)
+            for kids in holders:
+                kids.discard(unit)
 
     def has_children(self, unit: str) -> bool:
         return bool(self.children.get(unit))

@@ -6,6 +6,8 @@ so the fake cannot drift from what the real adapter raises.
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from slicebox.host.systemd import Systemd
@@ -26,4 +28,7 @@ def check_refusals(systemd: Systemd, slice_unit: str, service_unit: str) -> None
     systemd.stop(slice_unit)  # an unknown slice: systemd loads slices on demand
     with pytest.raises(HostError) as caught:
         systemd.stop(service_unit)
+    assert caught.value.code == "no_such_unit"
+    with pytest.raises(HostError) as caught:
+        systemd.kill(service_unit, signal.SIGKILL)  # a scope that stopped is unloaded too
     assert caught.value.code == "no_such_unit"

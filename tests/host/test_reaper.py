@@ -25,6 +25,7 @@ from slicebox.cli.client import Client
 from slicebox.core.deadlines import PATTERN as TIMERS
 from slicebox.core.deadlines import Deadlines, parse_timer
 from slicebox.core.reaper import Reaper
+from slicebox.core.reaping import TIMER_GRACE
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.host.journal import Auditor
@@ -36,7 +37,7 @@ from slicebox.model.names import MANAGED_SLICE
 from slicebox.model.reaper import Action, Kind, Rule
 from slicebox.model.spec import SandboxSpec
 from tests.fakes.journal import ListJournal
-from tests.host.agentunits import SOCKET, agent_config, installed_agent
+from tests.host.agentunits import SOCKET, agent_config, installed_agent, prop
 from tests.host.helpers import TEST_IMAGE, sh, unique, wait_for
 from tests.host.sliceboxhost import active, cleanup_slices, slicebox_units
 
@@ -118,7 +119,8 @@ def timers_of(sandbox_id: str) -> list[str]:
 def test_an_expired_sandbox_is_gone_after_one_pass(host: Host) -> None:
     keep, doomed = host.create(ttl_seconds=3600), host.create(project="q", ttl_seconds=600)
     assert timers_of(doomed), "create arms a systemd timer"
-    host.offset = timedelta(seconds=601)  # the reaper's clock, not systemd's
+    # The reaper's clock, not systemd's; past the timer's own turn (its expiry) too.
+    host.offset = timedelta(seconds=601) + TIMER_GRACE
     report = host.reaper.run()
     assert [(a.kind, a.rule, a.target) for a in host.own(report.plan)] == [
         (Kind.DESTROY, Rule.EXPIRED, doomed),
@@ -142,7 +144,7 @@ def test_a_three_level_tree_is_removed_deepest_first(host: Host) -> None:
     )
     try:
         time.sleep(1)  # docker events is listening
-        host.offset = timedelta(seconds=601)
+        host.offset = timedelta(seconds=601) + TIMER_GRACE
         report = host.reaper.run()
         time.sleep(1)
     finally:
@@ -227,37 +229,65 @@ def agent() -> Iterator[Client]:
             assert leftover == [], "the test left sandboxes behind"
 
 
-def finished_at(container_id: str) -> datetime:
-    state = json.loads(sh("docker", "inspect", container_id).stdout)[0]["State"]
-    assert state["Status"] == "exited", state
-    return datetime.fromisoformat(state["FinishedAt"][:26].rstrip("Z") + "+00:00")
+def reaper_records(sandbox_id: str) -> list[dict[str, Any]]:
+    out = sh(
+        "journalctl",
+        "--no-pager",
+        "-o",
+        "json",
+        "SLICEBOX_EVENT=reaper_action",
+        f"SLICEBOX_SANDBOX_ID={sandbox_id}",
+        check=False,
+    ).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
-def test_a_deadline_passing_while_the_agent_is_stopped_is_enforced_by_systemd(
+def container_exists(container_id: str) -> bool:
+    return sh("docker", "inspect", container_id, check=False).returncode == 0
+
+
+BURN = "i=0; while [ $i -lt 5000 ]; do i=$((i+1)); done"  # light: an emulated guest is slow
+
+
+def test_a_deadline_passing_while_the_agent_is_stopped_is_expired_and_audited_by_its_timer(
     agent: Client,
 ) -> None:
-    box = agent.request("POST", "/sandboxes", {"project": "ttl", "ttl_seconds": 40})
+    """The timer runs ``sliceboxd expire``: the final usage read from the live cgroup, one
+    ``expired`` record, the container removed, with no agent running.
+    A minute of TTL leaves an emulated guest time to create, exec and stop the agent."""
+    box = agent.request("POST", "/sandboxes", {"project": "ttl", "ttl_seconds": 60})
+    sandbox_id, container = box["id"], box["container_id"]
     expires = datetime.fromisoformat(box["expires_at"])
+    [timer] = timers_of(sandbox_id)
+    service = timer.removesuffix(".timer") + ".service"
+    assert "sliceboxd expire " + sandbox_id in prop(service, "ExecStart")
+    burnt = agent.request("POST", f"/sandboxes/{sandbox_id}/exec", {"argv": ["sh", "-c", BURN]})
+    assert burnt["exit_code"] == 0
     sh("systemctl", "stop", "slicebox.service", "slicebox.socket")
     try:
-        wait_for(
-            lambda: (
-                json.loads(sh("docker", "inspect", box["container_id"]).stdout)[0]["State"][
-                    "Status"
-                ]
-                == "exited"
-            ),
-            timeout=90,
-            step=1,
-        )
+        assert datetime.now(UTC) < expires, "the agent must be stopped before the deadline"
+        wait_for(lambda: not container_exists(container), timeout=180, step=1)
+        wait_for(lambda: not timers_of(sandbox_id) and not active(service), timeout=60, step=1)
         assert not active("slicebox.service"), "nothing of the agent ran meanwhile"
     finally:
         sh("systemctl", "start", "slicebox.socket")
-    late = finished_at(box["container_id"]) - expires
-    assert timedelta(seconds=-1) <= late <= timedelta(seconds=5), f"killed {late} after"
-    # The agent's start-up pass removes the stopped container and its empty slices.
+    wait_for(lambda: bool(reaper_records(sandbox_id)), timeout=30)
+    [record] = reaper_records(sandbox_id)
+    assert record["SLICEBOX_REAPER_RULE"] == "expired"
+    assert record["SLICEBOX_RESULT"] == "ok"
+    assert float(record["SLICEBOX_USAGE_CPU_SECONDS"]) > 0, "read before the cgroup went"
+    assert "deadline timer" in record["SLICEBOX_DETAIL"]
+    assert record.get("_SYSTEMD_UNIT", service) == service, "written by the timer's service"
+    written = datetime.fromtimestamp(int(record["__REALTIME_TIMESTAMP"]) / 1e6, UTC)
+    assert expires - timedelta(seconds=1) <= written <= expires + timedelta(seconds=120)
+    # The agent comes back (its start-up pass runs before it answers) and finds nothing to do
+    # for the sandbox; its reaper stops the emptied slices (the tests' grace is 0).
     assert agent.request("GET", "/sandboxes") == []
+    report = agent.request("POST", "/reaper", {})
+    assert [a for a in report["plan"] if a["sandbox_id"] == sandbox_id] == []
+    assert len(reaper_records(sandbox_id)) == 1, "no second record, start-up pass included"
     assert not slicebox_units("slicebox-root-ttl.slice")
+    assert not slicebox_units("slicebox-root.slice")
 
 
 def test_extending_a_deadline_needs_no_relabelling(agent: Client) -> None:

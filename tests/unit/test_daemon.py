@@ -6,10 +6,16 @@ import signal
 import threading
 import time
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
+
 from slicebox.cli.client import Client
+from slicebox.core.expiry import Result
 from slicebox.host.journal import Auditor
+from slicebox.model.errors import SliceboxError, Unavailable
+from slicebox.server import daemon
 from slicebox.server.api import base_routes
 from slicebox.server.daemon import Agent, watchdog_interval
 
@@ -71,3 +77,30 @@ def test_agent_serves_reloads_and_stops_on_signals(tmp_path: Path) -> None:
     assert any("configuration reloaded (test)" in state for state in notes.states)
     assert notes.states[-1].startswith("STOPPING=1")
     assert journal.events == ["agent_started", "agent_stopping"]
+
+
+class StubExpiry:
+    def __init__(self, error: SliceboxError | None = None) -> None:
+        self.error = error
+        self.calls: list[tuple[str, str, datetime | None]] = []
+
+    def expire(self, sandbox_id: str, container_id: str, deadline: datetime | None) -> Result:
+        self.calls.append((sandbox_id, container_id, deadline))
+        if self.error is not None:
+            raise self.error
+        return Result.GONE
+
+
+def test_expire_is_a_command_of_sliceboxd_that_needs_no_agent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a deadline timer runs: the same program, no socket, no agent; 0 unless it failed."""
+    stub = StubExpiry()
+    monkeypatch.setattr(daemon, "assemble_expiry", lambda auditor: stub)
+    assert daemon.main(["expire", "sbx-1", "c1", "--deadline", "1767323045"]) == 0
+    assert daemon.main(["expire", "sbx-1", "c1"]) == 0
+    at = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    assert stub.calls == [("sbx-1", "c1", at), ("sbx-1", "c1", None)]
+    failing = StubExpiry(Unavailable("systemd is not reachable"))
+    monkeypatch.setattr(daemon, "assemble_expiry", lambda auditor: failing)
+    assert daemon.main(["expire", "sbx-1", "c1"]) == 1

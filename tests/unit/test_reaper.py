@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from slicebox.backends.base import SandboxInfo, SandboxState
-from slicebox.core.deadlines import Deadlines, Timer, timer_unit
+from slicebox.core.deadlines import Deadlines, Timer, find_program, timer_unit
 from slicebox.core.reaper import Reaper
-from slicebox.core.reaping import Observed, plan, plan_pass
+from slicebox.core.reaping import TIMER_GRACE, Observed, plan, plan_pass
 from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.host.journal import Auditor
@@ -96,9 +96,21 @@ def test_an_extended_timer_outlives_the_label_and_a_shortened_one_wins() -> None
     extended = Timer(unit="x", sandbox_id="a", at=NOW + timedelta(hours=2))
     found = observed(box("a", ttl=30, age=60), timers=[extended])
     assert [a for a in plan(found, NOW, POLICY) if a.kind is Kind.DESTROY] == []
-    shortened = Timer(unit="y", sandbox_id="b", at=NOW - timedelta(seconds=1))
+    shortened = Timer(unit="y", sandbox_id="b", at=NOW - TIMER_GRACE - timedelta(seconds=1))
     found = observed(box("b", ttl=3600), timers=[shortened])
     assert kinds(plan(found, NOW, POLICY)) == [(Kind.DESTROY, Rule.EXPIRED, "b")]
+
+
+def test_a_deadline_a_timer_holds_is_its_expiry_s_first_then_the_reaper_s() -> None:
+    """The timer runs ``sliceboxd expire`` at the deadline, which audits and removes; a pass
+    in the meantime must not audit the same expiry again."""
+    timer = Timer(unit="t", sandbox_id="a", at=NOW - timedelta(seconds=1))
+    held = observed(box("a", ttl=30, age=31), timers=[timer])
+    assert [a for a in plan(held, NOW, POLICY) if a.kind is Kind.DESTROY] == []
+    late = NOW + TIMER_GRACE
+    assert kinds(plan(held, late, POLICY)) == [(Kind.DESTROY, Rule.EXPIRED, "a")], "it failed"
+    unheld = observed(box("a", ttl=30, age=31))  # the timer is gone (its expiry ran) or was lost
+    assert kinds(plan(unheld, NOW, POLICY)) == [(Kind.DESTROY, Rule.EXPIRED, "a")]
 
 
 def test_a_three_level_tree_goes_deepest_first_when_its_root_expires() -> None:
@@ -284,7 +296,7 @@ class World:
             instance_id=RUN,
             clock=lambda: self.now,
             new_id=lambda: next(ids),
-            deadlines=Deadlines(self.systemd, systemctl="/usr/bin/systemctl"),
+            deadlines=Deadlines(self.systemd, program=lambda: "/usr/bin/sliceboxd"),
         )
         self.journal = ListJournal()
         self.config = ReaperConfig(state_dir=tmp / "state", empty_slice_grace_seconds=0)
@@ -307,13 +319,14 @@ def world(tmp_path: Path) -> World:
     return World(tmp_path)
 
 
-def test_create_arms_a_timer_that_kills_the_scope_and_destroy_disarms_it(world: World) -> None:
+def test_create_arms_a_timer_that_runs_the_expiry_and_destroy_disarms_it(world: World) -> None:
     sandbox_id = world.create(ttl_seconds=60)
     container = world.manager.get(sandbox_id).container_id
     unit = timer_unit(sandbox_id, NOW + timedelta(seconds=60))
     at, argv = world.systemd.timers[unit]
     assert at == NOW + timedelta(seconds=60)
-    assert argv == ["/usr/bin/systemctl", "kill", "--signal=SIGKILL", f"docker-{container}.scope"]
+    epoch = str(int(at.timestamp()))
+    assert argv == ["/usr/bin/sliceboxd", "expire", sandbox_id, container, "--deadline", epoch]
     world.manager.destroy(sandbox_id)
     assert world.systemd.timers == {}
 
@@ -339,6 +352,35 @@ def test_a_destroy_disarms_the_deadline_beside_the_removal_not_after_it(
     assert (world.docker.containers, world.systemd.timers) == ({}, {})
 
 
+def test_without_sliceboxd_the_timer_only_kills_the_scope(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    deadlines = Deadlines(world.systemd, systemctl="/usr/bin/systemctl")
+    at = NOW + timedelta(seconds=60)
+    deadlines.arm("sbx-a", "c1", at)
+    deadlines.arm("sbx-b", "c2", at)
+    assert world.systemd.timers[timer_unit("sbx-a", at)][1] == [
+        "/usr/bin/systemctl",
+        "kill",
+        "--signal=SIGKILL",
+        "docker-c1.scope",
+    ]
+    assert [r.levelname for r in caplog.records] == ["WARNING"], "said once, not per arm"
+
+
+def test_sliceboxd_is_the_agent_s_own_program_else_the_one_on_path() -> None:
+    def which(name: str) -> str | None:
+        return "/usr/bin/sliceboxd" if name == "sliceboxd" else None
+
+    def runnable(path: str) -> bool:
+        return path in {"/usr/local/bin/sliceboxd", "/usr/bin/sliceboxd"}
+
+    assert find_program("/usr/local/bin/sliceboxd", which, runnable) == "/usr/local/bin/sliceboxd"
+    assert find_program("/opt/gone/sliceboxd", which, runnable) == "/usr/bin/sliceboxd"
+    assert find_program("/usr/bin/pytest", which, runnable) == "/usr/bin/sliceboxd"
+    assert find_program("/usr/bin/pytest", lambda name: None, runnable) is None
+
+
 def test_extend_arms_the_later_timer_then_stops_the_earlier(world: World) -> None:
     sandbox_id = world.create(ttl_seconds=60)
     extended = world.manager.extend(sandbox_id, 7200)
@@ -356,7 +398,7 @@ def test_a_pass_destroys_the_expired_audits_each_action_and_dry_run_changes_noth
 ) -> None:
     keep, doomed = world.create(ttl_seconds=3600), world.create(ttl_seconds=10, project="q")
     (world.config.state_dir / "sbx-gone").mkdir(parents=True)
-    world.now = NOW + timedelta(seconds=11)
+    world.now = NOW + timedelta(seconds=11) + TIMER_GRACE  # the fake timers never fire
     dry = world.reaper.run(dry_run=True)
     assert dry.dry_run
     assert dry.outcomes == []
@@ -398,7 +440,7 @@ def test_with_a_grace_the_slices_outlive_their_last_sandbox_by_that_long(world: 
 
 def test_a_destroy_racing_the_reapers_makes_one_removal_and_no_error(world: World) -> None:
     sandbox_id = world.create(ttl_seconds=10)
-    world.now = NOW + timedelta(seconds=11)
+    world.now = NOW + timedelta(seconds=11) + TIMER_GRACE
     destroyed: list[Sandbox | None] = []
 
     def caller_destroys_meanwhile(sandbox: Sandbox) -> dict[str, object] | None:
@@ -475,7 +517,7 @@ def test_a_create_that_starts_after_the_plan_was_observed_is_not_destroyed(
 
 def test_no_reaper_action_while_an_exec_or_destroy_is_in_flight(world: World) -> None:
     sandbox_id = world.create(ttl_seconds=10)
-    world.now = NOW + timedelta(seconds=11)
+    world.now = NOW + timedelta(seconds=11) + TIMER_GRACE  # the fake timers never fire
     with world.manager.operation(sandbox_id):  # an exec, say, still running
         report = world.reaper.run()
         assert [(a.kind, o.result) for a, o in zip(report.plan, report.outcomes, strict=True)][

@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from slicebox.core.slices import SliceManager
+from slicebox.host import systemd as systemd_adapter
 from slicebox.host.systemd import UnitStatus
 from slicebox.model.config import parse_config
 from slicebox.model.errors import HostError
@@ -132,3 +133,40 @@ def test_other_start_failures_still_fail() -> None:
     systemd.fail_start.add(UNIT)
     with pytest.raises(HostError, match="could not start"):
         SliceManager(systemd).ensure(UNIT, Ceiling())
+
+
+class RefusingManager:
+    """pystemd's manager object, as far as a KillUnit that systemd refuses goes."""
+
+    def __init__(self, error: str) -> None:
+        self.Manager = self
+        self.error = error
+
+    def __enter__(self) -> RefusingManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def KillUnit(self, unit: bytes, whom: bytes, signal: int) -> None:
+        from pystemd.dbusexc import DBusBaseError
+
+        raise DBusBaseError(self.error.encode(), b"refused")
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        ("org.freedesktop.systemd1.NoSuchProcess", "no_such_unit"),  # loaded, nothing runs
+        ("org.freedesktop.DBus.Error.AccessDenied", "host_error"),
+    ],
+)
+def test_a_kill_of_a_scope_with_nothing_left_is_no_such_unit(
+    monkeypatch: pytest.MonkeyPatch, error: str, code: str
+) -> None:
+    pytest.importorskip("pystemd")
+    monkeypatch.setattr(systemd_adapter, "_manager", lambda: RefusingManager(error))
+    monkeypatch.setattr(systemd_adapter, "_drop_bus", lambda: None)
+    with pytest.raises(HostError) as caught:
+        systemd_adapter.PystemdSystemd().kill("docker-c1.scope", 9)
+    assert caught.value.code == code

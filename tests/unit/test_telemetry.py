@@ -16,6 +16,7 @@ from slicebox.core.telemetry import (
     SandboxMeta,
     TreeReader,
     UsageReader,
+    find_scope,
     scope_pid,
 )
 from slicebox.host.cgroupfs import CgroupFS
@@ -179,6 +180,24 @@ def test_final_usage_sets_deleted_at_and_closes_the_integral(tree_root: Path) ->
     assert final.to_wire()["sandbox"]["deleted_at"] == "2026-11-30T02:05:00Z"
     assert final.memory_seconds == 1000.0  # 100 bytes held for 10 s
     assert integrator.value(SCOPE) is None  # forgotten with the sandbox
+
+
+def test_final_usage_without_labels_keeps_the_kernel_counters(tree_root: Path) -> None:
+    """Docker down: no labels, so no sandbox part, but the cgroup still tells the story."""
+    reader = UsageReader(CgroupFS(tree_root), net=FakeNet({100: 5}))
+    final = reader.final_usage(SandboxCgroups.of_scope(SCOPE), None, CREATED)
+    assert final.to_wire() == {
+        "memory_bytes": {"managed": 300, "user": 200, "project": 150},
+        "cpu_seconds": 2.5,
+        "disk_bytes_written": 52428800,
+    }
+
+
+def test_find_scope_looks_through_every_user_and_project(tree_root: Path) -> None:
+    files = CgroupFS(tree_root)
+    assert find_scope(files, "bbb") == OTHER
+    assert find_scope(files, "ccc") is None
+    assert find_scope(CgroupFS(tree_root / "nothing"), "aaa") is None
 
 
 def test_integrator_trapezoids_and_skips_missing_readings() -> None:

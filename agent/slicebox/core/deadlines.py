@@ -1,11 +1,15 @@
 """Sandbox deadlines that systemd enforces by itself, even while the agent is down.
 
 A sandbox's TTL is a transient systemd timer, ``slicebox-ttl-<sandbox>-<epoch>.timer``, whose
-service kills the sandbox's scope at the deadline (``systemctl kill --signal=SIGKILL
-docker-<id>.scope``); the container then shows as exited and the reaper removes it. The deadline
-is in the unit's name, so reading it back needs no property call, and extending it is arming a
-later timer and stopping the earlier one: the labels (immutable) keep the original
-``expires_at``, systemd holds the current one. Timers live in ``/run``: they survive
+service runs ``sliceboxd expire <sandbox> <container> --deadline <epoch>`` at the deadline
+(:mod:`slicebox.core.expiry`): it reads the final usage from the scope's cgroup, audits the
+expiry and removes the container, agent or no agent. The program's absolute path is found when
+the timer is armed (the agent's own ``sliceboxd``, else the one on ``PATH``); when there is
+none, the timer falls back to killing the scope (``systemctl kill --signal=SIGKILL
+docker-<id>.scope``) and the reaper later removes the exited container, unaudited as expired.
+The deadline is in the unit's name, so reading it back needs no property call, and extending
+it is arming a later timer and stopping the earlier one: the labels (immutable) keep the
+original ``expires_at``, systemd holds the current one. Timers live in ``/run``: they survive
 ``daemon-reload`` and agent restarts, not a reboot (after which no sandbox is running anyway).
 
 A scope's own ``RuntimeMaxSec`` would be simpler but cannot be changed once the scope runs
@@ -15,8 +19,10 @@ A scope's own ``RuntimeMaxSec`` would be simpler but cannot be changed once the 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict
@@ -29,6 +35,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "slicebox-ttl-"
 PATTERN = f"{PREFIX}*.timer"
+PROGRAM = "sliceboxd"
 
 
 class Timer(BaseModel):
@@ -64,16 +71,51 @@ def latest(timers: Iterable[Timer]) -> dict[str, datetime]:
     return found
 
 
+def expire_command(program: str, sandbox_id: str, container_id: str, at: datetime) -> list[str]:
+    """What the timer runs: ``sliceboxd expire``, told which deadline it enforces."""
+    return [program, "expire", sandbox_id, container_id, "--deadline", str(int(at.timestamp()))]
+
+
 def kill_command(container_id: str, systemctl: str) -> list[str]:
+    """The fallback when no ``sliceboxd`` is found: the scope dies, nothing is audited."""
     return [systemctl, "kill", "--signal=SIGKILL", scope_name(container_id)]
 
 
-class Deadlines:
-    """Arm, extend, read and disarm sandbox deadlines over :class:`Systemd`."""
+def find_program(
+    argv0: str | None = None,
+    which: Callable[[str], str | None] = shutil.which,
+    runnable: Callable[[str], bool] = lambda path: os.access(path, os.X_OK),
+) -> str | None:
+    """The absolute path of ``sliceboxd`` for a timer's service, which has neither the agent's
+    working directory nor, necessarily, its ``PATH``: the program the agent itself runs as
+    (``/usr/bin/sliceboxd`` from the package, a console script elsewhere), else the one on
+    ``PATH``; None when there is neither."""
+    own = sys.argv[0] if argv0 is None else argv0
+    found = [own] if os.path.basename(own) == PROGRAM else []
+    found += [path for path in (which(PROGRAM),) if path]
+    for path in found:
+        absolute = os.path.abspath(path)
+        if runnable(absolute):
+            return absolute
+    return None
 
-    def __init__(self, systemd: Systemd, systemctl: str | None = None) -> None:
+
+class Deadlines:
+    """Arm, extend, read and disarm sandbox deadlines over :class:`Systemd`.
+
+    ``program`` finds the ``sliceboxd`` a timer runs, asked at every arm (the default finds
+    none, so a timer only kills the scope; the agent passes :func:`find_program`)."""
+
+    def __init__(
+        self,
+        systemd: Systemd,
+        systemctl: str | None = None,
+        program: Callable[[], str | None] = lambda: None,
+    ) -> None:
         self._systemd = systemd
         self._systemctl = systemctl or shutil.which("systemctl") or "/usr/bin/systemctl"
+        self._program = program
+        self._warned = False
 
     def timers(self) -> list[Timer]:
         """Every armed deadline, as systemd lists them."""
@@ -92,11 +134,24 @@ class Deadlines:
             self._systemd.start_timer(
                 unit,
                 at,
-                kill_command(container_id, self._systemctl),
+                self._command(sandbox_id, container_id, at),
                 f"slicebox deadline of {sandbox_id}",
             )
         self.stop(older)
         return unit
+
+    def _command(self, sandbox_id: str, container_id: str, at: datetime) -> list[str]:
+        program = self._program()
+        if program is not None:
+            return expire_command(program, sandbox_id, container_id, at)
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "no %s program found for the deadline timers; they kill the scope only, and "
+                "the reaper audits the exited container, without its final usage",
+                PROGRAM,
+            )
+        return kill_command(container_id, self._systemctl)
 
     def disarm(self, sandbox_id: str) -> None:
         self.stop([t for t in self.timers() if t.sandbox_id == sandbox_id])

@@ -10,7 +10,11 @@ leftovers of a crash removed), then every ``reaper.interval_seconds``.
 
 The rules, each with its :class:`Rule` name in the plan and the audit:
 
-- ``expired``: the deadline (the latest armed timer, else the label) has passed.
+- ``expired``: the deadline (the latest armed timer, else the label) has passed. A deadline a
+  timer holds is first the timer's: at the deadline it runs ``sliceboxd expire``
+  (:mod:`slicebox.core.expiry`), which audits and removes the sandbox whether or not the agent
+  runs, so the reaper takes it only :data:`TIMER_GRACE` later (the expiry failed or hangs).
+  Otherwise both would audit one expiry. A deadline only the label gives is due at once.
 - ``parent_gone``: the parent sandbox is gone or goes in this pass (so a tree goes whole,
   children before parents: destroys run deepest first).
 - ``orphan``: made by another agent run, with the ``reap`` orphan policy; with ``adopt``
@@ -55,6 +59,9 @@ log = logging.getLogger(__name__)
 
 
 GONE = frozenset({SandboxState.EXITED, SandboxState.DEAD})
+# How long past a timer's deadline its expiry command has the sandbox to itself: it starts
+# within a second (AccuracyUSec) and takes a few, Docker's removal included.
+TIMER_GRACE = timedelta(seconds=60)
 
 
 class Observed(BaseModel):
@@ -147,6 +154,7 @@ def _doomed(
     doomed: dict[str, tuple[Rule, str]] = {}
     for sandbox_id, (sandbox, status) in sandboxes.items():
         deadline = deadlines.get(sandbox_id, sandbox.expires_at)
+        due = _due(deadline, held=sandbox_id in deadlines)
         foreign = sandbox.lineage.instance_id != observed.instance_id
         if status in GONE:
             doomed[sandbox_id] = (Rule.EXITED, f"its container is {status}; nothing runs in it")
@@ -155,7 +163,7 @@ def _doomed(
                 Rule.NEVER_STARTED,
                 "its container was created but never started, and no create is in progress",
             )
-        elif deadline is not None and deadline <= now:
+        elif deadline is not None and due is not None and due <= now:
             doomed[sandbox_id] = (Rule.EXPIRED, f"its deadline {stamp(deadline)} has passed")
         elif foreign and sandbox_id not in observed.adopted and policy.orphans is OrphanPolicy.REAP:
             doomed[sandbox_id] = (
@@ -166,6 +174,13 @@ def _doomed(
     doomed |= _pool_surplus(sandboxes, doomed, policy.pool_size)
     _doom_children(observed, sandboxes, doomed)
     return doomed
+
+
+def _due(deadline: datetime | None, *, held: bool) -> datetime | None:
+    """When the reaper takes an expired sandbox: a timer's deadline a grace later."""
+    if deadline is None:
+        return None
+    return deadline + TIMER_GRACE if held else deadline
 
 
 def _pool_surplus(

@@ -74,6 +74,17 @@ def cgroups_of(sandbox: Sandbox) -> SandboxCgroups:
     return SandboxCgroups.of_scope(str(sandbox.scope_cgroup(PurePosixPath("/"))))
 
 
+def meta_of(sandbox: Sandbox, init_pid: int | None) -> SandboxMeta:
+    """What telemetry reports about the sandbox itself, from its labels."""
+    return SandboxMeta(
+        backend=sandbox.backend,
+        created_at=sandbox.created_at,
+        cpu=sandbox.limits.cpus,
+        memory_bytes=sandbox.limits.memory_bytes,
+        init_pid=init_pid,
+    )
+
+
 class Service:
     def __init__(
         self,
@@ -254,13 +265,7 @@ class Service:
             return None
 
     def _meta(self, sandbox: Sandbox) -> SandboxMeta:
-        return SandboxMeta(
-            backend=sandbox.backend,
-            created_at=sandbox.created_at,
-            cpu=sandbox.limits.cpus,
-            memory_bytes=sandbox.limits.memory_bytes,
-            init_pid=self._pid_of(sandbox),
-        )
+        return meta_of(sandbox, self._pid_of(sandbox))
 
     # --- authorization and audit -----------------------------------------------------------
 

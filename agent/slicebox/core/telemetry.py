@@ -22,6 +22,7 @@ from typing import Any
 
 from slicebox.host.cgroupfs import CgroupFiles, CgroupReader
 from slicebox.host.netstats import NetCounters
+from slicebox.model.names import scope_name
 from slicebox.model.usage import (
     Level,
     LevelNode,
@@ -167,23 +168,31 @@ class UsageReader:
         return [self._usage(where, meta, slice_memory) for where, meta in sandboxes]
 
     def _usage(
-        self, where: SandboxCgroups, meta: SandboxMeta, slice_memory: Callable[[str], int | None]
+        self,
+        where: SandboxCgroups,
+        meta: SandboxMeta | None,
+        slice_memory: Callable[[str], int | None],
     ) -> ResourceUsage:
         usec = self.cgroups.cpu_usage_usec(where.scope)
         return ResourceUsage(
             memory_bytes=memory_bytes(where, slice_memory),
             cpu_seconds=None if usec is None else usec / 1e6,
-            sandbox=meta.info(),
+            sandbox=None if meta is None else meta.info(),
             memory_seconds=self.memory_seconds(where),
             disk_bytes_written=self.cgroups.io_bytes_written(where.scope),
-            network_bytes=self.network_bytes(meta),
+            network_bytes=None if meta is None else self.network_bytes(meta),
         )
 
-    def final_usage(self, where: SandboxCgroups, meta: SandboxMeta, now: datetime) -> ResourceUsage:
-        """Read just before the sandbox is deleted: the counters die with its cgroup."""
+    def final_usage(
+        self, where: SandboxCgroups, meta: SandboxMeta | None, now: datetime
+    ) -> ResourceUsage:
+        """Read just before the sandbox is deleted: the counters die with its cgroup. Without
+        ``meta`` (its labels could not be read: Docker did not answer) the counters are still
+        the kernel's; only the ``sandbox`` part and ``network_bytes`` are left out."""
         if self.integrator is not None:
             self.integrator.sample(where.scope, self.cgroups.memory_current(where.scope))
-        usage = self.usage(where, replace(meta, deleted_at=now))
+        dated = None if meta is None else replace(meta, deleted_at=now)
+        usage = self._usage(where, dated, self.cgroups.memory_current)
         if self.integrator is not None:
             self.integrator.forget(where.scope)
         return usage
@@ -195,6 +204,17 @@ class UsageReader:
         if self.net is None or meta.init_pid is None:
             return None
         return self.net.bytes_for_pid(meta.init_pid)
+
+
+def find_scope(files: CgroupFiles, container_id: str, root: str = MANAGED_SLICE) -> str | None:
+    """The cgroup of a container's scope, wherever in the slice tree it runs; None when it
+    runs nowhere. For when its labels (and so its user and project) cannot be read."""
+    scope = scope_name(container_id)
+    for user in files.children(root):
+        for project in files.children(f"{root}/{user}"):
+            if scope in files.children(f"{root}/{user}/{project}"):
+                return f"{root}/{user}/{project}/{scope}"
+    return None
 
 
 def memory_bytes(where: SandboxCgroups, current: Callable[[str], int | None]) -> MemoryBytes | None:

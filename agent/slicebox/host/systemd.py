@@ -26,6 +26,7 @@ R = TypeVar("R")
 
 ACTIVE = frozenset({"active", "activating", "reloading"})
 _UNIT_EXISTS = "org.freedesktop.systemd1.UnitExists"
+_NO_PROCESS = "org.freedesktop.systemd1.NoSuchProcess"
 TIMER_ACCURACY_USEC = 1_000_000  # systemd coalesces timers by a minute unless told otherwise
 
 
@@ -62,6 +63,11 @@ class Systemd(Protocol):
     def stop(self, unit: str) -> None:
         """Stop ``unit``; an unknown slice is fine (systemd makes slices on demand), any other
         unknown unit is :class:`HostError` code ``no_such_unit``."""
+
+    def kill(self, unit: str, signal: int) -> None:
+        """Send ``signal`` to every process of ``unit`` (``KillUnit``, whom ``all``); a unit
+        systemd has not loaded, or one with no process left (a scope that stopped), is
+        :class:`HostError` ``no_such_unit``."""
 
     def has_children(self, unit: str) -> bool:
         """Whether anything (a scope, a child slice) is running inside the unit."""
@@ -119,6 +125,16 @@ class PystemdSystemd:
         self._run(unit, lambda m: m.StopUnit(unit.encode(), b"fail"))
         if self.status(unit).active:
             raise HostError(f"systemd did not stop {unit}; see `systemctl status {unit}`")
+
+    def kill(self, unit: str, signal: int) -> None:
+        try:
+            with _manager() as manager:
+                _call(unit, lambda: manager.Manager.KillUnit(unit.encode(), b"all", signal))
+        except HostError as exc:
+            if _NO_PROCESS not in exc.message:
+                raise
+            # Loaded still, but its last process is gone: as good as unloaded for a kill.
+            raise HostError(f"nothing of {unit} runs: {exc.message}", code="no_such_unit") from exc
 
     def has_children(self, unit: str) -> bool:
         handle = _unit(unit)

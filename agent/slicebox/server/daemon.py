@@ -16,6 +16,7 @@ import os
 import signal
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,7 +33,7 @@ from slicebox.model.paths import AGENT_SOCKET
 from slicebox.server.api import Route, build_app
 from slicebox.server.pools import POOLS, run_in
 from slicebox.server.routes import ROUTES, SERVICE
-from slicebox.server.runtime import assemble
+from slicebox.server.runtime import assemble, assemble_expiry
 
 log = logging.getLogger(__name__)
 
@@ -150,12 +151,50 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--socket", type=Path, default=DEFAULT_SOCKET, help="unix socket path")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="TOML configuration")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    commands = parser.add_subparsers(dest="command", metavar="expire")
+    expire = commands.add_parser(
+        "expire",
+        help="expire a sandbox at its deadline (what its deadline timer runs; no agent needed)",
+        description=EXPIRE_HELP,
+    )
+    expire.add_argument("sandbox_id")
+    expire.add_argument("container_id")
+    expire.add_argument(
+        "--deadline",
+        type=int,
+        metavar="EPOCH",
+        help="the deadline the timer enforces (seconds since 1970); a later one is left be",
+    )
     return parser
+
+
+EXPIRE_HELP = (
+    "Read the sandbox's final usage from its cgroup, audit its expiry (rule expired), kill and "
+    "remove it, and stop its empty slices. Nothing is done for a sandbox that is gone, runs "
+    "nothing, or whose deadline was extended past --deadline; with Docker down its scope is "
+    "killed through systemd and the reaper removes the container later."
+)
+
+
+def expire(options: argparse.Namespace) -> int:
+    """``sliceboxd expire``: run by a deadline timer's service, as root, agent or no agent."""
+    at = None if options.deadline is None else datetime.fromtimestamp(options.deadline, UTC)
+    try:
+        result = assemble_expiry(Auditor(SystemJournal())).expire(
+            options.sandbox_id, options.container_id, at
+        )
+    except SliceboxError as exc:
+        log.error("could not expire %s: %s", options.sandbox_id, exc)
+        return 1
+    log.info("%s: %s", options.sandbox_id, result.value)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     options = build_parser().parse_args(argv)
     logging.basicConfig(level=options.log_level, format="%(levelname)s %(name)s: %(message)s")
+    if options.command == "expire":
+        return expire(options)
     auditor = Auditor(SystemJournal())
     notifier = SystemdNotifier()
     try:

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from slicebox.backends.docker import DockerBackend
 from slicebox.core.budget import OutputBudget
-from slicebox.core.deadlines import Deadlines
+from slicebox.core.deadlines import Deadlines, find_program
 from slicebox.core.execution import ExecEngine
+from slicebox.core.expiry import Expiry
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.service import Service, cgroups_of
@@ -108,7 +109,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         config=config,
         host_memory=host_memory,
         instance_id="run-" + uuid.uuid4().hex[:12],
-        deadlines=Deadlines(systemd),
+        deadlines=Deadlines(systemd, program=find_program),
     )
     integrator = MemoryIntegrator(time.monotonic)
     files = CgroupFS()
@@ -153,3 +154,20 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         auditor,
         reaper,
     )
+
+
+def assemble_expiry(auditor: Auditor) -> Expiry:
+    """What ``sliceboxd expire`` needs, and no more: no config (a removal uses none), no agent
+    run id, no reaper. Docker may be down; the expiry copes with that itself."""
+    systemd = PystemdSystemd()
+    backend = DockerBackend.from_env()
+    sandboxes = SandboxManager(
+        backend,
+        SliceManager(systemd),
+        config=Config(),
+        host_memory=read_host_memory(),
+        instance_id="expire",
+        deadlines=Deadlines(systemd, program=find_program),
+    )
+    usage = UsageReader(CgroupFS(), NetnsCounters())
+    return Expiry(sandboxes, backend, systemd, usage=usage, auditor=auditor)

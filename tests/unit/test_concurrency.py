@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from slicebox.cli.client import Client
+from slicebox.core.execution import OutputCapture
 from slicebox.host.identity import CachedUsers, PeerCredentials, SystemUsers, resolve
 from slicebox.model.exec import ExecResult
 from slicebox.server.api import base_routes, build_app
@@ -21,18 +22,7 @@ from slicebox.server.daemon import _every
 from slicebox.server.pools import EXEC_THREADS, POOLS, Pools
 from tests.unit.agentserver import served, wait_for
 
-DONE = ExecResult(
-    stdout=b"",
-    stderr=b"",
-    exit_code=0,
-    timed_out=False,
-    oom_killed=False,
-    stdout_truncated=False,
-    stderr_truncated=False,
-    stdout_dropped_bytes=0,
-    stderr_dropped_bytes=0,
-    duration=0.0,
-)
+DONE = OutputCapture(cap=0).result(exit_code=0, timed_out=False, oom_killed=False, duration=0.0)
 
 
 def test_every_exec_thread_busy_and_a_list_still_answers_at_once(tmp_path: Path) -> None:

@@ -530,3 +530,28 @@ def test_no_reaper_action_while_an_exec_or_destroy_is_in_flight(world: World) ->
             assert not again, "one claim at a time"
     assert [o.result for o in world.reaper.run().outcomes][:1] == ["ok"]
     assert world.manager.find() == []
+
+
+def test_arm_disarm_and_a_deadline_read_ask_systemd_for_the_sandbox_s_own_timers(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Their answer must not grow with the number of sandboxes: no listing of every timer."""
+    others = [world.create(ttl_seconds=600) for _ in range(3)]
+    patterns: list[str] = []
+    list_units = world.systemd.list_units
+
+    def recording(pattern: str, *, active_only: bool = False) -> list[str]:
+        patterns.append(pattern)
+        return list_units(pattern, active_only=active_only)
+
+    monkeypatch.setattr(world.systemd, "list_units", recording)
+    sandbox_id = world.create(ttl_seconds=60)
+    world.manager.extend(sandbox_id, 120)
+    assert world.manager.get(sandbox_id, current_deadline=True).expires_at == NOW + timedelta(
+        seconds=120
+    )
+    world.manager.destroy(sandbox_id)
+    timer_patterns = [p for p in patterns if p.endswith(".timer")]
+    assert timer_patterns, "the deadline steps looked for timers"
+    assert all(sandbox_id in p for p in timer_patterns), timer_patterns
+    assert {t.sandbox_id for t in Deadlines(world.systemd).timers()} == set(others)

@@ -62,6 +62,11 @@ def parse_timer(unit: str) -> Timer | None:
     return Timer(unit=unit, sandbox_id=sandbox_id, at=datetime.fromtimestamp(int(epoch), UTC))
 
 
+def own_pattern(sandbox_id: str) -> str:
+    """The glob of one sandbox's timers (sandbox ids hold no glob characters)."""
+    return f"{PREFIX}{sandbox_id}-*.timer"
+
+
 def latest(timers: Iterable[Timer]) -> dict[str, datetime]:
     """Each sandbox's deadline: the latest of its timers."""
     found: dict[str, datetime] = {}
@@ -122,14 +127,24 @@ class Deadlines:
         found = (parse_timer(unit) for unit in self._systemd.list_units(PATTERN))
         return [timer for timer in found if timer is not None]
 
+    def timers_of(self, sandbox_id: str) -> list[Timer]:
+        """The sandbox's own timers: systemd matches the name, so the answer does not grow
+        with the number of sandboxes."""
+        found = (parse_timer(unit) for unit in self._systemd.list_units(own_pattern(sandbox_id)))
+        return [timer for timer in found if timer is not None and timer.sandbox_id == sandbox_id]
+
     def current(self) -> dict[str, datetime]:
         """Each sandbox's deadline now: the latest of its timers."""
         return latest(self.timers())
 
+    def current_of(self, sandbox_id: str) -> datetime | None:
+        """The sandbox's deadline now, if a timer holds one."""
+        return latest(self.timers_of(sandbox_id)).get(sandbox_id)
+
     def arm(self, sandbox_id: str, container_id: str, at: datetime) -> str:
         """Make ``at`` the sandbox's deadline; earlier timers are stopped once it is armed."""
         unit = timer_unit(sandbox_id, at)
-        older = [t for t in self.timers() if t.sandbox_id == sandbox_id and t.unit != unit]
+        older = [t for t in self.timers_of(sandbox_id) if t.unit != unit]
         if not self._systemd.status(unit).active:
             self._systemd.start_timer(
                 unit,
@@ -154,7 +169,7 @@ class Deadlines:
         return kill_command(container_id, self._systemctl)
 
     def disarm(self, sandbox_id: str) -> None:
-        self.stop([t for t in self.timers() if t.sandbox_id == sandbox_id])
+        self.stop(self.timers_of(sandbox_id))
 
     def stop(self, timers: Sequence[Timer]) -> None:
         for timer in timers:

@@ -106,7 +106,7 @@ class Expiry:
         """Whether the sandbox's deadline now (its latest timer, else its label) is ``due``, to
         the second a timer holds it: a later one means it was extended meanwhile."""
         deadlines = self._sandboxes.deadlines
-        held = deadlines.current().get(sandbox_id) if deadlines is not None else None
+        held = deadlines.current_of(sandbox_id) if deadlines is not None else None
         current = held or label
         if current is not None and int(current.timestamp()) > int(due.timestamp()):
             log.info("%s: its deadline is %s now, not %s", sandbox_id, stamp(current), stamp(due))
@@ -153,9 +153,7 @@ class Expiry:
         if deadlines is None:
             return
         own = timer_unit(sandbox_id, deadline) if deadline is not None else ""
-        deadlines.stop(
-            [t for t in deadlines.timers() if t.sandbox_id == sandbox_id and t.unit != own]
-        )
+        deadlines.stop([t for t in deadlines.timers_of(sandbox_id) if t.unit != own])
 
     def _kill(self, sandbox_id: str, container_id: str, due: datetime, why: str) -> Result:
         """Docker did not answer: find the scope in the slice tree, audit, kill it."""

@@ -237,7 +237,10 @@ class SandboxManager:
         if info is None or not _labelled(info, sandbox_id):
             raise NotFound(f"no sandbox {sandbox_id}; list sandboxes to see the ids")
         sandbox = Sandbox.from_info(info)
-        return self._with_deadlines([sandbox])[0] if current_deadline else sandbox
+        if current_deadline and self._deadlines is not None:
+            held = self._deadlines.current_of(sandbox.id)
+            return sandbox.model_copy(update={"expires_at": held}) if held else sandbox
+        return sandbox
 
     def find(self, **labels: str) -> list[Sandbox]:
         """Sandboxes whose labels match, e.g. ``list(user='alice', root_task_id='t1')``."""

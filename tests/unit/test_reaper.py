@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from slicebox.backends.base import SandboxInfo, SandboxState
-from slicebox.core.deadlines import Deadlines, Timer, find_program, timer_unit
+from slicebox.core.deadlines import Deadlines, Timer, expire_command, find_program, timer_unit
 from slicebox.core.reaper import Reaper
 from slicebox.core.reaping import TIMER_GRACE, Observed, plan, plan_pass
 from slicebox.core.sandboxes import Sandbox, SandboxManager
@@ -555,3 +555,18 @@ def test_arm_disarm_and_a_deadline_read_ask_systemd_for_the_sandbox_s_own_timers
     assert timer_patterns, "the deadline steps looked for timers"
     assert all(sandbox_id in p for p in timer_patterns), timer_patterns
     assert {t.sandbox_id for t in Deadlines(world.systemd).timers()} == set(others)
+
+
+def test_the_timer_passes_the_agent_s_docker_host_to_the_expiry() -> None:
+    at = NOW + timedelta(seconds=60)
+    plain = expire_command("/usr/bin/sliceboxd", "sbx-a", "c1", at, env={})
+    assert plain[:2] == ["/usr/bin/sliceboxd", "expire"]
+    remote = expire_command(
+        "/usr/bin/sliceboxd", "sbx-a", "c1", at, env={"DOCKER_HOST": "tcp://d:2375"}
+    )
+    assert remote[:4] == [
+        "/usr/bin/env",
+        "DOCKER_HOST=tcp://d:2375",
+        "/usr/bin/sliceboxd",
+        "expire",
+    ]

@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict
@@ -76,9 +76,23 @@ def latest(timers: Iterable[Timer]) -> dict[str, datetime]:
     return found
 
 
-def expire_command(program: str, sandbox_id: str, container_id: str, at: datetime) -> list[str]:
-    """What the timer runs: ``sliceboxd expire``, told which deadline it enforces."""
-    return [program, "expire", sandbox_id, container_id, "--deadline", str(int(at.timestamp()))]
+ENV_PROGRAM = "/usr/bin/env"
+
+
+def expire_command(
+    program: str,
+    sandbox_id: str,
+    container_id: str,
+    at: datetime,
+    env: Mapping[str, str] | None = None,
+) -> list[str]:
+    """What the timer runs: ``sliceboxd expire``, told which deadline it enforces. The timer's
+    service does not inherit the agent's environment: a ``DOCKER_HOST`` the agent uses is
+    passed on (through ``env``), so the command finds the same daemon."""
+    docker_host = (os.environ if env is None else env).get("DOCKER_HOST")
+    prefix = [ENV_PROGRAM, f"DOCKER_HOST={docker_host}"] if docker_host else []
+    deadline = str(int(at.timestamp()))
+    return [*prefix, program, "expire", sandbox_id, container_id, "--deadline", deadline]
 
 
 def kill_command(container_id: str, systemctl: str) -> list[str]:

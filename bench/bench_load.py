@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import docker
-from tests.host.agentunits import SOCKET, TEST_CONFIG, installed_agent
+from tests.host.agentunits import SOCKET, TEST_CONFIG, agent_config, installed_agent
 
 from slicebox.backends.base import SandboxRequest
 from slicebox.backends.docker import host_config
@@ -196,7 +196,7 @@ def main() -> None:
     parser.add_argument("--execs", type=int, default=400)
     args = parser.parse_args()
     latencies = Latencies()
-    config = TEST_CONFIG + "[reaper]\ninterval_seconds = 2\n"
+    config = agent_config("interval_seconds = 2\n")
     try:
         with installed_agent(config):
             subprocess.run(["systemctl", "start", "slicebox.service"], check=True)

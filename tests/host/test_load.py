@@ -30,7 +30,7 @@ from slicebox.host.systemd import PystemdSystemd
 from slicebox.model.api import CreateSandbox
 from slicebox.model.exec import ExecRequest
 from slicebox.model.labels import MANAGED
-from tests.host.agentunits import SOCKET, TEST_CONFIG, installed_agent
+from tests.host.agentunits import SOCKET, agent_config, installed_agent
 from tests.host.helpers import sh, unique, wait_for
 from tests.host.sliceboxhost import slicebox_units
 
@@ -40,7 +40,7 @@ USERS = [f"sbxload{n}" for n in range(1, 6)]
 CREATES_PER_USER = 20  # 100 sandboxes
 EXECS_PER_USER = 80  # 400 execs
 CLIENTS = 8
-CONFIG = TEST_CONFIG + "[reaper]\ninterval_seconds = 2\n"
+CONFIG = agent_config("interval_seconds = 2\n")
 
 
 def agent_threads() -> int:

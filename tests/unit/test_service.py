@@ -69,7 +69,7 @@ class World:
 
         self.service = Service(
             self.sandboxes,
-            ExecEngine(docker, self.host, clock=clock, sleep=clock.sleep),
+            ExecEngine(docker, self.host, clock=clock, sleep=clock.sleep, asleep=clock.asleep),
             usage=UsageReader(CgroupFS(tmp)),
             tree=TreeReader(CgroupFS(tmp)),
             auditor=Auditor(self.journal),

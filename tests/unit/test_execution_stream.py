@@ -361,3 +361,25 @@ def test_on_the_loop_a_read_times_out_with_nothing_and_closing_twice_is_once() -
     with daemon:
         quiet, closed = asyncio.run(main())
     assert (quiet, closed) == ([], None)
+
+
+@pytest.mark.parametrize("way", ["in-thread", "on-loop"])
+def test_a_command_that_leaves_its_stdin_unread_loses_no_output(tmp_path: Path, way: str) -> None:
+    """``echo`` fed a megabyte: Docker stops reading stdin when the process exits and closes the
+    connection with it unread, which the kernel reports as a reset after the output, not EOF."""
+    stdin = b"x" * 1_000_000
+
+    def echo(conn: socket.socket) -> None:
+        conn.sendall(HEAD + frame(1, b"hi\n"))
+        time.sleep(0.05)  # the agent has filled the socket with stdin by now
+
+    path = str(tmp_path / "docker.sock")
+    thread = serve(path, echo)
+    if way == "on-loop":
+        chunks = exec_on_loop(path, stdin=stdin)
+    else:
+        attachment = backend(path).exec_start("e1", stdin)
+        chunks = read_all(attachment)
+        attachment.close()
+    thread.join()
+    assert joined(chunks) == {OUT: b"hi\n", ERR: b""}

@@ -267,6 +267,10 @@ class _ExecSocket:
             data = self._sock.recv(READ_SIZE)
         except BlockingIOError:
             return []
+        except ConnectionResetError:
+            # The daemon closed the connection with stdin of ours unread (the command exited
+            # without reading it all): the kernel says so after the output, in place of EOF.
+            data = b""
         if data:
             return self._decoder.feed(data)
         self._eof = True

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from slicebox.backends.base import (
+    AsyncExecAttachment,
     Availability,
     ExecAttachment,
     SandboxInfo,
@@ -145,6 +146,9 @@ class FakeDocker:
 
     def exec_start(self, exec_id: str, stdin: bytes) -> ExecAttachment:
         return self._execs().exec_start(exec_id, stdin)
+
+    async def exec_start_async(self, exec_id: str, stdin: bytes) -> AsyncExecAttachment:
+        return await self._execs().exec_start_async(exec_id, stdin)
 
     def exec_inspect(self, exec_id: str) -> ExecState:
         return self._execs().exec_inspect(exec_id)

@@ -6,6 +6,7 @@ scripted output stream. Time is a FakeClock that reads advance, so timeouts need
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,10 @@ class FakeClock:
 
     def sleep(self, seconds: float) -> None:
         self.now += seconds
+
+    async def asleep(self, seconds: float) -> None:
+        self.now += seconds
+        await asyncio.sleep(0)  # other tasks run meanwhile, as they would
 
 
 @dataclass
@@ -61,6 +66,20 @@ class FakeAttachment:
 
     def close(self) -> None:
         self._run.closed = True
+
+
+class FakeAsyncAttachment:
+    """FakeAttachment on the event loop: the same script, each read a chance for other tasks."""
+
+    def __init__(self, attachment: FakeAttachment) -> None:
+        self._attachment = attachment
+
+    async def read(self, timeout: float) -> list[StreamChunk] | None:
+        await asyncio.sleep(0)
+        return self._attachment.read(timeout)
+
+    def close(self) -> None:
+        self._attachment.close()
 
 
 @dataclass
@@ -122,6 +141,9 @@ class FakeExecApi:
         self.host.procs.setdefault(self.run.pid, 100)
         self.host.started.setdefault(self.run.pid, self.host.process_clock())
         return FakeAttachment(self.run, self.clock, self.host)
+
+    async def exec_start_async(self, exec_id: str, stdin: bytes) -> FakeAsyncAttachment:
+        return FakeAsyncAttachment(self.exec_start(exec_id, stdin))
 
     def exec_inspect(self, exec_id: str) -> ExecState:
         run = self.run

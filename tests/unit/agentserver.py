@@ -20,6 +20,7 @@ from slicebox.host.identity import SystemUsers
 from slicebox.host.listen import bind_unix
 from slicebox.model.exec import OutputStream, StreamChunk
 from slicebox.server.api import build_app
+from slicebox.server.pools import POOLS, Pools
 from slicebox.server.routes import ROUTES, SERVICE
 from tests.fakes.exec_fakes import FakeExec
 from tests.unit.test_service import World
@@ -39,6 +40,7 @@ class AnyContainer(dict[str, int]):
 class Agent:
     socket: str
     world: World
+    pools: Pools
 
     def script(self, *chunks: tuple[OutputStream, bytes], exit_code: int = 0) -> FakeExec:
         """The next exec prints ``chunks`` (one per read), then exits with ``exit_code``."""
@@ -60,19 +62,22 @@ def served(tmp: Path, world: World | None = None) -> Iterator[Agent]:
     path = tmp / "agent.sock"
     sock = bind_unix(path, group=None)
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(build_app(ROUTES, SystemUsers(), {SERVICE: world.service}))
+    pools = Pools()
+    app = build_app(ROUTES, SystemUsers(), {SERVICE: world.service, POOLS: pools})
+    runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.SockSite(runner, sock).start())
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     try:
-        yield Agent(str(path), world)
+        yield Agent(str(path), world, pools)
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
         sock.close()
+        pools.shutdown()
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 10.0) -> None:

@@ -1,60 +1,138 @@
-"""Many callers at once on the agent's real app and socket, the core over fakes: long execs do
-not starve short calls, a slow user database does not stall the event loop, and the reaper's
-thread is its own."""
+"""Many callers at once on the agent's real app and socket, the core over fakes: execs hold no
+thread while their commands run, so many of them neither grow the agent's threads nor starve
+short calls; a slow user database does not stall the event loop; the reaper's thread is its
+own."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
+from slicebox.cli.asyncclient import AsyncClient
 from slicebox.cli.client import Client
-from slicebox.core.execution import OutputCapture
 from slicebox.host.identity import CachedUsers, PeerCredentials, SystemUsers, resolve
-from slicebox.model.exec import ExecResult
+from slicebox.model.api import CreateSandbox
+from slicebox.model.exec import (
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    ExecState,
+    OutputStream,
+    StreamChunk,
+)
 from slicebox.server.api import base_routes, build_app
 from slicebox.server.daemon import _every
-from slicebox.server.pools import EXEC_THREADS, POOLS, Pools
-from tests.unit.agentserver import served, wait_for
+from slicebox.server.pools import CALL_THREADS, POOLS, Pools
+from tests.fakes.exec_fakes import FakeClock, FakeExecApi
+from tests.unit.agentserver import served
+from tests.unit.test_service import World
 
-DONE = OutputCapture(cap=0).result(exit_code=0, timed_out=False, oom_killed=False, duration=0.0)
+EXECS = 50
+STARTED = StreamChunk(stream=OutputStream.STDOUT, data=b"started\n")
 
 
-def test_every_exec_thread_busy_and_a_list_still_answers_at_once(tmp_path: Path) -> None:
-    """Issue 13: with six execs running, a list waited 2.5 s on the shared executor."""
-    release, started = threading.Event(), []
-    lock = threading.Lock()
+class GatedExecs(FakeExecApi):
+    """Every exec prints a line, then its command runs until ``gate`` opens: its reads wait on
+    the agent's event loop, as the real attachment's do."""
 
-    def long_exec(*args: object) -> ExecResult:
-        with lock:
-            started.append(1)
-        release.wait(30)
-        return DONE
+    def __init__(self, world: World) -> None:
+        super().__init__(FakeClock(), world.host, world.run)
+        self.gate = threading.Event()
+        self.started = 0  # counted on the agent's loop thread only
+        self._ids = itertools.count()
 
-    with served(tmp_path) as agent, ThreadPoolExecutor(EXEC_THREADS) as callers:
-        client = Client(agent.socket, timeout=30)
-        sandbox = client.request("POST", "/sandboxes", {"project": "p"})["id"]
-        agent.world.service.exec = long_exec  # type: ignore[method-assign,assignment]
-        try:
-            running = [
-                callers.submit(
-                    client.request, "POST", f"/sandboxes/{sandbox}/exec", {"argv": ["x"]}
-                )
-                for _ in range(EXEC_THREADS)
-            ]
-            wait_for(lambda: len(started) == EXEC_THREADS)
-            began = time.monotonic()
-            listed = Client(agent.socket, timeout=5).request("GET", "/sandboxes")
-            assert time.monotonic() - began < 2.0
-            assert [s["id"] for s in listed] == [sandbox]
-        finally:
-            release.set()
-        assert [f.result()["exit_code"] for f in running] == [0] * EXEC_THREADS
+    def exec_create(self, container_id: str, request: ExecRequest) -> str:
+        return f"exec-{next(self._ids)}"
+
+    async def exec_start_async(self, exec_id: str, stdin: bytes) -> GatedAttachment:  # type: ignore[override]
+        return GatedAttachment(self)
+
+    def exec_inspect(self, exec_id: str) -> ExecState:
+        return ExecState(pid=4242, running=False, exit_code=0)
+
+
+class GatedAttachment:
+    def __init__(self, execs: GatedExecs) -> None:
+        self._execs = execs
+        self._said = False
+
+    async def read(self, timeout: float) -> list[StreamChunk] | None:
+        if not self._said:
+            self._said = True
+            self._execs.started += 1
+            return [STARTED]
+        if self._execs.gate.is_set():
+            return None
+        await asyncio.sleep(min(timeout, 0.02))
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def fill(pool: ThreadPoolExecutor, size: int) -> None:
+    """Make ``pool`` start all its threads now (it starts them on demand)."""
+    meet = threading.Barrier(size)
+    for done in [pool.submit(meet.wait, 5) for _ in range(size)]:
+        done.result()
+
+
+def test_fifty_execs_hold_no_thread_and_a_list_still_answers_at_once(tmp_path: Path) -> None:
+    """Issue 13: with six execs running, a list waited 2.5 s on the shared executor; then each
+    running exec held a thread of a pool of 24, and the 25th waited for one."""
+    request = ExecRequest(argv=("x",), output_cap=1000)
+
+    async def stream(client: AsyncClient, box: str) -> list[ExecEvent]:
+        async with aclosing(client.exec_stream(box, request)) as events:
+            return [event async for event in events]
+
+    with served(tmp_path) as agent:
+        execs = agent.world.docker.execs = GatedExecs(agent.world)
+
+        async def main() -> tuple[int, int, float, list[object]]:
+            async with AsyncClient(agent.socket, timeout=30) as client:
+                box = (await client.create(CreateSandbox(project="p"))).id
+                execs.gate.set()
+                await client.exec(box, request)  # the agent's threads, warmed up
+                execs.gate = threading.Event()
+                fill(agent.pools.calls, CALL_THREADS)
+                before = threading.active_count()
+                running = [
+                    asyncio.ensure_future(
+                        client.exec(box, request) if n % 2 else stream(client, box)
+                    )
+                    for n in range(EXECS)
+                ]
+                while execs.started < EXECS + 1:
+                    await asyncio.sleep(0.01)
+                during = threading.active_count()
+                began = time.monotonic()
+                assert [s.id for s in await client.list_sandboxes()] == [box]
+                listed = time.monotonic() - began
+                execs.gate.set()
+                return before, during, listed, list(await asyncio.gather(*running))
+
+        before, during, listed, answers = asyncio.run(main())
+    print(f"threads: {before} with the agent idle, {during} with {EXECS} execs running")
+    # All fifty ran at once (``started``) on the agent's loop: no thread per exec (the calls
+    # pool had started all its threads before; other tests' threads may come and go).
+    assert during <= before + 2
+    assert listed < 2.0
+    streamed = [a for a in answers if isinstance(a, list)]
+    results = [a for a in answers if isinstance(a, ExecResult)] + [s[-1] for s in streamed]
+    assert [r.exit_code for r in results if isinstance(r, ExecResult)] == [0] * EXECS
+    assert [s[0] for s in streamed] == [STARTED] * (EXECS // 2)
+    assert [e for e in agent.world.journal.events() if e[0] == "exec"] == [("exec", "ok")] * (
+        EXECS + 1
+    )
 
 
 class SlowUsers(SystemUsers):
@@ -119,9 +197,8 @@ def test_the_reaper_runs_on_its_own_pool_while_every_request_thread_is_busy() ->
     pools = Pools()
     blocked, ran = threading.Event(), threading.Event()
     try:
-        for _ in range(EXEC_THREADS + 8):
+        for _ in range(CALL_THREADS + 8):
             pools.calls.submit(blocked.wait, 10)
-            pools.execs.submit(blocked.wait, 10)
 
         async def main() -> None:
             task = asyncio.create_task(_every(0.01, ran.set, pools.background))
@@ -140,7 +217,7 @@ def test_the_reaper_runs_on_its_own_pool_while_every_request_thread_is_busy() ->
 def test_the_app_brings_bounded_pools_and_takes_them_down() -> None:
     app = build_app(base_routes(), SystemUsers())
     pools = app[POOLS]
-    assert pools.execs._max_workers == EXEC_THREADS
+    assert pools.calls._max_workers == CALL_THREADS
 
     async def cycle() -> None:
         runner = web.AppRunner(app)

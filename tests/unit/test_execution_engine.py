@@ -1,17 +1,35 @@
-"""The exec engine's logic against fakes: caps, streaming, timeout, OOM verdict, exit codes."""
+"""The exec engine's logic against fakes: caps, streaming, timeout, OOM verdict, exit codes.
+
+Each behaviour is checked both ways the engine runs one exec: in the calling thread
+(``stream``/``run``, as the guest tests and the bench use it) and on an event loop with its
+blocking steps on a pool (``astream``, as the agent uses it).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing, asynccontextmanager
+from typing import Protocol, TypeVar
 
 import pytest
 
+from slicebox.core.blocking import Blocking
 from slicebox.core.execution import KILL_GRACE, ExecEngine, OutputCapture
 from slicebox.model.errors import SandboxNotFound
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, OutputStream, StreamChunk
 from tests.fakes.exec_fakes import FakeClock, FakeExec, FakeExecApi, FakeSandboxHost
 
 OUT, ERR = OutputStream.STDOUT, OutputStream.STDERR
+T = TypeVar("T")
+
+
+class Way(Protocol):
+    def __call__(
+        self, engine: ExecEngine, req: ExecRequest, container: str = "box"
+    ) -> list[ExecEvent]: ...
 
 
 def chunk(stream: OutputStream, data: bytes) -> StreamChunk:
@@ -21,17 +39,53 @@ def chunk(stream: OutputStream, data: bytes) -> StreamChunk:
 def make(run: FakeExec, host: FakeSandboxHost | None = None) -> tuple[ExecEngine, FakeExecApi]:
     clock = FakeClock()
     api = FakeExecApi(clock, host or FakeSandboxHost(), run)
-    return ExecEngine(api, api.host, clock=clock, sleep=clock.sleep), api
+    engine = ExecEngine(api, api.host, clock=clock, sleep=clock.sleep, asleep=clock.asleep)
+    return engine, api
 
 
 def request(**fields: object) -> ExecRequest:
     return ExecRequest.parse({"argv": ["cmd"], **fields})
 
 
-def test_output_and_exit_code_pass_through_with_stdin() -> None:
+def in_thread(engine: ExecEngine, req: ExecRequest, container: str = "box") -> list[ExecEvent]:
+    return list(engine.stream(container, req))
+
+
+def on_loop(engine: ExecEngine, req: ExecRequest, container: str = "box") -> list[ExecEvent]:
+    async def main() -> list[ExecEvent]:
+        async with pooled() as blocking:
+            return [e async for e in engine.astream(container, req, blocking)]
+
+    return asyncio.run(main())
+
+
+@asynccontextmanager
+async def pooled() -> AsyncIterator[Blocking]:
+    """A Blocking on a pool of its own, as the agent's calls pool is."""
+    with ThreadPoolExecutor(2) as pool:
+        loop = asyncio.get_running_loop()
+
+        async def blocking(function: Callable[[], T]) -> T:
+            return await loop.run_in_executor(pool, function)
+
+        yield blocking
+
+
+@pytest.fixture(params=[in_thread, on_loop], ids=["in-thread", "on-loop"])
+def way(request: pytest.FixtureRequest) -> Way:
+    chosen: Way = request.param
+    return chosen
+
+
+def result_of(events: list[ExecEvent]) -> ExecResult:
+    assert isinstance(events[-1], ExecResult)
+    return events[-1]
+
+
+def test_output_and_exit_code_pass_through_with_stdin(way: Way) -> None:
     run = FakeExec([[chunk(OUT, b"a"), chunk(ERR, b"b")], [chunk(OUT, b"c")], None], exit_code=7)
     engine, _ = make(run)
-    result = engine.run("box", request(stdin=b"hi"))
+    result = result_of(way(engine, request(stdin=b"hi")))
     assert (result.stdout, result.stderr, result.exit_code) == (b"ac", b"b", 7)
     assert not result.timed_out
     assert not result.stdout_truncated
@@ -39,12 +93,11 @@ def test_output_and_exit_code_pass_through_with_stdin() -> None:
     assert run.closed
 
 
-def test_each_stream_keeps_its_head_and_counts_what_it_drops() -> None:
+def test_each_stream_keeps_its_head_and_counts_what_it_drops(way: Way) -> None:
     run = FakeExec([[chunk(OUT, b"12345"), chunk(ERR, b"xy")], [chunk(OUT, b"678")], None])
     engine, _ = make(run)
-    events = list(engine.stream("box", request(output_cap=4)))
-    result = events[-1]
-    assert isinstance(result, ExecResult)
+    events = way(engine, request(output_cap=4))
+    result = result_of(events)
     assert events[:-1] == [chunk(OUT, b"1234"), chunk(ERR, b"xy")]
     assert (result.stdout, result.stdout_truncated, result.stdout_dropped_bytes) == (
         b"1234",
@@ -67,12 +120,12 @@ def test_capture_holds_at_most_the_cap_whatever_arrives() -> None:
     assert result.stdout_dropped_bytes == 1_000_000 - 10
 
 
-def test_timeout_kills_the_exec_tree_and_answers_124() -> None:
+def test_timeout_kills_the_exec_tree_and_answers_124(way: Way) -> None:
     host = FakeSandboxHost(procs={100: 0, 101: 100})
     run = FakeExec([[chunk(OUT, b"started")]], pid=4242)
     host.procs[4243] = 4242  # a child of the exec
     engine, _ = make(run, host)
-    result = engine.run("box", request(timeout=2))
+    result = result_of(way(engine, request(timeout=2)))
     assert (result.exit_code, result.timed_out) == (124, True)
     assert result.stdout == b"started"
     assert host.kill_calls == [4242]
@@ -80,50 +133,50 @@ def test_timeout_kills_the_exec_tree_and_answers_124() -> None:
     assert 2 <= result.duration < 3
 
 
-def test_timeout_waits_for_docker_to_report_the_exec_pid() -> None:
+def test_timeout_waits_for_docker_to_report_the_exec_pid(way: Way) -> None:
     host = FakeSandboxHost(procs={100: 0})
     run = FakeExec([], pid=77, pid_after_inspects=3)
     engine, _ = make(run, host)
-    result = engine.run("box", request(timeout=1))
+    result = result_of(way(engine, request(timeout=1)))
     assert result.timed_out
     assert host.kill_calls == [77]
 
 
-def test_a_stream_that_stays_open_after_the_kill_is_given_up() -> None:
+def test_a_stream_that_stays_open_after_the_kill_is_given_up(way: Way) -> None:
     host = FakeSandboxHost(procs={100: 0})
     run = FakeExec([], pid=55)
     engine, _ = make(run, host)
     host.kill_exec = lambda cgroup, pid, since: 0  # type: ignore[method-assign]
-    result = engine.run("box", request(timeout=1))
+    result = result_of(way(engine, request(timeout=1)))
     assert result.timed_out
     assert result.duration == pytest.approx(1 + KILL_GRACE, abs=1)
 
 
-def test_oom_killed_when_the_sandbox_counter_grew_during_the_exec() -> None:
+def test_oom_killed_when_the_sandbox_counter_grew_during_the_exec(way: Way) -> None:
     host = FakeSandboxHost(oom_kill_count=3, oom_kills_during_exec=1)
     engine, _ = make(FakeExec([None], exit_code=137), host)
-    assert engine.run("box", request()).oom_killed
+    assert result_of(way(engine, request())).oom_killed
 
 
 @pytest.mark.parametrize(("count", "during"), [(3, 0), (None, 1)])
 def test_not_oom_killed_when_the_counter_is_unchanged_or_unreadable(
-    count: int | None, during: int
+    way: Way, count: int | None, during: int
 ) -> None:
     host = FakeSandboxHost(oom_kill_count=count, oom_kills_during_exec=during)
     engine, _ = make(FakeExec([None]), host)
-    assert not engine.run("box", request()).oom_killed
+    assert not result_of(way(engine, request())).oom_killed
 
 
-def test_exit_code_waits_until_docker_marks_the_exec_finished() -> None:
+def test_exit_code_waits_until_docker_marks_the_exec_finished(way: Way) -> None:
     engine, _ = make(FakeExec([None], exit_code=3, running_after_exit=4))
-    assert engine.run("box", request()).exit_code == 3
+    assert result_of(way(engine, request())).exit_code == 3
 
 
-def test_a_command_running_on_after_closing_its_output_times_out() -> None:
+def test_a_command_running_on_after_closing_its_output_times_out(way: Way) -> None:
     host = FakeSandboxHost(procs={100: 0})
     run = FakeExec([[chunk(OUT, b"bye")], None], pid=8, exits_at_eof=False)
     engine, _ = make(run, host)
-    result = engine.run("box", request(timeout=3))
+    result = result_of(way(engine, request(timeout=3)))
     assert (result.exit_code, result.timed_out, result.stdout) == (124, True, b"bye")
     assert host.kill_calls == [8]
     assert 3 <= result.duration < 4
@@ -142,11 +195,11 @@ OCI = b'OCI runtime exec failed: exec failed: unable to start container process:
     ],
 )
 def test_start_failures_are_moved_to_stderr(
-    stdout: bytes, code: int, explained: int | None
+    way: Way, stdout: bytes, code: int, explained: int | None
 ) -> None:
     run = FakeExec([[chunk(OUT, stdout)], None], exit_code=code)
     engine, _ = make(run)
-    result = engine.run("box", request())
+    result = result_of(way(engine, request()))
     if explained is None:
         assert (result.stdout, result.exit_code) == (stdout, code)
     else:
@@ -154,31 +207,126 @@ def test_start_failures_are_moved_to_stderr(
         assert result.stderr == stdout.replace(b"\r\n", b"\n")
 
 
-def test_abandoning_the_stream_kills_the_exec() -> None:
-    host = FakeSandboxHost(procs={100: 0})
-    run = FakeExec([[chunk(OUT, b"x")], [chunk(OUT, b"y")]], pid=9)
+def test_unknown_sandbox_is_not_found(way: Way) -> None:
+    engine, _ = make(FakeExec([None]))
+    with pytest.raises(SandboxNotFound):
+        way(engine, request(), "nope")
+
+
+def test_run_answers_the_result_in_the_calling_thread() -> None:
+    engine, _ = make(FakeExec([[chunk(ERR, b"e")], None], exit_code=1))
+    result = engine.run("box", request())
+    assert (result.stderr, result.exit_code) == (b"e", 1)
+
+
+# --- leaving early ---------------------------------------------------------------------------
+
+
+def endless(pid: int) -> tuple[ExecEngine, FakeExec, FakeSandboxHost]:
+    """An exec that prints a chunk per read until it is killed."""
+    host = FakeSandboxHost(procs={100: 0, pid: 100})
+    run = FakeExec([[chunk(OUT, b"y")]] * 1000, pid=pid)
     engine, _ = make(run, host)
+    return engine, run, host
+
+
+def test_abandoning_the_stream_kills_the_exec() -> None:
+    engine, run, host = endless(9)
     events = engine.stream("box", request())
-    assert next(events) == chunk(OUT, b"x")
+    assert next(events) == chunk(OUT, b"y")
     events.close()
     assert host.kill_calls == [9]
     assert run.closed
 
 
-def test_unknown_sandbox_is_not_found() -> None:
-    engine, _ = make(FakeExec([None]))
-    with pytest.raises(SandboxNotFound):
-        engine.run("nope", request())
+def test_closing_the_async_stream_kills_the_exec() -> None:
+    engine, run, host = endless(9)
+
+    async def main() -> None:
+        async with pooled() as blocking:
+            events = engine.astream("box", request(), blocking)
+            assert await anext(events) == chunk(OUT, b"y")
+            await events.aclose()
+
+    asyncio.run(main())
+    assert host.kill_calls == [9]
+    assert run.closed
+    assert 9 not in host.procs
 
 
-def test_async_stream_yields_the_same_events() -> None:
-    run = FakeExec([[chunk(ERR, b"e")], None], exit_code=1)
-    engine, _ = make(run)
+def test_cancelling_the_reader_of_the_async_stream_kills_the_exec() -> None:
+    """The agent stopping cancels what still reads an exec: its processes are killed too."""
+    engine, run, host = endless(10)
 
-    async def collect() -> list[ExecEvent]:
-        return [event async for event in engine.astream("box", request())]
+    async def main() -> None:
+        async with pooled() as blocking:
+            began = asyncio.Event()
 
-    events = asyncio.run(collect())
-    assert events[0] == chunk(ERR, b"e")
-    assert isinstance(events[-1], ExecResult)
-    assert events[-1].exit_code == 1
+            async def read() -> None:
+                async with aclosing(engine.astream("box", request(), blocking)) as events:
+                    async for _ in events:
+                        began.set()
+
+            task = asyncio.create_task(read())
+            await began.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
+    assert host.kill_calls == [10]
+    assert run.closed
+
+
+# --- on a real clock: the loop is free while an exec waits -----------------------------------
+
+
+class SilentAttachment:
+    """Output that never comes, waited for in real time until the exec's process is killed."""
+
+    def __init__(self, run: FakeExec, host: FakeSandboxHost) -> None:
+        self._run, self._host = run, host
+
+    async def read(self, timeout: float) -> list[StreamChunk] | None:
+        if self._run.pid not in self._host.procs:
+            return None
+        await asyncio.sleep(timeout)
+        return []
+
+    def close(self) -> None:
+        self._run.closed = True
+
+
+class SilentExecs(FakeExecApi):
+    async def exec_start_async(self, exec_id: str, stdin: bytes) -> SilentAttachment:  # type: ignore[override]
+        self.exec_start(exec_id, stdin)
+        return SilentAttachment(self.run, self.host)
+
+
+def test_an_exec_that_waits_holds_no_thread_and_times_out_on_the_real_clock() -> None:
+    host = FakeSandboxHost(procs={100: 0})
+    run = FakeExec([], pid=31)
+    engine = ExecEngine(SilentExecs(FakeClock(), host, run), host)  # time.monotonic
+
+    async def main() -> tuple[ExecResult, float, int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        async with pooled() as blocking:
+            began = time.monotonic()
+            events = [e async for e in engine.astream("box", request(timeout=0.3), blocking)]
+            took = time.monotonic() - began
+        ticker.cancel()
+        return result_of(events), took, ticks
+
+    result, took, ticks = asyncio.run(main())
+    assert (result.exit_code, result.timed_out) == (124, True)
+    assert host.kill_calls == [31]
+    assert 0.3 <= took < 2
+    assert ticks >= 10, "the loop ran other tasks while the exec waited"

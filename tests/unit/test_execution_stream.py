@@ -1,4 +1,5 @@
-"""The raw exec stream: frame decoding, the response head, and the socket pump.
+"""The raw exec stream: frame decoding, the response head, and the socket pump, blocking and on
+the event loop.
 
 The decisive property (docker-py issue 3332): bytes that arrive in the same read as the
 ``101 Switching Protocols`` head are the start of the stream and must be decoded first.
@@ -6,9 +7,12 @@ The decisive property (docker-py issue 3332): bytes that arrive in the same read
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,7 @@ import pytest
 from slicebox.backends import dockerstream as execstream
 from slicebox.backends.docker import DockerBackend
 from slicebox.backends.dockerstream import (
+    AsyncRawExecAttachment,
     DockerEndpoint,
     FrameDecoder,
     RawExecAttachment,
@@ -211,3 +216,170 @@ def test_a_daemon_that_never_answers_is_unavailable(
         silent.listen(1)
         with pytest.raises(Unavailable, match="in time"):
             backend(path).exec_start("e1", b"")
+
+
+# --- the attachment on the event loop: a stand-in daemon that speaks Docker's protocol -------
+
+HEAD = b"HTTP/1.1 101 UPGRADED\r\nContent-Type: application/vnd.docker.raw-stream\r\n\r\n"
+Converse = Callable[[socket.socket], None]
+
+
+def serve(path: str, converse: Converse) -> threading.Thread:
+    """A daemon stand-in on a unix socket: reads one exec start request, then ``converse``."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def answer() -> None:
+        with server, server.accept()[0] as conn:
+            conn.settimeout(10)
+            request = b""
+            while not request.endswith(b"}"):
+                request += conn.recv(4096)
+            converse(conn)
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    return thread
+
+
+def exec_on_loop(path: str, stdin: bytes = b"") -> list[StreamChunk]:
+    """Start exec e1 through the backend's async primitive and read it to its end."""
+
+    async def main() -> list[StreamChunk]:
+        attachment = await backend(path).exec_start_async("e1", stdin)
+        chunks: list[StreamChunk] = []
+        try:
+            while (got := await attachment.read(1.0)) is not None:
+                chunks += got
+        finally:
+            attachment.close()
+        return chunks
+
+    return asyncio.run(main())
+
+
+def test_on_the_loop_output_sent_with_the_upgrade_response_is_not_lost(tmp_path: Path) -> None:
+    """Docker writes the 101 head and the first frame in one send; both in one read here."""
+    path = str(tmp_path / "docker.sock")
+    thread = serve(path, lambda conn: conn.sendall(HEAD + frame(1, b"hi\n") + frame(2, b"!")))
+    chunks = exec_on_loop(path)
+    thread.join()
+    assert joined(chunks) == {OUT: b"hi\n", ERR: b"!"}
+
+
+@pytest.mark.parametrize("cut", [1, 3, 8, 9, 12, 40])
+def test_on_the_loop_frames_split_across_reads_arrive_whole(tmp_path: Path, cut: int) -> None:
+    path = str(tmp_path / "docker.sock")
+
+    def dribble(conn: socket.socket) -> None:
+        conn.sendall(HEAD + STREAM[:cut])  # the head with the start of the first frame
+        for start in range(cut, len(STREAM), 7):
+            time.sleep(0.002)  # apart, so that they arrive in reads of their own
+            conn.sendall(STREAM[start : start + 7])
+
+    thread = serve(path, dribble)
+    chunks = exec_on_loop(path)
+    thread.join()
+    assert joined(chunks) == {OUT: b"to-out\n" + bytes(range(256)), ERR: b"to-err\n"}
+
+
+def test_on_the_loop_stdin_is_delivered_whole_then_half_closed(tmp_path: Path) -> None:
+    path = str(tmp_path / "docker.sock")
+    data = bytes(range(256)) * 4000  # 1 MB: many writes, more than the socket buffers hold
+    received = bytearray()
+
+    def cat(conn: socket.socket) -> None:
+        conn.sendall(HEAD + frame(2, b"reading\n"))
+        while piece := conn.recv(65536):  # b"" only once the agent has shut its write side
+            received.extend(piece)
+        conn.sendall(frame(1, b"%d bytes" % len(received)))
+
+    thread = serve(path, cat)
+    chunks = exec_on_loop(path, stdin=data)
+    thread.join()
+    assert bytes(received) == data
+    assert joined(chunks) == {OUT: b"%d bytes" % len(data), ERR: b"reading\n"}
+
+
+def test_on_the_loop_the_exec_stream_works_over_plain_tcp_too() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    thread = _answer_once(server, HEAD + frame(1, b"over tcp\n"))
+    endpoint = DockerEndpoint(scheme="tcp", address="127.0.0.1", port=port)
+
+    async def main() -> list[StreamChunk]:
+        attachment = await DockerBackend(endpoint, client=StubClient()).exec_start_async("e1", b"")
+        chunks: list[StreamChunk] = []
+        while (got := await attachment.read(1.0)) is not None:
+            chunks += got
+        attachment.close()
+        return chunks
+
+    chunks = asyncio.run(main())
+    thread.join()
+    assert joined(chunks) == {OUT: b"over tcp\n", ERR: b""}
+
+
+@pytest.mark.parametrize(("status", "error"), [(404, SandboxNotFound), (409, SandboxNotRunning)])
+def test_on_the_loop_start_refusals_are_mapped(
+    tmp_path: Path, status: int, error: type[Exception]
+) -> None:
+    path = str(tmp_path / "docker.sock")
+    thread = serve(path, lambda conn: conn.sendall(f"HTTP/1.1 {status} No\r\n\r\n{{}}".encode()))
+    with pytest.raises(error):
+        exec_on_loop(path)
+    thread.join()
+
+
+def test_on_the_loop_no_daemon_or_a_silent_one_is_unavailable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(Unavailable, match="not reachable"):
+        exec_on_loop(str(tmp_path / "none.sock"))
+    monkeypatch.setattr(execstream, "START_TIMEOUT", 0.2)
+    path = str(tmp_path / "silent.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.bind(path)
+        silent.listen(1)
+        with pytest.raises(Unavailable, match="in time"):
+            exec_on_loop(path)
+
+
+def test_on_the_loop_a_read_times_out_with_nothing_and_closing_twice_is_once() -> None:
+    ours, daemon = socket.socketpair()
+
+    async def main() -> tuple[list[StreamChunk] | None, list[StreamChunk] | None]:
+        attachment = AsyncRawExecAttachment(ours, b"", b"")
+        began = time.monotonic()
+        quiet = await attachment.read(0.05)
+        assert 0.04 <= time.monotonic() - began < 1
+        attachment.close()
+        attachment.close()
+        return quiet, await attachment.read(0.05)
+
+    with daemon:
+        quiet, closed = asyncio.run(main())
+    assert (quiet, closed) == ([], None)
+
+
+@pytest.mark.parametrize("way", ["in-thread", "on-loop"])
+def test_a_command_that_leaves_its_stdin_unread_loses_no_output(tmp_path: Path, way: str) -> None:
+    """``echo`` fed a megabyte: Docker stops reading stdin when the process exits and closes the
+    connection with it unread, which the kernel reports as a reset after the output, not EOF."""
+    stdin = b"x" * 1_000_000
+
+    def echo(conn: socket.socket) -> None:
+        conn.sendall(HEAD + frame(1, b"hi\n"))
+        time.sleep(0.05)  # the agent has filled the socket with stdin by now
+
+    path = str(tmp_path / "docker.sock")
+    thread = serve(path, echo)
+    if way == "on-loop":
+        chunks = exec_on_loop(path, stdin=stdin)
+    else:
+        attachment = backend(path).exec_start("e1", stdin)
+        chunks = read_all(attachment)
+        attachment.close()
+    thread.join()
+    assert joined(chunks) == {OUT: b"hi\n", ERR: b""}

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
+from slicebox.core.blocking import inline
 from slicebox.core.budget import OutputBudget
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
@@ -21,10 +25,10 @@ from slicebox.core.telemetry import TreeReader, UsageReader, scope_pid
 from slicebox.host.cgroupfs import CgroupFS
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
-from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest
+from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest, SandboxView
 from slicebox.model.config import DEFAULT_EXEC_OUTPUT_BUDGET, ReaperConfig, parse_config
 from slicebox.model.errors import Forbidden, NotFound, SandboxNotRunning
-from slicebox.model.exec import ExecRequest, ExecResult, OutputStream, StreamChunk
+from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, OutputStream, StreamChunk
 from tests.fakes.counting import counting
 from tests.fakes.docker import FakeDocker
 from tests.fakes.exec_fakes import FakeClock, FakeExec, FakeExecApi, FakeSandboxHost
@@ -36,6 +40,7 @@ NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 ALICE = Identity(uid=1000, gid=1000, pid=11, user_name="alice", is_admin=False)
 BOB = Identity(uid=1001, gid=1001, pid=12, user_name="bob", is_admin=False)
 ORCH = Identity(uid=1002, gid=1002, pid=13, user_name="orch", is_admin=True)
+T = TypeVar("T")
 
 
 class World:
@@ -69,7 +74,7 @@ class World:
 
         self.service = Service(
             self.sandboxes,
-            ExecEngine(docker, self.host, clock=clock, sleep=clock.sleep),
+            ExecEngine(docker, self.host, clock=clock, sleep=clock.sleep, asleep=clock.asleep),
             usage=UsageReader(CgroupFS(tmp)),
             tree=TreeReader(CgroupFS(tmp)),
             auditor=Auditor(self.journal),
@@ -310,3 +315,106 @@ def test_an_exec_that_fails_while_running_is_audited_with_its_code(world: World)
     [record] = execs(world)
     assert (record["SLICEBOX_EVENT"], record["SLICEBOX_RESULT"]) == ("exec", "sandbox_not_running")
     assert record["SLICEBOX_USER"] == "alice"
+
+
+# --- the same on the event loop --------------------------------------------------------------
+
+
+def on_loop(coroutine: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coroutine)
+
+
+async def streamed(
+    world: World, who: Identity, box: str, request: ExecRequest, take: int | None = None
+) -> list[ExecEvent]:
+    """``aexec_stream`` read to its end, or closed after ``take`` events."""
+    events = world.service.aexec_stream(who, box, request, None, inline)
+    got: list[ExecEvent] = []
+    async with contextlib.aclosing(events):
+        async for event in events:
+            got.append(event)
+            if len(got) == take:
+                break
+    return got
+
+
+def free(world: World, box: str) -> bool:
+    """No operation holds the sandbox: the reaper may claim it."""
+    with world.sandboxes.claim(box) as claimed:
+        return claimed
+
+
+def test_an_exec_on_the_loop_is_audited_exactly_as_in_a_thread(world: World) -> None:
+    box = world.create(ALICE)
+    world.service.exec(ALICE, box, ExecRequest(argv=("x",)))
+    world.run.script = [[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None]
+    result = on_loop(world.service.aexec(ALICE, box, ExecRequest(argv=("x",)), None, inline))
+    assert result.stdout == b"hi\n"
+    in_thread, in_loop = execs(world)
+    assert in_loop == in_thread
+    assert (in_loop["SLICEBOX_RESULT"], in_loop["SLICEBOX_EXIT_CODE"]) == ("ok", "0")
+    assert world.budget.in_use == 0
+    assert free(world, box)
+
+
+def test_a_stream_on_the_loop_closed_early_is_killed_and_audited_abandoned(world: World) -> None:
+    box = world.create(ALICE)
+    endless(world)
+    got = on_loop(streamed(world, ALICE, box, ExecRequest(argv=("yes",)), take=2))
+    assert len(got) == 2
+    assert world.host.kill_calls == [world.run.pid], "closing the stream kills the exec"
+    [record] = execs(world)
+    assert (record["SLICEBOX_EVENT"], record["SLICEBOX_RESULT"]) == ("exec", "abandoned")
+    assert "streamed stdout=2000 stderr=0 bytes" in record["SLICEBOX_DETAIL"]
+    assert world.budget.in_use == 0
+    assert free(world, box), "the operation mark is gone"
+
+
+def test_a_stream_on_the_loop_read_to_its_end_is_audited_once(world: World) -> None:
+    box = world.create(ALICE)
+    events = on_loop(streamed(world, ALICE, box, ExecRequest(argv=("x",))))
+    assert isinstance(events[-1], ExecResult)
+    assert [(e["SLICEBOX_RESULT"], e["SLICEBOX_EXIT_CODE"]) for e in execs(world)] == [("ok", "0")]
+
+
+def test_an_exec_on_the_loop_refused_or_timed_out_says_so(world: World) -> None:
+    mine = world.create(ALICE)
+    with pytest.raises(NotFound):
+        on_loop(streamed(world, BOB, mine, ExecRequest(argv=("id",))))
+    world.run.script = []
+    world.host.procs[world.run.pid] = 100
+    slow = ExecRequest(argv=("sleep", "9"), timeout=1)
+    assert on_loop(world.service.aexec(ALICE, mine, slow, None, inline)).timed_out
+    refused, timed_out = execs(world)
+    assert (refused["SLICEBOX_EVENT"], refused["SLICEBOX_RESULT"]) == (
+        "request_refused",
+        "not_found",
+    )
+    assert (timed_out["SLICEBOX_RESULT"], timed_out["SLICEBOX_EXIT_CODE"]) == ("timed_out", "124")
+    assert world.budget.in_use == 0
+    assert free(world, mine)
+
+
+def test_a_run_on_the_loop_destroys_its_sandbox_even_when_the_exec_fails(world: World) -> None:
+    run = RunRequest(sandbox=CreateSandbox(project="web"), exec=ExecRequest(argv=("x",)))
+    assert on_loop(world.service.arun(ALICE, run, None, inline)).result.stdout == b"hi\n"
+
+    async def stopping(function: Callable[[], T]) -> T:
+        """Runs each step in place; the sandbox's container stops right after its create."""
+        value = function()
+        if isinstance(value, SandboxView):
+            world.docker.stop(value.container_id)
+        return value
+
+    with pytest.raises(SandboxNotRunning):
+        on_loop(world.service.arun(ALICE, run, None, stopping))
+    assert world.journal.events() == [
+        ("sandbox_created", "ok"),
+        ("exec", "ok"),
+        ("sandbox_destroyed", "ok"),
+        ("sandbox_created", "ok"),
+        ("exec", "sandbox_not_running"),
+        ("sandbox_destroyed", "ok"),
+    ]
+    assert world.service.list_sandboxes(ALICE) == []
+    assert world.budget.in_use == 0

@@ -97,8 +97,20 @@ class ExecAttachment(Protocol):
     def close(self) -> None: ...
 
 
+class AsyncExecAttachment(Protocol):
+    """:class:`ExecAttachment` for the event loop: a read waits without holding a thread."""
+
+    async def read(self, timeout: float) -> list[StreamChunk] | None:
+        """Output that arrived within ``timeout`` seconds ([] if none); None at end of stream."""
+
+    def close(self) -> None:
+        """Never blocks: it is called on the event loop."""
+
+
 class ExecApi(Protocol):
-    """The exec primitives :class:`slicebox.core.execution.ExecEngine` drives."""
+    """The exec primitives :class:`slicebox.core.execution.ExecEngine` drives. All but
+    ``exec_start_async`` block (briefly: none waits for the command); the agent runs them on its
+    calls pool and reads the output on its event loop."""
 
     def sandbox_pid(self, backend_id: str) -> int:
         """Host pid of the running sandbox's init; SandboxNotFound / SandboxNotRunning."""
@@ -108,6 +120,10 @@ class ExecApi(Protocol):
 
     def exec_start(self, exec_id: str, stdin: bytes) -> ExecAttachment:
         """Start the exec, feed ``stdin`` (then EOF) and return its attached output."""
+
+    async def exec_start_async(self, exec_id: str, stdin: bytes) -> AsyncExecAttachment:
+        """``exec_start`` on the running event loop: nothing in it blocks the loop. Called after
+        ``exec_create`` of the same exec."""
 
     def exec_inspect(self, exec_id: str) -> ExecState: ...
 

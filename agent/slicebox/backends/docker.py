@@ -43,10 +43,12 @@ from slicebox.backends.base import (
     SandboxState,
 )
 from slicebox.backends.dockerstream import (
+    AsyncRawExecAttachment,
     DockerEndpoint,
     RawExecAttachment,
     StartRefused,
     attach,
+    attach_async,
     endpoint_from_env,
 )
 from slicebox.model.errors import (
@@ -298,6 +300,14 @@ class DockerBackend:
         version = str(self._api().api_version)
         try:
             return attach(self._endpoint.connect(), version, exec_id, stdin)
+        except StartRefused as exc:
+            raise map_status(exc.status, exc.text, f"of exec {exec_id}") from exc
+
+    async def exec_start_async(self, exec_id: str, stdin: bytes) -> AsyncRawExecAttachment:
+        # The client exists by now (exec_create made it): reading its version makes no call.
+        version = str(self._api().api_version)
+        try:
+            return await attach_async(self._endpoint, version, exec_id, stdin)
         except StartRefused as exc:
             raise map_status(exc.status, exc.text, f"of exec {exec_id}") from exc
 

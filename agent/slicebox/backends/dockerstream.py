@@ -22,10 +22,21 @@ The stream is Docker's multiplexed format (no TTY): frames of an 8-byte header
 payloads as they arrive, even mid-frame, so memory stays bounded by one read buffer.
 Stdin is written on the same connection, then the write side is shut down: Docker closes the
 process's stdin at that half-close.
+
+Two attachments share that socket logic (``_ExecSocket``) and differ only in how they wait:
+``RawExecAttachment`` blocks its thread in ``select`` (for in-process callers: the guest tests,
+the bench); ``AsyncRawExecAttachment`` is what the agent uses: the event loop says when the
+socket is readable or writable (``add_reader``/``add_writer``), so an exec that runs for an hour
+holds no thread. It reads the raw socket itself rather than through an asyncio transport and
+stream reader: a transport that fails to write stdin (the command exited without reading it)
+closes its read side too, and output still in the kernel's buffer would be lost; here a failed
+stdin write only ends the stdin, as in the blocking attachment. A wait that times out or is
+cancelled has read nothing, so it loses nothing either.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -50,6 +61,7 @@ STREAM_IDS = {1: OutputStream.STDOUT, 2: OutputStream.STDERR}
 MAX_HEAD = 64 * 1024
 READ_SIZE = 64 * 1024
 START_TIMEOUT = 120.0
+CONNECT_RETRY = 0.01
 DEFAULT_TCP_PORT = 2375  # Docker's plain-TCP port
 
 
@@ -80,10 +92,53 @@ class DockerEndpoint(BaseModel):
                 return sock
             return socket.create_connection((self.address, self.port), timeout=START_TIMEOUT)
         except OSError as exc:
-            raise Unavailable(
-                f"the Docker daemon at {self.base_url} is not reachable ({exc}); "
-                "is docker.service running, and is DOCKER_HOST right?"
-            ) from exc
+            raise self._unreachable(exc) from exc
+
+    async def aconnect(self) -> socket.socket:
+        """``connect`` on the event loop: a new non-blocking connection, or Unavailable."""
+        try:
+            async with asyncio.timeout(START_TIMEOUT):
+                if self.scheme == "unix":
+                    return await _unix_connection(self.address)
+                return await _tcp_connection(self.address, self.port)
+        except OSError as exc:  # TimeoutError included
+            raise self._unreachable(exc) from exc
+
+    def _unreachable(self, exc: OSError) -> Unavailable:
+        return Unavailable(
+            f"the Docker daemon at {self.base_url} is not reachable ({exc}); "
+            "is docker.service running, and is DOCKER_HOST right?"
+        )
+
+
+async def _unix_connection(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    with _closed_on_error(sock):
+        while True:
+            try:  # a unix connect completes at once, or fails: it is never in progress
+                sock.connect(path)
+                return sock
+            except BlockingIOError:  # the daemon's accept backlog is full: it is behind
+                await asyncio.sleep(CONNECT_RETRY)
+
+
+async def _tcp_connection(host: str, port: int) -> socket.socket:
+    loop = asyncio.get_running_loop()
+    failure: OSError = OSError(f"no address for {host}")
+    for family, kind, proto, _, address in await loop.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM
+    ):
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        with _closed_on_error(sock):
+            try:
+                await loop.sock_connect(sock, address)
+                return sock
+            except OSError as exc:
+                sock.close()
+                failure = exc
+    raise failure
 
 
 def parse_docker_host(value: str | None) -> DockerEndpoint:
@@ -195,16 +250,52 @@ def start_request(api_version: str, exec_id: str) -> bytes:
     return head.encode() + body
 
 
-class RawExecAttachment:
-    """One started exec: reads its demultiplexed output, writes its stdin."""
+class _ExecSocket:
+    """One started exec's connection, non-blocking: decodes what is received, writes stdin in
+    pieces and half-closes after it. The attachments below only differ in how they wait."""
 
     def __init__(self, sock: socket.socket, first_bytes: bytes, stdin: bytes) -> None:
         self._sock = sock
         self._decoder = FrameDecoder()
-        self._pending = first_bytes
+        self._pending = first_bytes  # what came with the response head: decoded first
         self._stdin = memoryview(stdin) if stdin else None
         self._eof = False
         sock.setblocking(False)
+
+    def _receive(self) -> list[StreamChunk] | None:
+        try:
+            data = self._sock.recv(READ_SIZE)
+        except BlockingIOError:
+            return []
+        except ConnectionResetError:
+            # The daemon closed the connection with stdin of ours unread (the command exited
+            # without reading it all): the kernel says so after the output, in place of EOF.
+            data = b""
+        if data:
+            return self._decoder.feed(data)
+        self._eof = True
+        if self._decoder.mid_frame:
+            log.warning("the exec stream ended in the middle of a frame")
+        return None
+
+    def _write_stdin(self) -> None:
+        assert self._stdin is not None
+        try:
+            sent = self._sock.send(self._stdin[:READ_SIZE])
+        except BlockingIOError:
+            return
+        except OSError:  # the process exited without reading all of its stdin
+            sent = len(self._stdin)
+        self._stdin = self._stdin[sent:]
+        if not self._stdin:
+            self._stdin = None
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_WR)
+
+
+class RawExecAttachment(_ExecSocket):
+    """One started exec, read by a thread that blocks in ``select``; stdin is written while it
+    waits for output."""
 
     def read(self, timeout: float) -> list[StreamChunk] | None:
         if self._pending:
@@ -227,44 +318,76 @@ class RawExecAttachment:
             self._write_stdin()
         return bool(readable)
 
-    def _receive(self) -> list[StreamChunk] | None:
-        try:
-            data = self._sock.recv(READ_SIZE)
-        except BlockingIOError:
-            return []
-        if data:
-            return self._decoder.feed(data)
-        self._eof = True
-        if self._decoder.mid_frame:
-            log.warning("the exec stream ended in the middle of a frame")
-        return None
-
-    def _write_stdin(self) -> None:
-        assert self._stdin is not None
-        try:
-            sent = self._sock.send(self._stdin[:READ_SIZE])
-        except BlockingIOError:
-            return
-        except OSError:  # the process exited without reading all of its stdin
-            sent = len(self._stdin)
-        self._stdin = self._stdin[sent:]
-        if not self._stdin:
-            self._stdin = None
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_WR)
-
     def close(self) -> None:
         self._sock.close()
+
+
+class AsyncRawExecAttachment(_ExecSocket):
+    """One started exec on the running event loop: the loop wakes the read when the socket is
+    readable, and writes stdin whenever it is writable, whether or not anyone reads."""
+
+    def __init__(self, sock: socket.socket, first_bytes: bytes, stdin: bytes) -> None:
+        super().__init__(sock, first_bytes, stdin)
+        self._loop = asyncio.get_running_loop()
+        self._fd: int | None = sock.fileno()
+        if self._stdin is not None:
+            self._loop.add_writer(self._fd, self._stdin_writable)
+
+    async def read(self, timeout: float) -> list[StreamChunk] | None:
+        if self._pending:
+            data, self._pending = self._pending, b""
+            return self._decoder.feed(data)
+        fd = self._fd
+        if self._eof or fd is None:
+            return None
+        readable = self._loop.create_future()
+        self._loop.add_reader(fd, _wake, readable)
+        try:
+            async with asyncio.timeout(timeout):
+                await readable
+        except TimeoutError:
+            return []
+        finally:
+            self._loop.remove_reader(fd)
+        return self._receive()  # the bytes are taken only now: a wait given up lost none
+
+    def _stdin_writable(self) -> None:
+        self._write_stdin()
+        if self._stdin is None and self._fd is not None:
+            self._loop.remove_writer(self._fd)
+
+    def close(self) -> None:
+        """Once: the descriptor's number may belong to another socket of the loop after."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            self._loop.remove_reader(fd)
+            self._loop.remove_writer(fd)
+        self._sock.close()
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _read_head(sock: socket.socket) -> tuple[int, bytes, bytes]:
     buffer = b""
     while (parsed := split_response_head(buffer)) is None:
-        data = sock.recv(READ_SIZE)
-        if not data or len(buffer) > MAX_HEAD:
-            raise HostError("the Docker daemon closed the exec stream before answering")
-        buffer += data
+        buffer = _more_head(buffer, sock.recv(READ_SIZE))
     return parsed
+
+
+async def _aread_head(sock: socket.socket) -> tuple[int, bytes, bytes]:
+    loop, buffer = asyncio.get_running_loop(), b""
+    while (parsed := split_response_head(buffer)) is None:
+        buffer = _more_head(buffer, await loop.sock_recv(sock, READ_SIZE))
+    return parsed
+
+
+def _more_head(buffer: bytes, data: bytes) -> bytes:
+    if not data or len(buffer) > MAX_HEAD:
+        raise HostError("the Docker daemon closed the exec stream before answering")
+    return buffer + data
 
 
 class StartRefused(Exception):
@@ -285,8 +408,34 @@ def attach(sock: socket.socket, api_version: str, exec_id: str, stdin: bytes) ->
         try:
             status, head, rest = _read_head(sock)
         except TimeoutError as exc:
-            raise Unavailable(f"the Docker daemon did not start exec {exec_id} in time") from exc
-        if status not in (101, 200):
-            text = (head + b"\r\n\r\n" + rest).decode(errors="replace")[-500:]
-            raise StartRefused(status, text)
+            raise _not_started(exec_id) from exc
+        _check_started(status, head, rest)
     return RawExecAttachment(sock, rest, stdin)
+
+
+async def attach_async(
+    endpoint: DockerEndpoint, api_version: str, exec_id: str, stdin: bytes
+) -> AsyncRawExecAttachment:
+    """``attach`` on the event loop, on a new connection to ``endpoint``: the same request, the
+    head parsed by hand the same way, every byte after it the start of the stream."""
+    loop = asyncio.get_running_loop()
+    sock = await endpoint.aconnect()
+    with _closed_on_error(sock):
+        try:
+            async with asyncio.timeout(START_TIMEOUT):
+                await loop.sock_sendall(sock, start_request(api_version, exec_id))
+                status, head, rest = await _aread_head(sock)
+        except TimeoutError as exc:
+            raise _not_started(exec_id) from exc
+        _check_started(status, head, rest)
+        return AsyncRawExecAttachment(sock, rest, stdin)
+
+
+def _check_started(status: int, head: bytes, rest: bytes) -> None:
+    if status not in (101, 200):
+        text = (head + b"\r\n\r\n" + rest).decode(errors="replace")[-500:]
+        raise StartRefused(status, text)
+
+
+def _not_started(exec_id: str) -> Unavailable:
+    return Unavailable(f"the Docker daemon did not start exec {exec_id} in time")

@@ -14,13 +14,14 @@ once as text and once as bytes; encoding a blocking answer or a stream's final l
 leaves room for the copy the transport keeps of what the socket did not take at once; a unit
 test measures both answer paths against it. The HTTP layer holds the reservation until the
 answer is sent, so a caller that reads slowly keeps its share reserved rather than leaving an
-unaccounted copy behind. While a stream runs, the queue between the exec and the socket holds
-copies of chunks already kept, at most as much again as is kept, and it is empty by the time
-the result is encoded: the final line is the peak. One read buffer per exec (64 KiB) is not
-counted.
+unaccounted copy behind. While a stream runs, each chunk kept is handed to the socket before
+the next output is read, and the writer waits whenever the transport holds more than its
+high-water mark: what waits there are copies of chunks already kept, at most as much again as
+is kept, and little of it is left when the result is encoded: the final line is the peak. One
+read buffer per exec (64 KiB) is not counted.
 
 Over budget an exec is refused at once with ``busy`` (503), never queued: a queued exec would
-hold its caller's connection and a thread for as long as others run. An exec that could not fit
+hold its caller's connection for as long as others run. An exec that could not fit
 even in an idle agent is refused with ``output_cap_over_budget`` (400): retrying cannot help.
 """
 
@@ -65,7 +66,8 @@ class Reservation:
 
 
 class OutputBudget:
-    """The agent's exec output budget; thread-safe, as execs run in worker threads.
+    """The agent's exec output budget; thread-safe: reservations are taken on worker threads
+    and given back on the event loop.
 
     ``limit`` is read at each reservation, so a reload that changes it takes effect for the
     next exec; execs already running keep what they reserved.

@@ -7,8 +7,9 @@ An exec asked for is recorded exactly once, when it ends:
   detail (``exec``, or ``run`` for a one-shot run refused before its sandbox was created);
 - ran to its end: ``exec`` with result ``ok``, or ``timed_out`` when it was killed at its
   timeout, and its exit code;
-- abandoned by its caller mid-stream (a closed connection): ``exec`` with result ``abandoned``
-  and the exit code if the result was already made (the exec's processes are killed);
+- abandoned by its caller mid-stream (a closed connection), or cancelled while it ran on the
+  event loop (the agent stopping): ``exec`` with result ``abandoned`` and the exit code if the
+  result was already made (the exec's processes are killed);
 - failed while running (the container went away, Docker failed): ``exec`` with the code.
 
 The detail counts output bytes (kept, or streamed before the caller went away, and dropped) and
@@ -20,9 +21,12 @@ code at the HTTP edge and not audited: it named no command, and no sandbox was l
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import AsyncIterator, Iterator
 
+from slicebox.core.blocking import Blocking, settle
 from slicebox.core.sandboxes import Sandbox
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
@@ -86,6 +90,19 @@ class ExecTally:
             f"dropped={dropped} bytes, {result.duration:.3f}s{oom}"
         )
 
+    def ending(self, who: Identity, error: BaseException | None) -> AuditRecord | None:
+        """The record of the exec, by how its block ended (``error`` None: it ran to its end);
+        None for an interpreter exit, which is no outcome of the exec."""
+        if error is None:
+            return self.record(who, self.outcome())
+        if isinstance(error, GeneratorExit | asyncio.CancelledError):
+            return self.record(who, ABANDONED)  # the stream was closed before its end
+        if isinstance(error, SliceboxError):
+            return self.record(who, error.code, error.message)
+        if isinstance(error, Exception):
+            return self.record(who, INTERNAL, "the agent failed")
+        return None
+
 
 @contextlib.contextmanager
 def audited_exec(auditor: Auditor, who: Identity, sandbox_id: str) -> Iterator[ExecTally]:
@@ -93,16 +110,27 @@ def audited_exec(auditor: Auditor, who: Identity, sandbox_id: str) -> Iterator[E
     tally = ExecTally(sandbox_id)
     try:
         yield tally
-    except GeneratorExit:  # the stream was closed before its end: its caller went away
-        auditor.record(tally.record(who, ABANDONED))
-        raise
-    except SliceboxError as exc:
-        auditor.record(tally.record(who, exc.code, exc.message))
-        raise
-    except Exception:
-        auditor.record(tally.record(who, INTERNAL, "the agent failed"))
+    except BaseException as exc:
+        if (record := tally.ending(who, exc)) is not None:
+            auditor.record(record)
         raise
     auditor.record(tally.record(who, tally.outcome()))
+
+
+@contextlib.asynccontextmanager
+async def audited_aexec(
+    auditor: Auditor, who: Identity, sandbox_id: str, blocking: Blocking
+) -> AsyncIterator[ExecTally]:
+    """``audited_exec`` on the event loop: the record is written through ``blocking`` (a
+    journal write may block), and is written even when the writer is cancelled meanwhile."""
+    tally = ExecTally(sandbox_id)
+    try:
+        yield tally
+    except BaseException as exc:
+        if (record := tally.ending(who, exc)) is not None:
+            await settle(blocking, functools.partial(auditor.record, record))
+        raise
+    await settle(blocking, functools.partial(auditor.record, tally.record(who, tally.outcome())))
 
 
 def refused(who: Identity, action: str, exc: SliceboxError, sandbox_id: str = "") -> AuditRecord:

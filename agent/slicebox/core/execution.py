@@ -17,30 +17,43 @@ Docker cannot kill an exec. On timeout the engine asks the host to kill the exec
 (found from its host pid in exec inspect: its session and descendants, inside the sandbox's
 cgroup only, none older than the exec) and answers once none is left, orphans and a fork bomb
 included; the sandbox itself survives, and the result says ``timed_out`` with exit code 124.
+
+How it runs: one exec's logic is one async generator (``ExecEngine._events``), written once
+and given its way of blocking. The agent runs it on its event loop (``astream``): the output is
+awaited on the async attachment (no thread waits while the command runs), timeouts are checked
+on the same monotonic clock as the loop's, and the short blocking steps (the sandbox's pid and
+cgroup, the OOM counter, exec create and inspect, the kill) go through the
+:class:`~slicebox.core.blocking.Blocking` the caller passes, the agent's calls pool. In-process
+callers (the real-host tests, the bench) run the same generator in their own thread
+(``run``/``stream``), on an event loop of its own where every step blocks in place.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
-from slicebox.backends.base import ExecApi, ExecAttachment
+from slicebox.backends.base import AsyncExecAttachment, ExecApi, ExecAttachment
+from slicebox.core.blocking import Blocking, inline
 from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import (
     TIMEOUT_EXIT_CODE,
     ExecEvent,
     ExecRequest,
     ExecResult,
+    ExecState,
     OutputStream,
     StreamChunk,
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # After the kill, how long the stream may take to end: the pipe closes when the killed processes
 # are gone, unless a detached process (its own session) still holds it.
@@ -118,8 +131,36 @@ class _Run:
     finished: bool = False
 
 
+@dataclass(frozen=True)
+class _Io:
+    """How one exec's steps reach the world: its short blocking steps, its pauses, its start."""
+
+    call: Blocking
+    pause: Callable[[float], Awaitable[None]]
+    start: Callable[[str, bytes], Awaitable[AsyncExecAttachment]]
+
+
+class _InThread:
+    """A blocking attachment behind the async interface, for :meth:`ExecEngine.stream`: its
+    reads block the calling thread, whose event loop runs nothing else."""
+
+    def __init__(self, attachment: ExecAttachment) -> None:
+        self._attachment = attachment
+
+    async def read(self, timeout: float) -> list[StreamChunk] | None:
+        return self._attachment.read(timeout)
+
+    def close(self) -> None:
+        self._attachment.close()
+
+
 class ExecEngine:
-    """Runs execs in sandboxes (containers) through the interfaces above."""
+    """Runs execs in sandboxes (containers) through the interfaces above.
+
+    One exec's logic is written once (``_events``) and runs two ways: ``astream`` on the
+    agent's event loop, its output read there and its short blocking steps on the pool it is
+    given; ``stream``/``run`` in the calling thread, every step blocking it.
+    """
 
     def __init__(
         self,
@@ -127,11 +168,13 @@ class ExecEngine:
         host: SandboxHost,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        asleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._api = api
         self._host = host
         self._clock = clock
         self._sleep = sleep
+        self._asleep = asleep
 
     def run(self, container_id: str, request: ExecRequest) -> ExecResult:
         """Run to the end and return the result (the stream's last event)."""
@@ -141,23 +184,46 @@ class ExecEngine:
         raise SliceboxError("the exec stream ended without a result")  # pragma: no cover
 
     def stream(self, container_id: str, request: ExecRequest) -> Generator[ExecEvent, None, None]:
-        """Yield kept output chunks as they are produced, then the ExecResult.
+        """Yield kept output chunks as they are produced, then the ExecResult, in the calling
+        thread (which must not be running an event loop).
 
         Closing the iterator early kills the exec's processes: nobody is left to read them.
         """
-        run = self._begin(container_id, request)
+
+        async def pause(seconds: float) -> None:
+            self._sleep(seconds)
+
+        async def start(exec_id: str, stdin: bytes) -> AsyncExecAttachment:
+            return _InThread(self._api.exec_start(exec_id, stdin))
+
+        return _in_thread(self._events(container_id, request, _Io(inline, pause, start)))
+
+    def astream(
+        self, container_id: str, request: ExecRequest, blocking: Blocking
+    ) -> AsyncGenerator[ExecEvent, None]:
+        """``stream`` on the running event loop: the output is read there (no thread waits for
+        it) and each short blocking step runs through ``blocking``. Closing the generator early
+        (``aclose``), or cancelling its reader, kills the exec's processes."""
+        io = _Io(blocking, self._asleep, self._api.exec_start_async)
+        return self._events(container_id, request, io)
+
+    async def _events(
+        self, container_id: str, request: ExecRequest, io: _Io
+    ) -> AsyncGenerator[ExecEvent, None]:
+        run = await io.call(functools.partial(self._begin, container_id, request))
         capture = OutputCapture(request.output_cap)
-        attachment = self._api.exec_start(run.exec_id, request.stdin)
+        attachment = await io.start(run.exec_id, request.stdin)
         try:
-            for chunk in self._pump(run, attachment):
-                if (kept := capture.add(chunk)) is not None:
-                    yield kept
+            while (chunks := await self._output(run, attachment, io)) is not None:
+                for chunk in chunks:
+                    if (kept := capture.add(chunk)) is not None:
+                        yield kept
             run.finished = True
         finally:
             attachment.close()
-            if not run.finished:
-                self._kill(run, "its stream was abandoned")
-        yield self._finish(run, capture)
+            if not run.finished:  # shielded: a caller cancelled again still gets the kill
+                await asyncio.shield(self._kill(run, "its stream was abandoned", io))
+        yield await self._finish(run, capture, io)
 
     def _begin(self, container_id: str, request: ExecRequest) -> _Run:
         cgroup = self._host.cgroup_of(self._api.sandbox_pid(container_id))
@@ -167,76 +233,86 @@ class ExecEngine:
         started = self._clock()
         return _Run(exec_id, cgroup, oom_before, since, started, started + request.timeout)
 
-    def _finish(self, run: _Run, capture: OutputCapture) -> ExecResult:
-        exit_code = self._exit_code(run)  # first: it may time the run out
+    async def _finish(self, run: _Run, capture: OutputCapture, io: _Io) -> ExecResult:
+        exit_code = await self._exit_code(run, io)  # first: it may time the run out
+        oom_after = await io.call(functools.partial(self._host.oom_kills, run.cgroup))
         result = capture.result(
             exit_code=exit_code,
             timed_out=run.timed_out,
-            oom_killed=_grew(run.oom_before, self._host.oom_kills(run.cgroup)),
+            oom_killed=_grew(run.oom_before, oom_after),
             duration=self._clock() - run.started,
         )
         return explain_start_failure(result)
 
-    async def astream(self, container_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
-        """``stream`` for asyncio callers: each blocking read runs in a worker thread."""
-        events = self.stream(container_id, request)
-        try:
-            while (event := await asyncio.to_thread(next, events, None)) is not None:
-                yield event
-        finally:
-            events.close()
+    async def _output(
+        self, run: _Run, attachment: AsyncExecAttachment, io: _Io
+    ) -> list[StreamChunk] | None:
+        """The next read's output; None once the stream has ended, or stays open past the
+        kill's grace. At the deadline the exec is killed first."""
+        while (remaining := run.deadline - self._clock()) <= 0:
+            if run.timed_out:
+                log.warning(
+                    "exec %s: stream still open %ss after the kill", run.exec_id, KILL_GRACE
+                )
+                return None
+            await self._time_out(run, io)
+        return await attachment.read(min(remaining, POLL))
 
-    def _pump(self, run: _Run, attachment: ExecAttachment) -> Iterator[StreamChunk]:
-        while True:
-            remaining = run.deadline - self._clock()
-            if remaining <= 0:
-                if run.timed_out:
-                    log.warning(
-                        "exec %s: stream still open %ss after the kill", run.exec_id, KILL_GRACE
-                    )
-                    return
-                self._time_out(run)
-                continue
-            chunks = attachment.read(min(remaining, POLL))
-            if chunks is None:
-                return
-            yield from chunks
-
-    def _time_out(self, run: _Run) -> None:
+    async def _time_out(self, run: _Run, io: _Io) -> None:
         run.timed_out = True
-        self._kill(run, "it timed out")
+        await self._kill(run, "it timed out", io)
         run.deadline = self._clock() + KILL_GRACE
 
-    def _kill(self, run: _Run, why: str) -> None:
-        pid = self._exec_pid(run)
-        killed = self._host.kill_exec(run.cgroup, pid, run.since) if pid > 0 else 0
+    async def _kill(self, run: _Run, why: str, io: _Io) -> None:
+        pid = await self._exec_pid(run, io)
+        kill = functools.partial(self._host.kill_exec, run.cgroup, pid, run.since)
+        killed = await io.call(kill) if pid > 0 else 0
         log.info("exec %s killed (%s processes) because %s", run.exec_id, killed, why)
 
-    def _exec_pid(self, run: _Run) -> int:
+    async def _exec_pid(self, run: _Run, io: _Io) -> int:
         """The exec's host pid; Docker reports 0 until the exec has started, so wait for it."""
         give_up = self._clock() + KILL_GRACE
-        state = self._api.exec_inspect(run.exec_id)
+        state = await self._inspect(run, io)
         while state.pid == 0 and state.exit_code is None and self._clock() < give_up:
-            self._sleep(0.05)
-            state = self._api.exec_inspect(run.exec_id)
+            await io.pause(0.05)
+            state = await self._inspect(run, io)
         return state.pid
 
-    def _exit_code(self, run: _Run) -> int:
+    async def _exit_code(self, run: _Run, io: _Io) -> int:
         """The exit code once Docker has it; a command that closed its output but runs on past
         the deadline is timed out like any other."""
         if run.timed_out:
             return TIMEOUT_EXIT_CODE
-        state = self._api.exec_inspect(run.exec_id)
+        state = await self._inspect(run, io)
         while state.running and self._clock() < run.deadline:
-            self._sleep(EXIT_POLL)
-            state = self._api.exec_inspect(run.exec_id)
+            await io.pause(EXIT_POLL)
+            state = await self._inspect(run, io)
         if state.running:
-            self._time_out(run)
+            await self._time_out(run, io)
             return TIMEOUT_EXIT_CODE
         if state.exit_code is None:
             log.warning("exec %s: no exit code from Docker", run.exec_id)
             return -1
         return state.exit_code
+
+    async def _inspect(self, run: _Run, io: _Io) -> ExecState:
+        return await io.call(functools.partial(self._api.exec_inspect, run.exec_id))
+
+
+def _in_thread(events: AsyncGenerator[T, None]) -> Generator[T, None, None]:
+    """Iterate ``events`` in the calling thread, on an event loop of its own that runs nothing
+    else; closing this generator closes ``events``."""
+    loop = asyncio.new_event_loop()
+    try:
+        while True:
+            try:
+                event = loop.run_until_complete(anext(events))
+            except StopAsyncIteration:
+                return
+            yield event
+    finally:
+        loop.run_until_complete(events.aclose())
+        loop.close()
 
 
 def explain_start_failure(result: ExecResult) -> ExecResult:

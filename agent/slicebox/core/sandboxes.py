@@ -127,8 +127,11 @@ class SandboxManager:
         # slices, and a slice is stopped only under the same lock after checking this.
         self._in_flight: dict[str, tuple[str, str]] = {}
         # Every other operation in progress (exec, destroy, extend, a reaper action), counted
-        # by sandbox id under the same lock: the reaper acts on a sandbox only when none is.
+        # by sandbox id: the reaper acts on a sandbox only when none is. Its own lock, taken
+        # after ``_placing`` when both are, is never held across a call: an exec marks itself
+        # from the event loop, which must not wait while a slice stop holds ``_placing``.
         self._operations: Counter[str] = Counter()
+        self._counting = threading.Lock()
         # Slice unit -> when a destroy last took a sandbox out of it: the reaper counts a
         # slice's grace from then at the earliest, even if no pass saw it in use. An entry
         # goes when the slice is stopped here.
@@ -165,15 +168,19 @@ class SandboxManager:
     def operation(self, sandbox_id: str) -> Iterator[None]:
         """Mark an operation on the sandbox while it runs (an exec, a destroy, an extend): the
         reaper leaves the sandbox alone until it ends."""
-        with self._placing:
-            self._operations[sandbox_id] += 1
+        self.begin_operation(sandbox_id)
         try:
             yield
         finally:
-            self._end(sandbox_id)
+            self.end_operation(sandbox_id)
 
-    def _end(self, sandbox_id: str) -> None:
-        with self._placing:
+    def begin_operation(self, sandbox_id: str) -> None:
+        """``operation`` in two calls, for async callers; never blocks on I/O."""
+        with self._counting:
+            self._operations[sandbox_id] += 1
+
+    def end_operation(self, sandbox_id: str) -> None:
+        with self._counting:
             self._operations[sandbox_id] -= 1
             if self._operations[sandbox_id] <= 0:
                 del self._operations[sandbox_id]
@@ -183,7 +190,7 @@ class SandboxManager:
         """The reaper's claim, taken when it acts (not when it plans): True, and held as an
         operation until the block ends, when nothing else is in flight on the sandbox; False
         when a create or any other operation is."""
-        with self._placing:
+        with self._placing, self._counting:
             free = sandbox_id not in self._in_flight and self._operations[sandbox_id] == 0
             if free:
                 self._operations[sandbox_id] += 1
@@ -193,7 +200,7 @@ class SandboxManager:
         try:
             yield True
         finally:
-            self._end(sandbox_id)
+            self.end_operation(sandbox_id)
 
     def reconfigure(self, config: Config) -> None:
         """Use ``config`` from now on (``systemctl reload``); running sandboxes keep theirs."""

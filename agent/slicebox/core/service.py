@@ -11,13 +11,15 @@ output may take from one budget shared by all callers (:mod:`slicebox.core.budge
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator
 from datetime import UTC, datetime
 from pathlib import PurePosixPath
 
+from slicebox.core.blocking import Blocking, settle
 from slicebox.core.budget import OutputBudget, Reservation
-from slicebox.core.execaudit import audited_exec, refused, subject
+from slicebox.core.execaudit import audited_aexec, audited_exec, refused, subject
 from slicebox.core.execution import ExecEngine
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import Sandbox, SandboxManager
@@ -42,7 +44,7 @@ from slicebox.model.errors import (
     NotFound,
     SliceboxError,
 )
-from slicebox.model.exec import ExecRequest, ExecResult, StreamChunk
+from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
 from slicebox.model.reaper import Report
 from slicebox.model.spec import SandboxSpec
 from slicebox.model.usage import LevelNode, ResourceUsage
@@ -224,6 +226,90 @@ class Service:
             finally:
                 destroyed = self.destroy(who, view.id)
         return RunResult(sandbox_id=view.id, result=result, usage=destroyed.usage)
+
+    # --- exec on the event loop ------------------------------------------------------------
+
+    async def aexec_stream(
+        self,
+        who: Identity,
+        sandbox_id: str,
+        request: ExecRequest,
+        held: Reservation | None,
+        blocking: Blocking,
+    ) -> AsyncGenerator[ExecEvent, None]:
+        """``exec_stream`` on the event loop, with the same reservation, audit record and
+        operation mark: the output is read on the loop, every short blocking step (the look-up,
+        Docker's exec calls, the record) runs through ``blocking``. Closing it early (or
+        cancelling its reader) kills the exec, then audits it ``abandoned``."""
+        async with (
+            self._aholding(who, request.output_cap, held, blocking=blocking, sandbox_id=sandbox_id),
+            audited_aexec(self._auditor, who, sandbox_id, blocking) as tally,
+        ):
+            sandbox = tally.found(await blocking(functools.partial(self._visible, who, sandbox_id)))
+            self._sandboxes.begin_operation(sandbox.id)
+            try:
+                events = self._engine.astream(sandbox.container_id, request, blocking)
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        yield tally.saw(event)
+            finally:
+                self._sandboxes.end_operation(sandbox.id)
+
+    async def aexec(
+        self,
+        who: Identity,
+        sandbox_id: str,
+        request: ExecRequest,
+        held: Reservation | None,
+        blocking: Blocking,
+    ) -> ExecResult:
+        """``exec`` on the event loop: ``aexec_stream`` read to its end (so it is audited as run,
+        not abandoned at its result)."""
+        result: ExecResult | None = None
+        async with contextlib.aclosing(
+            self.aexec_stream(who, sandbox_id, request, held, blocking)
+        ) as events:
+            async for event in events:
+                if isinstance(event, ExecResult):
+                    result = event
+        if result is None:  # pragma: no cover - the engine always ends with its result
+            raise SliceboxError("the exec stream ended without a result")
+        return result
+
+    async def arun(
+        self, who: Identity, request: RunRequest, held: Reservation | None, blocking: Blocking
+    ) -> RunResult:
+        """``run`` on the event loop: the create and the destroy through ``blocking``, the exec
+        as ``aexec``; the destroy runs even when the caller is cancelled meanwhile."""
+        output_cap = request.exec.output_cap
+        async with self._aholding(
+            who, output_cap, held, blocking=blocking, action="run"
+        ) as holding:
+            view = await blocking(functools.partial(self.create, who, request.sandbox))
+            try:
+                result = await self.aexec(who, view.id, request.exec, holding, blocking)
+            finally:
+                destroyed = await settle(blocking, functools.partial(self.destroy, who, view.id))
+        return RunResult(sandbox_id=view.id, result=result, usage=destroyed.usage)
+
+    @contextlib.asynccontextmanager
+    async def _aholding(
+        self,
+        who: Identity,
+        output_cap: int,
+        held: Reservation | None,
+        *,
+        blocking: Blocking,
+        sandbox_id: str = "",
+        action: str = "exec",
+    ) -> AsyncIterator[Reservation]:
+        """``_holding`` on the event loop: a refusal's record may block, so reserving does too."""
+        if held is not None:
+            yield held
+            return
+        reserve = functools.partial(self.reserve, who, output_cap, action, sandbox_id)
+        with await blocking(reserve) as own:
+            yield own
 
     @contextlib.contextmanager
     def _holding(

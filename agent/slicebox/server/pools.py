@@ -1,15 +1,18 @@
 """The agent's worker threads: bounded pools, one per kind of work, so no kind starves another.
 
-Docker, systemd and NSS calls block, so they run off the event loop; which pool a call runs on
-decides what it can hold up:
+Docker, systemd, cgroupfs and NSS calls block, so they run off the event loop; no call waits for
+a command, and an exec holds no thread while its command runs: its output is read on the event
+loop (:meth:`slicebox.core.execution.ExecEngine.astream`). Which pool a call runs on decides
+what it can hold up:
 
-- ``calls``: the short steps of a request (create, get, list, destroy, usage, identity look-ups).
-- ``execs``: an exec holds its thread for the whole command, up to its timeout; a streaming exec
-  holds exactly one (its output reaches the socket through an asyncio queue on the loop).
+- ``calls``: the short steps of every request: a create, get, list, destroy or usage read, an
+  identity look-up, and an exec's own steps (finding the sandbox and its cgroup, creating the
+  exec, polling its exit code, killing it at its timeout, writing its audit record).
 - ``background``: the reaper's passes and the memory sampler, which never wait behind requests
   and never make requests wait.
 
-Each pool is bounded: the agent's thread count does not grow with the number of callers.
+Each pool is bounded, and nothing else makes threads per request: the agent's thread count does
+not grow with the number of callers or of execs running.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from aiohttp import web
 
 T = TypeVar("T")
 
-CALL_THREADS = 8
-EXEC_THREADS = 24
+# A create holds a calls thread for up to a second or so (systemd, Docker create and start) and
+# every exec passes through several times: 16 keeps an exec's steps from queueing long behind a
+# burst of creates, and the agent well under 40 threads in all.
+CALL_THREADS = 16
 BACKGROUND_THREADS = 2
 
 
@@ -37,13 +42,17 @@ def _pool(size: int, name: str) -> ThreadPoolExecutor:
 @dataclass(frozen=True)
 class Pools:
     calls: ThreadPoolExecutor = field(default_factory=lambda: _pool(CALL_THREADS, "call"))
-    execs: ThreadPoolExecutor = field(default_factory=lambda: _pool(EXEC_THREADS, "exec"))
     background: ThreadPoolExecutor = field(
         default_factory=lambda: _pool(BACKGROUND_THREADS, "background")
     )
 
+    async def call(self, function: Callable[[], T]) -> T:
+        """``function()`` on the calls pool, awaited: the core's
+        :class:`~slicebox.core.blocking.Blocking` for a request's steps."""
+        return await run_in(self.calls, function)
+
     def shutdown(self) -> None:
-        for pool in (self.calls, self.execs, self.background):
+        for pool in (self.calls, self.background):
             pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -1,24 +1,25 @@
 """The ``/v1`` routes: parse at the edge, call :class:`~slicebox.service.Service`, serialize.
 
 Docker and systemd calls block, so each runs on a bounded pool of worker threads
-(:mod:`slicebox.server.pools`): short steps on the calls pool, execs on the exec pool, so
-long-running commands never make a list or a create wait. The event loop stays free to answer
-other callers and to ping systemd's watchdog. Streaming exec answers newline-delimited JSON:
-``{"stream": "stdout", "data": <base64>}`` chunks as output is produced, then one
-``{"result": {...}}``. A bounded asyncio queue between the exec's thread and the socket keeps
-memory flat whatever the command prints; a caller that goes away ends the exec (its processes
-are killed).
+(:mod:`slicebox.server.pools`); the event loop stays free to answer other callers and to ping
+systemd's watchdog. An exec holds no thread while its command runs: the service reads its output
+on the loop (``Service.aexec``/``aexec_stream``) and sends only its short steps (the look-up,
+Docker's exec create and inspect, the kill at its timeout, the audit record) to the calls pool.
+
+Streaming exec answers newline-delimited JSON: ``{"stream": "stdout", "data": <base64>}`` chunks
+as output is produced, then one ``{"result": {...}}``. Each chunk is written to the response as
+it comes, and the next output is read only once the socket has taken it (``await
+response.write``), so memory stays flat whatever the command prints. A caller that goes away
+ends the exec (its processes are killed and it is audited ``abandoned``).
 An exec's share of the output budget is reserved before it starts and held until its answer is
 sent (see :mod:`slicebox.core.budget`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
+import contextlib
 import logging
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -39,7 +40,7 @@ from slicebox.model.api import (
     UsageAnswer,
 )
 from slicebox.model.errors import SliceboxError
-from slicebox.model.exec import ExecRequest, ExecResult, StreamChunk
+from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
 from slicebox.model.reaper import Report
 from slicebox.model.usage import LevelNode
 from slicebox.server.api import (
@@ -54,9 +55,6 @@ from slicebox.server.pools import pools_of, run_in
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-STREAM_QUEUE = 16
-HANDOFF_POLL = 0.5  # how often a blocked producer looks whether its caller is gone
-_DONE = object()
 
 
 SERVICE = web.AppKey("slicebox.service", Service)
@@ -102,25 +100,29 @@ def _routes() -> list[Route]:
     async def exec_(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, ExecRequest, MAX_EXEC_BODY_BYTES)
         service, who = _service(request), identity_of(request)
+        calls = pools_of(request).call
         with await _call(
             request, service.reserve, who, body.output_cap, "exec", _id(request)
         ) as held:
-            result = await _exec(request, service.exec, who, _id(request), body, held)
+            result = await service.aexec(who, _id(request), body, held, calls)
             return await _sent(request, json_ok(result))
 
     async def exec_stream(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, ExecRequest, MAX_EXEC_BODY_BYTES)
         service, who = _service(request), identity_of(request)
+        calls = pools_of(request).call
         with await _call(
             request, service.reserve, who, body.output_cap, "exec", _id(request)
         ) as held:
-            return await _stream(request, service.exec_stream(who, _id(request), body, held))
+            events = service.aexec_stream(who, _id(request), body, held, calls)
+            return await _stream(request, events)
 
     async def run(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, RunRequest, MAX_EXEC_BODY_BYTES)
         service, who = _service(request), identity_of(request)
+        calls = pools_of(request).call
         with await _call(request, service.reserve, who, body.exec.output_cap, "run") as held:
-            return await _sent(request, json_ok(await _exec(request, service.run, who, body, held)))
+            return await _sent(request, json_ok(await service.arun(who, body, held, calls)))
 
     async def usage(request: web.Request) -> web.StreamResponse:
         found = await _call(request, _service(request).usage, identity_of(request), _id(request))
@@ -198,11 +200,6 @@ async def _call(request: web.Request, function: Callable[..., T], *args: Any) ->
     return await run_in(pools_of(request).calls, function, *args)
 
 
-async def _exec(request: web.Request, function: Callable[..., T], *args: Any) -> T:
-    """An exec holds its thread until the command ends: the exec pool, never the calls one."""
-    return await run_in(pools_of(request).execs, function, *args)
-
-
 async def _sent(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
     """Send the answer now, while the exec's output budget is still held for it: a caller that
     reads slowly keeps its share reserved instead of leaving an unaccounted copy queued."""
@@ -215,86 +212,36 @@ async def _sent(request: web.Request, response: web.StreamResponse) -> web.Strea
 
 
 async def _stream(
-    request: web.Request, events: Iterator[StreamChunk | ExecResult]
+    request: web.Request, events: AsyncGenerator[ExecEvent, None]
 ) -> web.StreamResponse:
-    """Pump ``events`` on one exec-pool thread into a bounded queue on the loop; the socket
-    writes from the loop. A full queue holds the exec back; a caller that is gone stops it."""
-    loop = asyncio.get_running_loop()
-    pool = pools_of(request).execs
-    first = await run_in(pool, _first, events)  # errors before any output are plain errors
-    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-    await response.prepare(request)
-    items: asyncio.Queue[object] = asyncio.Queue(maxsize=STREAM_QUEUE)
-    gone = threading.Event()
-    producer = loop.run_in_executor(pool, _produce, first, events, _Handoff(loop, items, gone))
-    try:
-        while (item := await items.get()) is not _DONE:
-            await response.write(_line(item))
-    except ConnectionError:
-        # A caller that closes its stream early (Ctrl-C, a client's close()) is not a failure
-        # of the agent: the producer stops and closes the exec, and nothing is left to answer.
-        gone.set()
-        return response
-    except BaseException:
-        gone.set()  # the producer stops and closes the exec
-        raise
-    finally:
-        if gone.is_set():
-            _drain(items)
-    await producer
-    await response.write_eof()
+    """Write ``events`` as NDJSON lines as they come; leaving early closes ``events``, which
+    kills the exec."""
+    async with contextlib.aclosing(events):
+        first = await anext(events, None)  # an error before any output is a plain error answer
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        try:
+            await response.prepare(request)
+            item: object = first
+            while item is not None:
+                await response.write(_line(item))
+                item = await _next_or_error(events)
+            await response.write_eof()
+        except ConnectionError:
+            # A caller that closes its stream early (Ctrl-C, a client's close()) is not a failure
+            # of the agent; nothing is left to answer.
+            pass
     return response
 
 
-class _Handoff:
-    """The producer thread's side of the queue: put with backpressure until the caller is gone."""
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, items: asyncio.Queue[object], gone: threading.Event
-    ) -> None:
-        self._loop = loop
-        self._items = items
-        self.gone = gone
-
-    def put(self, item: object) -> bool:
-        while not self.gone.is_set():
-            future = asyncio.run_coroutine_threadsafe(self._items.put(item), self._loop)
-            try:
-                future.result(timeout=HANDOFF_POLL)
-                return True
-            except concurrent.futures.TimeoutError:
-                future.cancel()
-            except (RuntimeError, concurrent.futures.CancelledError):
-                return False  # the loop is closing or the put was cancelled
-        return False
-
-
-def _first(events: Iterator[StreamChunk | ExecResult]) -> object:
-    return next(events, _DONE)
-
-
-def _produce(first: object, events: Iterator[object], handoff: _Handoff) -> None:
+async def _next_or_error(events: AsyncGenerator[ExecEvent, None]) -> object:
+    """The next event, None at the end; an error of the exec becomes the stream's last line."""
     try:
-        if first is not _DONE and handoff.put(first):
-            for event in events:
-                if not handoff.put(event):
-                    break
+        return await anext(events, None)
     except SliceboxError as exc:
-        handoff.put(ErrorBody(code=exc.code, message=exc.message))
+        return ErrorBody(code=exc.code, message=exc.message)
     except Exception:
         log.exception("streaming exec failed")
-        handoff.put(ErrorBody(code="internal", message="the agent failed; see its journal"))
-    finally:
-        close = getattr(events, "close", None)
-        if close is not None:
-            close()  # closing the exec stream early kills the exec's processes
-        handoff.put(_DONE)
-
-
-def _drain(items: asyncio.Queue[object]) -> None:
-    """Free a producer blocked on a full queue once nobody reads it."""
-    while not items.empty():
-        items.get_nowait()
+        return ErrorBody(code="internal", message="the agent failed; see its journal")
 
 
 def _line(event: object) -> bytes:

@@ -34,7 +34,7 @@ from slicebox.model.exec import ExecRequest
 from slicebox.model.labels import MANAGED
 from tests.host.agentunits import SOCKET, agent_config, installed_agent
 from tests.host.helpers import sh, unique, wait_for
-from tests.host.sliceboxhost import slicebox_units
+from tests.host.sliceboxhost import active, slicebox_units
 
 pytestmark = pytest.mark.host
 
@@ -89,16 +89,17 @@ def journal(since: str, event: str, user: str) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def agent() -> Iterator[None]:
     with installed_agent(CONFIG):
-        for user in USERS:
-            sh("useradd", "--no-create-home", "--shell", "/bin/sh", user)
-            sh("usermod", "-aG", "slicebox", user)
-        sh("systemctl", "start", "slicebox.service")
         try:
+            for user in USERS:
+                sh("useradd", "--no-create-home", "--shell", "/bin/sh", user)
+                sh("usermod", "-aG", "slicebox", user)
+            sh("systemctl", "start", "slicebox.service")
             yield
         finally:
-            for sandbox in Client(str(SOCKET)).list_sandboxes():
-                if sandbox.user in USERS:
-                    Client(str(SOCKET)).destroy(sandbox.id)
+            if active("slicebox.service"):
+                for sandbox in Client(str(SOCKET)).list_sandboxes():
+                    if sandbox.user in USERS:
+                        Client(str(SOCKET)).destroy(sandbox.id)
             for user in USERS:
                 sh("userdel", user, check=False)
 

@@ -208,5 +208,6 @@ def test_a_list_stays_quick_while_twenty_execs_run(agent: None) -> None:
 
 
 def _sleeps(container_id: str) -> int:
-    top = sh("docker", "top", container_id, "-o", "args").stdout
-    return sum(1 for line in top.splitlines() if line.strip() == "sleep 20")
+    """The container's ``sleep 20`` processes (``docker top``'s last column is the command)."""
+    top = sh("docker", "top", container_id).stdout
+    return sum(1 for line in top.splitlines() if line.rstrip().endswith(" sleep 20"))

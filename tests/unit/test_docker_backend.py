@@ -6,7 +6,10 @@ the way the Engine API does (the stub raises docker-py's own exceptions).
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import docker.errors
@@ -15,6 +18,7 @@ import requests
 
 from slicebox.backends.base import SandboxRequest, SandboxState
 from slicebox.backends.docker import (
+    HEAVY_CALLS,
     DockerBackend,
     host_config,
     host_settings,
@@ -288,3 +292,35 @@ def test_an_unreachable_daemon_is_unavailable_not_an_exception() -> None:
     assert not found.available
     assert found.kind == "docker"
     assert "not reachable" in found.detail
+
+
+class SlowStarts(StubApi):
+    """Starts and removals that take a while, counting how many run at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running = self.peak = 0
+        self.lock = threading.Lock()
+
+    def _busy(self) -> None:
+        with self.lock:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+        time.sleep(0.05)
+        with self.lock:
+            self.running -= 1
+
+    def start(self, container: str) -> None:
+        self._busy()
+
+    def remove_container(self, container: str, force: bool, v: bool) -> None:
+        self._busy()
+
+
+def test_many_creates_and_removals_at_once_reach_docker_a_few_at_a_time() -> None:
+    api = SlowStarts()
+    docker_backend = backend(api)
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda n: docker_backend.create(REQUEST), range(16)))
+        list(pool.map(lambda n: docker_backend.remove(f"c{n}"), range(16)))
+    assert api.peak == HEAVY_CALLS

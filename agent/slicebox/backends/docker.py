@@ -68,6 +68,12 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 
 NO_NEW_PRIVILEGES = "no-new-privileges:true"
+# A busy daemon answers slowly, not never: docker-py's 60 s made a loaded host's creates fail
+# as `unavailable` while Docker went on to make the container.
+DOCKER_TIMEOUT = 300
+# Container starts and removals at once: beyond a few, Docker only gets slower at each (runc,
+# the shim, systemd's scope); further callers wait their turn in the agent instead.
+HEAVY_CALLS = 4
 START_FAILED_CODE = "container_start_failed"
 
 
@@ -203,6 +209,7 @@ class DockerBackend:
         self._endpoint = endpoint
         self._client = client  # docker.APIClient; made on first use (the daemon may be late)
         self._lock = threading.Lock()
+        self._heavy = threading.BoundedSemaphore(HEAVY_CALLS)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> DockerBackend:
@@ -233,16 +240,20 @@ class DockerBackend:
             raise _unpullable(image, "the pull did not produce it")
 
     def create(self, request: SandboxRequest) -> SandboxInfo:
-        created = self._call(request.name, lambda api: _create(api, request))
-        container_id = str(created["Id"])
-        try:
-            self._api().start(container_id)
-        except Exception as exc:
-            self.remove(container_id)
-            raise _start_failed(exc) from exc
-        except BaseException:
-            self.remove(container_id)
-            raise
+        with self._heavy:
+            created = self._call(request.name, lambda api: _create(api, request))
+            container_id = str(created["Id"])
+            try:
+                self._api().start(container_id)
+                started = None
+            except Exception as exc:
+                started = exc
+            except BaseException:
+                self._remove(container_id)
+                raise
+            if started is not None:
+                self._remove(container_id)
+                raise _start_failed(started) from started
         state = SandboxState.RUNNING
         return SandboxInfo(id=container_id, name=request.name, labels=request.labels, state=state)
 
@@ -266,6 +277,10 @@ class DockerBackend:
         return [_listed(entry) for entry in found]
 
     def remove(self, backend_id: str) -> bool:
+        with self._heavy:
+            return self._remove(backend_id)
+
+    def _remove(self, backend_id: str) -> bool:
         try:
             self._call(backend_id, lambda api: api.remove_container(backend_id, force=True, v=True))
         except (SandboxNotFound, RemovalInProgress):
@@ -330,7 +345,9 @@ class DockerBackend:
             if self._client is None:
                 self._client = self._call_raw(
                     "the connection",
-                    lambda: docker.APIClient(base_url=self._url, version="auto"),
+                    lambda: docker.APIClient(
+                        base_url=self._url, version="auto", timeout=DOCKER_TIMEOUT
+                    ),
                 )
             return self._client
 

@@ -27,6 +27,9 @@ from slicebox.model.exec import ExecRequest, ExecResult
 from tests.host.agentunits import SOCKET
 
 
+EXEC_TIMEOUT = 600.0
+
+
 class Load:
     def __init__(self, clients: int) -> None:
         self.clients = clients
@@ -67,7 +70,9 @@ class Load:
         if n % 8 == 3:  # streamed, then abandoned after its first output
             self.call("exec_abandoned", lambda: self._abandon(sandbox))
             return
-        request = ExecRequest(argv=("sh", "-c", f"echo {n}"))
+        # A generous timeout: under emulation 40 clients keep Docker busy for tens of seconds
+        # per exec start; what this test proves is that none is lost, not how fast it is.
+        request = ExecRequest(argv=("sh", "-c", f"echo {n}"), timeout=EXEC_TIMEOUT)
         ran = self.call("exec", lambda: self.client.exec(sandbox, request))
         if ran is not None and (ran.exit_code, ran.stdout) != (0, f"{n}\n".encode()):
             self.failures.append(
@@ -80,7 +85,9 @@ class Load:
             self.call("usage", lambda: self.client.usage(sandbox))
 
     def _abandon(self, sandbox: str) -> None:
-        request = ExecRequest(argv=("sh", "-c", "echo first; sleep 30; echo never"), timeout=60)
+        request = ExecRequest(
+            argv=("sh", "-c", "echo first; sleep 30; echo never"), timeout=EXEC_TIMEOUT
+        )
         events = self.client.exec_stream(sandbox, request)
         try:
             first = next(events)

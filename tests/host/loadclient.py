@@ -26,7 +26,6 @@ from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import ExecRequest, ExecResult
 from tests.host.agentunits import SOCKET
 
-
 EXEC_TIMEOUT = 600.0
 
 

@@ -5,6 +5,11 @@ everything they made. Prints one JSON summary on stdout; never raises on a faile
 (the test counts failures, it does not stop at the first).
 
     python3 -m tests.host.loadclient --creates 20 --execs 80 --clients 8 --projects a,b
+
+With ``--until FILE`` it repeats that round until FILE exists (the agent is being killed
+meanwhile: failures are expected, and the summary says which sandboxes were answered created
+and which were asked to be destroyed); ``--progress FILE`` holds the number of calls answered
+so far, so the killer can wait for the restarted agent to make progress.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ import json
 import os
 import pwd
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from slicebox.cli.client import Client
@@ -30,8 +37,12 @@ EXEC_TIMEOUT = 600.0
 
 
 class Load:
-    def __init__(self, clients: int) -> None:
+    def __init__(self, clients: int, progress: Path | None = None) -> None:
         self.clients = clients
+        self.progress = progress
+        self.answered = 0
+        self.round: list[str] = []  # created in this round: what its execs and destroys use
+        self.asked_destroy: list[str] = []
         self.client = Client(str(SOCKET), timeout=600)
         self.user = pwd.getpwuid(os.getuid()).pw_name
         self.calls: Counter[str] = Counter()
@@ -54,8 +65,17 @@ class Load:
                     }
                 )
             return None
+        except Exception as exc:  # a stream cut short, a broken answer: counted, not fatal
+            with self.lock:
+                self.failures.append(
+                    {"route": route, "code": type(exc).__name__, "status": 0, "message": str(exc)}
+                )
+            return None
         with self.lock:
             self.calls[route] += 1
+            self.answered += 1
+            if self.progress is not None:
+                self.progress.write_text(str(self.answered))
         return result
 
     def create(self, project: str) -> None:
@@ -63,9 +83,15 @@ class Load:
         if made is not None:
             with self.lock:
                 self.created.append(made.id)
+                self.round.append(made.id)
+
+    def destroy(self, sandbox: str) -> None:
+        with self.lock:
+            self.asked_destroy.append(sandbox)  # no promise once asked, answered or not
+        self.call("destroy", lambda: self.client.destroy(sandbox))
 
     def exec_(self, n: int) -> None:
-        sandbox = self.created[n % len(self.created)]
+        sandbox = self.round[n % len(self.round)]
         if n % 8 == 3:  # streamed, then abandoned after its first output
             self.call("exec_abandoned", lambda: self._abandon(sandbox))
             return
@@ -94,22 +120,29 @@ class Load:
         finally:
             events.close()
 
-    def run(self, creates: int, execs: int, projects: list[str]) -> dict[str, Any]:
+    def run(
+        self, creates: int, execs: int, projects: list[str], until: Path | None = None
+    ) -> dict[str, Any]:
+        rounds = 0
         with ThreadPoolExecutor(self.clients) as pool:
-            list(pool.map(self.create, itertools.islice(itertools.cycle(projects), creates)))
-            if self.created:
-                list(pool.map(self.exec_, range(execs)))
-            list(
-                pool.map(
-                    lambda s: self.call("destroy", lambda: self.client.destroy(s)),
-                    list(self.created),
-                )
-            )
+            while True:
+                self.round = []
+                list(pool.map(self.create, itertools.islice(itertools.cycle(projects), creates)))
+                if self.round:
+                    list(pool.map(self.exec_, range(execs)))
+                list(pool.map(self.destroy, list(self.round)))
+                rounds += 1
+                if until is None or until.exists():
+                    break
+                if not self.round:
+                    time.sleep(1)  # the agent is down: do not spin on refusals
         return {
             "user": self.user,
+            "rounds": rounds,
             "calls": dict(self.calls),
             "failures": self.failures,
             "created": self.created,
+            "asked_destroy": self.asked_destroy,
             "foreign": self.foreign,
         }
 
@@ -120,8 +153,11 @@ def main() -> None:
     parser.add_argument("--execs", type=int, required=True)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--projects", required=True, help="comma-separated")
+    parser.add_argument("--until", type=Path, help="repeat the round until this file exists")
+    parser.add_argument("--progress", type=Path, help="keep the count of answered calls here")
     args = parser.parse_args()
-    summary = Load(args.clients).run(args.creates, args.execs, args.projects.split(","))
+    load = Load(args.clients, args.progress)
+    summary = load.run(args.creates, args.execs, args.projects.split(","), args.until)
     print(json.dumps(summary))
 
 

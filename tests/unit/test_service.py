@@ -25,7 +25,7 @@ from slicebox.core.telemetry import TreeReader, UsageReader, scope_pid
 from slicebox.host.cgroupfs import CgroupFS
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
-from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest, SandboxView
+from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest
 from slicebox.model.config import DEFAULT_EXEC_OUTPUT_BUDGET, ReaperConfig, parse_config
 from slicebox.model.errors import Forbidden, NotFound, SandboxNotRunning
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, OutputStream, StreamChunk
@@ -402,7 +402,7 @@ def test_a_run_on_the_loop_destroys_its_sandbox_even_when_the_exec_fails(world: 
     async def stopping(function: Callable[[], T]) -> T:
         """Runs each step in place; the sandbox's container stops right after its create."""
         value = function()
-        if isinstance(value, SandboxView):
+        if isinstance(value, Sandbox):
             world.docker.stop(value.container_id)
         return value
 
@@ -418,3 +418,27 @@ def test_a_run_on_the_loop_destroys_its_sandbox_even_when_the_exec_fails(world: 
     ]
     assert world.service.list_sandboxes(ALICE) == []
     assert world.budget.in_use == 0
+
+
+def one_run(world: World) -> dict[str, int]:
+    """The Docker and systemd calls of one run on the loop, into a project whose slices exist."""
+    run = RunRequest(sandbox=CreateSandbox(project="web"), exec=ExecRequest(argv=("x",)))
+    on_loop(world.service.arun(ALICE, run, None, inline))
+    world.run.script = [[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None]
+    world.calls.clear()
+    assert on_loop(world.service.arun(ALICE, run, None, inline)).result.stdout == b"hi\n"
+    return dict(world.calls)
+
+
+def test_a_run_never_looks_up_the_sandbox_it_created(world: World) -> None:
+    """The exec and the destroy act on the sandbox the create returned: no inspect by name."""
+    calls = one_run(world)
+    assert {k: v for k, v in calls.items() if k.startswith("docker.")} == {
+        "docker.prepare": 1,
+        "docker.create": 1,  # Docker's create and start
+        "docker.sandbox_pid": 1,  # the exec's cgroup
+        "docker.exec_create": 1,
+        "docker.exec_start_async": 1,
+        "docker.exec_inspect": 1,
+        "docker.remove": 1,
+    }

@@ -114,13 +114,7 @@ class Service:
     # --- sandboxes -------------------------------------------------------------------------
 
     def create(self, who: Identity, request: CreateSandbox) -> SandboxView:
-        with self._audit(AuditEvent.SANDBOX_CREATED, who, project=request.project) as record:
-            spec = SandboxSpec.model_validate(
-                {**request.model_dump(), "user": who.acting_user(request.user)}
-            )
-            sandbox = self._sandboxes.create(spec)
-            record.update(subject(sandbox))
-            return view_of(sandbox)
+        return view_of(self._create(who, request))
 
     def list_sandboxes(self, who: Identity) -> list[SandboxView]:
         found = self._sandboxes.find() if who.is_admin else self._sandboxes.find(user=who.user_name)
@@ -166,6 +160,15 @@ class Service:
         usage = self._final_usage(sandbox)
         return usage.to_wire() if usage else None
 
+    def _create(self, who: Identity, request: CreateSandbox) -> Sandbox:
+        with self._audit(AuditEvent.SANDBOX_CREATED, who, project=request.project) as record:
+            spec = SandboxSpec.model_validate(
+                {**request.model_dump(), "user": who.acting_user(request.user)}
+            )
+            sandbox = self._sandboxes.create(spec)
+            record.update(subject(sandbox))
+            return sandbox
+
     def _destroy(self, who: Identity, sandbox: Sandbox) -> Destroyed:
         """``destroyed`` says whether this call removed it: of two destroys at once (or one and
         the reaper's), the other answers false."""
@@ -192,11 +195,24 @@ class Service:
         self, who: Identity, sandbox_id: str, request: ExecRequest, held: Reservation | None = None
     ) -> ExecResult:
         """Run to the end. ``held``: the caller's reservation for it (else one of the call's)."""
+        return self._exec(who, sandbox_id, request, held)
+
+    def _exec(
+        self,
+        who: Identity,
+        sandbox_id: str,
+        request: ExecRequest,
+        held: Reservation | None,
+        *,
+        known: Sandbox | None = None,
+    ) -> ExecResult:
+        """``exec``; in ``known``, a sandbox this call's caller created, which is not looked up
+        again."""
         with (
             self._holding(who, request.output_cap, held, sandbox_id),
             audited_exec(self._auditor, who, sandbox_id) as tally,
         ):
-            sandbox = tally.found(self._visible(who, sandbox_id))
+            sandbox = tally.found(known or self._visible(who, sandbox_id))
             with self._sandboxes.operation(sandbox.id):
                 return tally.ran(self._engine.run(sandbox.container_id, request))
 
@@ -220,16 +236,16 @@ class Service:
         """Create, exec, destroy; the sandbox is destroyed whatever the exec did. The output
         budget is reserved first: a busy agent refuses the run before creating anything."""
         with self._holding(who, request.exec.output_cap, held, action="run") as holding:
-            view = self.create(who, request.sandbox)
+            sandbox = self._create(who, request.sandbox)
             try:
-                result = self.exec(who, view.id, request.exec, holding)
+                result = self._exec(who, sandbox.id, request.exec, holding, known=sandbox)
             finally:
-                destroyed = self.destroy(who, view.id)
-        return RunResult(sandbox_id=view.id, result=result, usage=destroyed.usage)
+                destroyed = self._destroy(who, sandbox)
+        return RunResult(sandbox_id=sandbox.id, result=result, usage=destroyed.usage)
 
     # --- exec on the event loop ------------------------------------------------------------
 
-    async def aexec_stream(
+    def aexec_stream(
         self,
         who: Identity,
         sandbox_id: str,
@@ -241,11 +257,26 @@ class Service:
         operation mark: the output is read on the loop, every short blocking step (the look-up,
         Docker's exec calls, the record) runs through ``blocking``. Closing it early (or
         cancelling its reader) kills the exec, then audits it ``abandoned``."""
+        return self._aexec_stream(who, sandbox_id, request, held, blocking)
+
+    async def _aexec_stream(
+        self,
+        who: Identity,
+        sandbox_id: str,
+        request: ExecRequest,
+        held: Reservation | None,
+        blocking: Blocking,
+        *,
+        known: Sandbox | None = None,
+    ) -> AsyncGenerator[ExecEvent, None]:
+        """``aexec_stream``; ``known`` as in ``_exec``."""
         async with (
             self._aholding(who, request.output_cap, held, blocking=blocking, sandbox_id=sandbox_id),
             audited_aexec(self._auditor, who, sandbox_id, blocking) as tally,
         ):
-            sandbox = tally.found(await blocking(functools.partial(self._visible, who, sandbox_id)))
+            if known is None:
+                known = await blocking(functools.partial(self._visible, who, sandbox_id))
+            sandbox = tally.found(known)
             self._sandboxes.begin_operation(sandbox.id)
             try:
                 events = self._engine.astream(sandbox.container_id, request, blocking)
@@ -265,9 +296,22 @@ class Service:
     ) -> ExecResult:
         """``exec`` on the event loop: ``aexec_stream`` read to its end (so it is audited as run,
         not abandoned at its result)."""
+        return await self._aexec(who, sandbox_id, request, held, blocking)
+
+    async def _aexec(
+        self,
+        who: Identity,
+        sandbox_id: str,
+        request: ExecRequest,
+        held: Reservation | None,
+        blocking: Blocking,
+        *,
+        known: Sandbox | None = None,
+    ) -> ExecResult:
+        """``aexec``; ``known`` as in ``_exec``."""
         result: ExecResult | None = None
         async with contextlib.aclosing(
-            self.aexec_stream(who, sandbox_id, request, held, blocking)
+            self._aexec_stream(who, sandbox_id, request, held, blocking, known=known)
         ) as events:
             async for event in events:
                 if isinstance(event, ExecResult):
@@ -280,17 +324,21 @@ class Service:
         self, who: Identity, request: RunRequest, held: Reservation | None, blocking: Blocking
     ) -> RunResult:
         """``run`` on the event loop: the create and the destroy through ``blocking``, the exec
-        as ``aexec``; the destroy runs even when the caller is cancelled meanwhile."""
+        as ``aexec``; the destroy runs even when the caller is cancelled meanwhile. The exec and
+        the destroy act on the sandbox the create returned: neither looks it up again."""
         output_cap = request.exec.output_cap
         async with self._aholding(
             who, output_cap, held, blocking=blocking, action="run"
         ) as holding:
-            view = await blocking(functools.partial(self.create, who, request.sandbox))
+            sandbox = await blocking(functools.partial(self._create, who, request.sandbox))
             try:
-                result = await self.aexec(who, view.id, request.exec, holding, blocking)
+                result = await self._aexec(
+                    who, sandbox.id, request.exec, holding, blocking, known=sandbox
+                )
             finally:
-                destroyed = await settle(blocking, functools.partial(self.destroy, who, view.id))
-        return RunResult(sandbox_id=view.id, result=result, usage=destroyed.usage)
+                destroy = functools.partial(self._destroy, who, sandbox)
+                destroyed = await settle(blocking, destroy)
+        return RunResult(sandbox_id=sandbox.id, result=result, usage=destroyed.usage)
 
     @contextlib.asynccontextmanager
     async def _aholding(

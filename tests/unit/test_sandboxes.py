@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -14,6 +15,7 @@ from slicebox.model.labels import decode
 from slicebox.model.limits import Limits
 from slicebox.model.names import MANAGED_SLICE
 from slicebox.model.spec import SandboxSpec
+from tests.fakes.counting import counting
 from tests.fakes.docker import FakeDocker
 from tests.fakes.systemd import FakeSystemd
 
@@ -157,6 +159,30 @@ def test_missing_image_is_pulled_or_refused_before_anything_exists(world: World)
     with pytest.raises(ImageUnavailable):
         world.manager.create(spec(user="z", image="nope:1"))
     assert not any("slicebox-z" in u for u in world.systemd.running)
+
+
+def test_an_image_a_create_found_is_not_checked_again_unless_a_create_misses_it(
+    world: World,
+) -> None:
+    """One backend call fewer per create: the create itself tells a missing image."""
+    calls: Counter[str] = Counter()
+    world.manager._backend = counting(world.docker, calls, "docker")
+    world.manager.create(spec())
+    world.manager.create(spec())
+    assert (calls["docker.prepare"], calls["docker.create"]) == (1, 2)
+    world.docker.images.discard("alpine:3.19")  # removed by hand meanwhile; pullable
+    world.docker.registry.add("alpine:3.19")
+    assert world.manager.create(spec()).id
+    assert (calls["docker.prepare"], calls["docker.create"]) == (2, 4), "pulled, tried again"
+    world.docker.images.discard("alpine:3.19")
+    world.docker.registry.discard("alpine:3.19")
+    with pytest.raises(ImageUnavailable):
+        world.manager.create(spec(project="new"))
+    assert len(world.docker.containers) == 3
+    assert "slicebox-al\\x2dice-new.slice" not in world.user_slices(), "its new slice is undone"
+    with pytest.raises(ImageUnavailable):  # now unknown: refused before anything exists
+        world.manager.create(spec(project="other"))
+    assert calls["docker.create"] == 5
 
 
 def test_failed_start_removes_container_and_new_slices(world: World) -> None:

@@ -142,7 +142,9 @@ class SandboxBackend(ExecApi, Protocol):
 
     def create(self, request: SandboxRequest) -> SandboxInfo:
         """Create and start the sandbox; on failure nothing of it is left and the error is
-        raised."""
+        raised. An image that is not present is ``ImageUnavailable``: the core calls
+        ``prepare`` only for an image it has not seen present, and again when a create says
+        the image is gone."""
 
     def inspect(self, backend_id: str) -> SandboxInfo | None:
         """A sandbox by backend id or name; None when there is none."""

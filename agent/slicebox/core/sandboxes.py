@@ -30,7 +30,7 @@ from slicebox.core.deadlines import Deadlines
 from slicebox.core.policy import Admitted, admit, check_ttl
 from slicebox.core.slices import SliceManager
 from slicebox.model.config import Config
-from slicebox.model.errors import InvalidRequest, NotFound, Unavailable
+from slicebox.model.errors import ImageUnavailable, InvalidRequest, NotFound, Unavailable
 from slicebox.model.labels import Lineage, decode, selector
 from slicebox.model.limits import Limits
 from slicebox.model.names import SliceCgroups, SliceNames, scope_name, slice_names
@@ -45,6 +45,9 @@ KEEP_ALIVE = ("sleep", "infinity")
 # Threads for steps run beside a request's own (a destroy's disarm): as many as the agent has
 # request threads (server.pools), so destroys at once seldom wait for one.
 ASIDE_THREADS = 8
+# Images a create of this agent found present, the most recently used kept: a create with one
+# of them does not ask the backend about the image first (see ``SandboxManager._start``).
+KNOWN_IMAGES = 64
 T = TypeVar("T")
 # What Docker accepts as a container name: anything else is no sandbox's id, and never reaches
 # Docker's API as part of a path.
@@ -137,6 +140,9 @@ class SandboxManager:
         # goes when the slice is stopped here.
         self._vacated: dict[str, datetime] = {}
         self._placing = threading.Lock()
+        # Image -> None, least recently used first: the images known present (KNOWN_IMAGES).
+        self._images: dict[str, None] = {}
+        self._imaging = threading.Lock()
         # Threads for a step that runs beside a request's own (a destroy's disarm). Kept, not
         # one per request: each keeps its system-bus connection (see host.systemd).
         self._aside = ThreadPoolExecutor(ASIDE_THREADS, thread_name_prefix="slicebox-aside")
@@ -211,11 +217,13 @@ class SandboxManager:
         admitted = admit(spec, self._config, self._host_memory)
         self._check_backend(spec)
         lineage = self._lineage(admitted)
-        self._backend.prepare(admitted.image)
+        known = self._image_known(admitted.image)
+        if not known:  # an image that cannot be had is refused before anything exists
+            self._backend.prepare(admitted.image)
         with self._creating(lineage):
             made = self._ensure_slices(admitted, lineage.sandbox_id)
             try:
-                info = self._backend.create(_request(admitted, lineage))
+                info = self._start(_request(admitted, lineage), image_known=known)
             except BaseException:
                 self._undo(made, lineage.sandbox_id)
                 raise
@@ -331,6 +339,38 @@ class SandboxManager:
         finally:
             with self._placing:
                 del self._in_flight[lineage.sandbox_id]
+
+    def _start(self, request: SandboxRequest, *, image_known: bool) -> SandboxInfo:
+        """Create and start the container. An image a create found present before is not
+        checked first (one backend call fewer per create): should it be gone since, the create
+        says so (``ImageUnavailable``, leaving nothing), and the image is prepared (pulled) and
+        the create tried once more."""
+        try:
+            info = self._backend.create(request)
+        except ImageUnavailable:
+            self._forget_image(request.image)
+            if not image_known:
+                raise
+            log.info("image %s is gone since its last create; preparing it again", request.image)
+            self._backend.prepare(request.image)
+            info = self._backend.create(request)
+        self._remember_image(request.image)
+        return info
+
+    def _image_known(self, image: str) -> bool:
+        with self._imaging:
+            return image in self._images
+
+    def _remember_image(self, image: str) -> None:
+        with self._imaging:
+            self._images.pop(image, None)
+            self._images[image] = None
+            while len(self._images) > KNOWN_IMAGES:
+                del self._images[next(iter(self._images))]
+
+    def _forget_image(self, image: str) -> None:
+        with self._imaging:
+            self._images.pop(image, None)
 
     def _vacate(self, sandbox: Sandbox) -> None:
         names, now = sandbox.slices(), self._clock()

@@ -18,8 +18,10 @@ from slicebox.core.reaping import TIMER_GRACE, Observed, plan, plan_pass
 from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.host.journal import Auditor
+from slicebox.host.systemd import UnitStatus
 from slicebox.model.audit import AuditEvent
 from slicebox.model.config import OrphanPolicy, ReaperConfig, parse_config
+from slicebox.model.errors import HostError
 from slicebox.model.labels import MANAGED, Lineage, decode
 from slicebox.model.reaper import Action, Kind, Rule
 from slicebox.model.spec import SandboxSpec
@@ -329,6 +331,34 @@ def test_create_arms_a_timer_that_runs_the_expiry_and_destroy_disarms_it(world: 
     assert argv == ["/usr/bin/sliceboxd", "expire", sandbox_id, container, "--deadline", epoch]
     world.manager.destroy(sandbox_id)
     assert world.systemd.timers == {}
+
+
+def test_a_create_arms_its_timer_in_one_call_and_fails_whole_if_the_name_is_taken(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new sandbox has no timer to look for or stop: only the start reaches systemd."""
+    unit = timer_unit("sbx-000000000001", NOW + timedelta(seconds=60))
+    world.systemd.start_timer(unit, NOW, ["/bin/true"], "taken, against all odds")
+    with pytest.raises(HostError) as taken:
+        world.create(ttl_seconds=60)
+    assert taken.value.code == "unit_exists"
+    assert world.docker.containers == {}, "the container is removed"
+    assert not [u for u in world.systemd.running if u.startswith("slicebox-alice")]
+    asked: list[str] = []
+    list_units, status = world.systemd.list_units, world.systemd.status
+
+    def listing(pattern: str, *, active_only: bool = False) -> list[str]:
+        asked.append(pattern)
+        return list_units(pattern, active_only=active_only)
+
+    def looking(unit: str) -> UnitStatus:
+        asked.append(unit)
+        return status(unit)
+
+    monkeypatch.setattr(world.systemd, "list_units", listing)
+    monkeypatch.setattr(world.systemd, "status", looking)
+    world.create(ttl_seconds=60)
+    assert not [u for u in asked if ".timer" in u], asked
 
 
 def test_a_destroy_disarms_the_deadline_beside_the_removal_not_after_it(

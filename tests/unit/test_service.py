@@ -431,7 +431,8 @@ def one_run(world: World) -> dict[str, int]:
 
 
 def test_a_run_never_looks_up_the_sandbox_it_created(world: World) -> None:
-    """The exec and the destroy act on the sandbox the create returned: no inspect by name."""
+    """The exec and the destroy act on the sandbox the create returned: no inspect by name;
+    the image is not checked again, and the new timer is only started."""
     calls = one_run(world)
     assert {k: v for k, v in calls.items() if k.startswith("docker.")} == {
         "docker.create": 1,  # Docker's create and start; the image is known present
@@ -440,4 +441,11 @@ def test_a_run_never_looks_up_the_sandbox_it_created(world: World) -> None:
         "docker.exec_start_async": 1,
         "docker.exec_inspect": 1,
         "docker.remove": 1,
+    }
+    assert {k: v for k, v in calls.items() if k.startswith("systemd.")} == {
+        "systemd.status": 3 + 1,  # the three slices exist; the scope has stopped
+        "systemd.set_properties": 3,  # the ceilings in force
+        "systemd.start_timer": 1,  # the deadline of a new sandbox: nothing to look for
+        "systemd.list_units": 1,  # its timers, to disarm
+        "systemd.stop": 1,
     }

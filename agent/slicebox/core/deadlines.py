@@ -160,14 +160,21 @@ class Deadlines:
         unit = timer_unit(sandbox_id, at)
         older = [t for t in self.timers_of(sandbox_id) if t.unit != unit]
         if not self._systemd.status(unit).active:
-            self._systemd.start_timer(
-                unit,
-                at,
-                self._command(sandbox_id, container_id, at),
-                f"slicebox deadline of {sandbox_id}",
-            )
+            self._start(unit, sandbox_id, container_id, at)
         self.stop(older)
         return unit
+
+    def arm_new(self, sandbox_id: str, container_id: str, at: datetime) -> str:
+        """``arm`` for a sandbox being created: its id is new, so it has no timer to look for
+        or stop, and arming is one systemd call. Should a timer of that name exist after all,
+        systemd refuses it (``unit_exists``) and the create fails and is undone."""
+        unit = timer_unit(sandbox_id, at)
+        self._start(unit, sandbox_id, container_id, at)
+        return unit
+
+    def _start(self, unit: str, sandbox_id: str, container_id: str, at: datetime) -> None:
+        command = self._command(sandbox_id, container_id, at)
+        self._systemd.start_timer(unit, at, command, f"slicebox deadline of {sandbox_id}")
 
     def _command(self, sandbox_id: str, container_id: str, at: datetime) -> list[str]:
         program = self._program()

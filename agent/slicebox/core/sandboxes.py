@@ -228,7 +228,7 @@ class SandboxManager:
                 self._undo(made, lineage.sandbox_id)
                 raise
             try:
-                self._arm(lineage.sandbox_id, info.id, lineage.expires_at)
+                self._arm(lineage.sandbox_id, info.id, lineage.expires_at, new=True)
             except BaseException:
                 self.remove_container(info.id)
                 self._undo(made, lineage.sandbox_id)
@@ -381,8 +381,15 @@ class SandboxManager:
         deadlines = self._deadlines
         return None if deadlines is None else lambda: deadlines.disarm(sandbox_id)
 
-    def _arm(self, sandbox_id: str, container_id: str, at: datetime | None) -> None:
-        if self._deadlines is not None and at is not None:
+    def _arm(
+        self, sandbox_id: str, container_id: str, at: datetime | None, *, new: bool = False
+    ) -> None:
+        """Arm the deadline ``at``, if any; ``new``: of a sandbox this call is creating."""
+        if self._deadlines is None or at is None:
+            return
+        if new:
+            self._deadlines.arm_new(sandbox_id, container_id, at)
+        else:
             self._deadlines.arm(sandbox_id, container_id, at)
 
     def _with_deadlines(self, sandboxes: list[Sandbox]) -> list[Sandbox]:

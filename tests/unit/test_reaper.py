@@ -46,6 +46,7 @@ def box(
     user: str = "alice",
     project: str = "p",
     pool: bool = False,
+    oneshot: bool = False,
     age: float = 60,
 ) -> SandboxInfo:
     created = NOW - timedelta(seconds=age)
@@ -64,6 +65,7 @@ def box(
         provisioned_memory_bytes=256 << 20,
         provisioned_pids=100,
         pool=pool,
+        oneshot=oneshot,
     )
     return SandboxInfo(
         id=f"c-{sandbox_id}",
@@ -182,6 +184,25 @@ def test_paused_or_restarting_containers_are_not_touched() -> None:
     timer = Timer(unit="t", sandbox_id="a", at=NOW + timedelta(hours=1))
     found = observed(box("a", status="paused"), timers=[timer])
     assert plan(found, NOW, POLICY) == []
+
+
+def test_a_one_shot_sandbox_no_operation_holds_is_removed_whoever_made_it() -> None:
+    """A run holds its sandbox until its removal is over: one that nothing holds was left
+    over (its agent stopped, or the removal failed), of this agent run or another."""
+    found = observed(
+        box("left", oneshot=True),
+        box("theirs", oneshot=True, run="run-before"),
+        box("running", oneshot=True),
+        box("done", oneshot=True, status="exited"),
+        box("kept"),
+        busy=frozenset({"running", "kept"}),
+    )
+    destroys = [(r, t) for k, r, t in kinds(plan(found, NOW, POLICY)) if k is Kind.DESTROY]
+    assert sorted(destroys) == [
+        (Rule.EXITED, "done"),
+        (Rule.RUN_ENDED, "left"),
+        (Rule.RUN_ENDED, "theirs"),
+    ]
 
 
 def test_idle_pool_members_beyond_the_size_go_oldest_first_per_kind() -> None:
@@ -447,6 +468,49 @@ def test_a_pass_destroys_the_expired_audits_each_action_and_dry_run_changes_noth
     assert rules == ["expired", "leftover_files", "empty_slice"]
     assert {e["SLICEBOX_EVENT"] for e in world.journal.entries} == {AuditEvent.REAPER_ACTION}
     assert world.reaper.run().plan == [], "a second pass finds nothing"
+
+
+def test_a_one_shot_sandbox_is_held_from_its_create_and_taken_once_let_go(world: World) -> None:
+    spec = SandboxSpec.model_validate({"user": "alice", "project": "p"})
+    held = world.manager.create(spec, one_shot=True)
+    assert held.lineage.oneshot
+    assert world.manager.busy() == {held.id}, "held as it left in flight"
+    assert world.reaper.run().plan == [], "a run holds it: not even planned"
+    world.manager.end_operation(held.id)  # say, the run's removal failed
+    report = world.reaper.run()
+    done = zip(report.plan, report.outcomes, strict=True)
+    assert [(a.kind, a.rule, o.result) for a, o in done][:1] == [
+        (Kind.DESTROY, Rule.RUN_ENDED, "ok")
+    ]
+    assert world.manager.find() == []
+    assert world.systemd.timers == {}, "its deadline is disarmed"
+    assert [e["SLICEBOX_REAPER_RULE"] for e in world.journal.entries][:1] == ["run_ended"]
+
+
+def test_a_one_shot_left_by_an_agent_that_died_is_removed_at_the_next_start(
+    world: World,
+) -> None:
+    """The agent died between a run's answer and its removal: the next agent run's first
+    pass (its reconciliation) removes the sandbox instead of adopting it."""
+    before = SandboxManager(
+        world.docker,
+        world.slices,
+        config=parse_config(""),
+        host_memory=8 << 30,
+        instance_id="run-before",
+        clock=lambda: world.now,
+        new_id=lambda: "sbx-left",
+        deadlines=Deadlines(world.systemd),
+    )
+    spec = SandboxSpec.model_validate({"user": "alice", "project": "p"})
+    before.create(spec, one_shot=True)  # its run's hold died with that agent
+    kept = world.create()
+    report = world.reaper.run()
+    assert [(a.kind, a.rule, a.target) for a in report.plan] == [
+        (Kind.DESTROY, Rule.RUN_ENDED, "sbx-left")
+    ]
+    assert [o.result for o in report.outcomes] == ["ok"]
+    assert [s.id for s in world.manager.find()] == [kept]
 
 
 def test_with_a_grace_the_slices_outlive_their_last_sandbox_by_that_long(world: World) -> None:

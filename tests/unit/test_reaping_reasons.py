@@ -56,6 +56,7 @@ def test_every_other_rule_reads_as_a_sentence() -> None:
         box("kid", parent="nobody", depth=1),
         box("theirs", run="run-before"),
         box("idle", pool=True),
+        box("ran", oneshot=True),
         policy=reap,
         timers=[Timer(unit="t.timer", sandbox_id="sbx-9", at=NOW)],
         state_dirs=["sbx-9"],
@@ -72,6 +73,10 @@ def test_every_other_rule_reads_as_a_sentence() -> None:
             "it was made by agent run run-before, not this one, and the orphan policy is reap"
         ),
         (Rule.POOL_SURPLUS, "idle"): "it is an idle pool member beyond the 0 kept of its kind",
+        (Rule.RUN_ENDED, "ran"): (
+            "it was made for a one-shot run that no longer holds it (the run's removal failed, "
+            "or its agent stopped before removing it)"
+        ),
         (Rule.STALE_DEADLINE, "t.timer"): "its sandbox sbx-9 is gone",
         (Rule.LEFTOVER_FILES, "sbx-9"): "its sandbox sbx-9 is gone; nothing needs these files",
         (Rule.EMPTY_SLICE, "slicebox-bob-q.slice"): "no sandbox of bob/q is left",

@@ -449,3 +449,26 @@ def test_a_run_never_looks_up_the_sandbox_it_created(world: World) -> None:
         "systemd.list_units": 1,  # its timers, to disarm
         "systemd.stop": 1,
     }
+
+
+def test_a_run_holds_its_sandbox_from_the_create_until_it_is_removed(world: World) -> None:
+    """The reaper takes a one-shot sandbox nothing holds (``run_ended``): a run's own is held
+    all along, and let go once removed."""
+    run = RunRequest(sandbox=CreateSandbox(project="web"), exec=ExecRequest(argv=("x",)))
+    seen: list[object] = []
+
+    async def reaping(function: Callable[[], T]) -> T:
+        """Runs each step in place; a reaper pass right after the create."""
+        value = function()
+        if isinstance(value, Sandbox):
+            seen.append(value.lineage.oneshot)
+            seen.append(world.service.reap(ORCH, ReapRequest()).plan)
+        return value
+
+    on_loop(world.service.arun(ALICE, run, None, reaping))
+    assert seen == [True, []]
+    assert world.sandboxes.busy() == frozenset()
+    world.run.script = [[], None]
+    world.service.run(ALICE, run)
+    assert world.sandboxes.busy() == frozenset()
+    assert world.docker.containers == {}

@@ -64,8 +64,10 @@ class Reaper:
         state_dir = self._config().state_dir
         return Observed(
             instance_id=self._sandboxes.instance_id,
-            # in flight first: a create that finishes meanwhile is then seen as a container
+            # in flight first: a create that finishes meanwhile is then seen as a container,
+            # and as busy if it leaves in flight holding its sandbox (a one-shot's)
             in_flight=self._sandboxes.in_flight(),
+            busy=self._sandboxes.busy(),
             containers=self._backend.find(selector()),
             slices=self._slices.running_slices(),
             timers=deadlines.timers() if deadlines is not None else [],

@@ -22,6 +22,10 @@ The rules, each with its :class:`Rule` name in the plan and the audit:
 - ``missing_lineage``: labelled managed, but the lineage labels are missing or malformed.
 - ``exited`` / ``never_started``: the container exited (say, killed at its deadline while the
   agent was down) or was created and never started, and no create is in progress for it.
+- ``run_ended``: a running sandbox made for a one-shot run that no operation holds. A run holds
+  one on its sandbox from the end of the create until the removal it starts once its exec has
+  ended is over, so this is one whose agent stopped before removing it, or whose removal
+  failed: no one may exec in it any more.
 - ``pool_surplus``: idle pool members beyond ``reaper.pool_size`` of a kind (oldest first).
   Only an agent that still took ``pool`` in a create made them; none does until a warm pool
   acquires and releases members, so this rule clears what such an agent left.
@@ -75,6 +79,7 @@ class Observed(BaseModel):
     timers: list[Timer] = []
     state_dirs: list[str] = []  # sandbox ids that have a state directory
     in_flight: dict[str, tuple[str, str]] = {}  # creates in progress: id -> (user, project)
+    busy: frozenset[str] = frozenset()  # sandboxes an operation holds (seen after in_flight)
     adopted: frozenset[str] = frozenset()
     # Slice unit -> since when it is known to be empty; a slice not here is empty from now.
     empty_since: dict[str, datetime] = {}
@@ -165,6 +170,12 @@ def _doomed(
             )
         elif deadline is not None and due is not None and due <= now:
             doomed[sandbox_id] = (Rule.EXPIRED, f"its deadline {stamp(deadline)} has passed")
+        elif sandbox.lineage.oneshot and status == "running" and sandbox_id not in observed.busy:
+            doomed[sandbox_id] = (
+                Rule.RUN_ENDED,
+                "it was made for a one-shot run that no longer holds it (the run's removal "
+                "failed, or its agent stopped before removing it)",
+            )
         elif foreign and sandbox_id not in observed.adopted and policy.orphans is OrphanPolicy.REAP:
             doomed[sandbox_id] = (
                 Rule.ORPHAN,

@@ -180,6 +180,11 @@ class SandboxManager:
         finally:
             self.end_operation(sandbox_id)
 
+    def busy(self) -> frozenset[str]:
+        """The sandboxes an operation holds now."""
+        with self._counting:
+            return frozenset(self._operations)
+
     def begin_operation(self, sandbox_id: str) -> None:
         """``operation`` in two calls, for async callers; never blocks on I/O."""
         with self._counting:
@@ -212,15 +217,20 @@ class SandboxManager:
         """Use ``config`` from now on (``systemctl reload``); running sandboxes keep theirs."""
         self._config = config
 
-    def create(self, spec: SandboxSpec) -> Sandbox:
-        """Admit, place and start a sandbox; on any failure nothing is left behind."""
+    def create(self, spec: SandboxSpec, *, one_shot: bool = False) -> Sandbox:
+        """Admit, place and start a sandbox; on any failure nothing is left behind.
+
+        ``one_shot``: for a one-shot run. The sandbox is labelled so, and it is returned with
+        an operation held on it, taken as it stops being in flight (no reaper pass finds it
+        free in between); the caller ends it (``end_operation``) once it has removed it.
+        The reaper removes a one-shot sandbox that no operation holds (``run_ended``)."""
         admitted = admit(spec, self._config, self._host_memory)
         self._check_backend(spec)
-        lineage = self._lineage(admitted)
+        lineage = self._lineage(admitted, one_shot=one_shot)
         known = self._image_known(admitted.image)
         if not known:  # an image that cannot be had is refused before anything exists
             self._backend.prepare(admitted.image)
-        with self._creating(lineage):
+        with self._creating(lineage, hold=one_shot):
             made = self._ensure_slices(admitted, lineage.sandbox_id)
             try:
                 info = self._start(_request(admitted, lineage), image_known=known)
@@ -331,14 +341,20 @@ class SandboxManager:
         return members
 
     @contextmanager
-    def _creating(self, lineage: Lineage) -> Iterator[None]:
+    def _creating(self, lineage: Lineage, *, hold: bool = False) -> Iterator[None]:
+        """The create is in flight while the block runs; with ``hold``, a block that succeeds
+        leaves an operation held on the sandbox, taken under the same lock."""
         with self._placing:
             self._in_flight[lineage.sandbox_id] = (lineage.user, lineage.project)
+        made = False
         try:
             yield
+            made = True
         finally:
             with self._placing:
                 del self._in_flight[lineage.sandbox_id]
+                if made and hold:
+                    self.begin_operation(lineage.sandbox_id)
 
     def _start(self, request: SandboxRequest, *, image_known: bool) -> SandboxInfo:
         """Create and start the container. An image a create found present before is not
@@ -402,7 +418,7 @@ class SandboxManager:
             for s in sandboxes
         ]
 
-    def _lineage(self, admitted: Admitted) -> Lineage:
+    def _lineage(self, admitted: Admitted, *, one_shot: bool) -> Lineage:
         spec, limits, now = admitted.spec, admitted.limits, self._clock()
         sandbox_id = self._new_id()
         task_id = spec.task_id or sandbox_id
@@ -423,6 +439,7 @@ class SandboxManager:
             provisioned_cpu=limits.cpus,
             provisioned_memory_bytes=limits.memory_bytes,
             provisioned_pids=limits.pids,
+            oneshot=one_shot,
         )
 
     def _ancestry(self, spec: SandboxSpec, task_id: str) -> tuple[str, int]:

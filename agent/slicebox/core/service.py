@@ -160,14 +160,29 @@ class Service:
         usage = self._final_usage(sandbox)
         return usage.to_wire() if usage else None
 
-    def _create(self, who: Identity, request: CreateSandbox) -> Sandbox:
-        with self._audit(AuditEvent.SANDBOX_CREATED, who, project=request.project) as record:
-            spec = SandboxSpec.model_validate(
-                {**request.model_dump(), "user": who.acting_user(request.user)}
-            )
-            sandbox = self._sandboxes.create(spec)
-            record.update(subject(sandbox))
-            return sandbox
+    def _create(self, who: Identity, request: CreateSandbox, *, one_shot: bool = False) -> Sandbox:
+        """``create``; ``one_shot``: a run's, returned with an operation held on it (see
+        ``SandboxManager.create``) that ``_finish_run`` ends."""
+        made: Sandbox | None = None
+        try:
+            with self._audit(AuditEvent.SANDBOX_CREATED, who, project=request.project) as record:
+                spec = SandboxSpec.model_validate(
+                    {**request.model_dump(), "user": who.acting_user(request.user)}
+                )
+                made = self._sandboxes.create(spec, one_shot=one_shot)
+                record.update(subject(made))
+        except BaseException:
+            if made is not None and one_shot:  # made, but its record failed: no run follows
+                self._sandboxes.end_operation(made.id)  # the reaper removes it (run_ended)
+            raise
+        return made
+
+    def _finish_run(self, who: Identity, sandbox: Sandbox) -> Destroyed:
+        """Destroy a run's sandbox, then end the operation its create left held."""
+        try:
+            return self._destroy(who, sandbox)
+        finally:
+            self._sandboxes.end_operation(sandbox.id)
 
     def _destroy(self, who: Identity, sandbox: Sandbox) -> Destroyed:
         """``destroyed`` says whether this call removed it: of two destroys at once (or one and
@@ -236,11 +251,11 @@ class Service:
         """Create, exec, destroy; the sandbox is destroyed whatever the exec did. The output
         budget is reserved first: a busy agent refuses the run before creating anything."""
         with self._holding(who, request.exec.output_cap, held, action="run") as holding:
-            sandbox = self._create(who, request.sandbox)
+            sandbox = self._create(who, request.sandbox, one_shot=True)
             try:
                 result = self._exec(who, sandbox.id, request.exec, holding, known=sandbox)
             finally:
-                destroyed = self._destroy(who, sandbox)
+                destroyed = self._finish_run(who, sandbox)
         return RunResult(sandbox_id=sandbox.id, result=result, usage=destroyed.usage)
 
     # --- exec on the event loop ------------------------------------------------------------
@@ -330,13 +345,14 @@ class Service:
         async with self._aholding(
             who, output_cap, held, blocking=blocking, action="run"
         ) as holding:
-            sandbox = await blocking(functools.partial(self._create, who, request.sandbox))
+            create = functools.partial(self._create, who, request.sandbox, one_shot=True)
+            sandbox = await blocking(create)
             try:
                 result = await self._aexec(
                     who, sandbox.id, request.exec, holding, blocking, known=sandbox
                 )
             finally:
-                destroy = functools.partial(self._destroy, who, sandbox)
+                destroy = functools.partial(self._finish_run, who, sandbox)
                 destroyed = await settle(blocking, destroy)
         return RunResult(sandbox_id=sandbox.id, result=result, usage=destroyed.usage)
 

@@ -41,6 +41,10 @@ class Lineage(BaseModel):
     # Only containers made by an agent that took ``pool`` in a create carry pool=true now;
     # the reaper still trims them (``pool_surplus``), and a warm pool will set it again.
     pool: bool = False
+    # Made for a one-shot run (``POST /v1/run``), which removes it once its exec has ended:
+    # one that no operation holds is left over (its agent stopped meanwhile, or the removal
+    # failed), and the reaper removes it (``run_ended``).
+    oneshot: bool = False
 
     def to_labels(self) -> dict[str, str]:
         values = {
@@ -60,6 +64,7 @@ class Lineage(BaseModel):
             "provisioned.memory_bytes": str(self.provisioned_memory_bytes),
             "provisioned.pids": str(self.provisioned_pids),
             "pool": "true" if self.pool else "false",
+            "oneshot": "true" if self.oneshot else "false",
         }
         return {PREFIX + key: value for key, value in values.items()}
 

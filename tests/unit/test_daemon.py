@@ -27,6 +27,15 @@ class Notes:
     def notify(self, state: str) -> None:
         self.states.append(state)
 
+    def wait_ready(self, timeout: float = 60) -> None:
+        """Until the agent said READY: it answers, and its signal handlers are in place (the
+        socket's file exists a moment before it listens, and a SIGTERM then kills the tests)."""
+        deadline = time.monotonic() + timeout
+        while not any(s.startswith("READY=1") for s in self.states):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the agent was not ready within {timeout}s")
+            time.sleep(0.02)
+
 
 class Journal:
     def __init__(self) -> None:
@@ -59,8 +68,7 @@ def test_agent_serves_reloads_and_stops_on_signals(tmp_path: Path) -> None:
         # test, not hang it (a loaded machine can be slow to bind).
         try:
             deadline = time.monotonic() + 60
-            while not path.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            notes.wait_ready()
             health.append(Client(str(path), timeout=60).request("GET", "/health")["status"])
             os.kill(os.getpid(), signal.SIGHUP)
             while not reloads and time.monotonic() < deadline:

@@ -52,6 +52,8 @@ class Agent:
         return run
 
     def sandboxes(self) -> list[str]:
+        """The sandboxes left, once what requests left running after their answers is done."""
+        wait_for(lambda: not self.pools.after_answer)
         return [v.id for v in self.world.service.list_sandboxes(self.world.service_identity())]
 
 

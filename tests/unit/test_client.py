@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import aclosing
 from pathlib import Path
@@ -54,6 +55,37 @@ def test_every_route_answers_its_model(agent: Agent) -> None:
     ran = client.run(RunRequest(sandbox=WEB, exec=ExecRequest(argv=("x",))))
     assert ran.result.stdout == b"once\n"
     assert client.request("GET", "/openapi.json")["openapi"].startswith("3.1")
+
+
+def slow_removals(world: World) -> threading.Event:
+    """Docker's removals wait until the event returned is set."""
+    gate, remove = threading.Event(), world.docker.remove
+
+    def waiting(backend_id: str) -> bool:
+        gate.wait(10)
+        return remove(backend_id)
+
+    world.docker.remove = waiting  # type: ignore[method-assign]
+    return gate
+
+
+def test_a_run_answers_before_docker_has_removed_its_sandbox(agent: Agent) -> None:
+    world, gate = agent.world, slow_removals(agent.world)
+    agent.script((OUT, b"done\n"))
+    ran = Client(agent.socket).run(RunRequest(sandbox=WEB, exec=EXEC))
+    assert ran.result.stdout == b"done\n"
+    assert ran.usage is not None, "read before the answer, from the live cgroup"
+    assert [c.name for c in world.docker.containers.values()] == [ran.sandbox_id]
+    assert len(agent.pools.after_answer) == 1
+    gate.set()
+    wait_for(lambda: not world.docker.containers)
+    wait_for(lambda: not agent.pools.after_answer)
+    assert [event for event, _ in world.journal.events()] == [
+        "sandbox_created",
+        "exec",
+        "sandbox_destroyed",
+    ]
+    assert world.sandboxes.busy() == frozenset()
 
 
 @pytest.mark.parametrize("ttl", [86400 + 1, 10**12, 10**40])

@@ -6,6 +6,7 @@ own."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import threading
 import time
@@ -30,7 +31,7 @@ from slicebox.model.exec import (
 )
 from slicebox.server.api import base_routes, build_app
 from slicebox.server.daemon import _every
-from slicebox.server.pools import CALL_THREADS, POOLS, Pools
+from slicebox.server.pools import AFTER_ANSWER_MAX, CALL_THREADS, POOLS, AfterAnswer, Pools
 from tests.fakes.exec_fakes import FakeClock, FakeExecApi
 from tests.unit.agentserver import served
 from tests.unit.test_service import World
@@ -227,3 +228,43 @@ def test_the_app_brings_bounded_pools_and_takes_them_down() -> None:
     asyncio.run(cycle())
     with pytest.raises(RuntimeError):
         pools.calls.submit(int)
+
+
+def test_work_after_answers_is_bounded_and_a_stopping_app_waits_for_it() -> None:
+    app = build_app(base_routes(), SystemUsers())
+    pools = app[POOLS]
+    gate, finished = threading.Event(), list[int]()
+
+    def removal(n: int) -> None:
+        gate.wait(10)
+        time.sleep(0.05)
+        finished.append(n)
+
+    taken = [pools.aside(functools.partial(removal, n)) for n in range(AFTER_ANSWER_MAX + 1)]
+    assert taken == [True] * AFTER_ANSWER_MAX + [False], "beyond the bound the caller runs it"
+    assert len(pools.after_answer) == AFTER_ANSWER_MAX
+
+    async def cycle() -> None:
+        runner = web.AppRunner(app)
+        await runner.setup()
+        threading.Timer(0.2, gate.set).start()
+        await runner.cleanup()
+
+    asyncio.run(cycle())
+    assert sorted(finished) == list(range(AFTER_ANSWER_MAX)), "the stop waited for each"
+    with pytest.raises(RuntimeError):
+        pools.calls.submit(int)
+
+
+def test_a_stop_waits_for_work_after_answers_a_bounded_time() -> None:
+    after, pool = AfterAnswer(limit=1), ThreadPoolExecutor(1)
+    gate = threading.Event()
+    try:
+        assert after.submit(pool, lambda: gate.wait(10))
+        assert asyncio.run(after.drain(0.05)) == 1, "unfinished: left to the reaper"
+    finally:
+        gate.set()
+        pool.shutdown()
+    assert asyncio.run(after.drain(0.05)) == 0
+    pool.shutdown()
+    assert not after.submit(pool, int), "a pool shut down takes nothing: the caller runs it"

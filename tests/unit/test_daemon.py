@@ -14,10 +14,16 @@ import pytest
 from slicebox.cli.client import Client
 from slicebox.core.expiry import Result
 from slicebox.host.journal import Auditor
+from slicebox.model.api import CreateSandbox, RunRequest
 from slicebox.model.errors import SliceboxError, Unavailable
+from slicebox.model.exec import ExecRequest
 from slicebox.server import daemon
 from slicebox.server.api import base_routes
 from slicebox.server.daemon import Agent, watchdog_interval
+from slicebox.server.routes import ROUTES, SERVICE
+from tests.unit.agentserver import AnyContainer
+from tests.unit.test_client import slow_removals
+from tests.unit.test_service import World
 
 
 class Notes:
@@ -85,6 +91,36 @@ def test_agent_serves_reloads_and_stops_on_signals(tmp_path: Path) -> None:
     assert any("configuration reloaded (test)" in state for state in notes.states)
     assert notes.states[-1].startswith("STOPPING=1")
     assert journal.events == ["agent_started", "agent_stopping"]
+
+
+def test_a_graceful_stop_waits_for_the_removals_runs_left_after_their_answers(
+    tmp_path: Path,
+) -> None:
+    world = World(tmp_path)
+    world.exec_api.containers = AnyContainer()
+    gate, notes = slow_removals(world), Notes()
+    path = tmp_path / "agent.sock"
+    answers: list[bytes] = []
+
+    def drive() -> None:
+        try:
+            notes.wait_ready()
+            run = RunRequest(sandbox=CreateSandbox(project="web"), exec=ExecRequest(argv=("x",)))
+            answers.append(Client(str(path), timeout=60).run(run).result.stdout)
+            assert world.docker.containers, "answered before the removal"
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+            threading.Timer(0.3, gate.set).start()  # Docker removes it a while into the stop
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    agent = Agent(ROUTES, notes, Auditor(Journal()), state={SERVICE: world.service})
+    asyncio.run(agent.run(path))
+    driver.join()
+    assert answers == [b"hi\n"]
+    assert world.docker.containers == {}, "the stop waited for the removal"
+    assert [event for event, _ in world.journal.events()][-1] == "sandbox_destroyed"
+    assert world.sandboxes.busy() == frozenset()
 
 
 class StubExpiry:

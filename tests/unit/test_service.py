@@ -420,37 +420,6 @@ def test_a_run_on_the_loop_destroys_its_sandbox_even_when_the_exec_fails(world: 
     assert world.budget.in_use == 0
 
 
-def one_run(world: World) -> dict[str, int]:
-    """The Docker and systemd calls of one run on the loop, into a project whose slices exist."""
-    run = RunRequest(sandbox=CreateSandbox(project="web"), exec=ExecRequest(argv=("x",)))
-    on_loop(world.service.arun(ALICE, run, None, inline))
-    world.run.script = [[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None]
-    world.calls.clear()
-    assert on_loop(world.service.arun(ALICE, run, None, inline)).result.stdout == b"hi\n"
-    return dict(world.calls)
-
-
-def test_a_run_never_looks_up_the_sandbox_it_created(world: World) -> None:
-    """The exec and the destroy act on the sandbox the create returned: no inspect by name;
-    the image is not checked again, and the new timer is only started."""
-    calls = one_run(world)
-    assert {k: v for k, v in calls.items() if k.startswith("docker.")} == {
-        "docker.create": 1,  # Docker's create and start; the image is known present
-        "docker.sandbox_pid": 1,  # the exec's cgroup
-        "docker.exec_create": 1,
-        "docker.exec_start_async": 1,
-        "docker.exec_inspect": 1,
-        "docker.remove": 1,
-    }
-    assert {k: v for k, v in calls.items() if k.startswith("systemd.")} == {
-        "systemd.status": 3 + 1,  # the three slices exist; the scope has stopped
-        "systemd.set_properties": 3,  # the ceilings in force
-        "systemd.start_timer": 1,  # the deadline of a new sandbox: nothing to look for
-        "systemd.list_units": 1,  # its timers, to disarm
-        "systemd.stop": 1,
-    }
-
-
 def test_a_run_holds_its_sandbox_from_the_create_until_it_is_removed(world: World) -> None:
     """The reaper takes a one-shot sandbox nothing holds (``run_ended``): a run's own is held
     all along, and let go once removed."""
@@ -472,3 +441,145 @@ def test_a_run_holds_its_sandbox_from_the_create_until_it_is_removed(world: Worl
     world.service.run(ALICE, run)
     assert world.sandboxes.busy() == frozenset()
     assert world.docker.containers == {}
+
+
+# --- a run answers before its removal ---------------------------------------------------------
+
+RUN = RunRequest(sandbox=CreateSandbox(project="web"), exec=ExecRequest(argv=("x",)))
+
+
+class Later:
+    """An :class:`~slicebox.core.blocking.Aside` that keeps what it takes until ``finish``."""
+
+    def __init__(self, *, takes: bool = True) -> None:
+        self.takes = takes
+        self.taken: list[Callable[[], object]] = []
+
+    def __call__(self, function: Callable[[], object]) -> bool:
+        if self.takes:
+            self.taken.append(function)
+        return self.takes
+
+    def finish(self) -> None:
+        while self.taken:
+            self.taken.pop(0)()
+
+
+def usage_reads(world: World) -> list[str]:
+    """Every final usage read from here on, by sandbox id."""
+    reads: list[str] = []
+    read = world.service._final_usage
+
+    def counted(sandbox: Sandbox) -> Any:
+        reads.append(sandbox.id)
+        return read(sandbox)
+
+    world.service._final_usage = counted  # type: ignore[method-assign]
+    return reads
+
+
+def test_a_run_answers_before_its_removal_which_follows_held_and_audited(world: World) -> None:
+    later, reads = Later(), usage_reads(world)
+    outcome = on_loop(world.service.arun(ALICE, RUN, None, inline, later))
+    assert (outcome.result.stdout, outcome.usage is not None) == (b"hi\n", True)
+    assert len(later.taken) == 1, "the removal is left for after the answer"
+    assert [s.id for s in world.sandboxes.find()] == [outcome.sandbox_id]
+    assert world.sandboxes.busy() == {outcome.sandbox_id}, "held: the reaper leaves it be"
+    assert world.service.reap(ORCH, ReapRequest()).plan == []
+    assert world.journal.events() == [("sandbox_created", "ok"), ("exec", "ok")]
+    assert world.budget.in_use == 0, "the answer's reservation does not wait for the removal"
+    later.finish()
+    assert world.docker.containers == {}
+    assert world.systemd.timers == {}, "its deadline is disarmed"
+    assert world.sandboxes.busy() == frozenset()
+    assert world.journal.events()[2:] == [("sandbox_destroyed", "ok")]
+    destroyed = world.journal.entries[2]
+    assert destroyed["SLICEBOX_USAGE_SANDBOX_PROVISIONED_CPU"] == "0.5"
+    assert reads == [outcome.sandbox_id], "the answered usage is the one audited: read once"
+
+
+def test_a_removal_not_taken_aside_runs_before_the_answer(world: World) -> None:
+    outcome = on_loop(world.service.arun(ALICE, RUN, None, inline, Later(takes=False)))
+    assert outcome.result.stdout == b"hi\n"
+    assert world.docker.containers == {}
+    assert [event for event, _ in world.journal.events()] == [
+        "sandbox_created",
+        "exec",
+        "sandbox_destroyed",
+    ]
+    assert world.sandboxes.busy() == frozenset()
+
+
+def test_a_failed_removal_after_the_answer_is_audited_and_left_to_the_reaper(
+    world: World,
+) -> None:
+    later = Later()
+    outcome = on_loop(world.service.arun(ALICE, RUN, None, inline, later))
+    world.docker.down = "restarting"
+    later.finish()  # raises nothing: the run has answered
+    assert world.journal.events()[2:] == [("sandbox_destroyed", "unavailable")]
+    assert world.sandboxes.busy() == frozenset(), "let go: the reaper may take it"
+    world.docker.down = None
+    report = world.service.reap(ORCH, ReapRequest())
+    assert [(a.rule, a.target) for a in report.plan][:1] == [("run_ended", outcome.sandbox_id)]
+    assert world.docker.containers == {}
+
+
+def test_a_run_whose_caller_goes_away_mid_exec_still_removes_its_sandbox(world: World) -> None:
+    later = Later()
+    endless(world)
+
+    async def cancelled() -> None:
+        task = asyncio.ensure_future(world.service.arun(ALICE, RUN, None, inline, later))
+        while world.run.request is None:  # the exec has started
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    on_loop(cancelled())
+    assert world.host.kill_calls == [world.run.pid], "the exec is killed"
+    assert len(later.taken) == 1
+    later.finish()
+    assert world.docker.containers == {}
+    assert world.journal.events() == [
+        ("sandbox_created", "ok"),
+        ("exec", "abandoned"),
+        ("sandbox_destroyed", "ok"),
+    ]
+    assert world.budget.in_use == 0
+    assert world.sandboxes.busy() == frozenset()
+
+
+def test_a_run_never_looks_up_the_sandbox_it_created_and_answers_before_removing_it(
+    world: World,
+) -> None:
+    """The Docker and systemd calls of a run into a project whose slices exist, before its
+    answer and after: the exec and the removal act on the sandbox the create returned (no
+    inspect by name), the image is not checked again, the new timer is only started, and the
+    removal waits for no answer."""
+    on_loop(world.service.arun(ALICE, RUN, None, inline))  # the project's slices exist now
+    world.run.script = [[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None]
+    world.calls.clear()
+    later = Later()
+    assert on_loop(world.service.arun(ALICE, RUN, None, inline, later)).result.stdout == b"hi\n"
+    answered = dict(world.calls)
+    world.calls.clear()
+    later.finish()
+    assert answered == {
+        "docker.create": 1,  # Docker's create and start; the image is known present
+        "docker.sandbox_pid": 1,  # the exec's cgroup
+        "docker.exec_create": 1,
+        "docker.exec_start_async": 1,
+        "docker.exec_inspect": 1,
+        "systemd.status": 3,  # the three slices exist ...
+        "systemd.set_properties": 3,  # ... and get the ceilings in force
+        "systemd.start_timer": 1,  # the deadline of a new sandbox: nothing to look for
+    }
+    assert dict(world.calls) == {
+        "docker.remove": 1,
+        "systemd.status": 1,  # the scope has stopped
+        "systemd.list_units": 1,  # its timers, to disarm
+        "systemd.stop": 1,
+    }

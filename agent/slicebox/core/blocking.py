@@ -4,7 +4,8 @@ and /proc reads, journal writes.
 The core does not own the agent's threads. Whoever calls an async entry point of the core passes
 a :class:`Blocking` function, which runs one step where it may block and awaits it: the agent
 passes its bounded calls pool (:mod:`slicebox.server.pools`); :func:`inline` runs the step in
-place, for callers that are a worker thread themselves.
+place, for callers that are a worker thread themselves. Work that may go on after the answer (a
+one-shot run's removal) is handed to an :class:`Aside` when the caller passes one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ T = TypeVar("T")
 class Blocking(Protocol):
     def __call__(self, function: Callable[[], T], /) -> Awaitable[T]:
         """Run ``function()`` where it may block; its result or its exception, awaited."""
+
+
+class Aside(Protocol):
+    def __call__(self, function: Callable[[], object], /) -> bool:
+        """Start ``function()`` where it may block, and return without waiting for it: True
+        when it was taken (whoever passes this sees it to its end, and a graceful stop of the
+        agent waits for it); False when no more is taken now, and the caller runs it itself."""
 
 
 async def inline(function: Callable[[], T]) -> T:

@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, 
 from datetime import UTC, datetime
 from pathlib import PurePosixPath
 
-from slicebox.core.blocking import Blocking, settle
+from slicebox.core.blocking import Aside, Blocking, settle
 from slicebox.core.budget import OutputBudget, Reservation
 from slicebox.core.execaudit import audited_aexec, audited_exec, refused, subject
 from slicebox.core.execution import ExecEngine
@@ -52,6 +52,13 @@ from slicebox.model.usage import LevelNode, ResourceUsage
 log = logging.getLogger(__name__)
 
 REFUSALS = (InvalidRequest, AdmissionRefused, Forbidden)
+# What a destroy reads of a sandbox just before removing it: its final usage.
+LastLook = Callable[[Sandbox], ResourceUsage | None]
+
+
+def _read(usage: ResourceUsage | None, sandbox: Sandbox) -> ResourceUsage | None:
+    """A last look that was taken already (a run's, before it answered)."""
+    return usage
 
 
 def view_of(sandbox: Sandbox) -> SandboxView:
@@ -177,18 +184,27 @@ class Service:
             raise
         return made
 
-    def _finish_run(self, who: Identity, sandbox: Sandbox) -> Destroyed:
-        """Destroy a run's sandbox, then end the operation its create left held."""
+    def _finish_run(self, who: Identity, sandbox: Sandbox, last_look: LastLook) -> None:
+        """Destroy a run's sandbox, then end the operation its create left held. The run has
+        answered, or answers whatever this does: a failure is logged and audited (its
+        ``sandbox_destroyed`` record says the code), never raised, and the reaper removes the
+        sandbox later (``run_ended``)."""
         try:
-            return self._destroy(who, sandbox)
+            self._destroy(who, sandbox, last_look)
+        except Exception:
+            log.exception("could not remove %s after its run; the reaper will", sandbox.id)
         finally:
             self._sandboxes.end_operation(sandbox.id)
 
-    def _destroy(self, who: Identity, sandbox: Sandbox) -> Destroyed:
+    def _destroy(
+        self, who: Identity, sandbox: Sandbox, last_look: LastLook | None = None
+    ) -> Destroyed:
         """``destroyed`` says whether this call removed it: of two destroys at once (or one and
-        the reaper's), the other answers false."""
+        the reaper's), the other answers false. ``last_look`` gives the final usage (by default
+        it is read from the cgroup just before the removal)."""
         with self._audit(AuditEvent.SANDBOX_DESTROYED, who, **subject(sandbox)) as record:
-            gone, usage = self._sandboxes.destroy_sandbox(sandbox, self._final_usage)
+            look = last_look or self._final_usage
+            gone, usage = self._sandboxes.destroy_sandbox(sandbox, look)
             record["usage"] = usage.to_wire() if usage else None
             return Destroyed(id=sandbox.id, destroyed=gone, usage=usage)
 
@@ -249,14 +265,19 @@ class Service:
 
     def run(self, who: Identity, request: RunRequest, held: Reservation | None = None) -> RunResult:
         """Create, exec, destroy; the sandbox is destroyed whatever the exec did. The output
-        budget is reserved first: a busy agent refuses the run before creating anything."""
+        budget is reserved first: a busy agent refuses the run before creating anything. The
+        answer's usage is read once the exec has ended, just before the removal; a removal
+        that fails is no error of the run (see ``_finish_run``)."""
         with self._holding(who, request.exec.output_cap, held, action="run") as holding:
             sandbox = self._create(who, request.sandbox, one_shot=True)
+            last_look: LastLook = self._final_usage
             try:
                 result = self._exec(who, sandbox.id, request.exec, holding, known=sandbox)
+                usage = self._final_usage(sandbox)
+                last_look = functools.partial(_read, usage)
             finally:
-                destroyed = self._finish_run(who, sandbox)
-        return RunResult(sandbox_id=sandbox.id, result=result, usage=destroyed.usage)
+                self._finish_run(who, sandbox, last_look)
+        return RunResult(sandbox_id=sandbox.id, result=result, usage=usage)
 
     # --- exec on the event loop ------------------------------------------------------------
 
@@ -336,25 +357,40 @@ class Service:
         return result
 
     async def arun(
-        self, who: Identity, request: RunRequest, held: Reservation | None, blocking: Blocking
+        self,
+        who: Identity,
+        request: RunRequest,
+        held: Reservation | None,
+        blocking: Blocking,
+        aside: Aside | None = None,
     ) -> RunResult:
-        """``run`` on the event loop: the create and the destroy through ``blocking``, the exec
-        as ``aexec``; the destroy runs even when the caller is cancelled meanwhile. The exec and
-        the destroy act on the sandbox the create returned: neither looks it up again."""
+        """``run`` on the event loop: the create through ``blocking``, the exec as ``aexec``.
+        The exec and the removal act on the sandbox the create returned: neither looks it up.
+
+        Once the exec has its result, the final usage is read and the run answers: the removal
+        (Docker's, the scope's stop, the deadline's disarm, the ``sandbox_destroyed`` record)
+        goes on after the answer through ``aside`` when it takes it, else before the answer
+        through ``blocking``. It holds the sandbox's operation until it is over (the reaper
+        leaves the sandbox alone), it is handed over or run even when the caller is cancelled
+        meanwhile, and a failed one is logged and audited for the reaper to finish."""
         output_cap = request.exec.output_cap
         async with self._aholding(
             who, output_cap, held, blocking=blocking, action="run"
         ) as holding:
             create = functools.partial(self._create, who, request.sandbox, one_shot=True)
             sandbox = await blocking(create)
+            last_look: LastLook = self._final_usage
             try:
                 result = await self._aexec(
                     who, sandbox.id, request.exec, holding, blocking, known=sandbox
                 )
+                usage = await blocking(functools.partial(self._final_usage, sandbox))
+                last_look = functools.partial(_read, usage)
             finally:
-                destroy = functools.partial(self._finish_run, who, sandbox)
-                destroyed = await settle(blocking, destroy)
-        return RunResult(sandbox_id=sandbox.id, result=result, usage=destroyed.usage)
+                removal = functools.partial(self._finish_run, who, sandbox, last_look)
+                if aside is None or not aside(removal):
+                    await settle(blocking, removal)
+        return RunResult(sandbox_id=sandbox.id, result=result, usage=usage)
 
     @contextlib.asynccontextmanager
     async def _aholding(

@@ -230,13 +230,19 @@ def build_app(
     )
     for key, value in (state or {}).items():
         app[key] = value
-    if POOLS not in app:
-        pools = app[POOLS] = Pools()
+    owned = POOLS not in app
+    if owned:
+        app[POOLS] = Pools()
+    pools = app[POOLS]
 
-        async def shut_down(app: web.Application) -> None:
+    async def shut_down(app: web.Application) -> None:
+        # Every handler has returned by now: what they left to finish after their answers
+        # (one-shot removals) is all started, and still has its threads.
+        await pools.after_answer.drain()
+        if owned:
             pools.shutdown()
 
-        app.on_cleanup.append(shut_down)
+    app.on_cleanup.append(shut_down)
     document = openapi_document(routes)
 
     async def openapi(request: web.Request) -> web.StreamResponse:

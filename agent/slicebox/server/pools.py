@@ -13,19 +13,28 @@ what it can hold up:
 
 Each pool is bounded, and nothing else makes threads per request: the agent's thread count does
 not grow with the number of callers or of execs running.
+
+Some work goes on after its request has been answered: a one-shot run's removal. It runs on the
+calls pool too, at most :data:`AFTER_ANSWER_MAX` at once (beyond that, a run removes its sandbox
+before answering, as it once always did), and :class:`AfterAnswer` keeps track of it, so that a
+graceful stop of the agent waits for it (at most :data:`AFTER_ANSWER_WAIT` seconds; whatever is
+left then, the reaper finishes at the next start).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from aiohttp import web
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # A create holds a calls thread for up to a second or so (systemd, Docker create and start) and
@@ -33,6 +42,57 @@ T = TypeVar("T")
 # burst of creates, and the agent well under 40 threads in all.
 CALL_THREADS = 16
 BACKGROUND_THREADS = 2
+# Removals left running after their run's answer: each holds a calls thread for a second or so
+# (mostly waiting for Docker, which removes four at a time), so half of them at most, and
+# requests' own steps always find threads.
+AFTER_ANSWER_MAX = CALL_THREADS // 2
+# How long a graceful stop waits for them: well within the unit's TimeoutStopSec (30 s).
+AFTER_ANSWER_WAIT = 20.0
+
+
+class AfterAnswer:
+    """Work left running after its request was answered: bounded, and tracked to its end."""
+
+    def __init__(self, limit: int = AFTER_ANSWER_MAX) -> None:
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._running: set[Future[object]] = set()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._running)
+
+    def submit(self, pool: ThreadPoolExecutor, function: Callable[[], object]) -> bool:
+        """Start ``function()`` on ``pool``; False (nothing started) when ``limit`` are running
+        or the pool is shut down: the caller then runs it itself."""
+        with self._lock:
+            if len(self._running) >= self._limit:
+                return False
+            try:
+                future = pool.submit(function)
+            except RuntimeError:  # shut down: the agent is stopping
+                return False
+            self._running.add(future)
+        future.add_done_callback(self._done)
+        return True
+
+    async def drain(self, timeout: float = AFTER_ANSWER_WAIT) -> int:
+        """Wait up to ``timeout`` seconds for the work started so far; how much is unfinished."""
+        with self._lock:
+            running = list(self._running)
+        if not running:
+            return 0
+        log.info("waiting up to %.0f s for %d removals after answers", timeout, len(running))
+        _, left = await asyncio.wait([asyncio.wrap_future(f) for f in running], timeout=timeout)
+        if left:
+            log.warning("%d removals after answers unfinished; the reaper finishes them", len(left))
+        return len(left)
+
+    def _done(self, future: Future[object]) -> None:
+        with self._lock:
+            self._running.discard(future)
+        if not future.cancelled() and (error := future.exception()) is not None:
+            log.error("work after an answer failed", exc_info=error)
 
 
 def _pool(size: int, name: str) -> ThreadPoolExecutor:
@@ -45,11 +105,17 @@ class Pools:
     background: ThreadPoolExecutor = field(
         default_factory=lambda: _pool(BACKGROUND_THREADS, "background")
     )
+    after_answer: AfterAnswer = field(default_factory=AfterAnswer)
 
     async def call(self, function: Callable[[], T]) -> T:
         """``function()`` on the calls pool, awaited: the core's
         :class:`~slicebox.core.blocking.Blocking` for a request's steps."""
         return await run_in(self.calls, function)
+
+    def aside(self, function: Callable[[], object]) -> bool:
+        """``function()`` on the calls pool after the answer, tracked: the core's
+        :class:`~slicebox.core.blocking.Aside`."""
+        return self.after_answer.submit(self.calls, function)
 
     def shutdown(self) -> None:
         for pool in (self.calls, self.background):

@@ -6,6 +6,10 @@ systemd's watchdog. An exec holds no thread while its command runs: the service 
 on the loop (``Service.aexec``/``aexec_stream``) and sends only its short steps (the look-up,
 Docker's exec create and inspect, the kill at its timeout, the audit record) to the calls pool.
 
+A one-shot run answers once its exec has ended and its final usage is read: the removal of its
+sandbox goes on after the answer, on the calls pool, and a graceful stop waits for it
+(``Pools.aside``).
+
 Streaming exec answers newline-delimited JSON: ``{"stream": "stdout", "data": <base64>}`` chunks
 as output is produced, then one ``{"result": {...}}``. Each chunk is written to the response as
 it comes, and the next output is read only once the socket has taken it (``await
@@ -119,10 +123,10 @@ def _routes() -> list[Route]:
 
     async def run(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, RunRequest, MAX_EXEC_BODY_BYTES)
-        service, who = _service(request), identity_of(request)
-        calls = pools_of(request).call
+        service, who, pools = _service(request), identity_of(request), pools_of(request)
         with await _call(request, service.reserve, who, body.exec.output_cap, "run") as held:
-            return await _sent(request, json_ok(await service.arun(who, body, held, calls)))
+            ran = await service.arun(who, body, held, pools.call, pools.aside)
+            return await _sent(request, json_ok(ran))
 
     async def usage(request: web.Request) -> web.StreamResponse:
         found = await _call(request, _service(request).usage, identity_of(request), _id(request))

@@ -95,8 +95,13 @@ class FakeSandboxHost:
     kill_calls: list[int] = field(default_factory=list)
     cgroup: Path = Path("/sys/fs/cgroup/slicebox.slice/docker-fake.scope")
     reads: int = 0
+    scopes: list[str] = field(default_factory=list)  # the cgroups asked for by path
 
     def cgroup_of(self, pid: int) -> Path:
+        return self.cgroup
+
+    def cgroup_at(self, relative: str) -> Path:
+        self.scopes.append(relative)
         return self.cgroup
 
     def oom_kills(self, cgroup: Path) -> int | None:

@@ -280,3 +280,4 @@ def test_cgroup_of_and_oom_kills_read_the_files(tmp_path: Path) -> None:
     assert host.oom_kills(cgroup) == 1
     with pytest.raises(HostError, match="vanished"):
         host.cgroup_of(6)
+    assert host.cgroup_at("/a.slice/b.scope") == cgroup == host.cgroup_at("a.slice/b.scope")

@@ -569,8 +569,7 @@ def test_a_run_never_looks_up_the_sandbox_it_created_and_answers_before_removing
     later.finish()
     assert answered == {
         "docker.create": 1,  # Docker's create and start; the image is known present
-        "docker.sandbox_pid": 1,  # the exec's cgroup
-        "docker.exec_create": 1,
+        "docker.exec_create": 1,  # in the scope its labels give: no look-up of its init
         "docker.exec_start_async": 1,
         "docker.exec_inspect": 1,
         "systemd.status": 3,  # the three slices exist ...
@@ -583,3 +582,14 @@ def test_a_run_never_looks_up_the_sandbox_it_created_and_answers_before_removing
         "systemd.list_units": 1,  # its timers, to disarm
         "systemd.stop": 1,
     }
+    web = "slicebox.slice/slicebox-alice.slice/slicebox-alice-web.slice"
+    assert world.host.scopes == [f"{web}/docker-{1:064x}.scope", f"{web}/docker-{2:064x}.scope"]
+
+
+def test_an_exec_in_a_sandbox_it_did_not_just_create_asks_for_its_cgroup(world: World) -> None:
+    """The backend is asked for the container's init (which fails if it is not running)."""
+    box = world.create(ALICE)
+    world.calls.clear()
+    on_loop(world.service.aexec(ALICE, box, ExecRequest(argv=("x",)), None, inline))
+    assert (world.calls["docker.inspect"], world.calls["docker.sandbox_pid"]) == (1, 1)
+    assert world.host.scopes == []

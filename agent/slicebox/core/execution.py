@@ -69,6 +69,10 @@ class SandboxHost(Protocol):
     def cgroup_of(self, pid: int) -> Path:
         """The cgroup directory the process is in: for a container's init, its scope."""
 
+    def cgroup_at(self, relative: str) -> Path:
+        """The directory of the cgroup at ``relative`` below the cgroup root (a sandbox's
+        scope, where its labels place it)."""
+
     def oom_kills(self, cgroup: Path) -> int | None:
         """memory.events oom_kill of the cgroup; None when it cannot be read."""
 
@@ -176,18 +180,23 @@ class ExecEngine:
         self._sleep = sleep
         self._asleep = asleep
 
-    def run(self, container_id: str, request: ExecRequest) -> ExecResult:
+    def run(self, container_id: str, request: ExecRequest, scope: str | None = None) -> ExecResult:
         """Run to the end and return the result (the stream's last event)."""
-        for event in self.stream(container_id, request):
+        for event in self.stream(container_id, request, scope):
             if isinstance(event, ExecResult):
                 return event
         raise SliceboxError("the exec stream ended without a result")  # pragma: no cover
 
-    def stream(self, container_id: str, request: ExecRequest) -> Generator[ExecEvent, None, None]:
+    def stream(
+        self, container_id: str, request: ExecRequest, scope: str | None = None
+    ) -> Generator[ExecEvent, None, None]:
         """Yield kept output chunks as they are produced, then the ExecResult, in the calling
         thread (which must not be running an event loop).
 
         Closing the iterator early kills the exec's processes: nobody is left to read them.
+        ``scope``: the container's scope cgroup, below the cgroup root, when the caller knows
+        it (a sandbox it has just created); otherwise it is found from the container's init,
+        which costs the backend a look-up.
         """
 
         async def pause(seconds: float) -> None:
@@ -196,21 +205,26 @@ class ExecEngine:
         async def start(exec_id: str, stdin: bytes) -> AsyncExecAttachment:
             return _InThread(self._api.exec_start(exec_id, stdin))
 
-        return _in_thread(self._events(container_id, request, _Io(inline, pause, start)))
+        io = _Io(inline, pause, start)
+        return _in_thread(self._events(container_id, request, io, scope))
 
     def astream(
-        self, container_id: str, request: ExecRequest, blocking: Blocking
+        self,
+        container_id: str,
+        request: ExecRequest,
+        blocking: Blocking,
+        scope: str | None = None,
     ) -> AsyncGenerator[ExecEvent, None]:
         """``stream`` on the running event loop: the output is read there (no thread waits for
         it) and each short blocking step runs through ``blocking``. Closing the generator early
         (``aclose``), or cancelling its reader, kills the exec's processes."""
         io = _Io(blocking, self._asleep, self._api.exec_start_async)
-        return self._events(container_id, request, io)
+        return self._events(container_id, request, io, scope)
 
     async def _events(
-        self, container_id: str, request: ExecRequest, io: _Io
+        self, container_id: str, request: ExecRequest, io: _Io, scope: str | None
     ) -> AsyncGenerator[ExecEvent, None]:
-        run = await io.call(functools.partial(self._begin, container_id, request))
+        run = await io.call(functools.partial(self._begin, container_id, request, scope))
         capture = OutputCapture(request.output_cap)
         attachment = await io.start(run.exec_id, request.stdin)
         try:
@@ -225,8 +239,11 @@ class ExecEngine:
                 await asyncio.shield(self._kill(run, "its stream was abandoned", io))
         yield await self._finish(run, capture, io)
 
-    def _begin(self, container_id: str, request: ExecRequest) -> _Run:
-        cgroup = self._host.cgroup_of(self._api.sandbox_pid(container_id))
+    def _begin(self, container_id: str, request: ExecRequest, scope: str | None) -> _Run:
+        if scope is None:
+            cgroup = self._host.cgroup_of(self._api.sandbox_pid(container_id))
+        else:  # a container that is not running fails its exec create just the same
+            cgroup = self._host.cgroup_at(scope)
         oom_before = self._host.oom_kills(cgroup)
         since = self._host.process_clock()
         exec_id = self._api.exec_create(container_id, request)

@@ -61,6 +61,13 @@ def _read(usage: ResourceUsage | None, sandbox: Sandbox) -> ResourceUsage | None
     return usage
 
 
+def _scope(created: Sandbox | None) -> str | None:
+    """The scope cgroup of a sandbox the caller has just created, for its exec: the exec then
+    need not ask the backend for the container's init to find it. None for any other sandbox,
+    whose container is asked (it may have stopped or been paused since)."""
+    return None if created is None else cgroups_of(created).scope
+
+
 def view_of(sandbox: Sandbox) -> SandboxView:
     lineage = sandbox.lineage
     return SandboxView(
@@ -244,8 +251,9 @@ class Service:
             audited_exec(self._auditor, who, sandbox_id) as tally,
         ):
             sandbox = tally.found(known or self._visible(who, sandbox_id))
+            scope = _scope(known)
             with self._sandboxes.operation(sandbox.id):
-                return tally.ran(self._engine.run(sandbox.container_id, request))
+                return tally.ran(self._engine.run(sandbox.container_id, request, scope))
 
     def exec_stream(
         self, who: Identity, sandbox_id: str, request: ExecRequest, held: Reservation | None = None
@@ -310,12 +318,15 @@ class Service:
             self._aholding(who, request.output_cap, held, blocking=blocking, sandbox_id=sandbox_id),
             audited_aexec(self._auditor, who, sandbox_id, blocking) as tally,
         ):
-            if known is None:
-                known = await blocking(functools.partial(self._visible, who, sandbox_id))
-            sandbox = tally.found(known)
+            sandbox = known
+            if sandbox is None:
+                sandbox = await blocking(functools.partial(self._visible, who, sandbox_id))
+            tally.found(sandbox)
             self._sandboxes.begin_operation(sandbox.id)
             try:
-                events = self._engine.astream(sandbox.container_id, request, blocking)
+                events = self._engine.astream(
+                    sandbox.container_id, request, blocking, _scope(known)
+                )
                 async with contextlib.aclosing(events):
                     async for event in events:
                         yield tally.saw(event)

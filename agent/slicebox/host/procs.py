@@ -133,6 +133,9 @@ class CgroupHost:
             raise HostError(f"process {pid} vanished while its cgroup was looked up: retry")
         return self._root / cgroup_from_proc(text).lstrip("/")
 
+    def cgroup_at(self, relative: str) -> Path:
+        return self._root / relative.lstrip("/")
+
     def oom_kills(self, cgroup: Path) -> int | None:
         text = _read(cgroup / "memory.events")
         return None if text is None else parse_oom_kills(text)

@@ -4,7 +4,9 @@ It answers on ``/run/slicebox/slicebox.sock`` (passed by ``slicebox.socket``, or
 tells systemd how it is doing (READY, STATUS, STOPPING) and proves the event loop is alive by
 pinging the watchdog from a task on that loop: a loop that stops making progress stops the
 pings, and systemd restarts the agent. SIGHUP re-reads the configuration; SIGTERM stops the
-agent gracefully and leaves sandboxes running for the next start to adopt.
+agent gracefully and leaves sandboxes running for the next start to adopt (it first waits,
+briefly, for the removals one-shot runs left under way after their answers: see
+:mod:`slicebox.server.pools`).
 """
 
 from __future__ import annotations

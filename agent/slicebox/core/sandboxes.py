@@ -2,8 +2,9 @@
 destroy idempotently, cascade-destroy a task tree deepest first.
 
 Everything a sandbox is lives in its container's immutable labels (see :mod:`slicebox.model.labels`)
-and in systemd; in memory there is only what is in progress and when a destroy last left each
-slice. A create that fails after it made something (a container, a slice) removes what it made
+and in systemd; in memory there is only what is in progress, when a destroy last left each
+slice, and which images creates found present (a hint: Docker's create says when one is gone).
+A create that fails after it made something (a container, a slice) removes what it made
 before the error reaches the caller. A destroy leaves the user and project slices in place:
 the next sandbox of the project (one-shot runs come and go) finds them ready, and the reaper
 stops them once they have been empty for ``reaper.empty_slice_grace_seconds``.

@@ -210,6 +210,7 @@ class StubApi:
         self.containers_listed: list[dict[str, Any]] = []
         self.remove_error: Exception | None = None
         self.start_error: Exception | None = None
+        self.create_error: Exception | None = None
         self.created: dict[str, Any] = {}
 
     def containers(self, all: bool, filters: Mapping[str, list[str]]) -> list[dict[str, Any]]:
@@ -221,6 +222,8 @@ class StubApi:
         raise api_error(404, f"No such container: {container}", docker.errors.NotFound)
 
     def create_container(self, image: str, **kwargs: Any) -> dict[str, str]:
+        if self.create_error is not None:
+            raise self.create_error
         self.created = {"image": image, **kwargs}
         return {"Id": "c1"}
 
@@ -280,6 +283,22 @@ def test_create_sends_the_host_config_and_answers_running() -> None:
     assert api.created["host_config"] == host_config(REQUEST)
     assert api.created["command"] == ["sleep", "infinity"]
     assert api.created["labels"] == REQUEST.labels
+
+
+def test_a_create_with_an_image_docker_lacks_is_image_unavailable_and_makes_nothing() -> None:
+    """The core does not check an image it has seen before its create: it relies on this."""
+    response = requests.Response()
+    response.status_code = 404
+    response._content = b'{"message": "No such image: alpine:3.19"}'
+    with pytest.raises(docker.errors.APIError) as raised:  # as docker-py makes it of the answer
+        docker.errors.create_api_error_from_http_exception(
+            requests.exceptions.HTTPError(response=response)
+        )
+    api = StubApi()
+    api.create_error = raised.value
+    with pytest.raises(ImageUnavailable):
+        backend(api).create(REQUEST)
+    assert api.calls == [], "nothing to remove"
 
 
 def test_inspect_of_a_missing_container_is_none() -> None:

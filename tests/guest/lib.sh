@@ -171,7 +171,7 @@ boot_once() {
         -display none -monitor none -serial "file:$dir/console.log" -D "$dir/qemu.log" \
         -daemonize -pidfile "$dir/pid" -no-reboot -rtc base=utc \
         -kernel "$img/vmlinuz" -initrd "$img/initrd.img" \
-        -append "root=/dev/vda rw console=ttyS0 systemd.unified_cgroup_hierarchy=1 apparmor=0 panic=1 quiet" \
+        -append "root=/dev/vda rw console=ttyS0 systemd.unified_cgroup_hierarchy=1 apparmor=0 panic=1 mitigations=off quiet" \
         -drive "file=$disk,format=$fmt,if=virtio,cache=${GUEST_DISK_CACHE:-unsafe},discard=unmap" \
         -netdev "user,id=n0,hostfwd=tcp:127.0.0.1:$port-:22" -device virtio-net-pci,netdev=n0 \
         -virtfs "local,path=$REPO_ROOT,mount_tag=src,security_model=passthrough,id=src" \

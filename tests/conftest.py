@@ -5,9 +5,10 @@ They run inside the project's guest (``tests/guest/run``). Where such a test is 
 machine that is not a real host it fails; it is never silently skipped. The build machine's run
 deselects them explicitly with ``-m "not host"``.
 
-Tests also marked ``load`` (five users' load, twenty kill -9s under it) are real-host tests that
-are part of CI's run; the marker lets them be run alone (``tests/guest/run python3 -m pytest -m
-load``) or left out of a quick local run (``-m "host and not load"``).
+Tests also marked ``load`` (five users' load, twenty kill -9s under it) are real-host soaks
+that take 20-35 min each under emulation: CI's run selects them out by name (``-m "host and
+not load"`` in ``tests/run-all``), never by a skip, and ``tests/guest/run python3 -m pytest -m
+load`` runs them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tests.realhost import real_host_problem
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "load: the many-users load test (real host; part of CI's run)"
+        "markers", "load: the many-users load soaks (real host; run on demand with -m load)"
     )
 
 

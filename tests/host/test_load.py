@@ -10,6 +10,11 @@ user shown only their own sandboxes, and one audit record per create, exec and d
 while 20 execs run, a list answers within 3x its idle latency. Last, the same five users run
 the load in rounds while the agent is killed with SIGKILL twenty times: after one reaper pass
 nothing has leaked and nothing a caller was promised is lost.
+
+CI's run has the list test and twenty kills under one user's churn (four clients). The five
+users' load and their kill storm are marked ``load`` as well and run on demand
+(``tests/guest/run python3 -m pytest -m load``): under emulation each takes 20-35 min, more than
+CI's run can hold beside the rest of the suite.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from tests.host.agentunits import SOCKET, agent_config, installed_agent
 from tests.host.helpers import sh, unique, wait_for
 from tests.host.sliceboxhost import active, slicebox_units
 
-pytestmark = [pytest.mark.host, pytest.mark.load]
+pytestmark = [pytest.mark.host]
 
 USERS = [f"sbxload{n}" for n in range(1, 6)]
 CREATES_PER_USER = 20  # 100 sandboxes
@@ -60,7 +65,7 @@ def agent_threads(pid: int | None = None) -> int | None:
     pid = pid or main_pid()
     try:
         status = Path(f"/proc/{pid}/status").read_text() if pid else ""
-    except FileNotFoundError:  # it exited meanwhile
+    except OSError:  # it exited meanwhile: ENOENT before the open, ESRCH during the read
         return None
     threads = [line.split()[1] for line in status.splitlines() if line.startswith("Threads")]
     return int(threads[0]) if threads else None
@@ -162,6 +167,7 @@ def _load() -> dict[str, Any]:
     return summaries
 
 
+@pytest.mark.load
 def test_five_users_eight_clients_each_lose_nothing_and_leak_nothing(agent: None) -> None:
     since = time.strftime("%Y-%m-%d %H:%M:%S")
     root = Client(str(SOCKET), timeout=600)
@@ -250,25 +256,39 @@ def _waiting(container_id: str) -> int:
 
 
 KILLS = 20
-KILL_ROUND = ("--creates", "4", "--execs", "8", "--clients", str(CLIENTS), "--projects", "a,b")
 
 
-def test_twenty_kill_9s_during_the_load_lose_nothing_and_leak_nothing(
-    agent: None, tmp_path: Path
-) -> None:
+def kill_round(clients: int) -> tuple[str, ...]:
+    return ("--creates", "4", "--execs", "8", "--clients", str(clients), "--projects", "a,b")
+
+
+def test_twenty_kill_9s_under_one_users_churn_lose_nothing_and_leak_nothing(agent: None) -> None:
+    """CI's kill storm: twenty kills under one user's four clients (the five users' storm below
+    costs 20-35 min under emulation, more than CI's run can hold)."""
+    _kill_storm(USERS[:1], clients=4)
+
+
+@pytest.mark.load
+def test_twenty_kill_9s_during_the_load_lose_nothing_and_leak_nothing(agent: None) -> None:
+    _kill_storm(USERS, clients=CLIENTS)
+
+
+def _kill_storm(users: list[str], clients: int) -> None:
     """Every kill lands once the restarted agent has answered the load again, at a random
     point of what it does next: creates, execs, streams and destroys are cut in every state."""
     root = Client(str(SOCKET), timeout=600)
     # Live before the first kill: they must survive all twenty.
-    kept = {root.create(CreateSandbox(user=user, project="kept")).id for user in USERS}
+    kept = {root.create(CreateSandbox(user=user, project="kept")).id for user in users}
     shared = Path("/run/sbxload")
     shared.mkdir(mode=0o1777, exist_ok=True)
     shared.chmod(0o1777)
     stop = shared / "stop"
-    progress = {user: shared / user for user in USERS}
+    progress = {user: shared / user for user in users}
     runs = {
-        user: as_user(user, *KILL_ROUND, "--until", str(stop), "--progress", str(progress[user]))
-        for user in USERS
+        user: as_user(
+            user, *kill_round(clients), "--until", str(stop), "--progress", str(progress[user])
+        )
+        for user in users
     }
 
     def answered() -> int:
@@ -299,7 +319,7 @@ def test_twenty_kill_9s_during_the_load_lose_nothing_and_leak_nothing(
     failures = sum(len(s["failures"]) for s in summaries.values())
     created = {sandbox for s in summaries.values() for sandbox in s["created"]}
     print(f"{kills} kills; {answered()} calls answered, {failures} failed, {len(created)} created")
-    assert len(created) >= 20, "the load really ran between the kills"
+    assert len(created) >= 4 * len(users), "the load really ran between the kills"
     assert failures >= 5, "the kills really hit requests in flight"
     restarts = int(sh("systemctl", "show", "-P", "NRestarts", "slicebox.service").stdout)
     assert restarts >= KILLS

@@ -60,9 +60,9 @@ def main_pid() -> int:
     return int(sh("systemctl", "show", "-P", "MainPID", "slicebox.service").stdout.strip() or 0)
 
 
-def agent_threads(pid: int | None = None) -> int | None:
-    """The thread count of the agent (or of process ``pid``); None when it is not running."""
-    pid = pid or main_pid()
+def agent_threads(pid: int) -> int | None:
+    """The thread count of process ``pid`` (the agent's main pid); None when it is gone (or
+    ``pid`` is 0: systemd's answer while no agent runs)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text() if pid else ""
     except OSError:  # it exited meanwhile: ENOENT before the open, ESRCH during the read
@@ -83,7 +83,7 @@ def thread_counts() -> Iterator[list[int]]:
     def sample() -> None:
         nonlocal pid
         while not done.wait(0.2):
-            count = agent_threads(pid) if pid else None
+            count = agent_threads(pid)
             if count is None:
                 if done.wait(1.0):
                     return
@@ -200,7 +200,9 @@ def test_five_users_eight_clients_each_lose_nothing_and_leak_nothing(agent: None
     # Bounded pools only (they start threads on demand and keep them): no thread per caller or
     # per exec, during the load or left after it.
     assert max(threads) < MAX_AGENT_THREADS, f"agent threads during the load: {max(threads)}"
-    assert (agent_threads() or 0) < MAX_AGENT_THREADS
+    after = agent_threads(main_pid())
+    assert after is not None, "the agent runs after the load"
+    assert after < MAX_AGENT_THREADS
 
     # One audit record per create, exec (abandoned ones included) and destroy.
     for user in USERS:

@@ -230,15 +230,18 @@ def test_plain_sleep_times_out_in_about_a_second(no_leftovers: Sandbox) -> None:
 
 
 def test_timeout_kills_a_fork_bomb_whole_before_answering(no_leftovers: Sandbox) -> None:
-    """The bomb's own shell exits at once: at the timeout its processes are orphans of the
-    container's init, forking and dying at the pids limit. Every one is gone when the answer
-    says timed out (the old kill, which looked for the exec's living process, killed none).
+    """Each of the bomb's shells forks a pipeline and exits at once, so at the timeout its
+    processes are orphans of the container's init, forking and dying at the pids limit. Every
+    one is gone when the answer says timed out (a kill of the exec's process and its
+    descendants alone would leave every orphan).
 
-    Keep the timeout at 2 s: Docker ends an exec's streams 2 s after the exec's own process
-    exits, and only a deadline counted from before the start is sure to come first.
+    The exec's own shell becomes ``sleep`` (``exec``: no fork the bomb could starve), so the
+    exec runs until its timeout: a shell that exited would end the exec's streams about 2 s
+    later, and on a slow guest that came before the bomb had forked at all (CI saw 7 of its
+    processes at a 2 s timeout). 8 s gives it time to reach the limit.
     """
     with _peak_pids(no_leftovers.cgroup) as peak:
-        result = no_leftovers.run(argv="f(){ f | f & }; f", shell=True, timeout=2)
+        result = no_leftovers.run(argv="f(){ f | f & }; f; exec sleep 60", shell=True, timeout=8)
     assert (result.exit_code, result.timed_out) == (124, True)
     assert no_leftovers.pids() == no_leftovers.baseline, "right after the answer"
     assert peak() >= len(no_leftovers.baseline) + 10, "the bomb forked before the timeout"

@@ -233,7 +233,11 @@ def test_a_list_stays_quick_while_twenty_execs_run(agent: None) -> None:
         idle = statistics.median(list_seconds() for _ in range(7))
         # Each exec runs until the test lets it go: starting twenty under emulation can take
         # longer than any fixed sleep, and all twenty must be running while the lists are timed.
-        waiting = ExecRequest(argv=("sh", "-c", WAIT_FOR_GO), timeout=600)
+        # They wait blocked on a FIFO, costing no CPU: twenty shells polling once a second
+        # forked twenty processes a second, which under emulation took enough of the guest's
+        # two CPUs to slow any request, the list's included (a rehearsal's list failed so).
+        sh("docker", "exec", sandbox.container_id, "mkfifo", GO)
+        waiting = ExecRequest(argv=("cat", GO), timeout=600)
         with ThreadPoolExecutor(20) as pool:
             running = [pool.submit(client.exec, sandbox.id, waiting) for _ in range(20)]
             try:
@@ -241,20 +245,24 @@ def test_a_list_stays_quick_while_twenty_execs_run(agent: None) -> None:
                 busy = statistics.median(list_seconds() for _ in range(7))
                 assert _waiting(sandbox.container_id) >= 20, "the execs were still running"
             finally:
-                sh("docker", "exec", sandbox.container_id, "touch", "/tmp/go")
+                # Writing opens the FIFO for every waiting reader at once; it is held open a
+                # while so that a reader still on its way to open() gets there too, then each
+                # reads to the end and exits 0.
+                release = f"exec 3> {GO}; echo go >&3; sleep 5"
+                sh("docker", "exec", sandbox.container_id, "sh", "-c", release)
             assert [f.result().exit_code for f in running] == [0] * 20
         assert busy <= 3 * idle, f"list took {busy:.3f}s with 20 execs, {idle:.3f}s idle"
     finally:
         client.destroy(sandbox.id)
 
 
-WAIT_FOR_GO = "until [ -e /tmp/go ]; do sleep 1; done"
+GO = "/tmp/go"
 
 
 def _waiting(container_id: str) -> int:
-    """The container's execs still waiting for /tmp/go (``docker top`` shows each command)."""
+    """The container's execs still waiting on the FIFO (``docker top`` shows each command)."""
     top = sh("docker", "top", container_id).stdout
-    return sum(1 for line in top.splitlines() if WAIT_FOR_GO in line)
+    return sum(1 for line in top.splitlines() if line.rstrip().endswith(f"cat {GO}"))
 
 
 KILLS = 20

@@ -6,6 +6,8 @@ docker inspect), never only what slicebox asked for. Container starts are kept f
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -223,7 +225,8 @@ REFUSED: list[tuple[dict[str, object], str]] = [
     ({"ipc_mode": "host"}, "policy_host_namespace"),
     ({"cap_add": ["SYS_ADMIN"]}, "policy_capability"),
     ({"mounts": [Mount(source="/etc", target="/x")]}, "policy_mount"),
-    ({"mounts": [Mount(source="/srv/sbx-roots/../../etc", target="/x")]}, "policy_mount"),
+    ({"mounts": [Mount(source="/srv/sbx-roots/../../etc", target="/x")]}, "mount_escape"),
+    ({"mounts": [Mount(source="/srv/sbx-roots/absent", target="/x")]}, "mount_source_missing"),
     ({"memory": 0}, "invalid_limit"),
     ({"memory": "lots"}, "invalid_limit"),
     ({"cpus": -1}, "invalid_limit"),
@@ -252,6 +255,74 @@ def test_every_refused_request_returns_its_error_and_leaves_nothing(env: Env) ->
         outcomes.append(create_error(manager, {"user": user, "project": "p", **fields}))
         assert env.leftovers(user) == ([], []), f"{fields} left something behind"
     assert outcomes == [code for _, code in REFUSED]
+
+
+def test_a_symlink_planted_through_a_writable_bind_cannot_reach_the_hosts_root(env: Env) -> None:
+    """A sandbox with a writable bind plants ``esc -> /``; a create that mounts ``esc`` would
+    get the host's root (uid 0 in the container, no user namespace). The kernel's walk beneath
+    the root refuses it, and the other ways out: another user's root, another mount on the way,
+    a source that is not there (which Docker must not create as root)."""
+    base = Path("/srv/sbx-binds")
+    mine, theirs = base / env.user, base / unique("other-")
+    config = env.config.model_copy(update={"bind_roots": (PurePosixPath(base, "{user}"),)})
+    manager = env.manager(config)
+    (mine / "ws" / "sub").mkdir(parents=True)
+    (theirs / "ws").mkdir(parents=True)
+    boxes: list[Sandbox] = []
+    mounted = mine / "ws" / "mnt"
+
+    def bind(source: Path, project: str = "binds") -> SandboxSpec:
+        mount = Mount(source=str(source), target="/workspace")
+        return spec(env, project, command=("sleep", "600"), mounts=[mount])
+
+    def refusal(source: Path) -> tuple[str, str]:
+        with pytest.raises(SliceboxError) as refused:
+            boxes.append(manager.create(bind(source, "refused")))
+        return refused.value.code, refused.value.message
+
+    try:
+        boxes.append(manager.create(bind(mine / "ws")))
+        planted = env.client.containers.get(boxes[0].container_id).exec_run(
+            ["ln", "-s", "/", "/workspace/esc"]
+        )
+        assert planted.exit_code == 0, planted.output
+        assert (mine / "ws" / "esc").is_symlink(), "the sandbox really wrote on the host"
+        escape = ("mount_escape", "goes through a symlink")
+        assert _said(refusal(mine / "ws" / "esc")) == escape
+        assert _said(refusal(mine / "ws" / "esc" / "etc")) == escape
+        assert _said(refusal(theirs / "ws")) == ("policy_mount", "outside the allowed roots")
+        mounted.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mounted)], check=True)
+        assert _said(refusal(mounted)) == ("mount_escape", "goes through another mount")
+        missing = _said(refusal(mine / "ws" / "absent"))
+        assert missing == ("mount_source_missing", "does not exist")
+        assert not (mine / "ws" / "absent").exists(), "nothing made the missing source"
+        assert env.leftovers(env.user)[0] == [boxes[0].container_id]
+
+        boxes.append(manager.create(bind(mine / "ws" / "sub")))
+        inside = env.client.api.inspect_container(boxes[1].container_id)["Mounts"]
+        assert [(m["Type"], m["Source"], m["Destination"]) for m in inside] == [
+            ("bind", str(mine / "ws" / "sub"), "/workspace")
+        ]
+    finally:
+        for box in boxes:
+            manager.destroy(box.id)
+        subprocess.run(["umount", str(mounted)], check=False)
+        shutil.rmtree(mine, ignore_errors=True)
+        shutil.rmtree(theirs, ignore_errors=True)
+    reap_empty_slices(manager, env.user)
+
+
+def _said(refused: tuple[str, str]) -> tuple[str, str]:
+    """The code, and which of the known reasons the message gives."""
+    code, message = refused
+    reasons = [
+        "goes through a symlink",
+        "goes through another mount",
+        "outside the allowed roots",
+        "does not exist",
+    ]
+    return code, next((r for r in reasons if r in message), message)
 
 
 def test_cascade_destroys_a_root_task_deepest_first(env: Env) -> None:

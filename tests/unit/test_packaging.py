@@ -296,5 +296,5 @@ def test_the_default_config_states_the_real_defaults() -> None:
         for line in text.split("# Overrides for one user")[0].splitlines()
         if line.startswith("#") and not line.startswith(("# ", "#\n")) and line != "#"
     )
-    settings = settings.replace('bind_roots = ["/srv/slicebox/workspaces"]', "")
+    settings = settings.replace('bind_roots = ["/srv/slicebox/{user}"]', "")  # an example
     assert parse_config(settings) == Config()

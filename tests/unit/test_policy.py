@@ -41,7 +41,7 @@ def test_defaults_are_secure_and_resolved() -> None:
         ({"cap_add": ["CAP_SYS_ADMIN"]}, "policy_capability"),
         ({"cap_add": ["NET_RAW", "CHOWN"]}, "policy_capability"),
         ({"mounts": [Mount(source="/etc", target="/x")]}, "policy_mount"),
-        ({"mounts": [Mount(source="/srv/ws/../../etc", target="/x")]}, "policy_mount"),
+        ({"mounts": [Mount(source="/srv/ws/../../etc", target="/x")]}, "mount_escape"),
         ({"mounts": [Mount(source="/srv/wsx", target="/x")]}, "policy_mount"),
         ({"mounts": [Mount(source="relative", target="/x")]}, "policy_mount"),
         ({"mounts": [Mount(kind=MountKind.VOLUME, source="/abs", target="/x")]}, "policy_mount"),

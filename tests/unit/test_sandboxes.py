@@ -3,18 +3,26 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from datetime import UTC, datetime, timedelta
+from pathlib import PurePosixPath
 
 import pytest
 
 from slicebox.backends.base import SandboxInfo, SandboxState
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
+from slicebox.host.beneath import BindGuard, Pinned
 from slicebox.model.config import parse_config
-from slicebox.model.errors import HostError, ImageUnavailable, InvalidRequest, NotFound
+from slicebox.model.errors import (
+    HostError,
+    ImageUnavailable,
+    InvalidRequest,
+    NotFound,
+    PolicyViolation,
+)
 from slicebox.model.labels import decode
 from slicebox.model.limits import Limits
 from slicebox.model.names import MANAGED_SLICE
-from slicebox.model.spec import SandboxSpec
+from slicebox.model.spec import Mount, MountKind, SandboxSpec
 from tests.fakes.counting import counting
 from tests.fakes.docker import FakeDocker
 from tests.fakes.systemd import FakeSystemd
@@ -24,18 +32,23 @@ NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 
 class World:
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        config: str = '[projects."al-ice/p"]\nmemory = "400MB"\n',
+        binds: BindGuard | None = None,
+    ) -> None:
         self.systemd = FakeSystemd()
         self.docker = FakeDocker(self.systemd)
         ids = (f"sbx-{n:012x}" for n in itertools.count(1))
         self.manager = SandboxManager(
             self.docker,
             SliceManager(self.systemd),
-            config=parse_config('[projects."al-ice/p"]\nmemory = "400MB"\n'),
+            config=parse_config(config),
             host_memory=4096 * MiB,
             instance_id="run-1",
             clock=lambda: NOW,
             new_id=lambda: next(ids),
+            binds=binds,
         )
 
     def user_slices(self) -> set[str]:
@@ -223,3 +236,57 @@ def test_get_looks_up_the_name_and_believes_only_the_labels(world: World) -> Non
     for hostile in ("../../images/json", "a/b", "", "-x", "sbx-1?all=1"):
         with pytest.raises(NotFound):
             world.manager.get(hostile)
+
+
+class FakeBinds:
+    """A bind guard whose pins and checks are scripted: the kernel's own are test_beneath's."""
+
+    def __init__(self, swapped: bool = False) -> None:
+        self.swapped = swapped
+        self.verified: list[tuple[int, Pinned]] = []
+
+    def pin(self, source: str, target: str, roots: tuple[PurePosixPath, ...]) -> Pinned:
+        assert roots == (PurePosixPath("/srv/ws/al-ice"),), "the caller's own root"
+        return Pinned(source=source.replace("/alias/", "/real/"), target=target, device=1, inode=2)
+
+    def verify(self, pid: int, pinned: Pinned) -> None:
+        self.verified.append((pid, pinned))
+        if self.swapped:
+            raise PolicyViolation("changed while the sandbox was created", code="policy_mount")
+
+
+def bind_world(binds: FakeBinds) -> World:
+    return World('bind_roots = ["/srv/ws/{user}"]\n', binds)
+
+
+BINDS = [
+    Mount(source="/srv/ws/al-ice/alias/src", target="/workspace"),
+    Mount(kind=MountKind.VOLUME, source="cache", target="/cache"),
+]
+
+
+def test_docker_gets_the_pinned_source_and_the_mount_is_checked_once_running() -> None:
+    binds = FakeBinds()
+    world = bind_world(binds)
+    box = world.manager.create(spec(mounts=BINDS))
+    request = world.docker.requests[box.container_id]
+    assert [m.source for m in request.mounts] == ["/srv/ws/al-ice/real/src", "cache"]
+    pid = world.docker.sandbox_pid(box.container_id)
+    assert [(p, pinned.target) for p, pinned in binds.verified] == [(pid, "/workspace")]
+
+
+def test_a_source_swapped_before_the_mount_undoes_the_create() -> None:
+    world = bind_world(FakeBinds(swapped=True))
+    with pytest.raises(PolicyViolation, match="changed while"):
+        world.manager.create(spec(mounts=BINDS))
+    assert world.docker.containers == {}
+    assert world.user_slices() == set()
+
+
+def test_another_users_root_is_refused_before_anything_is_pinned() -> None:
+    binds = FakeBinds()
+    world = bind_world(binds)
+    with pytest.raises(PolicyViolation, match="outside the allowed roots /srv/ws/al-ice"):
+        world.manager.create(spec(mounts=[Mount(source="/srv/ws/bob/src", target="/w")]))
+    assert binds.verified == []
+    assert world.docker.containers == {}

@@ -4,6 +4,7 @@ Pure functions of (request, config, host memory) that raise before anything is c
 refusal has its own stable code so a caller can tell them apart:
 
     policy_privileged, policy_host_namespace, policy_network, policy_capability, policy_mount,
+    mount_escape (the kernel's checks of a bind source: host.beneath),
     ttl_too_long, invalid_limit, invalid_name, admission_refused
 """
 
@@ -99,7 +100,7 @@ def check_security(spec: SandboxSpec, config: Config) -> None:
     _check_network(spec.network, config)
     _check_capabilities(spec.cap_add, config)
     for mount in spec.mounts:
-        check_mount(mount, config.bind_roots)
+        check_mount(mount, config.bind_roots_for(spec.user))
 
 
 def _check_network(network: str, config: Config) -> None:
@@ -153,7 +154,13 @@ def check_mount(mount: Mount, roots: tuple[PurePosixPath, ...]) -> None:
             )
         return
     source = PurePosixPath(mount.source)
-    if not source.is_absolute() or ".." in source.parts or not _under_any(source, roots):
+    if source.is_absolute() and ".." in source.parts:
+        raise PolicyViolation(
+            f"bind mount source {mount.source!r} goes through '..'; name the real directory, "
+            "with no symlink, '..' or other mount below its root",
+            code="mount_escape",
+        )
+    if not source.is_absolute() or not _under_any(source, roots):
         where = ", ".join(str(root) for root in roots) or "(none configured: set bind_roots)"
         raise PolicyViolation(
             f"bind mount {mount.source!r} is outside the allowed roots {where}; "

@@ -30,13 +30,14 @@ from slicebox.backends.base import SandboxBackend, SandboxInfo, SandboxRequest
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.policy import Admitted, admit, check_ttl
 from slicebox.core.slices import SliceManager
+from slicebox.host.beneath import BindGuard, KernelBindGuard, Pinned
 from slicebox.model.config import Config
 from slicebox.model.errors import ImageUnavailable, InvalidRequest, NotFound, Unavailable
 from slicebox.model.labels import Lineage, decode, selector
 from slicebox.model.limits import Limits
 from slicebox.model.names import SliceCgroups, SliceNames, scope_name, slice_names
 from slicebox.model.paths import CGROUP_ROOT
-from slicebox.model.spec import SandboxSpec
+from slicebox.model.spec import MountKind, SandboxSpec
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +118,10 @@ class SandboxManager:
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         new_id: Callable[[], str] = new_sandbox_id,
         deadlines: Deadlines | None = None,
+        binds: BindGuard | None = None,
     ) -> None:
         self._backend = backend
+        self._binds: BindGuard = binds or KernelBindGuard()
         self._slices = slices
         self._config = config
         self._host_memory = host_memory
@@ -227,6 +230,7 @@ class SandboxManager:
         The reaper removes a one-shot sandbox that no operation holds (``run_ended``)."""
         admitted = admit(spec, self._config, self._host_memory)
         self._check_backend(spec)
+        admitted, pinned = self._pin_binds(admitted)
         lineage = self._lineage(admitted, one_shot=one_shot)
         known = self._image_known(admitted.image)
         if not known:  # an image that cannot be had is refused before anything exists
@@ -239,6 +243,7 @@ class SandboxManager:
                 self._undo(made, lineage.sandbox_id)
                 raise
             try:
+                self._verify_binds(info.id, pinned)
                 self._arm(lineage.sandbox_id, info.id, lineage.expires_at, new=True)
             except BaseException:
                 self.remove_container(info.id)
@@ -251,6 +256,32 @@ class SandboxManager:
             admitted.placement.names.project,
         )
         return Sandbox.from_info(info)
+
+    def _pin_binds(self, admitted: Admitted) -> tuple[Admitted, tuple[Pinned, ...]]:
+        """Each bind source opened by the kernel beneath the caller's root (host.beneath),
+        and the spec's sources replaced by the paths that were opened."""
+        spec = admitted.spec
+        binds = [m for m in spec.mounts if m.kind is MountKind.BIND]
+        if not binds:
+            return admitted, ()
+        roots = self._config.bind_roots_for(spec.user)
+        pinned = tuple(self._binds.pin(m.source, m.target, roots) for m in binds)
+        sources = iter(p.source for p in pinned)
+        mounts = tuple(
+            m.model_copy(update={"source": next(sources)}) if m.kind is MountKind.BIND else m
+            for m in spec.mounts
+        )
+        return admitted.model_copy(
+            update={"spec": spec.model_copy(update={"mounts": mounts})}
+        ), pinned
+
+    def _verify_binds(self, container_id: str, pinned: tuple[Pinned, ...]) -> None:
+        """The running sandbox sees what was pinned at each target (host.beneath.verify)."""
+        if not pinned:
+            return
+        pid = self._backend.sandbox_pid(container_id)
+        for bind in pinned:
+            self._binds.verify(pid, bind)
 
     def get(self, sandbox_id: str, *, current_deadline: bool = False) -> Sandbox:
         """The sandbox; with ``current_deadline`` its ``expires_at`` is the one systemd holds

@@ -120,8 +120,29 @@ CODES: tuple[ErrorCode, ...] = (
     _c(
         "policy_mount",
         400,
-        "A bind mount is outside the configured roots, or a volume name is invalid.",
-        "Mount a directory under a configured root; name volumes with letters, digits, '_.-'.",
+        "A bind mount is outside the caller's own roots (`bind_roots`, `{user}` being the "
+        "caller), or a volume name is invalid.",
+        "Mount a directory under one of your roots; name volumes with letters, digits, '_.-'.",
+    ),
+    _c(
+        "mount_escape",
+        400,
+        "A bind mount's source leaves its root on the way down: a symlink, '..', another "
+        "mount, or a component that is not a directory.",
+        "Name the real directory, with no symlink, '..' or other mount below the root.",
+    ),
+    _c(
+        "mount_source_missing",
+        400,
+        "A bind mount's source does not exist (slicebox never creates one, nor lets Docker).",
+        "Create the directory first, then the sandbox.",
+    ),
+    _c(
+        "mount_changed",
+        400,
+        "A bind mount's source was replaced between its check and Docker's mount (the "
+        "sandbox was removed again).",
+        "Keep the source still while the sandbox is created, and create it again.",
     ),
     _c(
         "ttl_too_long",

@@ -8,7 +8,7 @@ when the file is loaded, so a bad value is refused at load time, naming its fiel
     default_image = "alpine:3.19"
     default_ttl_seconds = 3600   # a sandbox's TTL when its request gives none
     max_ttl_seconds = 86400      # the most a create or an extend may ask (at most a year)
-    bind_roots = ["/srv/slicebox/workspaces"]
+    bind_roots = ["/srv/slicebox/{user}"]  # {user}: the caller's own name
     exec_output_budget = "512MB"  # exec output held at once, all callers; default below
     [managed]
     memory = "75%"
@@ -37,12 +37,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from slicebox.model.errors import ConfigError, SliceboxError
 from slicebox.model.limits import Ceiling, Limits, RawSize, parse_cpus, parse_pids, parse_size
+from slicebox.model.paths import CONFIG_PATH
 from slicebox.model.validation import describe, problems
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DEFAULT_PATH = Path("/etc/slicebox/config.toml")
+DEFAULT_PATH = CONFIG_PATH
 DEFAULT_CAPABILITIES = frozenset(
     {"CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "NET_BIND_SERVICE"}
 )
@@ -178,6 +179,12 @@ class Config(_Strict):
 
     def managed_ceiling(self, host_memory: int) -> Ceiling:
         return self.managed.resolve(host_memory)
+
+    def bind_roots_for(self, user: str) -> tuple[PurePosixPath, ...]:
+        """The roots ``user`` may bind from: each configured root with ``{user}`` replaced
+        by that user's name (user names hold no ``/``), so one root serves everyone and
+        nobody reaches another's directory."""
+        return tuple(PurePosixPath(str(root).replace("{user}", user)) for root in self.bind_roots)
 
     def user_ceiling(self, user: str, host_memory: int) -> Ceiling:
         return self._user_config(user).resolve(host_memory)

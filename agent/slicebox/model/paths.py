@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path, PurePosixPath
 
 AGENT_SOCKET = "/run/slicebox/slicebox.sock"
+CONFIG_PATH = Path("/etc/slicebox/config.toml")
 # Docker's own default (docker-py and the CLI): /var/run is a link to /run on every systemd host.
 DOCKER_SOCKET = "/var/run/docker.sock"
 CGROUP_ROOT = PurePosixPath("/sys/fs/cgroup")

@@ -1,0 +1,126 @@
+"""Bind sources resolved by this machine's kernel beneath their root (host.beneath).
+
+These run on the real kernel and file system of whatever machine runs them (a temporary
+directory): ``openat2`` where the kernel has it, and the walk by hand that stands in for it
+where it has not. The guest's tests add what needs root: another mount on the way, and a
+sandbox that plants a symlink to ``/``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+from pathlib import Path, PurePosixPath
+
+import pytest
+
+from slicebox.host import beneath
+from slicebox.host.beneath import Pinned, pin, root_for, verify
+from slicebox.model.errors import PolicyViolation
+
+
+@pytest.fixture(params=["openat2", "walk"])
+def way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test twice: through openat2, and through the walk a kernel without it gets."""
+    if request.param == "walk":
+
+        def no_openat2(dir_fd: int, path: str) -> int:
+            ctypes.set_errno(errno.ENOSYS)
+            return -1
+
+        monkeypatch.setattr(beneath, "_openat2", no_openat2)
+    return str(request.param)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    made = tmp_path / "ws" / "alice"
+    (made / "project" / "src").mkdir(parents=True)
+    (made / "notes.txt").write_text("x")
+    return made
+
+
+def roots_of(*paths: Path) -> tuple[PurePosixPath, ...]:
+    return tuple(PurePosixPath(p) for p in paths)
+
+
+def test_a_directory_under_the_root_is_pinned_to_what_it_is(way: str, root: Path) -> None:
+    source = root / "project" / "src"
+    pinned = pin(str(source), "/workspace", roots_of(root))
+    found = os.stat(source)
+    assert pinned == Pinned(
+        source=str(source), target="/workspace", device=found.st_dev, inode=found.st_ino
+    )
+    assert pin(str(root), "/w", roots_of(root)).inode == os.stat(root).st_ino
+    assert (
+        pin(str(root / "notes.txt"), "/n", roots_of(root)).inode
+        == os.stat(root / "notes.txt").st_ino
+    )
+
+
+def test_a_symlink_to_the_hosts_root_is_refused(way: str, root: Path) -> None:
+    (root / "esc").symlink_to("/")
+    with pytest.raises(PolicyViolation, match="goes through a symlink") as refused:
+        pin(str(root / "esc"), "/workspace", roots_of(root))
+    assert refused.value.code == "mount_escape"
+    with pytest.raises(PolicyViolation, match="goes through a symlink"):
+        pin(str(root / "esc" / "etc"), "/workspace", roots_of(root))
+
+
+def test_a_symlink_that_stays_inside_is_refused_too(way: str, root: Path) -> None:
+    # Nothing tells a symlink that stays inside from one retargeted a moment later.
+    (root / "link").symlink_to(root / "project")
+    with pytest.raises(PolicyViolation, match="goes through a symlink"):
+        pin(str(root / "link" / "src"), "/workspace", roots_of(root))
+
+
+def test_dot_dot_a_file_on_the_way_and_a_missing_source_are_refused(way: str, root: Path) -> None:
+    with pytest.raises(PolicyViolation, match=re.escape("'..'")) as up:
+        pin(str(root / "project" / ".." / ".." / "bob"), "/w", roots_of(root))
+    assert up.value.code == "mount_escape"
+    with pytest.raises(PolicyViolation, match="not a directory") as through_a_file:
+        pin(str(root / "notes.txt" / "x"), "/w", roots_of(root))
+    assert through_a_file.value.code == "mount_escape"
+    with pytest.raises(PolicyViolation, match="does not exist; create it first") as missing:
+        pin(str(root / "nothing-here"), "/w", roots_of(root))
+    assert missing.value.code == "mount_source_missing"
+
+
+def test_outside_every_root_is_refused(way: str, root: Path, tmp_path: Path) -> None:
+    (tmp_path / "ws" / "bob").mkdir()
+    with pytest.raises(PolicyViolation, match="outside the allowed roots"):
+        pin(str(tmp_path / "ws" / "bob"), "/w", roots_of(root))
+    with pytest.raises(PolicyViolation, match="none configured: set bind_roots"):
+        pin(str(root), "/w", ())
+    with pytest.raises(PolicyViolation, match="outside the allowed roots"):
+        pin("relative/path", "/w", roots_of(root))
+
+
+def test_a_root_that_is_itself_a_symlink_is_the_operators_choice(
+    way: str, root: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "alias").symlink_to(root)
+    pinned = pin(str(tmp_path / "alias" / "project"), "/w", roots_of(tmp_path / "alias"))
+    assert pinned.source == str(root / "project"), "Docker gets the real path"
+
+
+def test_the_longest_root_decides() -> None:
+    roots = roots_of(Path("/srv"), Path("/srv/ws/alice"), Path("/srv/ws"))
+    assert root_for(PurePosixPath("/srv/ws/alice/p"), roots) == PurePosixPath("/srv/ws/alice")
+    assert root_for(PurePosixPath("/srv/wsx"), roots) == PurePosixPath("/srv")
+    assert root_for(PurePosixPath("/etc"), roots) is None
+
+
+def test_verify_compares_what_the_process_sees_at_the_target(root: Path, tmp_path: Path) -> None:
+    # This process's own /proc/<pid>/root is "/": the target is the source's own path.
+    source = root / "project"
+    pinned = pin(str(source), str(source), roots_of(root))
+    verify(os.getpid(), pinned)
+    swapped = pinned.model_copy(update={"target": str(root / "project" / "src")})
+    with pytest.raises(PolicyViolation, match="changed while the sandbox was created") as changed:
+        verify(os.getpid(), swapped)
+    assert changed.value.code == "mount_changed"
+    with pytest.raises(PolicyViolation, match="cannot be read"):
+        verify(os.getpid(), pinned.model_copy(update={"target": str(tmp_path / "gone")}))

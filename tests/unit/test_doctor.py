@@ -10,6 +10,7 @@ from slicebox.cli.doctor import (
     Host,
     State,
     check_agent,
+    check_bind_roots,
     check_cgroup2,
     check_controllers,
     check_docker,
@@ -88,3 +89,42 @@ def test_docker_host_names_the_engine_as_dockers_own_tools_read_it(tmp_path: Pat
     assert unreachable.state is State.FAIL
     assert "none.sock" in unreachable.detail
     assert "DOCKER_HOST" in unreachable.fix
+
+
+def roots_host(tmp_path: Path, roots: str) -> Host:
+    config = tmp_path / "config.toml"
+    config.write_text(f"bind_roots = {roots}\n")
+    return Host(config=config, top=tmp_path, owner=os.getuid())
+
+
+def test_bind_roots_that_nobody_else_can_write_pass(tmp_path: Path) -> None:
+    (tmp_path / "srv" / "ws").mkdir(parents=True)
+    (tmp_path / "fixed").mkdir()
+    for directory in (tmp_path, tmp_path / "srv", tmp_path / "srv" / "ws", tmp_path / "fixed"):
+        directory.chmod(0o755)
+    host = roots_host(tmp_path, f'["{tmp_path}/srv/ws/{{user}}", "{tmp_path}/fixed"]')
+    check = check_bind_roots(host)
+    assert check.state is State.OK, check.detail
+    assert "/srv/ws/{user}" in check.detail
+
+
+def test_a_bind_root_below_a_writable_directory_fails_with_the_fix(tmp_path: Path) -> None:
+    (tmp_path / "srv" / "ws").mkdir(parents=True)
+    tmp_path.chmod(0o755)
+    (tmp_path / "srv").chmod(0o777)  # anyone could plant srv/ws/alice -> /
+    (tmp_path / "srv" / "ws").chmod(0o755)
+    check = check_bind_roots(roots_host(tmp_path, f'["{tmp_path}/srv/ws/{{user}}"]'))
+    assert check.state is State.FAIL
+    assert f"{tmp_path / 'srv'} is writable by its group or others" in check.detail
+    assert "chmod go-w" in check.fix
+    missing = check_bind_roots(roots_host(tmp_path, f'["{tmp_path}/absent/{{user}}"]'))
+    assert missing.state is State.FAIL
+    assert "cannot be read" in missing.detail
+
+
+def test_no_bind_roots_means_bind_mounts_are_refused(tmp_path: Path) -> None:
+    check = check_bind_roots(Host(config=tmp_path / "none.toml"))
+    assert (check.state, check.detail) == (State.OK, "none configured: bind mounts are refused")
+    (tmp_path / "bad.toml").write_text("bind_roots = 7\n")
+    unreadable = check_bind_roots(Host(config=tmp_path / "bad.toml"))
+    assert unreadable.state is State.SKIP

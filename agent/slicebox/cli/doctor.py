@@ -9,7 +9,9 @@ nor a failure of the host.
 
 from __future__ import annotations
 
+import itertools
 import os
+import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -19,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, RootModel, computed_field
 
 from slicebox.cli.client import Client
 from slicebox.model.errors import SliceboxError
-from slicebox.model.paths import AGENT_SOCKET, CGROUP_MOUNT, DOCKER_SOCKET
+from slicebox.model.paths import AGENT_SOCKET, CGROUP_MOUNT, CONFIG_PATH, DOCKER_SOCKET
 
 REQUIRED_CONTROLLERS = ("cpu", "memory", "pids", "io")
 UNIX_SCHEME = "unix://"
@@ -69,6 +71,9 @@ class Host:
     agent_socket: str = AGENT_SOCKET
     docker_socket: str = DOCKER_SOCKET
     docker_host: str | None = field(default_factory=_docker_host)  # as Docker's own tools read it
+    config: Path = CONFIG_PATH
+    top: Path = Path("/")  # where the walk above a bind root starts (tests: their own tree)
+    owner: int = 0  # who may own a bind root and what is above it
 
     @property
     def docker_url(self) -> str:
@@ -157,12 +162,64 @@ def check_agent(host: Host) -> Check:
     return passed("agent", f"sliceboxd {health.version} answers; you are {health.user}{admin}")
 
 
+BIND_ROOTS_FIX = (
+    "make each bind root and every directory above it owned by root and writable by nobody "
+    "else (chown root: DIR; chmod go-w DIR); below a root with {user}, each user's own "
+    "directory may be theirs"
+)
+
+
+def check_bind_roots(host: Host) -> Check:
+    """Whether nobody but root can plant a symlink on the way to a bind root: the agent
+    follows the root's own path (the operator's), and only what lies below it is walked
+    without following anything (host.beneath)."""
+    from slicebox.model.config import load_config  # only here: every other command skips it
+
+    try:
+        roots = load_config(host.config).bind_roots
+    except SliceboxError as exc:
+        return Check(
+            name="bind roots",
+            state=State.SKIP,
+            detail=f"not checked: {exc.message}",
+            fix="run `sudo slicebox doctor` to read the agent's config",
+        )
+    if not roots:
+        return passed("bind roots", "none configured: bind mounts are refused")
+    problems = [problem for root in roots for problem in unsafe_root(str(root), host)]
+    shown = ", ".join(str(root) for root in roots)
+    return verdict("bind roots", not problems, "; ".join(problems) or shown, BIND_ROOTS_FIX)
+
+
+def unsafe_root(root: str, host: Host) -> list[str]:
+    """What makes ``root`` unsafe: a directory on the way to it (up to the part before
+    ``{user}``) owned by someone else, writable by group or others, or missing."""
+    parts = Path(root).parts
+    fixed = list(itertools.takewhile(lambda p: "{user}" not in p, parts))
+    static = Path(*fixed) if fixed else Path("/")
+    real = Path(os.path.realpath(static))
+    if not real.is_relative_to(host.top):
+        return [f"{root}: {real} is outside {host.top}"]
+    chain = [real, *real.parents]
+    for directory in reversed([d for d in chain if d.is_relative_to(host.top)]):
+        try:
+            found = directory.stat()
+        except OSError as exc:
+            return [f"{root}: {directory} cannot be read ({exc.strerror})"]
+        if found.st_uid != host.owner:
+            return [f"{root}: {directory} is owned by uid {found.st_uid}"]
+        if found.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return [f"{root}: {directory} is writable by its group or others"]
+    return []
+
+
 CHECKS: tuple[Callable[[Host], Check], ...] = (
     check_systemd,
     check_cgroup2,
     check_controllers,
     check_docker,
     check_agent,
+    check_bind_roots,
 )
 
 

@@ -186,12 +186,12 @@ def check_bind_roots(host: Host) -> Check:
         )
     if not roots:
         return passed("bind roots", "none configured: bind mounts are refused")
-    problems = [problem for root in roots for problem in unsafe_root(str(root), host)]
+    problems = [problem for root in roots if (problem := unsafe_root(str(root), host))]
     shown = ", ".join(str(root) for root in roots)
     return verdict("bind roots", not problems, "; ".join(problems) or shown, BIND_ROOTS_FIX)
 
 
-def unsafe_root(root: str, host: Host) -> list[str]:
+def unsafe_root(root: str, host: Host) -> str | None:
     """What makes ``root`` unsafe: a directory on the way to it (up to the part before
     ``{user}``) owned by someone else, writable by group or others, or missing."""
     parts = Path(root).parts
@@ -199,18 +199,18 @@ def unsafe_root(root: str, host: Host) -> list[str]:
     static = Path(*fixed) if fixed else Path("/")
     real = Path(os.path.realpath(static))
     if not real.is_relative_to(host.top):
-        return [f"{root}: {real} is outside {host.top}"]
+        return f"{root}: {real} is outside {host.top}"
     chain = [real, *real.parents]
     for directory in reversed([d for d in chain if d.is_relative_to(host.top)]):
         try:
             found = directory.stat()
         except OSError as exc:
-            return [f"{root}: {directory} cannot be read ({exc.strerror})"]
+            return f"{root}: {directory} cannot be read ({exc.strerror})"
         if found.st_uid != host.owner:
-            return [f"{root}: {directory} is owned by uid {found.st_uid}"]
+            return f"{root}: {directory} is owned by uid {found.st_uid}"
         if found.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return [f"{root}: {directory} is writable by its group or others"]
-    return []
+            return f"{root}: {directory} is writable by its group or others"
+    return None
 
 
 CHECKS: tuple[Callable[[Host], Check], ...] = (

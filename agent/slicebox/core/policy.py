@@ -15,6 +15,7 @@ from pathlib import PurePosixPath
 
 from pydantic import BaseModel, ConfigDict
 
+from slicebox.host.beneath import escape, outside_roots, root_for
 from slicebox.model.config import Config
 from slicebox.model.errors import AdmissionRefused, PolicyViolation
 from slicebox.model.limits import (
@@ -155,22 +156,9 @@ def check_mount(mount: Mount, roots: tuple[PurePosixPath, ...]) -> None:
         return
     source = PurePosixPath(mount.source)
     if source.is_absolute() and ".." in source.parts:
-        raise PolicyViolation(
-            f"bind mount source {mount.source!r} goes through '..'; name the real directory, "
-            "with no symlink, '..' or other mount below its root",
-            code="mount_escape",
-        )
-    if not source.is_absolute() or not _under_any(source, roots):
-        where = ", ".join(str(root) for root in roots) or "(none configured: set bind_roots)"
-        raise PolicyViolation(
-            f"bind mount {mount.source!r} is outside the allowed roots {where}; "
-            "mount a directory under one of them",
-            code="policy_mount",
-        )
-
-
-def _under_any(path: PurePosixPath, roots: tuple[PurePosixPath, ...]) -> bool:
-    return any(path.is_relative_to(root) for root in roots)
+        raise escape(mount.source, "'..'")
+    if not source.is_absolute() or root_for(source, roots) is None:
+        raise outside_roots(mount.source, roots)
 
 
 def check_admission(limits: Limits, placement: Placement) -> None:

@@ -20,12 +20,10 @@ the host's ``/``. Here the source is opened the way the kernel sees it:
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
@@ -76,17 +74,16 @@ def pin(source: str, target: str, roots: tuple[PurePosixPath, ...]) -> Pinned:
     path = PurePosixPath(source)
     root = root_for(path, roots) if path.is_absolute() else None
     if root is None:
-        raise _outside(source, roots)
+        raise outside_roots(source, roots)
     relative = path.relative_to(root)
     if ".." in relative.parts:
-        raise _escape(source, "'..'")
-    with _opened(str(root), os.O_PATH | os.O_CLOEXEC | os.O_DIRECTORY, source) as root_fd:
+        raise escape(source, "'..'")
+    root_fd = _open(str(root), os.O_PATH | os.O_CLOEXEC | os.O_DIRECTORY, source)
+    try:
         real_root = os.readlink(f"/proc/self/fd/{root_fd}")
-        if relative.parts:
-            with _beneath(root_fd, relative, source) as fd:
-                found = os.fstat(fd)
-        else:
-            found = os.fstat(root_fd)
+        found = _stat_beneath(root_fd, relative, source) if relative.parts else os.fstat(root_fd)
+    finally:
+        os.close(root_fd)
     return Pinned(
         source=str(PurePosixPath(real_root, relative)),
         target=target,
@@ -107,44 +104,37 @@ def verify(pid: int, pinned: Pinned, proc: Path = Path("/proc")) -> None:
         raise _changed(pinned, "another file is mounted there")
 
 
-@contextlib.contextmanager
-def _opened(path: str, flags: int, source: str, dir_fd: int | None = None) -> Iterator[int]:
+def _open(path: str, flags: int, source: str, dir_fd: int | None = None) -> int:
+    """``os.open``, its failures told as refusals of ``source``."""
     try:
-        fd = os.open(path, flags, dir_fd=dir_fd)
+        return os.open(path, flags, dir_fd=dir_fd)
     except FileNotFoundError as exc:
         raise _missing(source) from exc
     except NotADirectoryError as exc:
-        raise _escape(source, "a component that is not a directory") from exc
+        raise escape(source, "a component that is not a directory") from exc
     except OSError as exc:
         raise _unreadable(source, str(exc.strerror)) from exc
-    try:
-        yield fd
-    finally:
-        os.close(fd)
 
 
-@contextlib.contextmanager
-def _beneath(root_fd: int, relative: PurePosixPath, source: str) -> Iterator[int]:
+def _stat_beneath(root_fd: int, relative: PurePosixPath, source: str) -> os.stat_result:
+    """What ``relative`` names below ``root_fd``, reached without following anything."""
     fd = _openat2(root_fd, str(relative))
     if fd >= 0:
         try:
-            yield fd
+            return os.fstat(fd)
         finally:
             os.close(fd)
-        return
     code = ctypes.get_errno()
     if code in (errno.ENOSYS, errno.EPERM):  # no openat2 here: walk it one step at a time
-        with _walked(root_fd, relative, source) as walked:
-            yield walked
-        return
+        return _stat_walked(root_fd, relative, source)
     if code == errno.ENOENT:
         raise _missing(source)
     if code == errno.ELOOP:
-        raise _escape(source, "a symlink")
+        raise escape(source, "a symlink")
     if code == errno.EXDEV:
-        raise _escape(source, "another mount")
+        raise escape(source, "another mount")
     if code == errno.ENOTDIR:
-        raise _escape(source, "a component that is not a directory")
+        raise escape(source, "a component that is not a directory")
     raise _unreadable(source, os.strerror(code))
 
 
@@ -159,28 +149,26 @@ def _openat2(dir_fd: int, path: str) -> int:
     )
 
 
-@contextlib.contextmanager
-def _walked(root_fd: int, relative: PurePosixPath, source: str) -> Iterator[int]:
+def _stat_walked(root_fd: int, relative: PurePosixPath, source: str) -> os.stat_result:
     """``openat2``'s walk by hand: each component opened with O_NOFOLLOW from the last."""
     device = os.fstat(root_fd).st_dev
     fd = os.dup(root_fd)
     try:
         for part in relative.parts:
-            with _opened(part, O_PATH_FLAGS | os.O_NOFOLLOW, source, dir_fd=fd) as step:
-                found = os.fstat(step)
-                if stat.S_ISLNK(found.st_mode):
-                    raise _escape(source, "a symlink")
-                if found.st_dev != device:
-                    raise _escape(source, "another mount")
-                next_fd = os.dup(step)
+            step = _open(part, O_PATH_FLAGS | os.O_NOFOLLOW, source, dir_fd=fd)
             os.close(fd)
-            fd = next_fd
-        yield fd
+            fd = step
+            found = os.fstat(fd)
+            if stat.S_ISLNK(found.st_mode):
+                raise escape(source, "a symlink")
+            if found.st_dev != device:
+                raise escape(source, "another mount")
+        return found
     finally:
         os.close(fd)
 
 
-def _outside(source: str, roots: tuple[PurePosixPath, ...]) -> PolicyViolation:
+def outside_roots(source: str, roots: tuple[PurePosixPath, ...]) -> PolicyViolation:
     where = ", ".join(str(root) for root in roots) or "(none configured: set bind_roots)"
     return _refused(
         f"bind mount {source!r} is outside the allowed roots {where}; mount a directory under "
@@ -188,7 +176,7 @@ def _outside(source: str, roots: tuple[PurePosixPath, ...]) -> PolicyViolation:
     )
 
 
-def _escape(source: str, through: str) -> PolicyViolation:
+def escape(source: str, through: str) -> PolicyViolation:
     return _refused(
         f"bind mount source {source!r} goes through {through} on its way down from its root; "
         "name the real directory, with no symlink, '..' or other mount on the way",

@@ -6,6 +6,7 @@
 - removing a missing container answers False; removing one another removal holds
   (:meth:`FakeDocker.begin_removal`) answers False too (Docker's 409 "removal ... already in
   progress"), and the container stays until that removal finishes;
+- a volume a container still mounts is not removed (False, as Docker's 409 "in use" maps);
 - exec on a missing container raises ``sandbox_not_found``, on a stopped one
   ``sandbox_not_running``; the exec itself is scripted by a ``FakeExecApi``.
 
@@ -24,6 +25,7 @@ from slicebox.backends.base import (
     SandboxInfo,
     SandboxRequest,
     SandboxState,
+    VolumeInfo,
 )
 from slicebox.model.errors import (
     HostError,
@@ -35,7 +37,7 @@ from slicebox.model.errors import (
 )
 from slicebox.model.exec import ExecRequest, ExecState
 from slicebox.model.names import scope_name
-from slicebox.model.spec import Backend
+from slicebox.model.spec import Backend, MountKind
 from tests.fakes.exec_fakes import FakeExecApi
 from tests.fakes.systemd import FakeSystemd
 
@@ -59,6 +61,8 @@ class FakeDocker:
         self.fail_start = False
         self.down: str | None = None  # why the daemon is unreachable, when it is
         self.created = 0
+        self.volume_table: dict[str, VolumeInfo] = {}
+        self.chowned: dict[str, tuple[int, int]] = {}
 
     def availability(self) -> Availability:
         if self.down is not None:
@@ -129,6 +133,40 @@ class FakeDocker:
         self._set_state(backend_id, SandboxState.EXITED)
         parent = self.requests[backend_id].slice
         self.systemd.children.get(parent, set()).discard(scope_name(backend_id))
+
+    # --- volumes ----------------------------------------------------------------------------
+
+    def volume(self, name: str) -> VolumeInfo | None:
+        self._reachable()
+        return self.volume_table.get(name)
+
+    def create_volume(self, name: str, labels: Mapping[str, str]) -> VolumeInfo:
+        self._reachable()
+        made = VolumeInfo(name=name, labels=dict(labels), mountpoint=f"/fake/volumes/{name}")
+        return self.volume_table.setdefault(name, made)
+
+    def remove_volume(self, name: str) -> bool:
+        self._reachable()
+        users = [
+            container_id
+            for container_id in self.containers
+            if any(
+                m.kind is MountKind.VOLUME and m.source == name
+                for m in self.requests[container_id].mounts
+            )
+        ]
+        if users or name not in self.volume_table:
+            return False
+        del self.volume_table[name]
+        return True
+
+    def volumes(self, labels: Mapping[str, str]) -> list[VolumeInfo]:
+        self._reachable()
+        return [
+            v
+            for v in self.volume_table.values()
+            if all(v.labels.get(k) == want for k, want in labels.items())
+        ]
 
     # --- exec primitives ------------------------------------------------------------------
 

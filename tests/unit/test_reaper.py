@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.backends.base import SandboxInfo, SandboxState
+from slicebox.backends.base import SandboxInfo, SandboxState, VolumeInfo
 from slicebox.core.deadlines import Deadlines, Timer, expire_command, find_program, timer_unit
 from slicebox.core.reaper import Reaper
 from slicebox.core.reaping import TIMER_GRACE, Observed, plan, plan_pass
@@ -22,7 +22,7 @@ from slicebox.host.systemd import UnitStatus
 from slicebox.model.audit import AuditEvent
 from slicebox.model.config import OrphanPolicy, ReaperConfig, parse_config
 from slicebox.model.errors import HostError
-from slicebox.model.labels import MANAGED, Lineage, decode
+from slicebox.model.labels import MANAGED, Lineage, VolumeLineage, decode
 from slicebox.model.reaper import Action, Kind, Rule
 from slicebox.model.spec import SandboxSpec
 from tests.fakes.docker import FakeDocker
@@ -241,6 +241,45 @@ def test_timers_and_state_dirs_of_gone_sandboxes_are_removed() -> None:
     assert kinds(plan(found, NOW, POLICY)) == [
         (Kind.STOP_TIMER, Rule.STALE_DEADLINE, "slicebox-ttl-gone-1.timer"),
         (Kind.REMOVE_FILES, Rule.LEFTOVER_FILES, "gone"),
+    ]
+
+
+def volume(name: str, root_task_id: str, *, user: str = "alice", keep: bool = False) -> VolumeInfo:
+    lineage = VolumeLineage(
+        user=user,
+        project="p",
+        root_task_id=root_task_id,
+        sandbox_id="sbx-0",
+        keep=keep,
+        created_at=NOW,
+    )
+    return VolumeInfo(name=name, labels=lineage.to_labels(), mountpoint="")
+
+
+def test_volumes_of_a_gone_root_task_go_unless_kept_or_a_create_of_their_user_runs() -> None:
+    timer = Timer(unit="t", sandbox_id="a", at=NOW + timedelta(hours=1))
+    volumes = [
+        volume("live", "t1"),  # box("a") is of root task t1
+        volume("gone", "t9"),
+        volume("kept", "t9", keep=True),
+        volume("bobs", "t8", user="bob"),
+        VolumeInfo(name="foreign", labels={"slicebox.volume": "true"}, mountpoint=""),
+    ]
+    found = observed(
+        box("a"),
+        timers=[timer],
+        slices=["slicebox-alice.slice", "slicebox-alice-p.slice"],
+        volumes=volumes,
+    )
+    actions = plan(found, NOW, POLICY)
+    assert kinds(actions) == [
+        (Kind.REMOVE_VOLUME, Rule.VOLUME_ORPHANED, "bobs"),
+        (Kind.REMOVE_VOLUME, Rule.VOLUME_ORPHANED, "gone"),
+    ]
+    assert actions[1].root_task_id == "t9"
+    creating = found.model_copy(update={"in_flight": {"new": ("bob", "q")}})
+    assert kinds(plan(creating, NOW, POLICY)) == [
+        (Kind.REMOVE_VOLUME, Rule.VOLUME_ORPHANED, "gone")
     ]
 
 

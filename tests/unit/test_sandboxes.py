@@ -13,13 +13,14 @@ from slicebox.core.slices import SliceManager
 from slicebox.host.beneath import BindGuard, Pinned
 from slicebox.model.config import parse_config
 from slicebox.model.errors import (
+    Forbidden,
     HostError,
     ImageUnavailable,
     InvalidRequest,
     NotFound,
     PolicyViolation,
 )
-from slicebox.model.labels import decode
+from slicebox.model.labels import VolumeLineage, decode, decode_volume
 from slicebox.model.limits import Limits
 from slicebox.model.names import MANAGED_SLICE
 from slicebox.model.spec import Mount, MountKind, SandboxSpec
@@ -244,6 +245,8 @@ class FakeBinds:
     def __init__(self, swapped: bool = False) -> None:
         self.swapped = swapped
         self.verified: list[tuple[int, Pinned]] = []
+        self.ids = (1000, 1000)  # what the sandbox's process runs as, per the kernel
+        self.owned: list[tuple[str, int, int]] = []
 
     def pin(self, source: str, target: str, roots: tuple[PurePosixPath, ...]) -> Pinned:
         assert roots == (PurePosixPath("/srv/ws/al-ice"),), "the caller's own root"
@@ -254,9 +257,28 @@ class FakeBinds:
         if self.swapped:
             raise PolicyViolation("changed while the sandbox was created", code="policy_mount")
 
+    def ids_of(self, pid: int) -> tuple[int, int]:
+        return self.ids
 
-def bind_world(binds: FakeBinds) -> World:
-    return World('bind_roots = ["/srv/ws/{user}"]\n', binds)
+    def own(self, directory: str, uid: int, gid: int) -> None:
+        self.owned.append((directory, uid, gid))
+
+
+def bind_world(binds: FakeBinds, extra: str = "") -> World:
+    world = World('bind_roots = ["/srv/ws/{user}"]\n' + extra, binds)
+    world.docker.create_volume("cache", volume_labels("al-ice"))
+    return world
+
+
+def volume_labels(user: str, root_task_id: str = "t0", keep: bool = False) -> dict[str, str]:
+    return VolumeLineage(
+        user=user,
+        project="p",
+        root_task_id=root_task_id,
+        sandbox_id="sbx-0",
+        keep=keep,
+        created_at=NOW,
+    ).to_labels()
 
 
 BINDS = [
@@ -290,3 +312,154 @@ def test_another_users_root_is_refused_before_anything_is_pinned() -> None:
         world.manager.create(spec(mounts=[Mount(source="/srv/ws/bob/src", target="/w")]))
     assert binds.verified == []
     assert world.docker.containers == {}
+
+
+# --- workspaces and who a sandbox runs as ------------------------------------------------------
+
+
+def test_a_sandbox_runs_as_the_configured_non_root_default(world: World) -> None:
+    box = world.manager.create(spec())
+    assert world.docker.requests[box.container_id].user == "65534:65534"
+
+
+def test_a_host_workspace_is_bound_at_workspace_and_runs_as_its_owner() -> None:
+    binds = FakeBinds()
+    world = bind_world(binds)
+    workspace = {"kind": "host", "path": "/srv/ws/al-ice/alias/code"}
+    box = world.manager.create(spec(workspace=workspace), owner=(1234, 99))
+    request = world.docker.requests[box.container_id]
+    assert request.user == "1234:99", "what the sandbox writes there is the caller's"
+    assert [(m.kind, m.source, m.target, m.read_only) for m in request.mounts] == [
+        (MountKind.BIND, "/srv/ws/al-ice/real/code", "/workspace", False)
+    ]
+    assert [pinned.target for _, pinned in binds.verified] == ["/workspace"]
+
+
+def test_a_host_workspace_outside_the_callers_root_is_refused_with_nothing_made() -> None:
+    world = bind_world(FakeBinds())
+    with pytest.raises(PolicyViolation, match="outside the allowed roots") as refused:
+        world.manager.create(spec(workspace={"kind": "host", "path": "/srv/ws/bob/code"}))
+    assert refused.value.code == "policy_mount"
+    assert world.docker.containers == {}
+    assert world.user_slices() == set()
+
+
+@pytest.mark.parametrize(
+    ("fields", "config", "why"),
+    [
+        ({"run_as": "0:0"}, "", "may not run as uid 0"),
+        ({"run_as": "root"}, "", "may not run as uid 0"),
+        (
+            {"run_as": "0", "workspace": {"kind": "host", "path": "/srv/ws/al-ice/code"}},
+            'root_users = ["al-ice"]\n',
+            "writable host mount",
+        ),
+    ],
+)
+def test_uid_0_is_refused_unless_allowed_and_never_with_a_writable_host_mount(
+    fields: dict[str, object], config: str, why: str
+) -> None:
+    world = bind_world(FakeBinds(), config)
+    with pytest.raises(PolicyViolation, match=why) as refused:
+        world.manager.create(spec(**fields))
+    assert refused.value.code == "policy_root"
+    assert world.docker.containers == {}
+
+
+def test_uid_0_is_admitted_for_a_root_user_with_a_read_only_host_workspace() -> None:
+    world = bind_world(FakeBinds(), 'root_users = ["al-ice"]\n')
+    workspace = {"kind": "host", "path": "/srv/ws/al-ice/code", "read_only": True}
+    box = world.manager.create(spec(run_as="0:0", workspace=workspace))
+    assert world.docker.requests[box.container_id].user == "0:0"
+
+
+def test_a_user_name_that_is_uid_0_in_the_image_is_found_running_and_undone() -> None:
+    binds = FakeBinds()
+    binds.ids = (0, 0)  # the image's passwd maps "toor" to uid 0
+    world = bind_world(binds)
+    with pytest.raises(PolicyViolation, match="may not run as uid 0"):
+        world.manager.create(spec(run_as="toor"))
+    assert world.docker.containers == {}
+    assert world.user_slices() == set()
+
+
+def test_a_volume_workspace_is_made_with_lineage_given_to_the_sandbox_and_goes_with_it() -> None:
+    binds = FakeBinds()
+    world = bind_world(binds)
+    box = world.manager.create(spec(workspace={"kind": "volume"}, root_task_id="t1"))
+    name = f"slicebox-al-ice-{box.id}"
+    request = world.docker.requests[box.container_id]
+    assert [(m.kind, m.source, m.target) for m in request.mounts] == [
+        (MountKind.VOLUME, name, "/workspace")
+    ]
+    lineage = decode_volume(world.docker.volume_table[name].labels)
+    assert lineage is not None
+    assert (lineage.user, lineage.root_task_id, lineage.keep) == ("al-ice", "t1", False)
+    assert binds.owned == [(f"/fake/volumes/{name}", 65534, 65534)]
+    assert box.lineage.workspace_volume == name
+    world.manager.destroy(box.id)
+    assert name not in world.docker.volume_table
+
+
+def test_a_volume_stays_while_its_root_task_has_a_sandbox_and_when_kept() -> None:
+    world = bind_world(FakeBinds())
+    shared = {"kind": "volume", "name": "src"}
+    first = world.manager.create(spec(workspace=shared, root_task_id="t1"))
+    second = world.manager.create(spec(workspace=shared, root_task_id="t1"))
+    world.manager.destroy(first.id)
+    assert "slicebox-al-ice-src" in world.docker.volume_table, "its root task goes on"
+    world.manager.destroy(second.id)
+    assert "slicebox-al-ice-src" not in world.docker.volume_table
+    kept = world.manager.create(spec(workspace={"kind": "volume", "name": "k", "keep": True}))
+    world.manager.destroy(kept.id)
+    assert "slicebox-al-ice-k" in world.docker.volume_table
+
+
+def test_a_kept_volume_is_mounted_again_by_name_and_not_given_away_twice() -> None:
+    binds = FakeBinds()
+    world = bind_world(binds)
+    world.docker.create_volume("slicebox-al-ice-k", volume_labels("al-ice", keep=True))
+    box = world.manager.create(spec(workspace={"kind": "volume", "name": "k"}))
+    assert world.docker.requests[box.container_id].mounts[0].source == "slicebox-al-ice-k"
+    assert binds.owned == [], "a volume in use keeps its owner"
+
+
+@pytest.mark.parametrize(
+    ("labels", "error", "code"),
+    [
+        ({"other": "label"}, PolicyViolation, "volume_foreign"),
+        (volume_labels("bob"), Forbidden, "volume_not_owned"),
+    ],
+)
+def test_a_foreign_or_another_users_volume_is_refused_with_nothing_made(
+    labels: dict[str, str], error: type[Exception], code: str
+) -> None:
+    world = bind_world(FakeBinds())
+    world.docker.create_volume("db", labels)
+    world.docker.create_volume("slicebox-al-ice-db", labels)
+    for fields in (
+        {"mounts": [{"kind": "volume", "source": "db", "target": "/data"}]},
+        {"workspace": {"kind": "volume", "name": "db"}},
+    ):
+        with pytest.raises(error) as refused:
+            world.manager.create(spec(**fields))
+        assert getattr(refused.value, "code", None) == code
+    assert world.docker.containers == {}
+    assert world.user_slices() == set()
+    assert set(world.docker.volume_table) == {"cache", "db", "slicebox-al-ice-db"}
+
+
+def test_a_missing_volume_in_mounts_is_refused_rather_than_made_by_docker() -> None:
+    world = bind_world(FakeBinds())
+    with pytest.raises(PolicyViolation) as refused:
+        world.manager.create(spec(mounts=[{"kind": "volume", "source": "nope", "target": "/d"}]))
+    assert refused.value.code == "mount_source_missing"
+    assert "nope" not in world.docker.volume_table
+
+
+def test_a_failed_start_removes_the_volume_it_made() -> None:
+    world = bind_world(FakeBinds())
+    world.docker.fail_start = True
+    with pytest.raises(InvalidRequest):
+        world.manager.create(spec(workspace={"kind": "volume", "name": "w"}))
+    assert "slicebox-al-ice-w" not in world.docker.volume_table

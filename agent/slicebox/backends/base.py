@@ -90,6 +90,16 @@ class SandboxInfo(BaseModel):
     state: SandboxState
 
 
+class VolumeInfo(BaseModel):
+    """A named volume: its name, labels, and where its data lives on the host."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    labels: dict[str, str]
+    mountpoint: str  # the host directory (a local volume's); "" when the driver has none
+
+
 class ExecAttachment(Protocol):
     def read(self, timeout: float) -> list[StreamChunk] | None:
         """Output that arrived within ``timeout`` seconds ([] if none); None at end of stream."""
@@ -154,3 +164,15 @@ class SandboxBackend(ExecApi, Protocol):
 
     def remove(self, backend_id: str) -> bool:
         """Kill and remove; False when it was gone already or another removal has it."""
+
+    def volume(self, name: str) -> VolumeInfo | None:
+        """A named volume; None when there is none."""
+
+    def create_volume(self, name: str, labels: Mapping[str, str]) -> VolumeInfo:
+        """Make a local named volume with ``labels``."""
+
+    def remove_volume(self, name: str) -> bool:
+        """Remove a volume; False when it is gone already or a container still uses it."""
+
+    def volumes(self, labels: Mapping[str, str]) -> list[VolumeInfo]:
+        """Every volume carrying all of ``labels``, in one listing call."""

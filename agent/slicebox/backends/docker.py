@@ -41,6 +41,7 @@ from slicebox.backends.base import (
     SandboxInfo,
     SandboxRequest,
     SandboxState,
+    VolumeInfo,
 )
 from slicebox.backends.dockerstream import (
     AsyncRawExecAttachment,
@@ -287,6 +288,39 @@ class DockerBackend:
             return False
         return True
 
+    # --- volumes ----------------------------------------------------------------------------
+
+    def volume(self, name: str) -> VolumeInfo | None:
+        try:
+            attrs = self._call(f"volume {name}", lambda api: api.inspect_volume(name))
+        except SandboxNotFound:
+            return None
+        return _volume(attrs)
+
+    def create_volume(self, name: str, labels: Mapping[str, str]) -> VolumeInfo:
+        attrs = self._call(
+            f"volume {name}",
+            lambda api: api.create_volume(name, driver="local", labels=dict(labels)),
+        )
+        return _volume(attrs)
+
+    def remove_volume(self, name: str) -> bool:
+        try:
+            self._call(f"volume {name}", lambda api: api.remove_volume(name))
+        except SandboxNotFound:
+            return False
+        except SliceboxError as exc:
+            if "in use" not in exc.message:
+                raise
+            log.info("volume %s is still in use; it stays", name)
+            return False
+        return True
+
+    def volumes(self, labels: Mapping[str, str]) -> list[VolumeInfo]:
+        wanted = [f"{key}={value}" for key, value in labels.items()]
+        found = self._call("the volumes", lambda api: api.volumes(filters={"label": wanted}))
+        return [_volume(entry) for entry in (found or {}).get("Volumes") or []]
+
     # --- exec primitives ------------------------------------------------------------------
 
     def sandbox_pid(self, backend_id: str) -> int:
@@ -394,6 +428,14 @@ def _listed(entry: Mapping[str, Any]) -> SandboxInfo:
         name=str(names[0]).lstrip("/"),
         labels=entry.get("Labels") or {},
         state=SandboxState.parse(entry.get("State")),
+    )
+
+
+def _volume(attrs: Mapping[str, Any]) -> VolumeInfo:
+    return VolumeInfo(
+        name=str(attrs["Name"]),
+        labels=attrs.get("Labels") or {},
+        mountpoint=str(attrs.get("Mountpoint") or ""),
     )
 
 

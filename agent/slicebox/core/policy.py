@@ -4,7 +4,7 @@ Pure functions of (request, config, host memory) that raise before anything is c
 refusal has its own stable code so a caller can tell them apart:
 
     policy_privileged, policy_host_namespace, policy_network, policy_capability, policy_mount,
-    mount_escape (the kernel's checks of a bind source: host.beneath),
+    policy_root, mount_escape (the kernel's checks of a bind source: host.beneath),
     ttl_too_long, invalid_limit, invalid_name, admission_refused
 """
 
@@ -15,6 +15,7 @@ from pathlib import PurePosixPath
 
 from pydantic import BaseModel, ConfigDict
 
+from slicebox.backends.base import WORKSPACE
 from slicebox.host.beneath import escape, outside_roots, root_for
 from slicebox.model.config import Config
 from slicebox.model.errors import AdmissionRefused, PolicyViolation
@@ -28,7 +29,7 @@ from slicebox.model.limits import (
     plain_number,
 )
 from slicebox.model.names import SliceNames, slice_names
-from slicebox.model.spec import Mount, MountKind, SandboxSpec
+from slicebox.model.spec import Mount, MountKind, SandboxSpec, WorkspaceKind
 
 _VOLUME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -102,6 +103,66 @@ def check_security(spec: SandboxSpec, config: Config) -> None:
     _check_capabilities(spec.cap_add, config)
     for mount in spec.mounts:
         check_mount(mount, config.bind_roots_for(spec.user))
+    check_workspace(spec, config)
+    check_run_as(spec, config)
+
+
+def workspace_mount(spec: SandboxSpec) -> Mount | None:
+    """A host workspace as the bind it is (its source still to be pinned by the kernel)."""
+    workspace = spec.workspace
+    if workspace is None or workspace.kind is not WorkspaceKind.HOST or workspace.path is None:
+        return None
+    return Mount(source=workspace.path, target=WORKSPACE, read_only=workspace.read_only)
+
+
+def check_workspace(spec: SandboxSpec, config: Config) -> None:
+    if spec.workspace is None:
+        return
+    if any(m.target.rstrip("/") == WORKSPACE for m in spec.mounts):
+        raise PolicyViolation(
+            f"both 'workspace' and a mount target {WORKSPACE}; give the one or the other",
+            code="policy_mount",
+        )
+    bind = workspace_mount(spec)
+    if bind is not None:
+        check_mount(bind, config.bind_roots_for(spec.user))
+
+
+def runs_as_root(run_as: str | None) -> bool:
+    """Whether ``run_as`` names uid 0 in so many words (``0``, ``root``, ``0:0``...): a name
+    that maps to 0 only in the image's passwd is found once the sandbox runs."""
+    return run_as is not None and run_as.split(":", 1)[0].strip() in {"0", "root"}
+
+
+def writable_host_mount(spec: SandboxSpec) -> bool:
+    bind = workspace_mount(spec)
+    binds = [*spec.mounts, *([bind] if bind else [])]
+    return any(m.kind is MountKind.BIND and not m.read_only for m in binds)
+
+
+def check_root(user: str, spec: SandboxSpec, config: Config) -> None:
+    """Refuse uid 0 for ``user`` unless the config allows it, and with a writable host mount
+    always: a root process with CAP_CHOWN/FSETID there plants setuid-root files on the host."""
+    if user not in config.root_users:
+        raise PolicyViolation(
+            f"sandboxes of {user!r} may not run as uid 0; leave 'run_as' out (they run as a "
+            "non-root uid) or name a non-root user, or ask an operator to add you to "
+            "root_users",
+            code="policy_root",
+            field="run_as",
+        )
+    if writable_host_mount(spec):
+        raise PolicyViolation(
+            "a sandbox with a writable host mount may not run as uid 0; mount it read-only "
+            "or run as a non-root user",
+            code="policy_root",
+            field="run_as",
+        )
+
+
+def check_run_as(spec: SandboxSpec, config: Config) -> None:
+    if runs_as_root(spec.run_as):
+        check_root(spec.user, spec, config)
 
 
 def _check_network(network: str, config: Config) -> None:

@@ -24,7 +24,7 @@ from slicebox.host.journal import Auditor
 from slicebox.model.audit import AuditEvent, AuditRecord
 from slicebox.model.config import ReaperConfig
 from slicebox.model.errors import SliceboxError
-from slicebox.model.labels import selector
+from slicebox.model.labels import VOLUME_MARK, selector
 from slicebox.model.reaper import Action, Kind, Outcome, Report
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ class Reaper:
             slices=self._slices.running_slices(),
             timers=deadlines.timers() if deadlines is not None else [],
             state_dirs=sorted(p.name for p in _children(state_dir)),
+            volumes=self._backend.volumes({VOLUME_MARK: "true"}),
             adopted=self.adopted,
             empty_since=self._seen_empty_since(),
         )
@@ -148,6 +149,7 @@ class Reaper:
             Kind.STOP_TIMER: self._stop_timer,
             Kind.REMOVE_FILES: lambda a: _remove_tree(self._config().state_dir / a.sandbox_id),
             Kind.STOP_SLICE: lambda a: self._sandboxes.stop_slice_if_idle(a.target),
+            Kind.REMOVE_VOLUME: lambda a: self._backend.remove_volume(a.target),
         }
         return steps[action.kind](action), None
 

@@ -33,6 +33,10 @@ The rules, each with its :class:`Rule` name in the plan and the audit:
   the start and the arming): the timer is armed from the label.
 - ``stale_deadline``: a timer whose sandbox is gone.
 - ``leftover_files``: a state directory whose sandbox is gone.
+- ``volume_orphaned``: a workspace volume without ``keep`` whose root task has no sandbox left
+  (its last destroy could not remove it: a sibling still ran, or the agent stopped), and for
+  whose user no create is in progress (that create may be about to mount it again). A volume
+  a container still mounts is skipped: Docker refuses to remove it.
 - ``empty_slice``: a user or project slice no sandbox and no create in progress uses, and has
   not used for ``reaper.empty_slice_grace_seconds``. Destroying a sandbox leaves its slices
   alone, so a project whose sandboxes come and go (one-shot runs) keeps them instead of making
@@ -50,12 +54,12 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-from slicebox.backends.base import SandboxInfo, SandboxState
+from slicebox.backends.base import SandboxInfo, SandboxState, VolumeInfo
 from slicebox.core.deadlines import Timer, latest
 from slicebox.core.sandboxes import Sandbox
 from slicebox.model.config import OrphanPolicy, ReaperConfig
 from slicebox.model.errors import SliceboxError
-from slicebox.model.labels import PREFIX, stamp
+from slicebox.model.labels import PREFIX, decode_volume, stamp
 from slicebox.model.names import parse_slice
 from slicebox.model.reaper import Action, Kind, Rule
 
@@ -78,6 +82,7 @@ class Observed(BaseModel):
     slices: list[str] = []  # running user and project slices
     timers: list[Timer] = []
     state_dirs: list[str] = []  # sandbox ids that have a state directory
+    volumes: list[VolumeInfo] = []  # workspace volumes (labelled slicebox.volume=true)
     in_flight: dict[str, tuple[str, str]] = {}  # creates in progress: id -> (user, project)
     busy: frozenset[str] = frozenset()  # sandboxes an operation holds (seen after in_flight)
     adopted: frozenset[str] = frozenset()
@@ -113,6 +118,7 @@ def plan_pass(observed: Observed, now: datetime, policy: ReaperConfig) -> Plan:
         *_missing_deadlines(sandboxes, alive, deadlines, now),
         *_stale_timers(observed, sandboxes),
         *_leftover_files(observed, alive),
+        *_stale_volumes(observed, alive),
         *_past_grace(empty, since, now, policy.empty_slice_grace_seconds),
     ]
     return Plan(actions, since)
@@ -290,6 +296,30 @@ def _leftover_files(observed: Observed, alive: dict[str, Sandbox]) -> list[Actio
         for sandbox_id in sorted(observed.state_dirs)
         if sandbox_id not in alive and sandbox_id not in observed.in_flight
     ]
+
+
+def _stale_volumes(observed: Observed, alive: dict[str, Sandbox]) -> list[Action]:
+    tasks = {sandbox.lineage.root_task_id for sandbox in alive.values()}
+    creating = {user for user, _ in observed.in_flight.values()}
+    actions = []
+    for volume in sorted(observed.volumes, key=lambda v: v.name):
+        lineage = decode_volume(volume.labels)
+        if lineage is None or lineage.keep or lineage.user in creating:
+            continue
+        if lineage.root_task_id not in tasks:
+            actions.append(
+                Action(
+                    kind=Kind.REMOVE_VOLUME,
+                    rule=Rule.VOLUME_ORPHANED,
+                    target=volume.name,
+                    user=lineage.user,
+                    project=lineage.project,
+                    root_task_id=lineage.root_task_id,
+                    reason=f"its root task {lineage.root_task_id} has no sandbox left and it "
+                    "is not kept",
+                )
+            )
+    return actions
 
 
 def _empty_slices(observed: Observed, alive: dict[str, Sandbox]) -> list[Action]:

@@ -13,6 +13,7 @@ stops them once they have been empty for ``reaper.empty_slice_grace_seconds``.
 from __future__ import annotations
 
 import logging
+import pwd
 import re
 import secrets
 import threading
@@ -26,18 +27,38 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-from slicebox.backends.base import SandboxBackend, SandboxInfo, SandboxRequest
+from slicebox.backends.base import (
+    WORKSPACE,
+    SandboxBackend,
+    SandboxInfo,
+    SandboxRequest,
+    VolumeInfo,
+)
 from slicebox.core.deadlines import Deadlines
-from slicebox.core.policy import Admitted, admit, check_ttl
+from slicebox.core.policy import (
+    Admitted,
+    admit,
+    check_root,
+    check_ttl,
+    runs_as_root,
+    workspace_mount,
+)
 from slicebox.core.slices import SliceManager
 from slicebox.host.beneath import BindGuard, KernelBindGuard, Pinned
 from slicebox.model.config import Config
-from slicebox.model.errors import ImageUnavailable, InvalidRequest, NotFound, Unavailable
-from slicebox.model.labels import Lineage, decode, selector
+from slicebox.model.errors import (
+    Forbidden,
+    ImageUnavailable,
+    InvalidRequest,
+    NotFound,
+    PolicyViolation,
+    Unavailable,
+)
+from slicebox.model.labels import Lineage, VolumeLineage, decode, decode_volume, selector
 from slicebox.model.limits import Limits
 from slicebox.model.names import SliceCgroups, SliceNames, scope_name, slice_names
 from slicebox.model.paths import CGROUP_ROOT
-from slicebox.model.spec import MountKind, SandboxSpec
+from slicebox.model.spec import Mount, MountKind, SandboxSpec, WorkspaceKind
 
 log = logging.getLogger(__name__)
 
@@ -221,15 +242,24 @@ class SandboxManager:
         """Use ``config`` from now on (``systemctl reload``); running sandboxes keep theirs."""
         self._config = config
 
-    def create(self, spec: SandboxSpec, *, one_shot: bool = False) -> Sandbox:
+    def create(
+        self,
+        spec: SandboxSpec,
+        *,
+        one_shot: bool = False,
+        owner: tuple[int, int] | None = None,
+    ) -> Sandbox:
         """Admit, place and start a sandbox; on any failure nothing is left behind.
 
         ``one_shot``: for a one-shot run. The sandbox is labelled so, and it is returned with
         an operation held on it, taken as it stops being in flight (no reaper pass finds it
         free in between); the caller ends it (``end_operation``) once it has removed it.
-        The reaper removes a one-shot sandbox that no operation holds (``run_ended``)."""
-        admitted = admit(spec, self._config, self._host_memory)
+        The reaper removes a one-shot sandbox that no operation holds (``run_ended``).
+        ``owner``: the (uid, gid) of the user the sandbox is for, as the kernel told the agent
+        (the caller's own); left out, it is looked up by name. A host workspace runs as it."""
+        admitted = self._who_runs(admit(spec, self._config, self._host_memory), owner)
         self._check_backend(spec)
+        self._check_volume_mounts(admitted.spec)
         admitted, pinned = self._pin_binds(admitted)
         lineage = self._lineage(admitted, one_shot=one_shot)
         known = self._image_known(admitted.image)
@@ -238,15 +268,22 @@ class SandboxManager:
         with self._creating(lineage, hold=one_shot):
             made = self._ensure_slices(admitted, lineage.sandbox_id)
             try:
-                info = self._start(_request(admitted, lineage), image_known=known)
+                fresh = self._ensure_volume(admitted.spec, lineage)
             except BaseException:
                 self._undo(made, lineage.sandbox_id)
                 raise
             try:
-                self._verify_binds(info.id, pinned)
+                info = self._start(_request(admitted, lineage), image_known=known)
+            except BaseException:
+                self._drop_volume(fresh)
+                self._undo(made, lineage.sandbox_id)
+                raise
+            try:
+                self._check_started(info.id, admitted.spec, pinned, fresh)
                 self._arm(lineage.sandbox_id, info.id, lineage.expires_at, new=True)
             except BaseException:
                 self.remove_container(info.id)
+                self._drop_volume(fresh)
                 self._undo(made, lineage.sandbox_id)
                 raise
         log.info(
@@ -256,6 +293,113 @@ class SandboxManager:
             admitted.placement.names.project,
         )
         return Sandbox.from_info(info)
+
+    # --- who the sandbox runs as, and its workspace ------------------------------------------
+
+    def _who_runs(self, admitted: Admitted, owner: tuple[int, int] | None) -> Admitted:
+        """The spec with its host workspace as a bind at /workspace and ``run_as`` decided:
+        as asked; else the owner's uid:gid with a host workspace (what the sandbox writes
+        there is theirs); else the configured non-root default."""
+        spec = admitted.spec
+        bind = workspace_mount(spec)
+        run_as = spec.run_as
+        if run_as is None and bind is not None:
+            uid, gid = owner or self._owner_ids(spec.user)
+            run_as = f"{uid}:{gid}"
+            if uid == 0:
+                check_root(spec.user, spec, self._config)
+        update = {
+            "run_as": run_as or self._config.default_run_as,
+            "mounts": (*spec.mounts, *([bind] if bind else [])),
+        }
+        return admitted.model_copy(update={"spec": spec.model_copy(update=update)})
+
+    def _owner_ids(self, user: str) -> tuple[int, int]:
+        """``user``'s uid and primary gid from the user database; ``uid<N>`` (a caller without
+        a name) is N; a user nobody knows gets the configured default."""
+        try:
+            entry = pwd.getpwnam(user)
+        except KeyError:
+            if user.startswith("uid") and user[3:].isdigit():
+                return int(user[3:]), int(user[3:])
+            uid, gid = self._config.default_run_as.split(":")
+            return int(uid), int(gid)
+        return entry.pw_uid, entry.pw_gid
+
+    def _check_volume_mounts(self, spec: SandboxSpec) -> None:
+        """A volume in ``mounts`` is one of the caller's own workspace volumes, never another
+        user's, nor one slicebox did not make, nor a missing one (Docker would make it)."""
+        for mount in spec.mounts:
+            if mount.kind is MountKind.VOLUME:
+                found = self._backend.volume(mount.source)
+                if found is None:
+                    raise PolicyViolation(
+                        f"volume {mount.source!r} does not exist; give a workspace of kind "
+                        "volume to have slicebox make one",
+                        code="mount_source_missing",
+                    )
+                self._check_owner(found, spec.user)
+
+    def _check_owner(self, volume: VolumeInfo, user: str) -> None:
+        lineage = decode_volume(volume.labels)
+        if lineage is None:
+            raise PolicyViolation(
+                f"volume {volume.name!r} was not made by slicebox; choose another name",
+                code="volume_foreign",
+            )
+        if lineage.user != user:
+            raise Forbidden(
+                f"volume {volume.name!r} is another user's workspace; use a name of your own",
+                code="volume_not_owned",
+            )
+
+    def _ensure_volume(self, spec: SandboxSpec, lineage: Lineage) -> VolumeInfo | None:
+        """The workspace volume: an existing one of the caller's (a kept or named one), or a
+        new one with the sandbox's lineage; the new one is returned (None otherwise), for
+        the start to give to the sandbox's uid and a failed create to remove."""
+        name = lineage.workspace_volume
+        workspace = spec.workspace
+        if not name or workspace is None:
+            return None
+        found = self._backend.volume(name)
+        if found is not None:
+            self._check_owner(found, spec.user)
+            return None
+        labels = VolumeLineage(
+            user=spec.user,
+            project=spec.project,
+            root_task_id=lineage.root_task_id,
+            sandbox_id=lineage.sandbox_id,
+            keep=workspace.keep,
+            created_at=lineage.created_at,
+        ).to_labels()
+        return self._backend.create_volume(name, labels)
+
+    def _drop_volume(self, volume: VolumeInfo | None) -> None:
+        if volume is not None:
+            self._backend.remove_volume(volume.name)
+
+    def _check_started(
+        self,
+        container_id: str,
+        spec: SandboxSpec,
+        pinned: tuple[Pinned, ...],
+        fresh: VolumeInfo | None,
+    ) -> None:
+        """What only the running sandbox tells: each bind is what was pinned
+        (host.beneath.verify), its uid is not 0 unless allowed (a user name can map to 0 in
+        the image's passwd), and a volume made for it belongs to that uid."""
+        ids = _numeric_ids(spec.run_as)
+        if not pinned and ids is not None and fresh is None:
+            return
+        pid = self._backend.sandbox_pid(container_id)
+        for bind in pinned:
+            self._binds.verify(pid, bind)
+        uid, gid = ids or self._binds.ids_of(pid)
+        if uid == 0 and not runs_as_root(spec.run_as):
+            check_root(spec.user, spec, self._config)
+        if fresh is not None and fresh.mountpoint:
+            self._binds.own(fresh.mountpoint, uid, gid)
 
     def _pin_binds(self, admitted: Admitted) -> tuple[Admitted, tuple[Pinned, ...]]:
         """Each bind source opened by the kernel beneath the caller's root (host.beneath),
@@ -274,14 +418,6 @@ class SandboxManager:
         return admitted.model_copy(
             update={"spec": spec.model_copy(update={"mounts": mounts})}
         ), pinned
-
-    def _verify_binds(self, container_id: str, pinned: tuple[Pinned, ...]) -> None:
-        """The running sandbox sees what was pinned at each target (host.beneath.verify)."""
-        if not pinned:
-            return
-        pid = self._backend.sandbox_pid(container_id)
-        for bind in pinned:
-            self._binds.verify(pid, bind)
 
     def get(self, sandbox_id: str, *, current_deadline: bool = False) -> Sandbox:
         """The sandbox; with ``current_deadline`` its ``expires_at`` is the one systemd holds
@@ -345,8 +481,24 @@ class SandboxManager:
             gone = self._backend.remove(sandbox.container_id)
             self._slices.wait_stopped(scope_name(sandbox.container_id))
         self._vacate(sandbox)
+        if gone:
+            self._release_volume(sandbox)
         log.info("destroyed %s" if gone else "%s was gone or going already", sandbox.id)
         return gone, seen
+
+    def _release_volume(self, sandbox: Sandbox) -> None:
+        """Remove the sandbox's workspace volume with its root task's last sandbox, unless it
+        is kept. One that stays (a sibling's destroy raced this one) is the reaper's
+        (``volume_orphaned``)."""
+        name = sandbox.lineage.workspace_volume
+        volume = self._backend.volume(name) if name else None
+        lineage = decode_volume(volume.labels) if volume else None
+        if lineage is None or lineage.keep:
+            return
+        if self._backend.find(selector(root_task_id=lineage.root_task_id)):
+            return
+        if self._backend.remove_volume(name):
+            log.info("removed workspace volume %s with its root task", name)
 
     def remove_container(self, container_id: str) -> bool:
         """Remove a container whatever its labels say (the reaper's last resort)."""
@@ -472,6 +624,7 @@ class SandboxManager:
             provisioned_memory_bytes=limits.memory_bytes,
             provisioned_pids=limits.pids,
             oneshot=one_shot,
+            workspace_volume=_volume_name(spec, sandbox_id),
         )
 
     def _ancestry(self, spec: SandboxSpec, task_id: str) -> tuple[str, int]:
@@ -567,6 +720,36 @@ def _request(admitted: Admitted, lineage: Lineage) -> SandboxRequest:
         env=spec.env,
         user=spec.run_as,
         workdir=spec.workdir,
-        mounts=spec.mounts,
+        mounts=spec.mounts + _volume_mount(spec, lineage),
         cap_add=tuple(cap.upper().removeprefix("CAP_") for cap in spec.cap_add),
     )
+
+
+def _volume_name(spec: SandboxSpec, sandbox_id: str) -> str:
+    """A volume workspace's Docker name: the user's prefix keeps users' names apart."""
+    workspace = spec.workspace
+    if workspace is None or workspace.kind is not WorkspaceKind.VOLUME:
+        return ""
+    return f"slicebox-{spec.user}-{workspace.name or sandbox_id}"
+
+
+def _volume_mount(spec: SandboxSpec, lineage: Lineage) -> tuple[Mount, ...]:
+    if not lineage.workspace_volume:
+        return ()
+    read_only = spec.workspace is not None and spec.workspace.read_only
+    return (
+        Mount(
+            kind=MountKind.VOLUME,
+            source=lineage.workspace_volume,
+            target=WORKSPACE,
+            read_only=read_only,
+        ),
+    )
+
+
+def _numeric_ids(run_as: str | None) -> tuple[int, int] | None:
+    """``uid:gid`` as numbers; None for a name, or a uid alone (its gid is the image's)."""
+    uid, _, gid = (run_as or "").partition(":")
+    if uid.isdigit() and gid.isdigit():
+        return int(uid), int(gid)
+    return None

@@ -180,10 +180,11 @@ class Service:
         made: Sandbox | None = None
         try:
             with self._audit(AuditEvent.SANDBOX_CREATED, who, project=request.project) as record:
-                spec = SandboxSpec.model_validate(
-                    {**request.model_dump(), "user": who.acting_user(request.user)}
-                )
-                made = self._sandboxes.create(spec, one_shot=one_shot)
+                user = who.acting_user(request.user)
+                spec = SandboxSpec.model_validate({**request.model_dump(), "user": user})
+                # The kernel's word for the caller's own ids; another user's are looked up.
+                owner = (who.uid, who.gid) if user == who.user_name else None
+                made = self._sandboxes.create(spec, one_shot=one_shot, owner=owner)
                 record.update(subject(made))
         except BaseException:
             if made is not None and one_shot:  # made, but its record failed: no run follows

@@ -211,12 +211,42 @@ def _refused(message: str, code: str = "policy_mount") -> PolicyViolation:
     return PolicyViolation(message, code=code)
 
 
+def ids_of(pid: int, proc: Path = Path("/proc")) -> tuple[int, int]:
+    """The effective (uid, gid) of process ``pid``, as the kernel holds them (its status)."""
+    uid = gid = None
+    for line in (proc / str(pid) / "status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("Uid", "Gid"):
+            effective = int(value.split()[1])
+            uid, gid = (effective, gid) if key == "Uid" else (uid, effective)
+    if uid is None or gid is None:
+        raise OSError(f"{proc}/{pid}/status has no Uid or Gid line")
+    return uid, gid
+
+
+def own_directory(path: str, uid: int, gid: int) -> None:
+    """Give the directory ``path`` (a volume's data, just made) to ``uid:gid``; a symlink or
+    anything but a directory there is refused, never followed."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchown(fd, uid, gid)
+    finally:
+        os.close(fd)
+
+
 class BindGuard(Protocol):
-    """How a create pins its bind sources and checks them once mounted (fakes in unit tests)."""
+    """How a create pins its bind sources and checks them once mounted, and the kernel's other
+    answers a create needs (fakes in unit tests)."""
 
     def pin(self, source: str, target: str, roots: tuple[PurePosixPath, ...]) -> Pinned: ...
 
     def verify(self, pid: int, pinned: Pinned) -> None: ...
+
+    def ids_of(self, pid: int) -> tuple[int, int]:
+        """The effective (uid, gid) a sandbox's process runs as."""
+
+    def own(self, directory: str, uid: int, gid: int) -> None:
+        """Give a fresh volume's directory to the sandbox's uid:gid."""
 
 
 class KernelBindGuard:
@@ -230,3 +260,9 @@ class KernelBindGuard:
 
     def verify(self, pid: int, pinned: Pinned) -> None:
         verify(pid, pinned, self._proc)
+
+    def ids_of(self, pid: int) -> tuple[int, int]:
+        return ids_of(pid, self._proc)
+
+    def own(self, directory: str, uid: int, gid: int) -> None:
+        own_directory(directory, uid, gid)

@@ -78,6 +78,13 @@ CODES: tuple[ErrorCode, ...] = (
         "Give `source`, an absolute `target` and `kind` bind or volume.",
     ),
     _c(
+        "invalid_workspace",
+        400,
+        "A workspace is malformed: an unknown kind, a host workspace without `path`, or a "
+        "volume workspace with one.",
+        "Give `kind` host with `path`, or `kind` volume with an optional `name` and `keep`.",
+    ),
+    _c(
         "invalid_request",
         400,
         "The request is well-formed but cannot be done as asked (a child naming another root "
@@ -123,6 +130,27 @@ CODES: tuple[ErrorCode, ...] = (
         "A bind mount is outside the caller's own roots (`bind_roots`, `{user}` being the "
         "caller), or a volume name is invalid.",
         "Mount a directory under one of your roots; name volumes with letters, digits, '_.-'.",
+    ),
+    _c(
+        "policy_root",
+        400,
+        "The sandbox would run as uid 0: the caller is not in `root_users`, or it has a "
+        "writable host mount (a root process there could plant setuid-root files on the host).",
+        "Leave `run_as` out (a non-root uid), name a non-root user, or mount the host "
+        "directory read-only.",
+    ),
+    _c(
+        "volume_not_owned",
+        403,
+        "The volume is another user's workspace volume.",
+        "Use a volume name of your own; `slicebox` volumes belong to the user who made them.",
+    ),
+    _c(
+        "volume_foreign",
+        400,
+        "The volume exists but slicebox did not make it (no lineage labels): it may hold "
+        "another service's data.",
+        "Choose another name, or give a workspace of kind volume and let slicebox make it.",
     ),
     _c(
         "mount_escape",

@@ -8,7 +8,9 @@ when the file is loaded, so a bad value is refused at load time, naming its fiel
     default_image = "alpine:3.19"
     default_ttl_seconds = 3600   # a sandbox's TTL when its request gives none
     max_ttl_seconds = 86400      # the most a create or an extend may ask (at most a year)
-    bind_roots = ["/srv/slicebox/{user}"]  # {user}: the caller's own name
+    bind_roots = ["/srv/slicebox/{user}"]  # {user}: the caller's own name; host workspaces too
+    default_run_as = "65534:65534"  # uid:gid of a sandbox without a host workspace
+    root_users = ["ops"]          # users whose sandboxes may run as uid 0 (none by default)
     exec_output_budget = "512MB"  # exec output held at once, all callers; default below
     [managed]
     memory = "75%"
@@ -148,6 +150,12 @@ class Config(_Strict):
     projects: dict[str, CeilingConfig] = {}
     sandbox: SandboxDefaults = SandboxDefaults()
     bind_roots: tuple[PurePosixPath, ...] = ()
+    # Who a sandbox runs as when its request names no one and it has no host workspace (one
+    # with runs as the caller): a fixed non-root uid:gid, numeric so stock images without
+    # such a user run it all the same.
+    default_run_as: str = Field(default="65534:65534", pattern=r"^[1-9][0-9]*:[1-9][0-9]*$")
+    # The only users whose sandboxes may run as uid 0, and never with a writable host mount.
+    root_users: frozenset[str] = frozenset()
     allowed_capabilities: frozenset[str] = DEFAULT_CAPABILITIES
     allowed_networks: frozenset[str] = frozenset({"none", "bridge"})
     reaper: ReaperConfig = ReaperConfig()

@@ -45,6 +45,8 @@ class Lineage(BaseModel):
     # one that no operation holds is left over (its agent stopped meanwhile, or the removal
     # failed), and the reaper removes it (``run_ended``).
     oneshot: bool = False
+    # The workspace volume slicebox made or reused for this sandbox ("" when none).
+    workspace_volume: str = ""
 
     def to_labels(self) -> dict[str, str]:
         values = {
@@ -65,8 +67,49 @@ class Lineage(BaseModel):
             "provisioned.pids": str(self.provisioned_pids),
             "pool": "true" if self.pool else "false",
             "oneshot": "true" if self.oneshot else "false",
+            "workspace_volume": self.workspace_volume,
         }
         return {PREFIX + key: value for key, value in values.items()}
+
+
+VOLUME_MARK = f"{PREFIX}volume"
+
+
+class VolumeLineage(BaseModel):
+    """A workspace volume's labels: whose it is, the root task it goes with, whether it stays."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    user: str
+    project: str
+    root_task_id: str
+    sandbox_id: str  # the sandbox whose create made it
+    keep: bool = False
+    created_at: datetime
+
+    def to_labels(self) -> dict[str, str]:
+        values = {
+            "user": self.user,
+            "project": self.project,
+            "root_task_id": self.root_task_id,
+            "sandbox_id": self.sandbox_id,
+            "keep": "true" if self.keep else "false",
+            "created_at": stamp(self.created_at),
+        }
+        return {VOLUME_MARK: "true"} | {PREFIX + key: value for key, value in values.items()}
+
+
+def decode_volume(labels: Mapping[str, str]) -> VolumeLineage | None:
+    """A volume's lineage; None for a volume slicebox did not make (or whose labels are not
+    all ours)."""
+    if labels.get(VOLUME_MARK) != "true":
+        return None
+    ours = {k[len(PREFIX) :]: v for k, v in labels.items() if k.startswith(PREFIX)}
+    ours.pop("volume")
+    try:
+        return VolumeLineage.model_validate(ours)
+    except ValidationError:
+        return None
 
 
 def is_managed(labels: Mapping[str, str]) -> bool:

@@ -22,6 +22,7 @@ class Rule(StrEnum):
     STALE_DEADLINE = "stale_deadline"
     LEFTOVER_FILES = "leftover_files"
     EMPTY_SLICE = "empty_slice"
+    VOLUME_ORPHANED = "volume_orphaned"
 
 
 class Kind(StrEnum):
@@ -32,10 +33,12 @@ class Kind(StrEnum):
     STOP_TIMER = "stop_timer"
     REMOVE_FILES = "remove_files"
     STOP_SLICE = "stop_slice"
+    REMOVE_VOLUME = "remove_volume"
 
 
 class Action(BaseModel):
-    """One step of a plan; ``target`` is a sandbox id, container id, unit or directory."""
+    """One step of a plan; ``target`` is a sandbox id, container id, unit, directory or
+    volume."""
 
     model_config = ConfigDict(frozen=True)
 

@@ -33,11 +33,12 @@ FIELD_CODES: dict[str, str] = {
     "project": "invalid_name",
     "ttl_seconds": "invalid_ttl",
     "mounts": "invalid_mount",
+    "workspace": "invalid_workspace",
 }
 DEFAULT_CODE = "invalid_field"
 # Fields whose value is one scalar: what pydantic appends after them (the union member it
 # tried, an item index) is noise to a caller. A mount's inner path says which mount is wrong.
-_LEAVES = frozenset(FIELD_CODES) - {"mounts"}
+_LEAVES = frozenset(FIELD_CODES) - {"mounts", "workspace"}
 _TYPE_TAGS = frozenset({"int", "float", "str", "bool", "none", "list", "tuple", "dict"})
 _CLASSES: dict[str, type[InvalidRequest]] = {
     "invalid_command": InvalidCommand,

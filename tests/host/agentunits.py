@@ -16,12 +16,16 @@ SOCKET = Path("/run/slicebox/slicebox.sock")
 CONFIG = Path("/etc/slicebox/config.toml")
 
 
+WORKSPACE_ROOTS = "/srv/sbx-ws"  # each test user's host workspaces go below <this>/<user>
+
+
 def agent_config(reaper: str = "") -> str:
     """The test agents' config: the guest's image, and ``reaper`` settings after a grace of 0
     for empty slices, so a reaper pass after a test's destroys takes the slices they left
     (with the default they would stay 300 s) and proves that none leaks."""
     return (
         'default_image = "slicebox-test/busybox:latest"\n'
+        f'bind_roots = ["{WORKSPACE_ROOTS}/{{user}}"]\n'
         f"[reaper]\nempty_slice_grace_seconds = 0\n{reaper}"
     )
 

@@ -4,13 +4,22 @@ identity, sandboxes in the slice tree, exec, one-shot runs, streaming, reload, j
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from slicebox.model.audit import MESSAGE_IDS, AuditEvent
-from tests.host.agentunits import CONFIG, SOCKET, TEST_CONFIG, installed_agent
+from tests.host.agentunits import (
+    CONFIG,
+    SOCKET,
+    TEST_CONFIG,
+    WORKSPACE_ROOTS,
+    installed_agent,
+)
 from tests.host.helpers import CGROUP_ROOT, sh, unique, wait_for
 
 pytestmark = pytest.mark.host
@@ -151,3 +160,109 @@ def test_reload_applies_a_changed_ceiling_live(agent: None) -> None:
     finally:
         CONFIG.write_text(TEST_CONFIG)
         as_user("sbxalice", "rm", box["id"])
+
+
+def as_curl(user: str, method: str, path: str, body: object) -> dict[str, object]:
+    """A raw API call as ``user`` (for fields the CLI has no option for)."""
+    call = ["curl", "-s", "--unix-socket", str(SOCKET), "-X", method, f"http://localhost{path}"]
+    data = ["-H", "Content-Type: application/json", "-d", json.dumps(body)]
+    out = subprocess.run(
+        ["runuser", "-u", user, "--", *call, *data],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return dict(json.loads(out))
+
+
+def refused_code(result: subprocess.CompletedProcess[str]) -> str:
+    """The code of the CLI's ``slicebox: <code>: <message>``."""
+    assert result.returncode != 0, result.stdout
+    return result.stderr.split(": ")[1] if result.stderr.startswith("slicebox: ") else result.stderr
+
+
+def test_workspaces_are_the_callers_own_through_the_socket(agent: None) -> None:
+    """Host workspaces run as the caller (their files are theirs, no setuid-root can be made
+    there) and cannot be turned into the host's root; volumes carry lineage, are mountable by
+    their owner only, stay when kept and go with their root task otherwise."""
+    home = Path(WORKSPACE_ROOTS) / "sbxalice"
+    code = home / "code"
+    code.mkdir(parents=True)
+    uid, gid = (int(sh("id", flag, "sbxalice").stdout) for flag in ("-u", "-g"))
+    os.chown(home, uid, gid)
+    os.chown(code, uid, gid)
+    made: list[str] = []
+    plain = unique("plain-")
+    sh("docker", "volume", "create", plain)
+    try:
+        created = as_user("sbxalice", "--json", "create", "--workspace", f"host:{code}")
+        assert created.returncode == 0, created.stderr
+        box = json.loads(created.stdout)
+        made.append(box["id"])
+        wrote = as_user(
+            "sbxalice", "exec", box["id"], "--", "sh", "-c",
+            "id -u; echo hi > f; cp /bin/busybox s; chmod u+s s; chown 0 s; ln -s / esc",
+        )  # fmt: skip
+        assert wrote.stdout.splitlines()[0] == str(uid), "the sandbox runs as the caller"
+        assert "Operation not permitted" in wrote.stderr, "chown to root is refused"
+        assert ((code / "f").stat().st_uid, (code / "f").stat().st_gid) == (uid, gid)
+        assert all(p.lstat().st_uid == uid for p in code.iterdir()), "nothing of root's there"
+        assert (code / "esc").is_symlink()
+
+        escapes = {
+            f"{code}/esc": "mount_escape",
+            f"{code}/esc/etc": "mount_escape",
+            f"{code}/../../../etc": "mount_escape",
+            f"{WORKSPACE_ROOTS}/sbxbob": "policy_mount",
+        }
+        for path, code_word in escapes.items():
+            tried = as_user("sbxalice", "create", "--workspace", f"host:{path}")
+            assert refused_code(tried) == code_word, (path, tried.stderr)
+        root = as_user("sbxalice", "create", "--run-as", "0", "--workspace", f"host:{code}")
+        assert refused_code(root) == "policy_root"
+
+        task = unique("ws-task-")
+        kept = json.loads(
+            as_user(
+                "sbxalice", "--json", "create", "--root-task", task, "--workspace", "volume:data",
+                "--keep",
+            ).stdout
+        )  # fmt: skip
+        made.append(kept["id"])
+        volume = kept["workspace_volume"]
+        assert volume == "slicebox-sbxalice-data"
+        labels = json.loads(sh("docker", "volume", "inspect", volume).stdout)[0]["Labels"]
+        assert labels["slicebox.user"] == "sbxalice"
+        assert labels["slicebox.root_task_id"] == task
+        assert labels["slicebox.keep"] == "true"
+        wrote = as_user("sbxalice", "exec", kept["id"], "--", "sh", "-c", "echo kept > k")
+        assert wrote.returncode == 0, wrote.stderr  # the fresh volume is the sandbox's uid's
+        for mount, code_word in ((volume, "volume_not_owned"), (plain, "volume_foreign")):
+            body = {"mounts": [{"kind": "volume", "source": mount, "target": "/x"}]}
+            answer = as_curl("sbxbob", "POST", "/v1/sandboxes", body)
+            assert answer["error"]["code"] == code_word, answer  # type: ignore[index]
+        as_user("sbxalice", "rm", kept["id"])
+        assert sh("docker", "volume", "inspect", volume, check=False).returncode == 0, "kept"
+        again = json.loads(
+            as_user("sbxalice", "--json", "create", "--workspace", "volume:data").stdout
+        )
+        made.append(again["id"])
+        read = as_user("sbxalice", "exec", again["id"], "--", "cat", "k")
+        assert read.stdout == "kept\n"
+
+        brief = json.loads(as_user("sbxalice", "--json", "create", "--workspace", "volume").stdout)
+        made.append(brief["id"])
+        sh("docker", "rm", "-f", brief["container_id"])  # its agent never saw it go
+        sh("slicebox", "reap")
+        gone = sh("docker", "volume", "inspect", brief["workspace_volume"], check=False)
+        assert gone.returncode != 0, "the reaper took the volume of a root task that is gone"
+        audit = sh("journalctl", "--no-pager", "-o", "json", "SLICEBOX_RULE=volume_orphaned").stdout
+        assert brief["workspace_volume"] in audit
+    finally:
+        for sandbox in made:
+            as_user("sbxalice", "rm", sandbox)
+        for name in ("slicebox-sbxalice-data", plain):
+            sh("docker", "volume", "rm", "-f", name, check=False)
+        shutil.rmtree(home)
+    leftover = sh("docker", "volume", "ls", "-q", "--filter", "label=slicebox.user=sbxalice")
+    assert leftover.stdout.split() == []

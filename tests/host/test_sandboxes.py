@@ -6,6 +6,7 @@ docker inspect), never only what slicebox asked for. Container starts are kept f
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -235,6 +236,8 @@ REFUSED: list[tuple[dict[str, object], str]] = [
     ({"project": "../etc"}, "invalid_name"),
     ({"image": "slicebox-test/absent:1"}, "image_unavailable"),
     ({"run_as": "nosuchuser"}, "container_start_failed"),
+    ({"run_as": "0:0"}, "policy_root"),
+    ({"mounts": [Mount(kind="volume", source="absent", target="/x")]}, "mount_source_missing"),
 ]
 
 
@@ -268,6 +271,7 @@ def test_a_symlink_planted_through_a_writable_bind_cannot_reach_the_hosts_root(e
     manager = env.manager(config)
     (mine / "ws" / "sub").mkdir(parents=True)
     (theirs / "ws").mkdir(parents=True)
+    os.chown(mine / "ws", 65534, 65534)  # the sandbox runs as the default non-root uid
     boxes: list[Sandbox] = []
     mounted = mine / "ws" / "mnt"
 

@@ -41,6 +41,34 @@ def _sandbox_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttl", type=int, help="seconds until the reaper destroys it")
     parser.add_argument("--root-task", help="root task id (lineage)")
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE, repeatable")
+    parser.add_argument(
+        "--workspace",
+        metavar="KIND[:WHAT]",
+        help="/workspace from host:PATH (a directory under your roots; the sandbox runs as "
+        "you) or volume[:NAME] (a volume of yours, made if new); default: a tmpfs",
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the workspace volume after its root task"
+    )
+    parser.add_argument("--read-only", action="store_true", help="mount the workspace read-only")
+    parser.add_argument("--run-as", help="uid[:gid] or user name (default: a non-root uid)")
+
+
+def _workspace(options: argparse.Namespace) -> dict[str, object] | None:
+    given = options.workspace
+    if given is None:
+        if options.keep or options.read_only:
+            raise InvalidRequest("--keep and --read-only need --workspace", field="workspace")
+        return None
+    kind, _, what = given.partition(":")
+    workspace: dict[str, object] = {"kind": kind, "read_only": options.read_only}
+    if kind == "host":
+        workspace["path"] = what or None
+    elif what:
+        workspace["name"] = what
+    if options.keep:
+        workspace["keep"] = True
+    return workspace
 
 
 def _exec_options(parser: argparse.ArgumentParser) -> None:
@@ -117,6 +145,8 @@ def _spec(options: argparse.Namespace) -> CreateSandbox:
         "ttl_seconds": options.ttl,
         "root_task_id": options.root_task,
         "env": _env(options.env) or None,
+        "workspace": _workspace(options),
+        "run_as": options.run_as,
     }
     return _parse(CreateSandbox, fields)
 

@@ -83,6 +83,7 @@ def view_of(sandbox: Sandbox) -> SandboxView:
         parent_id=lineage.parent_id,
         depth=lineage.depth,
         limits=sandbox.limits,
+        workspace_volume=lineage.workspace_volume,
     )
 
 

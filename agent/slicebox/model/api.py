@@ -57,6 +57,7 @@ class SandboxView(BaseModel):
     parent_id: str
     depth: int
     limits: Limits
+    workspace_volume: str = ""  # the Docker volume at /workspace, when it is one
 
 
 class Destroyed(BaseModel):

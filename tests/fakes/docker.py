@@ -62,7 +62,7 @@ class FakeDocker:
         self.down: str | None = None  # why the daemon is unreachable, when it is
         self.created = 0
         self.volume_table: dict[str, VolumeInfo] = {}
-        self.chowned: dict[str, tuple[int, int]] = {}
+        self.volume_root = ""  # where volumes' data is said to live; "": no local directory
 
     def availability(self) -> Availability:
         if self.down is not None:
@@ -142,7 +142,8 @@ class FakeDocker:
 
     def create_volume(self, name: str, labels: Mapping[str, str]) -> VolumeInfo:
         self._reachable()
-        made = VolumeInfo(name=name, labels=dict(labels), mountpoint=f"/fake/volumes/{name}")
+        mountpoint = f"{self.volume_root}/{name}" if self.volume_root else ""
+        made = VolumeInfo(name=name, labels=dict(labels), mountpoint=mountpoint)
         return self.volume_table.setdefault(name, made)
 
     def remove_volume(self, name: str) -> bool:

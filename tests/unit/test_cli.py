@@ -120,6 +120,9 @@ def test_every_other_command_answers_in_models(agent: Agent, capfdbinary: Fd) ->
         return capfdbinary.readouterr().out
 
     box = SandboxView.model_validate_json(answer("create", "--project", "web", "--ttl", "60"))
+    kept = SandboxView.model_validate_json(answer("create", "--workspace", "volume:w", "--keep"))
+    assert kept.workspace_volume.endswith("-w")
+    assert Destroyed.model_validate_json(answer("rm", kept.id)).destroyed
     assert [v["id"] for v in json.loads(answer("ps"))] == [box.id]
     assert SandboxView.model_validate_json(answer("extend", box.id, "600")).expires_at
     assert ResourceUsage.model_validate_json(answer("usage", box.id)).sandbox is not None
@@ -145,6 +148,10 @@ def test_every_other_command_answers_in_models(agent: Agent, capfdbinary: Fd) ->
         (["create", "--memory", "lots"], b"invalid_limit"),
         (["create", "--ttl", "1000000000000"], b"ttl_too_long: ttl_seconds is more than"),
         (["run", "--ttl", "86401", "--", "x"], b"ttl_too_long: ttl_seconds is more than"),
+        (["create", "--workspace", "host"], b"invalid_workspace: workspace: a host workspace needs"),
+        (["create", "--workspace", "disk:x"], b"invalid_workspace: workspace.kind"),
+        (["create", "--keep"], b"--keep and --read-only need --workspace"),
+        (["create", "--run-as", "0"], b"policy_root: sandboxes of"),
     ],
 )
 def test_mistakes_exit_2_with_the_code_and_what_to_do(

@@ -266,6 +266,7 @@ class FakeBinds:
 
 def bind_world(binds: FakeBinds, extra: str = "") -> World:
     world = World('bind_roots = ["/srv/ws/{user}"]\n' + extra, binds)
+    world.docker.volume_root = "/fake/volumes"
     world.docker.create_volume("cache", volume_labels("al-ice"))
     return world
 

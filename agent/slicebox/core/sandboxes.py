@@ -48,6 +48,7 @@ from slicebox.host.beneath import BindGuard, KernelBindGuard, Pinned
 from slicebox.model.config import Config
 from slicebox.model.errors import (
     Forbidden,
+    HostError,
     ImageUnavailable,
     InvalidRequest,
     NotFound,
@@ -399,7 +400,13 @@ class SandboxManager:
         if uid == 0 and not runs_as_root(spec.run_as):
             check_root(spec.user, spec, self._config)
         if fresh is not None and fresh.mountpoint:
-            self._binds.own(fresh.mountpoint, uid, gid)
+            try:
+                self._binds.own(fresh.mountpoint, uid, gid)
+            except OSError as exc:
+                raise HostError(
+                    f"the new workspace volume {fresh.name} could not be given to uid {uid} "
+                    f"({exc.strerror}); is the agent on the Docker host, as root?"
+                ) from exc
 
     def _pin_binds(self, admitted: Admitted) -> tuple[Admitted, tuple[Pinned, ...]]:
         """Each bind source opened by the kernel beneath the caller's root (host.beneath),

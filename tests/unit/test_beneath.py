@@ -17,7 +17,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 
 from slicebox.host import beneath
-from slicebox.host.beneath import Pinned, pin, root_for, verify
+from slicebox.host.beneath import Pinned, ids_of, own_mounted, pin, root_for, verify
 from slicebox.model.errors import PolicyViolation
 
 
@@ -124,3 +124,30 @@ def test_verify_compares_what_the_process_sees_at_the_target(root: Path, tmp_pat
     assert changed.value.code == "mount_changed"
     with pytest.raises(PolicyViolation, match="cannot be read"):
         verify(os.getpid(), pinned.model_copy(update={"target": str(tmp_path / "gone")}))
+
+
+def test_a_fresh_volume_is_given_away_only_when_the_sandbox_sees_that_very_directory(
+    tmp_path: Path,
+) -> None:
+    sandbox_root = tmp_path / "container"
+    (sandbox_root / "workspace").mkdir(parents=True)
+    (sandbox_root / "elsewhere").mkdir()
+    (tmp_path / "proc" / "7").mkdir(parents=True)
+    (tmp_path / "proc" / "7" / "root").symlink_to(sandbox_root)
+    volume = str(sandbox_root / "workspace")
+    ids, proc = (os.getuid(), os.getgid()), tmp_path / "proc"
+    own_mounted(7, "/workspace", volume, ids, proc)
+    with pytest.raises(OSError, match="is not"):
+        own_mounted(7, "/workspace", str(sandbox_root / "elsewhere"), ids, proc)
+    (sandbox_root / "workspace").rmdir()
+    (sandbox_root / "workspace").symlink_to(sandbox_root / "elsewhere")
+    with pytest.raises(OSError, match=r"Not a directory|symbolic links"):  # never followed
+        own_mounted(7, "/workspace", volume, ids, proc)
+
+
+def test_ids_of_reads_the_effective_uid_and_gid(tmp_path: Path) -> None:
+    (tmp_path / "9").mkdir()
+    (tmp_path / "9" / "status").write_text(
+        "Name:\tsh\nUid:\t5\t1000\t1000\t1000\nGid:\t6\t99\t99\t99\n"
+    )
+    assert ids_of(9, tmp_path) == (1000, 99)

@@ -148,7 +148,10 @@ def test_every_other_command_answers_in_models(agent: Agent, capfdbinary: Fd) ->
         (["create", "--memory", "lots"], b"invalid_limit"),
         (["create", "--ttl", "1000000000000"], b"ttl_too_long: ttl_seconds is more than"),
         (["run", "--ttl", "86401", "--", "x"], b"ttl_too_long: ttl_seconds is more than"),
-        (["create", "--workspace", "host"], b"invalid_workspace: workspace: a host workspace needs"),
+        (
+            ["create", "--workspace", "host"],
+            b"workspace: a host workspace needs",
+        ),
         (["create", "--workspace", "disk:x"], b"invalid_workspace: workspace.kind"),
         (["create", "--keep"], b"--keep and --read-only need --workspace"),
         (["create", "--run-as", "0"], b"policy_root: sandboxes of"),

@@ -260,8 +260,9 @@ class FakeBinds:
     def ids_of(self, pid: int) -> tuple[int, int]:
         return self.ids
 
-    def own(self, directory: str, uid: int, gid: int) -> None:
-        self.owned.append((directory, uid, gid))
+    def own(self, pid: int, target: str, source: str, uid: int, gid: int) -> None:
+        assert target == "/workspace"
+        self.owned.append((source, uid, gid))
 
 
 def bind_world(binds: FakeBinds, extra: str = "") -> World:

@@ -401,7 +401,7 @@ class SandboxManager:
             check_root(spec.user, spec, self._config)
         if fresh is not None and fresh.mountpoint:
             try:
-                self._binds.own(fresh.mountpoint, uid, gid)
+                self._binds.own(pid, WORKSPACE, fresh.mountpoint, uid, gid)
             except OSError as exc:
                 raise HostError(
                     f"the new workspace volume {fresh.name} could not be given to uid {uid} "

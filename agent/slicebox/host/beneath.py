@@ -224,12 +224,28 @@ def ids_of(pid: int, proc: Path = Path("/proc")) -> tuple[int, int]:
     return uid, gid
 
 
-def own_directory(path: str, uid: int, gid: int) -> None:
-    """Give the directory ``path`` (a volume's data, just made) to ``uid:gid``; a symlink or
-    anything but a directory there is refused, never followed."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def own_mounted(
+    pid: int, target: str, source: str, ids: tuple[int, int], proc: Path = Path("/proc")
+) -> None:
+    """Give the directory mounted at ``target`` in process ``pid``'s view (a fresh volume) to
+    ``ids`` (uid, gid). It is reached through ``/proc/<pid>/root``, the sandbox's own mounts (the
+    agent's view of the host is read-only), and only once its device and inode are those of
+    ``source``, the volume's directory on the host: a symlink or anything else there is
+    refused, never followed."""
+    root = os.open(proc / str(pid) / "root", O_PATH_FLAGS | os.O_DIRECTORY)
     try:
-        os.fchown(fd, uid, gid)
+        fd = os.open(
+            target.lstrip("/"),
+            os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+            dir_fd=root,
+        )
+    finally:
+        os.close(root)
+    try:
+        seen, want = os.fstat(fd), os.stat(source, follow_symlinks=False)
+        if (seen.st_dev, seen.st_ino) != (want.st_dev, want.st_ino):
+            raise OSError(errno.EXDEV, f"{target} in the sandbox is not {source}")
+        os.fchown(fd, *ids)
     finally:
         os.close(fd)
 
@@ -245,8 +261,9 @@ class BindGuard(Protocol):
     def ids_of(self, pid: int) -> tuple[int, int]:
         """The effective (uid, gid) a sandbox's process runs as."""
 
-    def own(self, directory: str, uid: int, gid: int) -> None:
-        """Give a fresh volume's directory to the sandbox's uid:gid."""
+    def own(self, pid: int, target: str, source: str, uid: int, gid: int) -> None:
+        """Give a fresh volume, ``source`` on the host and mounted at ``target`` in the
+        sandbox of process ``pid``, to the sandbox's uid:gid."""
 
 
 class KernelBindGuard:
@@ -264,5 +281,5 @@ class KernelBindGuard:
     def ids_of(self, pid: int) -> tuple[int, int]:
         return ids_of(pid, self._proc)
 
-    def own(self, directory: str, uid: int, gid: int) -> None:
-        own_directory(directory, uid, gid)
+    def own(self, pid: int, target: str, source: str, uid: int, gid: int) -> None:
+        own_mounted(pid, target, source, (uid, gid), self._proc)

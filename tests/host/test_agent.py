@@ -256,8 +256,11 @@ def test_workspaces_are_the_callers_own_through_the_socket(agent: None) -> None:
         sh("slicebox", "reap")
         gone = sh("docker", "volume", "inspect", brief["workspace_volume"], check=False)
         assert gone.returncode != 0, "the reaper took the volume of a root task that is gone"
-        audit = sh("journalctl", "--no-pager", "-o", "json", "SLICEBOX_RULE=volume_orphaned").stdout
-        assert brief["workspace_volume"] in audit
+        audit = sh(
+            "journalctl", "--no-pager", "-o", "json", "SLICEBOX_REAPER_RULE=volume_orphaned",
+            f"SLICEBOX_ROOT_TASK_ID={brief['root_task_id']}",
+        ).stdout  # fmt: skip
+        assert [json.loads(line)["SLICEBOX_RESULT"] for line in audit.splitlines()] == ["ok"]
     finally:
         for sandbox in made:
             as_user("sbxalice", "rm", sandbox)

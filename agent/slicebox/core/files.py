@@ -118,22 +118,26 @@ class CappedSource:
 
 class Relay:
     """A download's output (a :class:`~slicebox.core.execution.Capture`): stdout is streamed
-    whole and counted against the cap, kept nowhere; only stderr's head is kept, for the error
-    message."""
+    whole up to the cap, kept nowhere; only stderr's head is kept, for the error message.
+    Past the cap, what is streamed stops exactly at it and ``over`` says so: a caller that got
+    ``files_max_bytes`` bytes of a stream cut off knows why."""
 
     def __init__(self, cap: int) -> None:
-        self._cap = cap
+        self.cap = cap
         self._stderr = OutputCapture(STDERR_KEPT)
         self.relayed = 0
+        self.over = False
 
     def add(self, chunk: StreamChunk) -> StreamChunk | None:
         if chunk.stream is OutputStream.STDERR:
             self._stderr.add(chunk)
             return None
-        self.relayed += len(chunk.data)
-        if self.relayed > self._cap:
-            raise too_large(self._cap)
-        return chunk
+        if self.over:
+            raise too_large(self.cap)
+        head = chunk.data[: self.cap - self.relayed]
+        self.relayed += len(head)
+        self.over = len(head) < len(chunk.data)
+        return StreamChunk(stream=chunk.stream, data=head) if head else None
 
     def result(
         self, *, exit_code: int, timed_out: bool, oom_killed: bool, duration: float
@@ -298,6 +302,8 @@ class Files:
                     else:
                         tally.moved += len(event.data)
                         yield event.data
+                    if relay.over:  # closing the stream kills the exec
+                        raise too_large(relay.cap)
 
     async def stat(
         self, who: Identity, sandbox_id: str, query: FilesQuery, blocking: Blocking

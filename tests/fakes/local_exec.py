@@ -52,7 +52,9 @@ class LocalHost:
 
 class LocalAttachment:
     def __init__(self, process: asyncio.subprocess.Process, stdin: bytes | StdinSource) -> None:
-        assert process.stdin and process.stdout and process.stderr
+        assert process.stdin is not None
+        assert process.stdout is not None
+        assert process.stderr is not None
         self._process = process
         self._queue: asyncio.Queue[StreamChunk | None] = asyncio.Queue(maxsize=2)
         self._open = 2

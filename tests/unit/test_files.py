@@ -137,11 +137,13 @@ def test_what_cannot_be_done_has_its_code(
 ) -> None:
     box = world.create(ALICE)
     (world.root / "workspace" / "a-file").write_text("x")
+    body = Pieces([b"not a tar archive at all" * 100])
     with pytest.raises(SliceboxError) as caught:
-        if direction == "up":
-            upload(world, box, path, Pieces([b"not a tar archive at all" * 100]), fmt)
-        else:
-            download(world, box, path, fmt)
+        _ = (
+            upload(world, box, path, body, fmt)
+            if direction == "up"
+            else download(world, box, path, fmt)
+        )
     assert caught.value.code == code
     assert path in caught.value.message or code == "file_transfer_failed"
     assert world.transfers()[-1]["SLICEBOX_RESULT"] == code

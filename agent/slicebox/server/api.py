@@ -129,25 +129,14 @@ def make_middlewares(users: UserDirectory) -> list[Any]:
             request[IDENTITY_KEY] = await run_in(pools_of(request).calls, resolve, creds, users)
             return await handler(request)
         except SliceboxError as exc:
-            return _unread_closes(
-                request, error_response(exc.http_status, exc.code, exc.message, exc.field)
-            )
+            return error_response(exc.http_status, exc.code, exc.message, exc.field)
         except web.HTTPException as exc:
-            return _unread_closes(request, _http_error(exc))
+            return _http_error(exc)
         except Exception:
             log.exception("unexpected error on %s %s", request.method, request.path)
             return error_response(500, "internal", "the agent failed; see its journal")
 
     return [envelope]
-
-
-def _unread_closes(request: web.Request, response: web.Response) -> web.Response:
-    """An error answered before the body was read to its end (too large, an upload refused
-    midway) closes the connection: otherwise the agent would read the rest of a body it does
-    not want, and the caller would send it all before it read the answer."""
-    if request.body_exists and not request.content.is_eof():
-        response.force_close()
-    return response
 
 
 _HTTP_CODES = {404: "unknown_route", 405: "method_not_allowed", 413: "body_too_large"}

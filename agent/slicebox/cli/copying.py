@@ -74,6 +74,7 @@ def tar_pieces(source: Path, name: str) -> Iterator[bytes]:
         if stat.S_ISSOCK(path.lstat().st_mode):  # tar cannot hold a socket
             continue
         info = archive.gettarinfo(str(path), member)
+        info.mtime = int(info.mtime)  # a float would cost every entry a pax header
         yield info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
         if info.isreg():
             yield from _contents(path, info.size)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.host.agentunits import installed_agent, prop
-from tests.host.helpers import sh, wait_for
+from tests.host.helpers import journal_records, ordinary_user, sh, wait_for
 
 pytestmark = pytest.mark.host
 
@@ -90,9 +90,7 @@ class PeakRss:
 @pytest.fixture(scope="module")
 def work() -> Iterator[Path]:
     """A directory the user owns, with the 200 MiB tree in ``src``."""
-    with installed_agent():
-        sh("userdel", USER, check=False)  # a previous run that was killed
-        sh("useradd", "--no-create-home", "--shell", "/bin/sh", "-G", "slicebox", USER)
+    with installed_agent(), ordinary_user(USER):
         sh("systemctl", "start", "slicebox.socket")
         top = Path(tempfile.mkdtemp(prefix="slicebox-files-", dir="/var/tmp"))
         try:
@@ -111,7 +109,6 @@ def work() -> Iterator[Path]:
             for sandbox in json.loads(sh("slicebox", "--json", "ps").stdout):
                 sh("slicebox", "rm", sandbox["id"], check=False)
             shutil.rmtree(top, ignore_errors=True)
-            sh("userdel", USER, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -151,16 +148,7 @@ def test_workspace_is_the_tmpfs_the_archive_api_could_not_reach(box: str) -> Non
 
 def test_each_transfer_is_in_the_journal(box: str) -> None:
     def records() -> list[dict[str, str]]:
-        out = sh(
-            "journalctl",
-            "-o",
-            "json",
-            "--no-pager",
-            "SLICEBOX_EVENT=file_transfer",
-            f"SLICEBOX_SANDBOX_ID={box}",
-            check=False,
-        ).stdout
-        return [json.loads(line) for line in out.splitlines() if line.strip()]
+        return journal_records(SLICEBOX_EVENT="file_transfer", SLICEBOX_SANDBOX_ID=box)
 
     wait_for(lambda: len(records()) >= 4, timeout=10)
     assert {r["SLICEBOX_RESULT"] for r in records()} == {"ok"}

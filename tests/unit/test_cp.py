@@ -7,7 +7,6 @@ import asyncio
 import hashlib
 import io
 import os
-import socket
 import sys
 import tarfile
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ import pytest
 
 from slicebox.cli import main
 from slicebox.cli.asyncclient import AsyncClient
-from slicebox.cli.client import Client
+from slicebox.cli.client import Client, _UnixConnection
 from slicebox.cli.copying import Location, parse_location
 from slicebox.model import errors
 from slicebox.model.api import CreateSandbox
@@ -147,19 +146,14 @@ def test_an_upload_over_the_cap_is_413_with_its_code(agent: Agent, box: str) -> 
 
 
 def test_a_declared_length_over_the_cap_is_refused_before_the_body(agent: Agent, box: str) -> None:
-    head = (
-        f"PUT /v1/sandboxes/{box}/files?path=/workspace/f&format=file HTTP/1.1\r\n"
-        f"Host: localhost\r\nContent-Length: {5 * MiB}\r\n\r\n"
-    ).encode()
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(10)
-        s.connect(agent.socket)
-        s.sendall(head)  # no body at all: the answer must not wait for it
-        answer = b""
-        while not answer.endswith(b"}"):  # the head and the JSON, however they are split
-            answer += s.recv(65536)
-    assert answer.startswith(b"HTTP/1.1 413")
-    assert b'"file_too_large"' in answer
+    conn = _UnixConnection(agent.socket, timeout=10)
+    conn.putrequest("PUT", f"/v1/sandboxes/{box}/files?path=/workspace/f&format=file")
+    conn.putheader("Content-Length", str(5 * MiB))
+    conn.endheaders()  # and no body at all: the answer must not wait for one
+    answer = conn.getresponse()
+    assert answer.status == 413
+    assert b'"file_too_large"' in answer.read()
+    conn.close()
 
 
 def test_a_download_over_the_cap_is_an_error_not_a_short_file(agent: Agent, box: str) -> None:

@@ -8,8 +8,10 @@ once the other end reads, every byte arrives, in order, followed by the half-clo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import socket
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -52,41 +54,47 @@ async def _read_to_the_end(attachment: AsyncRawExecAttachment) -> None:
         pass
 
 
+@contextlib.asynccontextmanager
+async def attached(source: Counted) -> AsyncIterator[tuple[AsyncRawExecAttachment, socket.socket]]:
+    """An attachment feeding ``source`` to one end of a socket pair; the other end is Docker's."""
+    ours, daemon = socket.socketpair()
+    daemon.setblocking(False)
+    attachment = AsyncRawExecAttachment(ours, b"", source)
+    try:
+        yield attachment, daemon
+    finally:
+        attachment.close()
+        daemon.close()
+
+
 def test_a_streamed_stdin_waits_for_the_socket_then_arrives_whole() -> None:
     async def scenario() -> None:
-        ours, daemon = socket.socketpair()
-        daemon.setblocking(False)
         source = Counted()
-        attachment = AsyncRawExecAttachment(ours, b"", source)
-        try:
+        async with attached(source) as (attachment, daemon):
             for _ in range(20):  # the engine reading output meanwhile; nothing comes
                 assert await attachment.read(0.01) == []
             held = source.pulled
-            buffers = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-            buffers += daemon.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+            buffers = attachment_buffers(daemon)
             assert held * PIECE <= buffers + 2 * PIECE, "pulled more than the socket took"
             assert held < PIECES
             digest, size = await _drain(daemon)  # ends at the half-close
             assert (digest, size) == (source.sent.hexdigest(), PIECES * PIECE)
-        finally:
-            attachment.close()
-            daemon.close()
 
     asyncio.run(scenario())
 
 
+def attachment_buffers(daemon: socket.socket) -> int:
+    """What the pair can hold in flight: its send and receive buffers (the same on each end)."""
+    send = daemon.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    return send + daemon.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+
+
 def test_a_failing_source_ends_the_next_read_with_its_error() -> None:
     async def scenario() -> None:
-        ours, daemon = socket.socketpair()
-        daemon.setblocking(False)
-        attachment = AsyncRawExecAttachment(ours, b"", Counted(fail_at=3))
-        try:
+        async with attached(Counted(fail_at=3)) as (attachment, daemon):
             drained = asyncio.ensure_future(_drain(daemon))
             with pytest.raises(TooLarge):
                 await _read_to_the_end(attachment)
-        finally:
-            attachment.close()
-            daemon.close()
         drained.cancel()
 
     asyncio.run(scenario())
@@ -94,15 +102,11 @@ def test_a_failing_source_ends_the_next_read_with_its_error() -> None:
 
 def test_a_command_that_stops_reading_ends_the_feeding_quietly() -> None:
     async def scenario() -> None:
-        ours, daemon = socket.socketpair()
         source = Counted()
-        attachment = AsyncRawExecAttachment(ours, b"", source)
-        daemon.close()  # the command exited; Docker closed its side
-        try:
+        async with attached(source) as (attachment, daemon):
+            daemon.close()  # the command exited; Docker closed its side
             while (chunks := await attachment.read(0.05)) is not None:
                 assert chunks == []
-        finally:
-            attachment.close()
         assert source.pulled < PIECES
 
     asyncio.run(scenario())

@@ -35,6 +35,7 @@ to a ``Capture`` of their own that streams all of stdout and keeps only stderr's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -365,6 +366,18 @@ def _in_thread(events: AsyncGenerator[T, None]) -> Generator[T, None, None]:
     finally:
         loop.run_until_complete(events.aclose())
         loop.close()
+
+
+async def result_of(events: AsyncGenerator[ExecEvent, None]) -> ExecResult:
+    """An exec's result, its stream read to the end (its output left to whoever yields it)."""
+    result: ExecResult | None = None
+    async with contextlib.aclosing(events):
+        async for event in events:
+            if isinstance(event, ExecResult):
+                result = event
+    if result is None:  # pragma: no cover - the engine always ends with its result
+        raise SliceboxError("the exec stream ended without a result")
+    return result
 
 
 def explain_start_failure(result: ExecResult) -> ExecResult:

@@ -34,7 +34,7 @@ from enum import StrEnum
 from slicebox.backends.base import StdinSource
 from slicebox.core.blocking import Blocking, settle
 from slicebox.core.execaudit import DETAIL_MAX, refused, subject
-from slicebox.core.execution import ExecEngine, OutputCapture
+from slicebox.core.execution import ExecEngine, OutputCapture, result_of
 from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
@@ -275,7 +275,7 @@ class Files:
                 raise too_large(self.cap())
             events = self._engine.astream(sandbox.container_id, request, blocking, stdin=source)
             try:
-                result = await _result_of(events)
+                result = await result_of(events)
             finally:
                 tally.moved = source.received
             check(result, query, Direction.UPLOAD)
@@ -314,7 +314,7 @@ class Files:
             events = self._engine.astream(
                 sandbox.container_id, _request(stat_argv(query)), blocking
             )
-            result = await _result_of(events)
+            result = await result_of(events)
         check(result, query, None)
         said = result.stdout.decode(errors="replace").strip()
         kind = FileKind(said) if said in set(FileKind) else FileKind.OTHER
@@ -342,15 +342,3 @@ class Files:
         record = tally.ending(who, None)
         assert record is not None
         await settle(blocking, functools.partial(self._auditor.record, record))
-
-
-async def _result_of(events: AsyncGenerator[object, None]) -> ExecResult:
-    """An exec's result, its stream read to the end (any output was handed to its capture)."""
-    result: ExecResult | None = None
-    async with contextlib.aclosing(events):
-        async for event in events:
-            if isinstance(event, ExecResult):
-                result = event
-    if result is None:  # pragma: no cover - the engine always ends with its result
-        raise SliceboxError("the transfer's exec ended without a result")
-    return result

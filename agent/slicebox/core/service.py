@@ -21,7 +21,7 @@ from pathlib import PurePosixPath
 from slicebox.core.blocking import Aside, Blocking, settle
 from slicebox.core.budget import OutputBudget, Reservation
 from slicebox.core.execaudit import audited_aexec, audited_exec, refused, subject
-from slicebox.core.execution import ExecEngine
+from slicebox.core.execution import ExecEngine, result_of
 from slicebox.core.files import Files
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import Sandbox, SandboxManager
@@ -360,16 +360,9 @@ class Service:
         known: Sandbox | None = None,
     ) -> ExecResult:
         """``aexec``; ``known`` as in ``_exec``."""
-        result: ExecResult | None = None
-        async with contextlib.aclosing(
+        return await result_of(
             self._aexec_stream(who, sandbox_id, request, held, blocking, known=known)
-        ) as events:
-            async for event in events:
-                if isinstance(event, ExecResult):
-                    result = event
-        if result is None:  # pragma: no cover - the engine always ends with its result
-            raise SliceboxError("the exec stream ended without a result")
-        return result
+        )
 
     async def arun(
         self,

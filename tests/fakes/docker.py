@@ -25,6 +25,7 @@ from slicebox.backends.base import (
     SandboxInfo,
     SandboxRequest,
     SandboxState,
+    StdinSource,
     VolumeInfo,
 )
 from slicebox.model.errors import (
@@ -179,14 +180,18 @@ class FakeDocker:
             raise SandboxNotRunning(f"sandbox {backend_id} is not running ({info.state})")
         return 100
 
-    def exec_create(self, backend_id: str, request: ExecRequest) -> str:
+    def exec_create(
+        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
+    ) -> str:
         self.sandbox_pid(backend_id)
-        return self._execs().exec_create(backend_id, request)
+        return self._execs().exec_create(backend_id, request, streamed_stdin)
 
     def exec_start(self, exec_id: str, stdin: bytes) -> ExecAttachment:
         return self._execs().exec_start(exec_id, stdin)
 
-    async def exec_start_async(self, exec_id: str, stdin: bytes) -> AsyncExecAttachment:
+    async def exec_start_async(
+        self, exec_id: str, stdin: bytes | StdinSource
+    ) -> AsyncExecAttachment:
         return await self._execs().exec_start_async(exec_id, stdin)
 
     def exec_inspect(self, exec_id: str) -> ExecState:

@@ -7,9 +7,11 @@ scripted output stream. Time is a FakeClock that reads advance, so timeouts need
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from slicebox.backends.base import StdinSource
 from slicebox.model.errors import SandboxNotFound
 from slicebox.model.exec import ExecRequest, ExecState, StreamChunk
 
@@ -137,7 +139,9 @@ class FakeExecApi:
             raise SandboxNotFound(f"no sandbox {container_id}")
         return self.containers[container_id]
 
-    def exec_create(self, container_id: str, request: ExecRequest) -> str:
+    def exec_create(
+        self, container_id: str, request: ExecRequest, streamed_stdin: bool = False
+    ) -> str:
         self.run.request = request
         return "exec-1"
 
@@ -147,7 +151,11 @@ class FakeExecApi:
         self.host.started.setdefault(self.run.pid, self.host.process_clock())
         return FakeAttachment(self.run, self.clock, self.host)
 
-    async def exec_start_async(self, exec_id: str, stdin: bytes) -> FakeAsyncAttachment:
+    async def exec_start_async(
+        self, exec_id: str, stdin: bytes | StdinSource
+    ) -> FakeAsyncAttachment:
+        if not isinstance(stdin, bytes):  # a streamed stdin is read whole, then the script runs
+            stdin = b"".join([chunk async for chunk in _chunks(stdin)])
         return FakeAsyncAttachment(self.exec_start(exec_id, stdin))
 
     def exec_inspect(self, exec_id: str) -> ExecState:
@@ -165,3 +173,8 @@ class FakeExecApi:
             running=not finished,
             exit_code=code if finished else None,
         )
+
+
+async def _chunks(source: StdinSource) -> AsyncIterator[bytes]:
+    while chunk := await source.read():
+        yield chunk

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 TEST_IMAGE = "slicebox-test/busybox:latest"
@@ -48,3 +51,21 @@ def stop_unit(name: str) -> None:
     # container below it ("Unit slicebox.slice not found") until systemd reloads.
     if sh("systemctl", "show", "-P", "LoadState", name, check=False).stdout.strip() == "not-found":
         sh("systemctl", "daemon-reload")
+
+
+@contextmanager
+def ordinary_user(name: str) -> Iterator[None]:
+    """A user in group slicebox, no more, for the block (one a killed run left is replaced)."""
+    sh("userdel", name, check=False)
+    sh("useradd", "--no-create-home", "--shell", "/bin/sh", "-G", "slicebox", name)
+    try:
+        yield
+    finally:
+        sh("userdel", name, check=False)
+
+
+def journal_records(**match: str) -> list[dict[str, Any]]:
+    """The journal's entries with these fields (``SLICEBOX_EVENT="exec"``...), as JSON."""
+    matches = [f"{field}={value}" for field, value in match.items()]
+    out = sh("journalctl", "--no-pager", "-o", "json", *matches, check=False).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]

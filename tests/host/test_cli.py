@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.host.agentunits import installed_agent
-from tests.host.helpers import sh
+from tests.host.helpers import ordinary_user, sh
 
 pytestmark = pytest.mark.host
 
@@ -34,9 +34,7 @@ def as_user(*argv: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes
 
 @pytest.fixture(scope="module")
 def box() -> Iterator[str]:
-    with installed_agent():
-        sh("userdel", USER, check=False)  # a previous run that was killed
-        sh("useradd", "--no-create-home", "--shell", "/bin/sh", "-G", "slicebox", USER)
+    with installed_agent(), ordinary_user(USER):
         sh("systemctl", "start", "slicebox.socket")
         try:
             made = as_user("create", "--project", "cli")
@@ -45,7 +43,6 @@ def box() -> Iterator[str]:
         finally:
             for sandbox in json.loads(sh("slicebox", "--json", "ps").stdout):
                 sh("slicebox", "rm", sandbox["id"], check=False)
-            sh("userdel", USER, check=False)
 
 
 def test_a_mebibyte_of_random_bytes_goes_through_cat_unchanged(box: str) -> None:

@@ -36,7 +36,7 @@ from slicebox.model.reaper import Action, Kind, Rule
 from slicebox.model.spec import SandboxSpec
 from tests.fakes.journal import ListJournal
 from tests.host.agentunits import SOCKET, agent_config, installed_agent, prop
-from tests.host.helpers import TEST_IMAGE, sh, unique, wait_for
+from tests.host.helpers import TEST_IMAGE, journal_records, sh, unique, wait_for
 from tests.host.sliceboxhost import active, cleanup_slices, slicebox_units
 
 pytestmark = pytest.mark.host
@@ -228,16 +228,7 @@ def agent() -> Iterator[Client]:
 
 
 def reaper_records(sandbox_id: str) -> list[dict[str, Any]]:
-    out = sh(
-        "journalctl",
-        "--no-pager",
-        "-o",
-        "json",
-        "SLICEBOX_EVENT=reaper_action",
-        f"SLICEBOX_SANDBOX_ID={sandbox_id}",
-        check=False,
-    ).stdout
-    return [json.loads(line) for line in out.splitlines() if line.strip()]
+    return journal_records(SLICEBOX_EVENT="reaper_action", SLICEBOX_SANDBOX_ID=sandbox_id)
 
 
 def container_exists(container_id: str) -> bool:

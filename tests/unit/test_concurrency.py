@@ -50,7 +50,9 @@ class GatedExecs(FakeExecApi):
         self.started = 0  # counted on the agent's loop thread only
         self._ids = itertools.count()
 
-    def exec_create(self, container_id: str, request: ExecRequest) -> str:
+    def exec_create(
+        self, container_id: str, request: ExecRequest, streamed_stdin: bool = False
+    ) -> str:
         return f"exec-{next(self._ids)}"
 
     async def exec_start_async(self, exec_id: str, stdin: bytes) -> GatedAttachment:  # type: ignore[override]

@@ -16,6 +16,7 @@ from typing import Protocol, TypeVar
 
 import pytest
 
+from slicebox.backends.base import StdinSource
 from slicebox.core.blocking import Blocking
 from slicebox.core.execution import KILL_GRACE, ExecEngine, OutputCapture
 from slicebox.model.errors import SandboxNotFound
@@ -298,8 +299,8 @@ class SilentAttachment:
 
 
 class SilentExecs(FakeExecApi):
-    async def exec_start_async(self, exec_id: str, stdin: bytes) -> SilentAttachment:  # type: ignore[override]
-        self.exec_start(exec_id, stdin)
+    async def exec_start_async(self, exec_id: str, stdin: bytes | StdinSource) -> SilentAttachment:  # type: ignore[override]
+        self.exec_start(exec_id, b"")
         return SilentAttachment(self.run, self.host)
 
 

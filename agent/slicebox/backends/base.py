@@ -117,6 +117,15 @@ class AsyncExecAttachment(Protocol):
         """Never blocks: it is called on the event loop."""
 
 
+class StdinSource(Protocol):
+    """An exec's stdin as it arrives (an upload's request body): the attachment asks for the
+    next chunk only once the socket has taken the last, so a slow command slows the sender
+    instead of filling the agent's memory."""
+
+    async def read(self) -> bytes:
+        """The next chunk (tens of KiB at most); b"" at the end."""
+
+
 class ExecApi(Protocol):
     """The exec primitives :class:`slicebox.core.execution.ExecEngine` drives. All but
     ``exec_start_async`` block (briefly: none waits for the command); the agent runs them on its
@@ -125,15 +134,21 @@ class ExecApi(Protocol):
     def sandbox_pid(self, backend_id: str) -> int:
         """Host pid of the running sandbox's init; SandboxNotFound / SandboxNotRunning."""
 
-    def exec_create(self, backend_id: str, request: ExecRequest) -> str:
-        """Create an exec (not started) and return its id."""
+    def exec_create(
+        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
+    ) -> str:
+        """Create an exec (not started) and return its id; ``streamed_stdin``: attach its stdin
+        although ``request.stdin`` is empty, for a :class:`StdinSource` given at the start."""
 
     def exec_start(self, exec_id: str, stdin: bytes) -> ExecAttachment:
         """Start the exec, feed ``stdin`` (then EOF) and return its attached output."""
 
-    async def exec_start_async(self, exec_id: str, stdin: bytes) -> AsyncExecAttachment:
+    async def exec_start_async(
+        self, exec_id: str, stdin: bytes | StdinSource
+    ) -> AsyncExecAttachment:
         """``exec_start`` on the running event loop: nothing in it blocks the loop. Called after
-        ``exec_create`` of the same exec."""
+        ``exec_create`` of the same exec. A :class:`StdinSource` is read as the command takes
+        its stdin; its failure ends the attachment's next read with that error."""
 
     def exec_inspect(self, exec_id: str) -> ExecState: ...
 

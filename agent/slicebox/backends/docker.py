@@ -41,6 +41,7 @@ from slicebox.backends.base import (
     SandboxInfo,
     SandboxRequest,
     SandboxState,
+    StdinSource,
     VolumeInfo,
 )
 from slicebox.backends.dockerstream import (
@@ -332,13 +333,15 @@ class DockerBackend:
             )
         return int(state["Pid"])
 
-    def exec_create(self, backend_id: str, request: ExecRequest) -> str:
+    def exec_create(
+        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
+    ) -> str:
         created = self._call(
             backend_id,
             lambda api: api.exec_create(
                 backend_id,
                 list(request.argv),
-                stdin=bool(request.stdin),
+                stdin=bool(request.stdin) or streamed_stdin,
                 environment=dict(request.env),
                 workdir=request.cwd,
             ),
@@ -352,7 +355,9 @@ class DockerBackend:
         except StartRefused as exc:
             raise map_status(exc.status, exc.text, f"of exec {exec_id}") from exc
 
-    async def exec_start_async(self, exec_id: str, stdin: bytes) -> AsyncRawExecAttachment:
+    async def exec_start_async(
+        self, exec_id: str, stdin: bytes | StdinSource
+    ) -> AsyncRawExecAttachment:
         # The client exists by now (exec_create made it): reading its version makes no call.
         version = str(self._api().api_version)
         try:

@@ -50,6 +50,7 @@ from urllib.parse import SplitResult, urlsplit
 
 from pydantic import BaseModel, ConfigDict
 
+from slicebox.backends.base import StdinSource
 from slicebox.model.errors import HostError, Unavailable
 from slicebox.model.exec import OutputStream, StreamChunk
 from slicebox.model.paths import DOCKER_SOCKET
@@ -280,17 +281,27 @@ class _ExecSocket:
 
     def _write_stdin(self) -> None:
         assert self._stdin is not None
-        try:
-            sent = self._sock.send(self._stdin[:READ_SIZE])
-        except BlockingIOError:
-            return
-        except OSError:  # the process exited without reading all of its stdin
+        sent = self._send(self._stdin[:READ_SIZE])
+        if sent is None:  # the process exited without reading all of its stdin
             sent = len(self._stdin)
         self._stdin = self._stdin[sent:]
         if not self._stdin:
             self._stdin = None
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_WR)
+            self._half_close()
+
+    def _send(self, data: memoryview) -> int | None:
+        """How much of ``data`` the socket took (0: none now); None once the command has
+        stopped reading its stdin."""
+        try:
+            return self._sock.send(data[:READ_SIZE])
+        except BlockingIOError:
+            return 0
+        except OSError:
+            return None
+
+    def _half_close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_WR)
 
 
 class RawExecAttachment(_ExecSocket):
@@ -324,13 +335,23 @@ class RawExecAttachment(_ExecSocket):
 
 class AsyncRawExecAttachment(_ExecSocket):
     """One started exec on the running event loop: the loop wakes the read when the socket is
-    readable, and writes stdin whenever it is writable, whether or not anyone reads."""
+    readable, and writes stdin whenever it is writable, whether or not anyone reads.
 
-    def __init__(self, sock: socket.socket, first_bytes: bytes, stdin: bytes) -> None:
-        super().__init__(sock, first_bytes, stdin)
+    A streamed stdin (:class:`~slicebox.backends.base.StdinSource`) is fed by a task of its own:
+    it asks the source for the next chunk only once the socket has taken the last one, so what
+    the agent holds of it is one chunk, whatever its size. When the source fails (an upload over
+    its cap, a sender gone), the next read raises its error; the command stopping its reading
+    ends the feeding quietly, as for bytes.
+    """
+
+    def __init__(self, sock: socket.socket, first_bytes: bytes, stdin: bytes | StdinSource) -> None:
+        super().__init__(sock, first_bytes, stdin if isinstance(stdin, bytes) else b"")
         self._loop = asyncio.get_running_loop()
         self._fd: int | None = sock.fileno()
-        if self._stdin is not None:
+        self._feeder: asyncio.Task[None] | None = None
+        if not isinstance(stdin, bytes):
+            self._feeder = self._loop.create_task(self._feed(stdin))
+        elif self._stdin is not None:
             self._loop.add_writer(self._fd, self._stdin_writable)
 
     async def read(self, timeout: float) -> list[StreamChunk] | None:
@@ -343,13 +364,45 @@ class AsyncRawExecAttachment(_ExecSocket):
         readable = self._loop.create_future()
         self._loop.add_reader(fd, _wake, readable)
         try:
-            async with asyncio.timeout(timeout):
-                await readable
-        except TimeoutError:
-            return []
+            woken = {readable} if self._feeder is None else {readable, self._feeder}
+            await asyncio.wait(woken, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._loop.remove_reader(fd)
-        return self._receive()  # the bytes are taken only now: a wait given up lost none
+        self._raise_stdin_failure()
+        # The bytes are taken only now: a wait given up lost none.
+        return self._receive() if readable.done() else []
+
+    def _raise_stdin_failure(self) -> None:
+        feeder = self._feeder
+        if feeder is None or not feeder.done():
+            return
+        self._feeder = None
+        if not feeder.cancelled() and (error := feeder.exception()) is not None:
+            raise error
+
+    async def _feed(self, source: StdinSource) -> None:
+        while chunk := await source.read():
+            view = memoryview(chunk)
+            while view:
+                if not await self._writable():
+                    return
+                if (sent := self._send(view)) is None:
+                    return  # the command exited without reading all of its stdin
+                view = view[sent:]
+        self._half_close()
+
+    async def _writable(self) -> bool:
+        fd = self._fd
+        if fd is None:
+            return False
+        ready = self._loop.create_future()
+        self._loop.add_writer(fd, _wake, ready)
+        try:
+            await ready
+        finally:
+            if self._fd is not None:  # else close() removed it: the number may be reused
+                self._loop.remove_writer(fd)
+        return True
 
     def _stdin_writable(self) -> None:
         self._write_stdin()
@@ -359,6 +412,8 @@ class AsyncRawExecAttachment(_ExecSocket):
     def close(self) -> None:
         """Once: the descriptor's number may belong to another socket of the loop after."""
         fd, self._fd = self._fd, None
+        if self._feeder is not None:
+            self._feeder.cancel()
         if fd is not None:
             self._loop.remove_reader(fd)
             self._loop.remove_writer(fd)
@@ -414,7 +469,7 @@ def attach(sock: socket.socket, api_version: str, exec_id: str, stdin: bytes) ->
 
 
 async def attach_async(
-    endpoint: DockerEndpoint, api_version: str, exec_id: str, stdin: bytes
+    endpoint: DockerEndpoint, api_version: str, exec_id: str, stdin: bytes | StdinSource
 ) -> AsyncRawExecAttachment:
     """``attach`` on the event loop, on a new connection to ``endpoint``: the same request, the
     head parsed by hand the same way, every byte after it the start of the stream."""

@@ -12,7 +12,7 @@ the agent then kills the command. Without ``async with``, call ``aclose()`` when
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterable
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Self, TypeVar
@@ -33,6 +33,7 @@ from slicebox.model.api import (
 )
 from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult
+from slicebox.model.files import FileFormat, FilesQuery, FileStat, Transferred
 from slicebox.model.paths import AGENT_SOCKET
 from slicebox.model.reaper import Report
 from slicebox.model.usage import LevelNode, ResourceUsage
@@ -94,6 +95,58 @@ class AsyncClient:
 
     async def reap(self, request: ReapRequest | None = None) -> Report:
         return await self._call(wire.reap(request or ReapRequest()))
+
+    async def stat(self, sandbox_id: str, path: str) -> FileStat:
+        return await self._call(wire.file_stat(sandbox_id, FilesQuery(path=path)))
+
+    async def upload(
+        self,
+        sandbox_id: str,
+        path: str,
+        data: AsyncIterable[bytes] | Iterable[bytes],
+        file_format: FileFormat = FileFormat.TAR,
+    ) -> Transferred:
+        """``Client.upload``: ``data`` sent as it comes, never whole."""
+        call = wire.files(sandbox_id, FilesQuery(path=path, format=file_format))
+        headers = {"Content-Type": wire.MEDIA[file_format]}
+        try:
+            async with self._http().put(
+                "http://localhost" + call.target,
+                data=_pieces(data),
+                headers=headers,
+                timeout=self._timeout(call),
+            ) as response:
+                return wire.answer(call, response.status, await response.read())
+        except aiohttp.ClientConnectorError as exc:
+            raise wire.unreachable(self.path, exc.strerror or str(exc)) from exc
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise wire.no_answer(self.path, self.timeout, exc) from exc
+
+    async def download(
+        self, sandbox_id: str, path: str, file_format: FileFormat = FileFormat.TAR
+    ) -> AsyncGenerator[bytes, None]:
+        """``Client.download``: pieces as they arrive; a stream cut off is an error."""
+        query = FilesQuery(path=path, format=file_format)
+        call = wire.files(sandbox_id, query)
+        url = "http://localhost" + call.target
+        try:
+            async with self._http().get(url, timeout=self._timeout(call)) as response:
+                if response.status >= 400:
+                    raise wire.error_from(response.status, await response.read())
+                cap = wire.max_bytes(response.headers.get(wire.MAX_BYTES_HEADER))
+                received = 0
+                try:
+                    async for piece in response.content.iter_any():
+                        received += len(piece)
+                        yield piece
+                except aiohttp.ClientPayloadError as exc:
+                    raise wire.cut_off(query, received, cap) from exc
+                finally:
+                    response.close()  # not back to the pool: a stream left early must end
+        except aiohttp.ClientConnectorError as exc:
+            raise wire.unreachable(self.path, exc.strerror or str(exc)) from exc
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise wire.no_answer(self.path, self.timeout, exc) from exc
 
     # --- clean-up -----------------------------------------------------------------------------
 
@@ -165,3 +218,12 @@ class AsyncClient:
             raise wire.unreachable(self.path, exc.strerror or str(exc)) from exc
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise wire.no_answer(self.path, max(self.timeout, call.min_timeout), exc) from exc
+
+
+async def _pieces(data: AsyncIterable[bytes] | Iterable[bytes]) -> AsyncIterator[bytes]:
+    if isinstance(data, AsyncIterable):
+        async for piece in data:
+            yield piece
+    else:
+        for piece in data:
+            yield piece

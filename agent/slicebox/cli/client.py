@@ -10,6 +10,9 @@ not answer is ``Unavailable`` (``agent_unreachable`` / ``agent_no_answer``).
         box = agent.create(CreateSandbox(project="web"))
         for event in agent.exec_stream(box.id, ExecRequest(argv=("make",))):
             ...                                  # StreamChunk..., then the ExecResult
+        with open("out.tar", "wb") as out:       # files stream both ways, never whole
+            for piece in agent.download(box.id, "/workspace/out"):
+                out.write(piece)
 
 Each call opens its own connection, so one client may be shared by threads. Closing an exec
 stream early (``close()``, or leaving a ``with closing(...)`` block) closes its connection, and
@@ -21,9 +24,9 @@ from __future__ import annotations
 import contextlib
 import http.client
 import socket
-from collections.abc import Generator
+from collections.abc import Generator, Iterable, Iterator
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, BinaryIO, Self, TypeVar
 
 from pydantic import BaseModel, TypeAdapter
 
@@ -40,6 +43,7 @@ from slicebox.model.api import (
 )
 from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult
+from slicebox.model.files import FileFormat, FilesQuery, FileStat, Transferred
 from slicebox.model.paths import AGENT_SOCKET
 from slicebox.model.reaper import Report
 from slicebox.model.usage import LevelNode, ResourceUsage
@@ -122,6 +126,52 @@ class Client:
     def reap(self, request: ReapRequest | None = None) -> Report:
         return self._call(wire.reap(request or ReapRequest()))
 
+    def stat(self, sandbox_id: str, path: str) -> FileStat:
+        """What is at ``path`` in the sandbox: a directory, a file, or something else."""
+        return self._call(wire.file_stat(sandbox_id, FilesQuery(path=path)))
+
+    def upload(
+        self,
+        sandbox_id: str,
+        path: str,
+        data: Iterable[bytes] | BinaryIO,
+        file_format: FileFormat = FileFormat.TAR,
+    ) -> Transferred:
+        """Send ``data`` as it is read (never whole): a tar stream extracted into the directory
+        ``path`` (made when missing), or with ``FileFormat.FILE`` one file's bytes written to
+        ``path``. Over the agent's ``files_max_bytes`` it is ``TooLarge``."""
+        call = wire.files(sandbox_id, FilesQuery(path=path, format=file_format))
+        headers = {"Content-Type": wire.MEDIA[file_format]}
+        conn = _UnixConnection(self.path, self.timeout)
+        try:
+            response = _send(conn, "PUT", call.target, _pieces(data), headers)
+            return wire.answer(call, response.status, response.read())
+        except _SILENT as exc:
+            raise wire.no_answer(self.path, self.timeout, exc) from exc
+        finally:
+            conn.close()
+
+    def download(
+        self, sandbox_id: str, path: str, file_format: FileFormat = FileFormat.TAR
+    ) -> Generator[bytes, None, None]:
+        """``path`` as the sandbox's tar (or, ``FileFormat.FILE``, cat) writes it, in pieces as
+        they arrive. A stream the agent cuts off is an error (``TooLarge`` at its cap), never a
+        short tar; closing the generator early closes the connection, and the agent stops."""
+        query = FilesQuery(path=path, format=file_format)
+        conn = _UnixConnection(self.path, self.timeout)
+        response: http.client.HTTPResponse | None = None
+        try:
+            response = _send(conn, "GET", wire.files(sandbox_id, query).target, None)
+            if response.status >= 400:
+                raise wire.error_from(response.status, response.read())
+            yield from _body_of(response, query)
+        except _SILENT as exc:
+            raise wire.no_answer(self.path, self.timeout, exc) from exc
+        finally:
+            if response is not None:
+                response.close()
+            conn.close()
+
     def request(self, method: str, path: str, body: Any = None) -> Any:
         """Untyped JSON for what has no method (``/openapi.json``, a newer agent's routes)."""
         payload = None if body is None else TypeAdapter(Any).dump_json(body)
@@ -186,9 +236,36 @@ class Client:
 
 
 def _send(
-    conn: _UnixConnection, method: str, target: str, body: bytes | None
+    conn: _UnixConnection,
+    method: str,
+    target: str,
+    body: bytes | Iterable[bytes] | None,
+    headers: dict[str, str] | None = None,
 ) -> http.client.HTTPResponse:
     # The agent may refuse a body before reading it all (too large): its answer says why.
+    if headers is None:
+        headers = wire.JSON_HEADERS if body else {}
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        conn.request(method, target, body=body, headers=wire.JSON_HEADERS if body else {})
+        conn.request(method, target, body=body, headers=headers)  # an iterable goes chunked
     return conn.getresponse()
+
+
+def _pieces(data: Iterable[bytes] | BinaryIO) -> Iterator[bytes]:
+    """A file read in large pieces (not by lines, as iterating it would), or the pieces."""
+    read = getattr(data, "read", None)
+    if read is None:
+        yield from data
+        return
+    while piece := read(READ_SIZE):
+        yield piece
+
+
+def _body_of(response: http.client.HTTPResponse, query: FilesQuery) -> Iterator[bytes]:
+    cap = wire.max_bytes(response.getheader(wire.MAX_BYTES_HEADER))
+    received = 0
+    try:
+        while piece := response.read1(READ_SIZE):
+            received += len(piece)
+            yield piece
+    except (http.client.IncompleteRead, ConnectionError) as exc:
+        raise wire.cut_off(query, received, cap) from exc

@@ -18,7 +18,7 @@ from typing import BinaryIO, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from slicebox import __version__
-from slicebox.cli import doctor, tables
+from slicebox.cli import copying, doctor, tables
 from slicebox.cli.client import DEFAULT_SOCKET, Client
 from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest, SandboxList
 from slicebox.model.errors import InvalidRequest, SliceboxError
@@ -109,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     extend = commands.add_parser("extend", help="move a sandbox's deadline to SECONDS from now")
     extend.add_argument("sandbox")
     extend.add_argument("seconds", type=int)
+    cp = commands.add_parser(
+        "cp",
+        help="copy files in or out of a sandbox: cp ./src ID:/workspace/src, cp ID:/path ./dst",
+        description=copying.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cp.add_argument("source", help="a local path, - (a tar on stdin), or SANDBOX:/path")
+    cp.add_argument("destination", help="SANDBOX:/path, a local path, or - (a tar on stdout)")
     reap = commands.add_parser("reap", help="one reaper pass now (root and slicebox-admin)")
     reap.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     return parser
@@ -305,6 +313,12 @@ def cmd_extend(options: argparse.Namespace, client: Client) -> int:
     return 0
 
 
+def cmd_cp(options: argparse.Namespace, client: Client) -> int:
+    source = copying.parse_location(options.source)
+    copying.copy(client, source, copying.parse_location(options.destination))
+    return 0
+
+
 def cmd_reap(options: argparse.Namespace, client: Client) -> int:
     report = client.reap(ReapRequest(dry_run=options.dry_run))
     if options.json:
@@ -326,6 +340,7 @@ COMMANDS: dict[str, Command] = {
     "top": cmd_top,
     "extend": cmd_extend,
     "reap": cmd_reap,
+    "cp": cmd_cp,
 }
 
 

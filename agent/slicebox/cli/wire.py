@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
@@ -36,6 +36,7 @@ from slicebox.model.api import (
     UsageAnswer,
 )
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
+from slicebox.model.files import FilesQuery, FileStat, Transferred
 from slicebox.model.reaper import Report
 from slicebox.model.usage import LevelNode
 
@@ -44,6 +45,8 @@ API_PREFIX = "/v1"
 # (the kill, the OOM verdict, a slow host) before it calls the agent silent.
 EXEC_GRACE = 60.0
 JSON_HEADERS = {"Content-Type": "application/json"}
+MAX_BYTES_HEADER = "X-Slicebox-Files-Max-Bytes"  # a download's head: the agent's cap
+MEDIA = {"tar": "application/x-tar", "file": "application/octet-stream"}
 
 T = TypeVar("T", bound=BaseModel)
 ErrorClass = type[errors.SliceboxError]
@@ -140,6 +143,38 @@ def run(request: RunRequest) -> Call[RunResult]:
 
 def reap(request: ReapRequest) -> Call[Report]:
     return Call("POST", "/reaper", Report, _body(request))
+
+
+def files(sandbox_id: str, query: FilesQuery, route: str = "files") -> Call[Transferred]:
+    """A files route, ``path`` and ``format`` in its query string. Its body (an upload's) and
+    its answer (a download's) are streams the clients move themselves; an upload answers
+    ``Transferred``."""
+    fields = urlencode(query.model_dump(mode="json"))
+    return Call("PUT", f"/sandboxes/{_id(sandbox_id)}/{route}?{fields}", Transferred)
+
+
+def file_stat(sandbox_id: str, query: FilesQuery) -> Call[FileStat]:
+    return Call("GET", files(sandbox_id, query, "files/stat").path, FileStat)
+
+
+def cut_off(query: FilesQuery, received: int, cap: int | None) -> errors.SliceboxError:
+    """A download whose stream ended short: at the agent's cap exactly, that was the cap."""
+    if cap is not None and received >= cap:
+        return errors.TooLarge(
+            f"{query.path} is larger than the agent's files_max_bytes ({cap} bytes): the "
+            "download was stopped there; fetch less at a time (a subdirectory), or ask an "
+            "operator to raise files_max_bytes",
+        )
+    return errors.InvalidRequest(
+        f"the download of {query.path} was cut off after {received} bytes: tar or cat in the "
+        "sandbox failed midway (a file it could not read?); the agent's journal says why "
+        "(journalctl SLICEBOX_EVENT=file_transfer)",
+        code="file_transfer_failed",
+    )
+
+
+def max_bytes(value: str | None) -> int | None:
+    return int(value) if value and value.isdigit() else None
 
 
 # --- answers --------------------------------------------------------------------------------

@@ -26,11 +26,16 @@ cgroup, the OOM counter, exec create and inspect, the kill) go through the
 :class:`~slicebox.core.blocking.Blocking` the caller passes, the agent's calls pool. In-process
 callers (the real-host tests, the bench) run the same generator in their own thread
 (``run``/``stream``), on an event loop of its own where every step blocks in place.
+
+File transfers (:mod:`slicebox.core.files`) are execs too, of ``tar`` or ``cat``: on the loop,
+their stdin may be streamed from the upload's body (``StdinSource``) and their output handed
+to a ``Capture`` of their own that streams all of stdout and keeps only stderr's head.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -39,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from slicebox.backends.base import AsyncExecAttachment, ExecApi, ExecAttachment
+from slicebox.backends.base import AsyncExecAttachment, ExecApi, ExecAttachment, StdinSource
 from slicebox.core.blocking import Blocking, inline
 from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import (
@@ -84,6 +89,18 @@ class SandboxHost(Protocol):
         """SIGKILL the processes of exec ``pid`` (begun at ``since``) inside ``cgroup``: its
         session and descendants, orphans included, until none is left, however fast they fork;
         return how many processes were killed."""
+
+
+class Capture(Protocol):
+    """What becomes of an exec's output: what is streamed, and what its result keeps."""
+
+    def add(self, chunk: StreamChunk) -> StreamChunk | None:
+        """Record a chunk; return what is streamed of it (None: nothing). An error raised here
+        ends the exec, whose processes are killed."""
+
+    def result(
+        self, *, exit_code: int, timed_out: bool, oom_killed: bool, duration: float
+    ) -> ExecResult: ...
 
 
 class OutputCapture:
@@ -141,7 +158,7 @@ class _Io:
 
     call: Blocking
     pause: Callable[[float], Awaitable[None]]
-    start: Callable[[str, bytes], Awaitable[AsyncExecAttachment]]
+    start: Callable[[str, bytes | StdinSource], Awaitable[AsyncExecAttachment]]
 
 
 class _InThread:
@@ -202,7 +219,8 @@ class ExecEngine:
         async def pause(seconds: float) -> None:
             self._sleep(seconds)
 
-        async def start(exec_id: str, stdin: bytes) -> AsyncExecAttachment:
+        async def start(exec_id: str, stdin: bytes | StdinSource) -> AsyncExecAttachment:
+            assert isinstance(stdin, bytes)  # a streamed stdin needs the event loop
             return _InThread(self._api.exec_start(exec_id, stdin))
 
         io = _Io(inline, pause, start)
@@ -214,19 +232,35 @@ class ExecEngine:
         request: ExecRequest,
         blocking: Blocking,
         scope: str | None = None,
+        *,
+        stdin: StdinSource | None = None,
+        capture: Capture | None = None,
     ) -> AsyncGenerator[ExecEvent, None]:
         """``stream`` on the running event loop: the output is read there (no thread waits for
         it) and each short blocking step runs through ``blocking``. Closing the generator early
-        (``aclose``), or cancelling its reader, kills the exec's processes."""
+        (``aclose``), or cancelling its reader, kills the exec's processes.
+
+        ``stdin``: a streamed stdin in place of ``request.stdin`` (a file upload's body);
+        ``capture``: what becomes of the output, in place of keeping ``output_cap`` of each
+        stream (a file download streams all of stdout and keeps none)."""
         io = _Io(blocking, self._asleep, self._api.exec_start_async)
-        return self._events(container_id, request, io, scope)
+        return self._events(container_id, request, io, scope, stdin=stdin, capture=capture)
 
     async def _events(
-        self, container_id: str, request: ExecRequest, io: _Io, scope: str | None
+        self,
+        container_id: str,
+        request: ExecRequest,
+        io: _Io,
+        scope: str | None,
+        *,
+        stdin: StdinSource | None = None,
+        capture: Capture | None = None,
     ) -> AsyncGenerator[ExecEvent, None]:
-        run = await io.call(functools.partial(self._begin, container_id, request, scope))
-        capture = OutputCapture(request.output_cap)
-        attachment = await io.start(run.exec_id, request.stdin)
+        streamed = stdin is not None
+        begin = functools.partial(self._begin, container_id, request, scope, streamed)
+        run = await io.call(begin)
+        capture = capture or OutputCapture(request.output_cap)
+        attachment = await io.start(run.exec_id, request.stdin if stdin is None else stdin)
         try:
             while (chunks := await self._output(run, attachment, io)) is not None:
                 for chunk in chunks:
@@ -239,18 +273,20 @@ class ExecEngine:
                 await asyncio.shield(self._kill(run, "its stream was abandoned", io))
         yield await self._finish(run, capture, io)
 
-    def _begin(self, container_id: str, request: ExecRequest, scope: str | None) -> _Run:
+    def _begin(
+        self, container_id: str, request: ExecRequest, scope: str | None, streamed: bool
+    ) -> _Run:
         if scope is None:
             cgroup = self._host.cgroup_of(self._api.sandbox_pid(container_id))
         else:  # a container that is not running fails its exec create just the same
             cgroup = self._host.cgroup_at(scope)
         oom_before = self._host.oom_kills(cgroup)
         since = self._host.process_clock()
-        exec_id = self._api.exec_create(container_id, request)
+        exec_id = self._api.exec_create(container_id, request, streamed)
         started = self._clock()
         return _Run(exec_id, cgroup, oom_before, since, started, started + request.timeout)
 
-    async def _finish(self, run: _Run, capture: OutputCapture, io: _Io) -> ExecResult:
+    async def _finish(self, run: _Run, capture: Capture, io: _Io) -> ExecResult:
         exit_code = await self._exit_code(run, io)  # first: it may time the run out
         oom_after = await io.call(functools.partial(self._host.oom_kills, run.cgroup))
         result = capture.result(
@@ -330,6 +366,18 @@ def _in_thread(events: AsyncGenerator[T, None]) -> Generator[T, None, None]:
     finally:
         loop.run_until_complete(events.aclose())
         loop.close()
+
+
+async def result_of(events: AsyncGenerator[ExecEvent, None]) -> ExecResult:
+    """An exec's result, its stream read to the end (its output left to whoever yields it)."""
+    result: ExecResult | None = None
+    async with contextlib.aclosing(events):
+        async for event in events:
+            if isinstance(event, ExecResult):
+                result = event
+    if result is None:  # pragma: no cover - the engine always ends with its result
+        raise SliceboxError("the exec stream ended without a result")
+    return result
 
 
 def explain_start_failure(result: ExecResult) -> ExecResult:

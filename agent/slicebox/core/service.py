@@ -4,7 +4,8 @@ The HTTP layer (:mod:`slicebox.server.routes`) only parses and serializes; this 
 who may do what and records it. A caller sees only its own user's sandboxes: another user's sandbox
 answers exactly like one that does not exist (``not_found``). Each action writes one audit
 record, refusals included, with the caller the kernel identified; an exec's record says how it
-ended, abandoned included (:mod:`slicebox.core.execaudit`). Every exec reserves the memory its
+ended, abandoned included (:mod:`slicebox.core.execaudit`); a file transfer's, how much it
+moved and how it ended (:mod:`slicebox.core.files`). Every exec reserves the memory its
 output may take from one budget shared by all callers (:mod:`slicebox.core.budget`).
 """
 
@@ -20,7 +21,8 @@ from pathlib import PurePosixPath
 from slicebox.core.blocking import Aside, Blocking, settle
 from slicebox.core.budget import OutputBudget, Reservation
 from slicebox.core.execaudit import audited_aexec, audited_exec, refused, subject
-from slicebox.core.execution import ExecEngine
+from slicebox.core.execution import ExecEngine, result_of
+from slicebox.core.files import Files
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.telemetry import SandboxCgroups, SandboxMeta, TreeReader, UsageReader
@@ -125,6 +127,8 @@ class Service:
         self._auditor = auditor
         self._pid_of = pid_of
         self._clock = clock
+        # Files in and out (core/files.py): the same look-up, operation mark and engine.
+        self.files = Files(engine, auditor, sandboxes, self._visible)
 
     # --- sandboxes -------------------------------------------------------------------------
 
@@ -358,16 +362,9 @@ class Service:
         known: Sandbox | None = None,
     ) -> ExecResult:
         """``aexec``; ``known`` as in ``_exec``."""
-        result: ExecResult | None = None
-        async with contextlib.aclosing(
+        return await result_of(
             self._aexec_stream(who, sandbox_id, request, held, blocking, known=known)
-        ) as events:
-            async for event in events:
-                if isinstance(event, ExecResult):
-                    result = event
-        if result is None:  # pragma: no cover - the engine always ends with its result
-            raise SliceboxError("the exec stream ended without a result")
-        return result
+        )
 
     async def arun(
         self,

@@ -1,14 +1,15 @@
 """Audit: one structured journal entry per action.
 
-Audit records are not log lines. Each action (a sandbox created, a command run, a sandbox
-destroyed, a reaper decision, a refused request) becomes one journal entry with a fixed
-MESSAGE_ID per kind of event, explained by the catalog `units/slicebox.catalog`, and with
-`SLICEBOX_*` fields so that `journalctl SLICEBOX_ROOT_TASK_ID=<id>` tells a task's whole story.
+Audit records are not log lines. Each action (a sandbox created, a command run, files copied
+in or out, a sandbox destroyed, a reaper decision, a refused request) becomes one journal entry
+with a fixed MESSAGE_ID per kind of event, explained by the catalog `units/slicebox.catalog`,
+and with `SLICEBOX_*` fields so that `journalctl SLICEBOX_ROOT_TASK_ID=<id>` tells a task's
+whole story.
 
 Secrets never reach the journal because the record has no place for them: it carries ids,
 names, the caller's kernel identity, a result and counters — never environment, argv,
-credentials or output. Free text (`detail`) is limited and scrubbed of anything that looks
-like a token before it is written.
+credentials, output or file contents. Free text (`detail`) is limited and scrubbed of anything
+that looks like a token before it is written.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class AuditEvent(StrEnum):
     CEILINGS_APPLIED = "ceilings_applied"
     AGENT_STARTED = "agent_started"
     AGENT_STOPPING = "agent_stopping"
+    FILE_TRANSFER = "file_transfer"
 
 
 # Fixed forever: operators filter on these and the catalog explains them.
@@ -46,6 +48,7 @@ MESSAGE_IDS: Mapping[AuditEvent, str] = {
     AuditEvent.CEILINGS_APPLIED: "583afb0f8d04451881fb2a3fbbd0fc85",
     AuditEvent.AGENT_STARTED: "07de345e13394bee8ab28ae075040761",
     AuditEvent.AGENT_STOPPING: "3138cc1c969e4a12ad76ba475b45cb42",
+    AuditEvent.FILE_TRANSFER: "fd40cf5c650449bda6c87efcb89088db",
 }
 
 # syslog priorities: notice for successful actions, warning for refusals and failures.

@@ -232,6 +232,43 @@ CODES: tuple[ErrorCode, ...] = (
         "The HTTP request itself was refused (the status says why).",
         "Send a well-formed HTTP/1.1 request.",
     ),
+    # Files in and out of a sandbox (PUT/GET /v1/sandboxes/{id}/files, `slicebox cp`).
+    _c(
+        "file_not_found",
+        404,
+        "The path does not exist in the sandbox (for a single-file upload: its directory).",
+        "Check the path with `slicebox exec ID -- ls -l DIR`; create the directory first.",
+    ),
+    _c(
+        "file_wrong_kind",
+        400,
+        "The path is not what the transfer takes: a tar upload to something that is not a "
+        "directory, a single-file upload onto a directory, a single-file download of what is "
+        "not a regular file.",
+        "Use format=tar for directories; name a directory to extract a tar into.",
+    ),
+    _c(
+        "file_too_large",
+        413,
+        "A transfer is larger than the agent's `files_max_bytes` (1 GiB unless configured); it "
+        "was stopped there, and what an upload had written stays in the sandbox.",
+        "Send less (split it), or ask an operator to raise `files_max_bytes`.",
+    ),
+    _c(
+        "file_tools_missing",
+        400,
+        "The sandbox's image has no `sh`, or no `tar` for a tar transfer: transfers run them "
+        "inside the sandbox.",
+        "Use an image with a POSIX shell and tar (busybox, alpine, debian), or single files "
+        "(format=file) where only tar is missing.",
+    ),
+    _c(
+        "file_transfer_failed",
+        400,
+        "tar or cat in the sandbox failed (no permission, no space left, a damaged archive); "
+        "the message quotes its error.",
+        "Fix what the quoted error says (permissions, space, the archive) and send again.",
+    ),
     # State conflicts (409).
     _c(
         "admission_refused",

@@ -12,6 +12,7 @@ when the file is loaded, so a bad value is refused at load time, naming its fiel
     default_run_as = "65534:65534"  # uid:gid of a sandbox without a host workspace
     root_users = ["ops"]          # users whose sandboxes may run as uid 0 (none by default)
     exec_output_budget = "512MB"  # exec output held at once, all callers; default below
+    files_max_bytes = "1GB"       # the most one file transfer (PUT/GET .../files) moves
     [managed]
     memory = "75%"
     [project]
@@ -162,6 +163,18 @@ class Config(_Strict):
     # Memory for the output of every exec in flight (core/budget.py); unset: half the agent's
     # own MemoryMax, or DEFAULT_EXEC_OUTPUT_BUDGET when the agent runs without one.
     exec_output_budget: RawSize | None = None
+
+    # The most one file transfer moves, either way (core/files.py): what a caller can make
+    # the agent stream for it, and make a sandbox's tmpfs hold, at one go.
+    files_max_bytes: RawSize = "1GB"
+
+    @field_validator("files_max_bytes")
+    @classmethod
+    def _files_max(cls, value: RawSize) -> RawSize:
+        return _checked(lambda: parse_size("files_max_bytes", value), value)
+
+    def files_max_bytes_value(self) -> int:
+        return parse_size("files_max_bytes", self.files_max_bytes)
 
     @field_validator("exec_output_budget")
     @classmethod

@@ -12,7 +12,8 @@ with its status and what the caller should do, in :mod:`slicebox.model.codes`.
     │   ├── InvalidLimit          a size, cpu or pids value that is unparsable or out of range
     │   ├── PolicyViolation       a request the security policy refuses (privileged, host net...)
     │   ├── InvalidCommand        an exec argv that is empty, or a string without shell: true
-    │   └── InvalidTimeout        an exec timeout that is not a positive number of seconds
+    │   ├── InvalidTimeout        an exec timeout that is not a positive number of seconds
+    │   └── TooLarge              a file transfer over the agent's size cap (413)
     ├── Forbidden                 the caller may not act for the user it named (403)
     ├── AdmissionRefused          limits larger than a project or user ceiling allow (409)
     ├── SandboxNotRunning         the sandbox exists but is stopped or paused (409)
@@ -86,6 +87,11 @@ class NotFound(SliceboxError):
 
 class SandboxNotFound(NotFound):
     code = "sandbox_not_found"
+
+
+class TooLarge(InvalidRequest):
+    code = "file_too_large"
+    http_status = 413
 
 
 class SandboxNotRunning(SliceboxError):

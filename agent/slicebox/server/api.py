@@ -61,6 +61,9 @@ class Route:
     summary: str
     body: type[BaseModel] | None = None
     response: type[BaseModel] | None = None
+    query: type[BaseModel] | None = None  # the query string's model
+    raw_body: bool = False  # the body is bytes (a file, a tar stream), not JSON
+    raw_answer: bool = False  # so is the success answer
 
 
 def error_response(status: int, code: str, message: str, field: str | None = None) -> web.Response:
@@ -176,12 +179,18 @@ def openapi_document(routes: Sequence[Route]) -> dict[str, Any]:
             "summary": route.summary,
             "responses": {"default": _ref_response("ErrorBody", "an error")},
         }
-        if route.body is not None:
+        if route.query is not None:
+            operation["parameters"] = _parameters(route.query)
+        if route.raw_body:
+            operation["requestBody"] = {"required": True, "content": _RAW}
+        elif route.body is not None:
             operation["requestBody"] = {
                 "required": True,
                 "content": {"application/json": {"schema": _ref(route.body, schemas)}},
             }
-        if route.response is not None:
+        if route.raw_answer:
+            operation["responses"]["200"] = {"description": "success", "content": _RAW}
+        elif route.response is not None:
             operation["responses"]["200"] = {
                 "description": "success",
                 "content": {"application/json": {"schema": _ref(route.response, schemas)}},
@@ -210,6 +219,31 @@ def _ref(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, str]:
     schemas.update(schema.pop("$defs", {}))
     schemas[model.__name__] = schema
     return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+# Bytes as they are: a tar stream (format=tar) or one file's contents (format=file).
+_RAW = {
+    media: {"schema": {"type": "string", "format": "binary"}}
+    for media in ("application/x-tar", "application/octet-stream")
+}
+
+
+def _parameters(model: type[BaseModel]) -> list[dict[str, Any]]:
+    schema = model.model_json_schema()
+    required = set(schema.get("required", ()))
+    defs = schema.get("$defs", {})
+    return [
+        {
+            "name": name,
+            "in": "query",
+            "required": name in required,
+            "schema": {
+                **defs.get(field.get("$ref", "").rpartition("/")[2], {}),
+                **{key: value for key, value in field.items() if key != "$ref"},
+            },
+        }
+        for name, field in schema["properties"].items()
+    ]
 
 
 def _ref_response(name: str, description: str) -> dict[str, Any]:

@@ -55,6 +55,7 @@ from slicebox.server.api import (
     json_ok,
     parse_body,
 )
+from slicebox.server.fileroutes import file_routes
 from slicebox.server.pools import pools_of, run_in
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ def _routes() -> list[Route]:
             ExecRequest,
             StreamChunk,
         ),
+        *file_routes(_service),
         Route("GET", "/sandboxes/{id}/usage", usage, "ResourceUsage", None, UsageAnswer),
         Route(
             "POST",

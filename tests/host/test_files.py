@@ -96,7 +96,7 @@ def work() -> Iterator[Path]:
         try:
             src = top / "src"
             (src / "nested" / "deeper").mkdir(parents=True)
-            write_random(src / "big.bin", 170 * MiB + 12345)
+            write_random(src / "big.bin", 175 * MiB + 12345)
             for n in range(4):
                 write_random(src / "nested" / f"mid{n}.bin", 7 * MiB + n)
             for n in range(20):

@@ -12,7 +12,8 @@ reaper would tell for an expired sandbox:
    (``journalctl SLICEBOX_REAPER_RULE=expired`` finds both); its detail says the deadline timer
    did it.
 3. It kills and removes the container as the agent does (Docker's forced remove, then waiting
-   for the scope to stop), stops the sandbox's other timers, and the project and user slices
+   for the scope to stop), removes its credentials (and its workspace volume with its root
+   task's last sandbox), stops the sandbox's other timers, and the project and user slices
    if nothing is left in them.
 
 Everything else writes nothing, so a second run, or a run after the agent's own destroy, adds
@@ -134,6 +135,7 @@ class Expiry:
     def _remove(self, sandbox: Sandbox, deadline: datetime | None) -> Result:
         try:
             self._sandboxes.remove_container(sandbox.container_id)
+            self._sandboxes.forget(sandbox)  # its credentials, its workspace volume if due
             self._stop_other_timers(sandbox.id, deadline)
             # The slices stay: the agent's reaper stops them past their grace. This process
             # cannot see the agent's creates in flight, so stopping a slice here could race one

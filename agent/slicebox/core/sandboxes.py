@@ -34,7 +34,9 @@ from slicebox.backends.base import (
     SandboxRequest,
     VolumeInfo,
 )
+from slicebox.core.credentials import GIT_ENV, MOUNTED_AT, CredentialStore
 from slicebox.core.deadlines import Deadlines
+from slicebox.core.gitclone import clone
 from slicebox.core.policy import (
     Admitted,
     admit,
@@ -268,22 +270,24 @@ class SandboxManager:
             self._backend.prepare(admitted.image)
         with self._creating(lineage, hold=one_shot):
             made = self._ensure_slices(admitted, lineage.sandbox_id)
+            fresh: VolumeInfo | None = None
             try:
                 fresh = self._ensure_volume(admitted.spec, lineage)
+                self._write_credentials(admitted.spec, lineage.sandbox_id)
+                request = _request(admitted, lineage, self._credentials())
+                info = self._start(request, image_known=known)
             except BaseException:
-                self._undo(made, lineage.sandbox_id)
-                raise
-            try:
-                info = self._start(_request(admitted, lineage), image_known=known)
-            except BaseException:
+                self._credentials().remove(lineage.sandbox_id)
                 self._drop_volume(fresh)
                 self._undo(made, lineage.sandbox_id)
                 raise
             try:
-                self._check_started(info.id, admitted.spec, pinned, fresh)
+                self._check_started(info.id, admitted.spec, pinned, fresh, lineage)
+                self._clone(info.id, admitted.spec)
                 self._arm(lineage.sandbox_id, info.id, lineage.expires_at, new=True)
             except BaseException:
                 self.remove_container(info.id)
+                self._credentials().remove(lineage.sandbox_id)
                 self._drop_volume(fresh)
                 self._undo(made, lineage.sandbox_id)
                 raise
@@ -380,17 +384,41 @@ class SandboxManager:
         if volume is not None:
             self._backend.remove_volume(volume.name)
 
+    def _credentials(self) -> CredentialStore:
+        return CredentialStore(self._config.reaper.state_dir)
+
+    def _write_credentials(self, spec: SandboxSpec, sandbox_id: str) -> None:
+        git = spec.credentials.git if spec.credentials else None
+        if git is not None:
+            self._credentials().write(sandbox_id, git)
+
+    def _clone(self, container_id: str, spec: SandboxSpec) -> None:
+        """A git workspace's clone, in the running sandbox (core.gitclone)."""
+        workspace = spec.workspace
+        if workspace is None or workspace.kind is not WorkspaceKind.GIT:
+            return
+        git = spec.credentials.git if spec.credentials else None
+        secrets = (git.token.get_secret_value(),) if git else ()
+        timeout = self._config.git_clone_timeout_seconds
+        clone(self._backend, container_id, workspace, timeout=timeout, secrets=secrets)
+        log.info("cloned %s into %s", workspace.url, container_id[:12])
+
     def _check_started(
         self,
         container_id: str,
         spec: SandboxSpec,
         pinned: tuple[Pinned, ...],
         fresh: VolumeInfo | None,
+        lineage: Lineage,
     ) -> None:
         """What only the running sandbox tells: each bind is what was pinned
         (host.beneath.verify), its uid is not 0 unless allowed (a user name can map to 0 in
-        the image's passwd), and a volume made for it belongs to that uid."""
+        the image's passwd), and a volume made for it and its credentials belong to that
+        uid."""
         ids = _numeric_ids(spec.run_as)
+        if lineage.credentials:
+            uid, gid = ids or self._binds.ids_of(self._backend.sandbox_pid(container_id))
+            self._credentials().give(lineage.sandbox_id, uid, gid)
         if not pinned and ids is not None and fresh is None:
             return
         pid = self._backend.sandbox_pid(container_id)
@@ -489,9 +517,15 @@ class SandboxManager:
             self._slices.wait_stopped(scope_name(sandbox.container_id))
         self._vacate(sandbox)
         if gone:
-            self._release_volume(sandbox)
+            self.forget(sandbox)
         log.info("destroyed %s" if gone else "%s was gone or going already", sandbox.id)
         return gone, seen
+
+    def forget(self, sandbox: Sandbox) -> None:
+        """What goes with a removed sandbox beside its container: its credentials, and its
+        workspace volume with its root task's last sandbox."""
+        self._credentials().remove(sandbox.id)
+        self._release_volume(sandbox)
 
     def _release_volume(self, sandbox: Sandbox) -> None:
         """Remove the sandbox's workspace volume with its root task's last sandbox, unless it
@@ -632,6 +666,7 @@ class SandboxManager:
             provisioned_pids=limits.pids,
             oneshot=one_shot,
             workspace_volume=_volume_name(spec, sandbox_id),
+            credentials="git" if spec.credentials and spec.credentials.git else "",
         )
 
     def _ancestry(self, spec: SandboxSpec, task_id: str) -> tuple[str, int]:
@@ -714,7 +749,7 @@ def _beside(pool: Executor, work: Callable[[], None] | None) -> Iterator[None]:
     done.result()
 
 
-def _request(admitted: Admitted, lineage: Lineage) -> SandboxRequest:
+def _request(admitted: Admitted, lineage: Lineage, store: CredentialStore) -> SandboxRequest:
     spec = admitted.spec
     return SandboxRequest(
         name=lineage.sandbox_id,
@@ -724,10 +759,10 @@ def _request(admitted: Admitted, lineage: Lineage) -> SandboxRequest:
         slice=admitted.placement.names.project,
         limits=admitted.limits,
         network=spec.network,
-        env=spec.env,
+        env={**spec.env, **(GIT_ENV if lineage.credentials else {})},
         user=spec.run_as,
         workdir=spec.workdir,
-        mounts=spec.mounts + _volume_mount(spec, lineage),
+        mounts=spec.mounts + _volume_mount(spec, lineage) + _credentials_mount(store, lineage),
         cap_add=tuple(cap.upper().removeprefix("CAP_") for cap in spec.cap_add),
     )
 
@@ -735,7 +770,7 @@ def _request(admitted: Admitted, lineage: Lineage) -> SandboxRequest:
 def _volume_name(spec: SandboxSpec, sandbox_id: str) -> str:
     """A volume workspace's Docker name: the user's prefix keeps users' names apart."""
     workspace = spec.workspace
-    if workspace is None or workspace.kind is not WorkspaceKind.VOLUME:
+    if workspace is None or workspace.kind is WorkspaceKind.HOST:
         return ""
     return f"slicebox-{spec.user}-{workspace.name or sandbox_id}"
 
@@ -752,6 +787,13 @@ def _volume_mount(spec: SandboxSpec, lineage: Lineage) -> tuple[Mount, ...]:
             read_only=read_only,
         ),
     )
+
+
+def _credentials_mount(store: CredentialStore, lineage: Lineage) -> tuple[Mount, ...]:
+    if not lineage.credentials:
+        return ()
+    directory = store.directory(lineage.sandbox_id)
+    return (Mount(source=str(directory), target=MOUNTED_AT, read_only=True),)
 
 
 def _numeric_ids(run_as: str | None) -> tuple[int, int] | None:

@@ -140,6 +140,15 @@ CODES: tuple[ErrorCode, ...] = (
         "directory read-only.",
     ),
     _c(
+        "git_clone_failed",
+        400,
+        "A git workspace's clone failed in the new sandbox (the remote, ref or credentials, "
+        "no network, no git in the image, or the clone timeout); nothing of the sandbox is "
+        "left.",
+        "Read git's words in the message; fix the url, ref or token, give the sandbox a "
+        "network that reaches the remote, or an image with git.",
+    ),
+    _c(
         "volume_not_owned",
         403,
         "The volume is another user's workspace volume.",

@@ -157,6 +157,8 @@ class Config(_Strict):
     default_run_as: str = Field(default="65534:65534", pattern=r"^[1-9][0-9]*:[1-9][0-9]*$")
     # The only users whose sandboxes may run as uid 0, and never with a writable host mount.
     root_users: frozenset[str] = frozenset()
+    # How long a git workspace's clone may take before its create fails (git_clone_failed).
+    git_clone_timeout_seconds: float = Field(default=600.0, gt=0)
     allowed_capabilities: frozenset[str] = DEFAULT_CAPABILITIES
     allowed_networks: frozenset[str] = frozenset({"none", "bridge"})
     reaper: ReaperConfig = ReaperConfig()

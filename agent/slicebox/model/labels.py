@@ -47,6 +47,8 @@ class Lineage(BaseModel):
     oneshot: bool = False
     # The workspace volume slicebox made or reused for this sandbox ("" when none).
     workspace_volume: str = ""
+    # What credentials it was given ("git"), never their values ("" when none).
+    credentials: str = ""
 
     def to_labels(self) -> dict[str, str]:
         values = {
@@ -68,6 +70,7 @@ class Lineage(BaseModel):
             "pool": "true" if self.pool else "false",
             "oneshot": "true" if self.oneshot else "false",
             "workspace_volume": self.workspace_volume,
+            "credentials": self.credentials,
         }
         return {PREFIX + key: value for key, value in values.items()}
 

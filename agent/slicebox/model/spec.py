@@ -10,8 +10,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from slicebox.model.validation import refusal
 
@@ -41,6 +50,7 @@ class Mount(BaseModel):
 class WorkspaceKind(StrEnum):
     HOST = "host"  # a directory under the caller's own bind roots
     VOLUME = "volume"  # a Docker volume slicebox makes for the caller, with lineage labels
+    GIT = "git"  # a fresh volume with a git remote cloned into it before the sandbox is given
 
 
 class Workspace(BaseModel):
@@ -51,7 +61,10 @@ class Workspace(BaseModel):
     the caller's own uid:gid, so what it writes there is theirs.
     ``volume``: a volume made for this sandbox, labelled with its lineage and removed with
     its root task; ``name`` names it so that a later sandbox of the same user can mount it
-    again, and ``keep`` keeps it after its root task is gone."""
+    again, and ``keep`` keeps it after its root task is gone.
+    ``git``: a fresh volume as above, with ``url`` cloned into it (at ``ref``, a branch, tag or
+    commit; ``depth`` commits deep, 0 for the whole history) before the create answers. A
+    token goes in ``credentials.git``, never in the URL."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -60,17 +73,70 @@ class Workspace(BaseModel):
     name: VolumeName | None = None
     keep: bool = False
     read_only: bool = False
+    url: str | None = Field(default=None, max_length=2048)
+    ref: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,254}$")
+    depth: int = Field(default=1, ge=0)
+
+    @field_validator("url")
+    @classmethod
+    def _plain_url(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("a git url is http:// or https:// with a host")
+        if parts.username is not None or parts.password is not None:
+            raise ValueError(
+                "a git url carries no user or token: give them in credentials.git, where they "
+                "never reach argv, logs or .git/config"
+            )
+        return url
 
     @model_validator(mode="after")
     def _fits_kind(self) -> Workspace:
-        if self.kind is WorkspaceKind.HOST:
-            if self.path is None:
-                raise ValueError("a host workspace needs 'path', a directory under your roots")
-            if self.name is not None or self.keep:
-                raise ValueError("'name' and 'keep' are for a volume workspace; leave them out")
-        elif self.path is not None:
-            raise ValueError("'path' is for a host workspace; a volume workspace takes 'name'")
+        given = {
+            name for name in ("path", "name", "url", "ref") if getattr(self, name) is not None
+        } | ({"keep"} if self.keep else set())
+        allowed = {
+            WorkspaceKind.HOST: {"path"},
+            WorkspaceKind.VOLUME: {"name", "keep"},
+            WorkspaceKind.GIT: {"url", "ref", "keep"},
+        }[self.kind]
+        if self.kind is WorkspaceKind.HOST and self.path is None:
+            raise ValueError("a host workspace needs 'path', a directory under your roots")
+        if self.kind is WorkspaceKind.GIT and self.url is None:
+            raise ValueError("a git workspace needs 'url', the remote to clone")
+        if given - allowed:
+            raise ValueError(
+                f"{', '.join(sorted(given - allowed))} not for a {self.kind.value} workspace; "
+                "host takes path; volume takes name, keep; git takes url, ref, depth, keep"
+            )
         return self
+
+
+class GitCredential(BaseModel):
+    """A token for git over HTTP(S), given to git through an askpass helper only: never argv,
+    the URL, ``.git/config``, labels, logs or audit. ``hosts`` (``host`` or ``host:port``)
+    limits where it is answered; empty: any host the sandbox's git asks for."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    token: SecretStr = Field(min_length=1, max_length=8192)
+    username: str = Field(default="x-access-token", pattern=r"^[^\s:]{1,256}$")
+    hosts: tuple[Annotated[str, Field(pattern=r"^[A-Za-z0-9.\[\]:-]{1,261}$")], ...] = ()
+
+    @field_validator("token")
+    @classmethod
+    def _one_line(cls, token: SecretStr) -> SecretStr:
+        if any(c in token.get_secret_value() for c in "\r\n\0"):
+            raise ValueError("a token is one line")
+        return token
+
+
+class Credentials(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    git: GitCredential | None = None
 
 
 class SandboxSpec(BaseModel):
@@ -91,6 +157,7 @@ class SandboxSpec(BaseModel):
     workdir: str | None = None
     mounts: tuple[Mount, ...] = ()
     workspace: Workspace | None = None
+    credentials: Credentials | None = None
     cap_add: tuple[str, ...] = ()
     privileged: bool = False
     pid_mode: str | None = None

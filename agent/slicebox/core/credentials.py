@@ -1,0 +1,120 @@
+"""Credentials a sandbox is given: a git token, through an askpass helper in a directory of its own.
+
+Each sandbox with credentials has ``<state_dir>/<sandbox id>/`` on the host (``/run`` is a
+tmpfs: the token never reaches a disk), mode 0700 and owned by the uid the sandbox runs as,
+bind-mounted read-only at :data:`MOUNTED_AT` in the sandbox. In it:
+
+- ``askpass``: what ``GIT_ASKPASS`` names (set with ``GIT_TERMINAL_PROMPT=0`` for every exec,
+  as the container's environment). git runs it with its prompt as the one argument
+  (``Username for 'https://host': ``, ``Password for 'https://user@host': ``) and reads the
+  answer from its stdout: the username, or the token, for an allowed host only. It uses the
+  shell's builtins alone (``read``, ``printf``), so any image with a ``sh`` can run it, and it
+  passes the token to no program: it is in no process's argv.
+- ``token``, ``username``, ``hosts``: the values, one a line.
+
+So the token is in no argv, no URL, no ``.git/config``, no label, no environment variable and no
+log. The directory goes with its sandbox: a destroy removes it, the deadline timer's expiry
+does while the agent is down, and the reaper's ``leftover_files`` rule takes any whose sandbox
+is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from slicebox.model.errors import HostError
+from slicebox.model.spec import GitCredential
+
+log = logging.getLogger(__name__)
+
+MOUNTED_AT = "/run/slicebox/credentials"
+ASKPASS = f"{MOUNTED_AT}/askpass"
+GIT_ENV = {"GIT_ASKPASS": ASKPASS, "GIT_TERMINAL_PROMPT": "0"}
+
+# The prompt's URL is between its quotes; its host is after the scheme and any user@.
+ASKPASS_SCRIPT = r"""#!/bin/sh
+# slicebox: answers git's credential prompts for the hosts allowed, from the files beside it.
+here=${0%/*}
+url=${1#*\'}
+url=${url%\'*}
+host=${url#*://}
+host=${host#*@}
+host=${host%%/*}
+allowed=
+while IFS= read -r line || [ -n "$line" ]; do
+    [ "$line" = "$host" ] && allowed=yes
+done < "$here/hosts"
+[ -s "$here/hosts" ] || allowed=yes
+[ -n "$allowed" ] || exit 1
+case "$1" in
+    Username*) IFS= read -r answer < "$here/username" ;;
+    Password*) IFS= read -r answer < "$here/token" ;;
+    *) exit 1 ;;
+esac
+printf '%s\n' "$answer"
+"""
+
+
+class CredentialStore:
+    """The per-sandbox credential directories under ``state_dir``."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self._root = state_dir
+
+    def directory(self, sandbox_id: str) -> Path:
+        return self._root / sandbox_id
+
+    def write(self, sandbox_id: str, git: GitCredential) -> Path:
+        """Make the sandbox's directory with the helper and the values (root's until
+        :meth:`give`); a directory left from before is replaced."""
+        directory = self.directory(sandbox_id)
+        try:
+            self._root.mkdir(mode=0o755, parents=True, exist_ok=True)
+            self.remove(sandbox_id)
+            directory.mkdir(mode=0o700)
+            files = {
+                "askpass": (ASKPASS_SCRIPT, 0o500),
+                "token": (git.token.get_secret_value() + "\n", 0o400),
+                "username": (git.username + "\n", 0o400),
+                "hosts": ("".join(f"{host}\n" for host in git.hosts), 0o400),
+            }
+            for name, (text, mode) in files.items():
+                _write(directory / name, text, mode)
+        except OSError as exc:
+            self.remove(sandbox_id)
+            raise HostError(
+                f"the credential directory {directory} could not be written ({exc.strerror}); "
+                "is /run/slicebox writable by the agent?"
+            ) from exc
+        return directory
+
+    def give(self, sandbox_id: str, uid: int, gid: int) -> None:
+        """Hand the directory and its files to the uid the sandbox runs as."""
+        directory = self.directory(sandbox_id)
+        try:
+            for path in (directory, *sorted(directory.iterdir())):
+                os.chown(path, uid, gid, follow_symlinks=False)
+        except OSError as exc:
+            raise HostError(
+                f"the credential directory {directory} could not be given to uid {uid} "
+                f"({exc.strerror})"
+            ) from exc
+
+    def remove(self, sandbox_id: str) -> bool:
+        """Remove the sandbox's directory; False when there was none."""
+        directory = self.directory(sandbox_id)
+        if not directory.exists():
+            return False
+        shutil.rmtree(directory)
+        log.info("removed the credentials of %s", sandbox_id)
+        return True
+
+
+def _write(path: Path, text: str, mode: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    with contextlib.closing(os.fdopen(fd, "w")) as file:
+        file.write(text)

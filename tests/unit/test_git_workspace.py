@@ -5,6 +5,7 @@ or the environment), clones in the sandbox, and leaves nothing when the clone fa
 from __future__ import annotations
 
 import itertools
+import json
 import stat
 import subprocess
 from datetime import UTC, datetime
@@ -13,10 +14,13 @@ from pathlib import Path
 import pytest
 
 from slicebox.backends.base import SandboxRequest
+from slicebox.cli import main as cli
+from slicebox.cli import wire
 from slicebox.core.credentials import ASKPASS, ASKPASS_SCRIPT, MOUNTED_AT, CredentialStore
 from slicebox.core.gitclone import clone_argv
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
+from slicebox.model.api import CreateSandbox
 from slicebox.model.config import parse_config
 from slicebox.model.errors import InvalidRequest
 from slicebox.model.exec import ExecRequest, ExecState, OutputStream, StreamChunk
@@ -213,3 +217,28 @@ def test_a_failed_clone_says_why_without_the_token_and_leaves_nothing(tmp_path: 
     assert docker.containers == {}
     assert docker.volume_table == {}
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_token_is_masked_in_every_dump_but_the_clients_request_body(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    argv = ["create", "--workspace", f"git:{URL}#main", "--git-token-file", str(token_file)]
+    options = cli.build_parser().parse_args([*argv, "--git-host", HOST])
+    spec = cli._spec(options)
+    assert spec.workspace is not None
+    assert (spec.workspace.url, spec.workspace.ref) == (URL, "main")
+    assert spec.credentials is not None
+    assert spec.credentials.git is not None
+    assert spec.credentials.git.hosts == (HOST,)
+    assert TOKEN not in spec.model_dump_json()
+    assert TOKEN not in repr(spec)
+    assert TOKEN not in str(spec.model_dump())
+    sent = json.loads(wire.create(spec).body or b"")
+    assert sent["credentials"]["git"]["token"] == TOKEN
+    assert CreateSandbox.model_validate(sent).credentials == spec.credentials
+
+
+def test_a_token_on_its_own_without_a_file_is_refused() -> None:
+    options = cli.build_parser().parse_args(["create", "--git-username", "bot"])
+    with pytest.raises(InvalidRequest, match="need --git-token-file"):
+        cli._spec(options)

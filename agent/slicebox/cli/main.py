@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -45,7 +46,21 @@ def _sandbox_options(parser: argparse.ArgumentParser) -> None:
         "--workspace",
         metavar="KIND[:WHAT]",
         help="/workspace from host:PATH (a directory under your roots; the sandbox runs as "
-        "you) or volume[:NAME] (a volume of yours, made if new); default: a tmpfs",
+        "you), volume[:NAME] (a volume of yours, made if new) or git:URL[#REF] (cloned into a "
+        "new volume); default: a tmpfs",
+    )
+    parser.add_argument(
+        "--git-token-file",
+        metavar="PATH",
+        help="a file holding the token git uses for the workspace and in the sandbox ('-': "
+        "stdin); never give a token on the command line",
+    )
+    parser.add_argument("--git-username", help="the username that goes with the token")
+    parser.add_argument(
+        "--git-host",
+        action="append",
+        default=[],
+        help="host[:port] the token is for, repeatable (default: any)",
     )
     parser.add_argument(
         "--keep", action="store_true", help="keep the workspace volume after its root task"
@@ -64,11 +79,35 @@ def _workspace(options: argparse.Namespace) -> dict[str, object] | None:
     workspace: dict[str, object] = {"kind": kind, "read_only": options.read_only}
     if kind == "host":
         workspace["path"] = what or None
+    elif kind == "git":
+        url, _, ref = what.partition("#")
+        workspace.update({"url": url or None, "ref": ref or None})
     elif what:
         workspace["name"] = what
     if options.keep:
         workspace["keep"] = True
     return workspace
+
+
+def _credentials(options: argparse.Namespace) -> dict[str, object] | None:
+    path = options.git_token_file
+    if path is None:
+        if options.git_username or options.git_host:
+            raise InvalidRequest(
+                "--git-username and --git-host need --git-token-file", field="credentials"
+            )
+        return None
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise InvalidRequest(
+            f"--git-token-file {path}: {exc.strerror}; give a readable file holding the token",
+            field="credentials",
+        ) from exc
+    git: dict[str, object] = {"token": text.strip(), "hosts": options.git_host}
+    if options.git_username:
+        git["username"] = options.git_username
+    return {"git": git}
 
 
 def _exec_options(parser: argparse.ArgumentParser) -> None:
@@ -154,6 +193,7 @@ def _spec(options: argparse.Namespace) -> CreateSandbox:
         "root_task_id": options.root_task,
         "env": _env(options.env) or None,
         "workspace": _workspace(options),
+        "credentials": _credentials(options),
         "run_as": options.run_as,
     }
     return _parse(CreateSandbox, fields)

@@ -38,6 +38,7 @@ from slicebox.model.api import (
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
 from slicebox.model.files import FilesQuery, FileStat, Transferred
 from slicebox.model.reaper import Report
+from slicebox.model.spec import SEND_SECRETS
 from slicebox.model.usage import LevelNode
 
 API_PREFIX = "/v1"
@@ -72,7 +73,8 @@ def _id(value: str) -> str:
 
 
 def _body(model: BaseModel) -> bytes:
-    return model.model_dump_json(exclude_unset=True).encode()
+    """The request as sent: with its secrets (a git token), which every other dump masks."""
+    return model.model_dump_json(exclude_unset=True, context=SEND_SECRETS).encode()
 
 
 def _exec_fields(request: ExecRequest) -> dict[str, object]:
@@ -84,7 +86,7 @@ def _exec_body(request: ExecRequest) -> bytes:
 
 
 def _run_body(request: RunRequest) -> bytes:
-    sandbox = request.sandbox.model_dump(mode="json", exclude_unset=True)
+    sandbox = request.sandbox.model_dump(mode="json", exclude_unset=True, context=SEND_SECRETS)
     fields: dict[str, object] = {"sandbox": sandbox, "exec": _exec_fields(request.exec)}
     return TypeAdapter(dict[str, object]).dump_json(fields)
 

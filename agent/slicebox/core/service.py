@@ -191,6 +191,8 @@ class Service:
                 owner = (who.uid, who.gid) if user == who.user_name else None
                 made = self._sandboxes.create(spec, one_shot=one_shot, owner=owner)
                 record.update(subject(made))
+                if made.lineage.credentials:  # that they were, never what they are
+                    record["detail"] = f"credentials delivered: {made.lineage.credentials}"
         except BaseException:
             if made is not None and one_shot:  # made, but its record failed: no run follows
                 self._sandboxes.end_operation(made.id)  # the reaper removes it (run_ended)

@@ -17,12 +17,23 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    SerializationInfo,
     ValidationError,
+    field_serializer,
     field_validator,
     model_validator,
 )
 
 from slicebox.model.validation import refusal
+
+# The serialization context under which a dump carries secrets: a client's request body only.
+SEND_SECRETS = {"send_secrets": True}
+
+
+def wire_secrets(info: SerializationInfo) -> bool:
+    context = info.context
+    return isinstance(context, dict) and context.get("send_secrets") is True
+
 
 Id = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
 # A workspace volume's name as the caller gives it; Docker's own is prefixed with the user.
@@ -124,6 +135,11 @@ class GitCredential(BaseModel):
     token: SecretStr = Field(min_length=1, max_length=8192)
     username: str = Field(default="x-access-token", pattern=r"^[^\s:]{1,256}$")
     hosts: tuple[Annotated[str, Field(pattern=r"^[A-Za-z0-9.\[\]:-]{1,261}$")], ...] = ()
+
+    @field_serializer("token", when_used="json")
+    def _token(self, token: SecretStr, info: SerializationInfo) -> str:
+        """Masked in any JSON, unless the dump says it sends the request (a client's body)."""
+        return token.get_secret_value() if wire_secrets(info) else str(token)
 
     @field_validator("token")
     @classmethod

@@ -118,26 +118,36 @@ def box(work: Path) -> str:
     return made.stdout.decode().strip()
 
 
-@pytest.mark.parametrize("where", ["/workspace", "/tmp"], ids=["tmpfs-workspace", "rootfs-tmp"])
+# The whole 200 MiB goes to the tmpfs /workspace, which Docker's archive API cannot reach; the
+# root filesystem (/tmp) gets the small files: moving 200 MiB through an emulated guest twice
+# more would prove nothing new and cost minutes.
+@pytest.mark.parametrize(
+    ("where", "part"),
+    [("/workspace", "src"), ("/tmp", "src/nested/deeper")],
+    ids=["tmpfs-workspace", "rootfs-tmp"],
+)
 def test_200_mib_in_and_out_through_cp_unchanged_and_the_agent_stays_small(
-    work: Path, box: str, where: str
+    work: Path, box: str, where: str, part: str
 ) -> None:
-    src, back = work / "src", work / f"back{where.replace('/', '-')}"
+    src, back = work / part, work / f"back{where.replace('/', '-')}"
+    name = src.name
     expected = sha256_tree(src)
-    assert sum((src / name).stat().st_size for name in expected) >= 200 * MiB
+    if part == "src":
+        assert sum((src / rel).stat().st_size for rel in expected) >= 200 * MiB
     agent_pid = int(prop("slicebox.service", "MainPID"))
     with PeakRss(agent_pid) as rss:
         sent = as_user("cp", str(src), f"{box}:{where}/")
         assert sent.returncode == 0, sent.stderr
-        fetched = as_user("cp", f"{box}:{where}/src", str(back))
+        fetched = as_user("cp", f"{box}:{where}/{name}", str(back))
         assert fetched.returncode == 0, fetched.stderr
     assert sha256_tree(back) == expected
-    inside = as_user("exec", box, "--", "sha256sum", f"{where}/src/big.bin")
-    assert inside.stdout.split()[0].decode() == expected["big.bin"]
+    first = sorted(expected)[0]
+    inside = as_user("exec", box, "--", "sha256sum", f"{where}/{name}/{first}")
+    assert inside.stdout.split()[0].decode() == expected[first]
     growth = rss.peak - rss.before
     assert growth < RSS_GROWTH_MAX, f"the agent's RSS grew {growth / MiB:.1f} MiB"
     shutil.rmtree(back)
-    removed = as_user("exec", box, "--", "rm", "-rf", f"{where}/src")  # room for the next
+    removed = as_user("exec", box, "--", "rm", "-rf", f"{where}/{name}")  # room for the next
     assert removed.returncode == 0, removed.stderr
 
 
@@ -154,4 +164,4 @@ def test_each_transfer_is_in_the_journal(box: str) -> None:
     assert {r["SLICEBOX_RESULT"] for r in records()} == {"ok"}
     details = " ".join(r["SLICEBOX_DETAIL"] for r in records())
     assert "upload tar /workspace" in details
-    assert "download tar /tmp/src" in details
+    assert "download tar /tmp/deeper" in details

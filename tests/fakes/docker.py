@@ -17,6 +17,7 @@ driver makes one.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import UTC, datetime
 
 from slicebox.backends.base import (
     AsyncExecAttachment,
@@ -37,6 +38,7 @@ from slicebox.model.errors import (
     Unavailable,
 )
 from slicebox.model.exec import ExecRequest, ExecState
+from slicebox.model.labels import VolumeLineage
 from slicebox.model.names import scope_name
 from slicebox.model.spec import Backend, MountKind
 from tests.fakes.exec_fakes import FakeExecApi
@@ -209,3 +211,15 @@ class FakeDocker:
     def _reachable(self) -> None:
         if self.down is not None:
             raise Unavailable(f"the Docker daemon is not reachable ({self.down})")
+
+
+def volume_labels(user: str, root_task_id: str = "t0", *, keep: bool = False) -> dict[str, str]:
+    """The labels of a workspace volume of ``user``'s (project ``p``)."""
+    return VolumeLineage(
+        user=user,
+        project="p",
+        root_task_id=root_task_id,
+        sandbox_id="sbx-0",
+        keep=keep,
+        created_at=datetime(2026, 1, 1, tzinfo=UTC),
+    ).to_labels()

@@ -22,10 +22,10 @@ from slicebox.host.systemd import UnitStatus
 from slicebox.model.audit import AuditEvent
 from slicebox.model.config import OrphanPolicy, ReaperConfig, parse_config
 from slicebox.model.errors import HostError
-from slicebox.model.labels import MANAGED, Lineage, VolumeLineage, decode
+from slicebox.model.labels import MANAGED, Lineage, decode
 from slicebox.model.reaper import Action, Kind, Rule
 from slicebox.model.spec import SandboxSpec
-from tests.fakes.docker import FakeDocker
+from tests.fakes.docker import FakeDocker, volume_labels
 from tests.fakes.journal import ListJournal
 from tests.fakes.systemd import FakeSystemd
 
@@ -245,15 +245,7 @@ def test_timers_and_state_dirs_of_gone_sandboxes_are_removed() -> None:
 
 
 def volume(name: str, root_task_id: str, *, user: str = "alice", keep: bool = False) -> VolumeInfo:
-    lineage = VolumeLineage(
-        user=user,
-        project="p",
-        root_task_id=root_task_id,
-        sandbox_id="sbx-0",
-        keep=keep,
-        created_at=NOW,
-    )
-    return VolumeInfo(name=name, labels=lineage.to_labels(), mountpoint="")
+    return VolumeInfo(name=name, labels=volume_labels(user, root_task_id, keep=keep), mountpoint="")
 
 
 def test_volumes_of_a_gone_root_task_go_unless_kept_or_a_create_of_their_user_runs() -> None:

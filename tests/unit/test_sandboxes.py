@@ -20,12 +20,12 @@ from slicebox.model.errors import (
     NotFound,
     PolicyViolation,
 )
-from slicebox.model.labels import VolumeLineage, decode, decode_volume
+from slicebox.model.labels import decode, decode_volume
 from slicebox.model.limits import Limits
 from slicebox.model.names import MANAGED_SLICE
 from slicebox.model.spec import Mount, MountKind, SandboxSpec
 from tests.fakes.counting import counting
-from tests.fakes.docker import FakeDocker
+from tests.fakes.docker import FakeDocker, volume_labels
 from tests.fakes.systemd import FakeSystemd
 
 MiB = 1024 * 1024
@@ -270,17 +270,6 @@ def bind_world(binds: FakeBinds, extra: str = "") -> World:
     world.docker.volume_root = "/fake/volumes"
     world.docker.create_volume("cache", volume_labels("al-ice"))
     return world
-
-
-def volume_labels(user: str, root_task_id: str = "t0", keep: bool = False) -> dict[str, str]:
-    return VolumeLineage(
-        user=user,
-        project="p",
-        root_task_id=root_task_id,
-        sandbox_id="sbx-0",
-        keep=keep,
-        created_at=NOW,
-    ).to_labels()
 
 
 BINDS = [

@@ -16,6 +16,7 @@ SOCKET = Path("/run/slicebox/slicebox.sock")
 CONFIG = Path("/etc/slicebox/config.toml")
 
 
+AGENT_UNITS = ("slicebox.service", "slicebox.socket", "run-slicebox-sandboxes.mount")
 WORKSPACE_ROOTS = "/srv/sbx-ws"  # each test user's host workspaces go below <this>/<user>
 
 
@@ -57,7 +58,7 @@ def installed_agent(
         sh("groupadd", "--system", "slicebox")
     CONFIG.parent.mkdir(exist_ok=True)
     CONFIG.write_text(config)
-    for unit in ("slicebox.service", "slicebox.socket"):
+    for unit in AGENT_UNITS:
         shutil.copy(UNITS / unit, RUNTIME / unit)
     directory = RUNTIME / "slicebox.service.d"
     directory.mkdir(exist_ok=True)
@@ -70,10 +71,10 @@ def installed_agent(
         # A stopped agent is not started for it: the tests that stop theirs make no sandbox.
         if prop("slicebox.service", "ActiveState") == "active":
             sh("slicebox", "reap", check=False)
-        sh("systemctl", "stop", "slicebox.service", "slicebox.socket", check=False)
-        sh("systemctl", "reset-failed", "slicebox.service", "slicebox.socket", check=False)
+        sh("systemctl", "stop", *AGENT_UNITS, check=False)
+        sh("systemctl", "reset-failed", *AGENT_UNITS, check=False)
         shutil.rmtree(directory)
-        for unit in ("slicebox.service", "slicebox.socket"):
+        for unit in AGENT_UNITS:
             (RUNTIME / unit).unlink()
         sh("systemctl", "daemon-reload")
         shutil.rmtree(CONFIG.parent)

@@ -26,6 +26,7 @@ VERSION = str(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["v
 UNIT_FILES = {
     "/usr/lib/systemd/system/slicebox.service",
     "/usr/lib/systemd/system/slicebox.socket",
+    "/usr/lib/systemd/system/run-slicebox-sandboxes.mount",
     "/usr/lib/systemd/system/slicebox.slice",
     "/usr/lib/systemd/catalog/slicebox.catalog",
     "/usr/lib/sysusers.d/slicebox.conf",

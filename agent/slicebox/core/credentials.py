@@ -12,6 +12,9 @@ bind-mounted read-only at :data:`MOUNTED_AT` in the sandbox. In it:
   passes the token to no program: it is in no process's argv.
 - ``token``, ``username``, ``hosts``: the values, one a line.
 
+The state directory is a tmpfs of its own (``run-slicebox-sandboxes.mount``): ``/run`` is
+``noexec``, and a bind keeps its source's flags, so git could not run a helper bound from there.
+
 So the token is in no argv, no URL, no ``.git/config``, no label, no environment variable and no
 log. The directory goes with its sandbox: a destroy removes it, the deadline timer's expiry
 does while the agent is down, and the reaper's ``leftover_files`` rule takes any whose sandbox
@@ -105,11 +108,18 @@ class CredentialStore:
             ) from exc
 
     def remove(self, sandbox_id: str) -> bool:
-        """Remove the sandbox's directory; False when there was none."""
+        """Remove the sandbox's directory; False when there was none, or when it could not be
+        removed (logged: the reaper's ``leftover_files`` tries again). It is taken back first:
+        the agent may not write in a directory that is the sandbox uid's (no DAC_OVERRIDE)."""
         directory = self.directory(sandbox_id)
-        if not directory.exists():
+        if not directory.is_dir():
             return False
-        shutil.rmtree(directory)
+        try:
+            os.chown(directory, 0, 0, follow_symlinks=False)
+            shutil.rmtree(directory)
+        except OSError as exc:
+            log.warning("the credentials of %s stay for now: %s", sandbox_id, exc)
+            return False
         log.info("removed the credentials of %s", sandbox_id)
         return True
 

@@ -9,13 +9,13 @@ agent starts every grace again, which only keeps a slice a little longer.
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 from slicebox.backends.base import SandboxBackend
+from slicebox.core.credentials import CredentialStore
 from slicebox.core.deadlines import Timer
 from slicebox.core.reaping import FinalUsage, Observed, plan_pass
 from slicebox.core.sandboxes import Sandbox, SandboxManager
@@ -23,7 +23,7 @@ from slicebox.core.slices import SliceManager
 from slicebox.host.journal import Auditor
 from slicebox.model.audit import AuditEvent, AuditRecord
 from slicebox.model.config import ReaperConfig
-from slicebox.model.errors import SliceboxError
+from slicebox.model.errors import HostError, SliceboxError
 from slicebox.model.labels import VOLUME_MARK, selector
 from slicebox.model.reaper import Action, Kind, Outcome, Report
 
@@ -147,11 +147,18 @@ class Reaper:
             Kind.ADOPT: self._adopt,
             Kind.ARM_DEADLINE: self._arm,
             Kind.STOP_TIMER: self._stop_timer,
-            Kind.REMOVE_FILES: lambda a: _remove_tree(self._config().state_dir / a.sandbox_id),
+            Kind.REMOVE_FILES: lambda a: self._remove_files(a.sandbox_id),
             Kind.STOP_SLICE: lambda a: self._sandboxes.stop_slice_if_idle(a.target),
             Kind.REMOVE_VOLUME: lambda a: self._backend.remove_volume(a.target),
         }
         return steps[action.kind](action), None
+
+    def _remove_files(self, sandbox_id: str) -> bool:
+        """A gone sandbox's state directory (its credentials), taken back and removed."""
+        removed = CredentialStore(self._config().state_dir).remove(sandbox_id)
+        if not removed and (self._config().state_dir / sandbox_id).exists():
+            raise HostError(f"the files of {sandbox_id} could not be removed; see the log")
+        return removed
 
     def _adopt(self, action: Action) -> bool:
         self._adopted.add(action.sandbox_id)
@@ -193,13 +200,6 @@ def _children(directory: Path) -> list[Path]:
         return [entry for entry in directory.iterdir() if entry.is_dir()]
     except FileNotFoundError:
         return []
-
-
-def _remove_tree(directory: Path) -> bool:
-    if not directory.exists():
-        return False
-    shutil.rmtree(directory)
-    return True
 
 
 def _count_ok(outcomes: list[Outcome]) -> int:

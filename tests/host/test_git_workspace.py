@@ -204,9 +204,9 @@ def test_clone_push_through_askpass_and_the_token_is_nowhere(rig: Rig) -> None:
         assert f"url = {rig.url}" in config.stdout, "origin is the plain URL"
         # The whole of .git as a tar, searched here: a grep in the sandbox would put the token
         # in its own argv, and so in /proc and runuser's journal entry.
+        tar = ("tar", "-c", "-f", "-", "-C", "/workspace", ".git")
         dot_git = subprocess.run(
-            ["runuser", "-u", USER, "--", "slicebox", "exec", sandbox_id, "--"]
-            + ["tar", "-c", "-f", "-", "-C", "/workspace", ".git"],
+            ["runuser", "-u", USER, "--", "slicebox", "exec", sandbox_id, "--", *tar],
             capture_output=True,
             check=True,
         ).stdout

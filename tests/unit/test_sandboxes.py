@@ -23,7 +23,7 @@ from slicebox.model.errors import (
 from slicebox.model.labels import decode, decode_volume
 from slicebox.model.limits import Limits
 from slicebox.model.names import MANAGED_SLICE
-from slicebox.model.spec import Mount, MountKind, SandboxSpec
+from slicebox.model.spec import Mount, MountKind, SandboxSpec, parse_spec
 from tests.fakes.counting import counting
 from tests.fakes.docker import FakeDocker, volume_labels
 from tests.fakes.systemd import FakeSystemd
@@ -378,7 +378,7 @@ def test_a_volume_workspace_is_made_with_lineage_given_to_the_sandbox_and_goes_w
     binds = FakeBinds()
     world = bind_world(binds)
     box = world.manager.create(spec(workspace={"kind": "volume"}, root_task_id="t1"))
-    name = f"slicebox-al-ice-{box.id}"
+    name = f"slicebox-al-ice-{box.id.replace('-', '_')}"
     request = world.docker.requests[box.container_id]
     assert [(m.kind, m.source, m.target) for m in request.mounts] == [
         (MountKind.VOLUME, name, "/workspace")
@@ -446,6 +446,13 @@ def test_a_missing_volume_in_mounts_is_refused_rather_than_made_by_docker() -> N
         world.manager.create(spec(mounts=[{"kind": "volume", "source": "nope", "target": "/d"}]))
     assert refused.value.code == "mount_source_missing"
     assert "nope" not in world.docker.volume_table
+
+
+def test_volume_names_of_two_users_never_meet() -> None:
+    """al's ice-b would be slicebox-al-ice-b, al-ice's b: a name holds no '-'."""
+    with pytest.raises(InvalidRequest) as refused:
+        parse_spec({"user": "al", "project": "p", "workspace": {"kind": "volume", "name": "ice-b"}})
+    assert refused.value.code == "invalid_workspace"
 
 
 def test_a_failed_start_removes_the_volume_it_made() -> None:

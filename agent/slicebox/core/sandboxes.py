@@ -768,11 +768,13 @@ def _request(admitted: Admitted, lineage: Lineage, store: CredentialStore) -> Sa
 
 
 def _volume_name(spec: SandboxSpec, sandbox_id: str) -> str:
-    """A volume workspace's Docker name: the user's prefix keeps users' names apart."""
+    """A volume workspace's Docker name: the user's prefix keeps users' names apart (a name
+    holds no '-', so none reads as another user's)."""
     workspace = spec.workspace
     if workspace is None or workspace.kind is WorkspaceKind.HOST:
         return ""
-    return f"slicebox-{spec.user}-{workspace.name or sandbox_id}"
+    name = workspace.name or sandbox_id.replace("-", "_")  # no '-': see spec.VolumeName
+    return f"slicebox-{spec.user}-{name}"
 
 
 def _volume_mount(spec: SandboxSpec, lineage: Lineage) -> tuple[Mount, ...]:

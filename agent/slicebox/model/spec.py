@@ -36,8 +36,9 @@ def wire_secrets(info: SerializationInfo) -> bool:
 
 
 Id = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
-# A workspace volume's name as the caller gives it; Docker's own is prefixed with the user.
-VolumeName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+# A workspace volume's name as the caller gives it. Docker's own is slicebox-<user>-<name>: with
+# no '-' in a name the last '-' ends the user's part, so no two users' names can meet.
+VolumeName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.]{0,63}$")]
 
 
 class Backend(StrEnum):

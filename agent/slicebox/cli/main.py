@@ -18,7 +18,7 @@ from typing import BinaryIO, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from slicebox import __version__
+from slicebox import VersionAction
 from slicebox.cli import copying, doctor, tables
 from slicebox.cli.client import DEFAULT_SOCKET, Client
 from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest, SandboxList
@@ -124,7 +124,7 @@ def _exec_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slicebox", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"slicebox {__version__}")
+    parser.add_argument("--version", action=VersionAction)
     parser.add_argument("--socket", default=DEFAULT_SOCKET, help="the agent's unix socket")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from slicebox import __version__
+import slicebox
 from slicebox.host.identity import (
     CachedUsers,
     Identity,
@@ -158,7 +158,12 @@ def _http_error(exc: web.HTTPException) -> web.Response:
 async def health(request: web.Request) -> web.StreamResponse:
     identity = identity_of(request)
     return json_ok(
-        Health(status="ok", version=__version__, user=identity.user_name, admin=identity.is_admin)
+        Health(
+            status="ok",
+            version=slicebox.__version__,
+            user=identity.user_name,
+            admin=identity.is_admin,
+        )
     )
 
 
@@ -198,7 +203,7 @@ def openapi_document(routes: Sequence[Route]) -> dict[str, Any]:
         paths.setdefault(API_PREFIX + route.path, {})[route.method.lower()] = operation
     return {
         "openapi": "3.1.0",
-        "info": {"title": "slicebox agent API", "version": __version__},
+        "info": {"title": "slicebox agent API", "version": slicebox.__version__},
         "paths": paths,
         "components": {"schemas": schemas},
         "x-error-codes": _error_codes(),

@@ -24,7 +24,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from slicebox import __version__
+import slicebox
+from slicebox import VersionAction
 from slicebox.host.identity import SystemUsers
 from slicebox.host.journal import Auditor, SystemJournal
 from slicebox.host.listen import listening_socket
@@ -110,7 +111,9 @@ class Agent:
         ]
         watchdog = self._start_watchdog()
         self._notifier.notify(f"READY=1\nSTATUS=answering on {socket_path}")
-        self._auditor.record(AuditRecord(event=AuditEvent.AGENT_STARTED, detail=__version__))
+        self._auditor.record(
+            AuditRecord(event=AuditEvent.AGENT_STARTED, detail=slicebox.__version__)
+        )
         await self._stop.wait()
         self._notifier.notify("STOPPING=1\nSTATUS=stopping; sandboxes keep running")
         self._auditor.record(AuditRecord(event=AuditEvent.AGENT_STOPPING))
@@ -149,7 +152,7 @@ async def _every(interval: float, job: Callable[[], object], pool: ThreadPoolExe
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sliceboxd", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"sliceboxd {__version__}")
+    parser.add_argument("--version", action=VersionAction)
     parser.add_argument("--socket", type=Path, default=DEFAULT_SOCKET, help="unix socket path")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="TOML configuration")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")

@@ -416,17 +416,15 @@ class SandboxManager:
         the image's passwd), and a volume made for it and its credentials belong to that
         uid."""
         ids = _numeric_ids(spec.run_as)
-        if lineage.credentials:
-            uid, gid = ids or self._binds.ids_of(self._backend.sandbox_pid(container_id))
-            self._credentials().give(lineage.sandbox_id, uid, gid)
-        if not pinned and ids is not None and fresh is None:
-            return
-        pid = self._backend.sandbox_pid(container_id)
+        needs_pid = bool(pinned) or ids is None or fresh is not None
+        pid = self._backend.sandbox_pid(container_id) if needs_pid else 0
         for bind in pinned:
             self._binds.verify(pid, bind)
         uid, gid = ids or self._binds.ids_of(pid)
         if uid == 0 and not runs_as_root(spec.run_as):
             check_root(spec.user, spec, self._config)
+        if lineage.credentials:  # only once the uid is known to be allowed
+            self._credentials().give(lineage.sandbox_id, uid, gid)
         if fresh is not None and fresh.mountpoint:
             try:
                 self._binds.own(pid, WORKSPACE, fresh.mountpoint, uid, gid)

@@ -27,6 +27,10 @@ R = TypeVar("R")
 ACTIVE = frozenset({"active", "activating", "reloading"})
 _UNIT_EXISTS = "org.freedesktop.systemd1.UnitExists"
 _NO_PROCESS = "org.freedesktop.systemd1.NoSuchProcess"
+SYSTEMD = b"org.freedesktop.systemd1"
+UNIT_PATH = b"/org/freedesktop/systemd1/unit"
+UNIT_INTERFACE = b"org.freedesktop.systemd1.Unit"
+SLICE_INTERFACE = b"org.freedesktop.systemd1.Slice"
 TIMER_ACCURACY_USEC = 1_000_000  # systemd coalesces timers by a minute unless told otherwise
 
 
@@ -96,13 +100,12 @@ class PystemdSystemd:
         self._sleep = sleep
 
     def status(self, unit: str) -> UnitStatus:
-        handle = _unit(unit)
         return _call(
             unit,
             lambda: UnitStatus(
-                load_state=handle.Unit.LoadState.decode(),
-                active_state=handle.Unit.ActiveState.decode(),
-                fragment_path=handle.Unit.FragmentPath.decode(),
+                load_state=_property(unit, UNIT_INTERFACE, b"LoadState"),
+                active_state=_property(unit, UNIT_INTERFACE, b"ActiveState"),
+                fragment_path=_property(unit, UNIT_INTERFACE, b"FragmentPath"),
             ),
         )
 
@@ -112,11 +115,11 @@ class PystemdSystemd:
         self._run_retrying(unit, lambda m: m.StartTransientUnit(unit.encode(), b"fail", props))
 
     def set_properties(self, unit: str, properties: Sequence[Property]) -> None:
-        with _manager() as manager:
-            _call(
-                unit,
-                lambda: manager.Manager.SetUnitProperties(unit.encode(), True, _props(properties)),
-            )
+        manager = _manager()
+        _call(
+            unit,
+            lambda: manager.Manager.SetUnitProperties(unit.encode(), True, _props(properties)),
+        )
 
     def start(self, unit: str) -> None:
         self._run_retrying(unit, lambda m: m.StartUnit(unit.encode(), b"fail"))
@@ -128,8 +131,8 @@ class PystemdSystemd:
 
     def kill(self, unit: str, signal: int) -> None:
         try:
-            with _manager() as manager:
-                _call(unit, lambda: manager.Manager.KillUnit(unit.encode(), b"all", signal))
+            manager = _manager()
+            _call(unit, lambda: manager.Manager.KillUnit(unit.encode(), b"all", signal))
         except HostError as exc:
             if _NO_PROCESS not in exc.message:
                 raise
@@ -137,8 +140,7 @@ class PystemdSystemd:
             raise HostError(f"nothing of {unit} runs: {exc.message}", code="no_such_unit") from exc
 
     def has_children(self, unit: str) -> bool:
-        handle = _unit(unit)
-        group = _call(unit, lambda: handle.Slice.ControlGroup.decode().lstrip("/"))
+        group = _call(unit, lambda: _property(unit, SLICE_INTERFACE, b"ControlGroup").lstrip("/"))
         directory = self._cgroup_root / group
         try:
             return any(entry.is_dir() for entry in directory.iterdir()) if group else False
@@ -147,8 +149,8 @@ class PystemdSystemd:
 
     def list_units(self, pattern: str, *, active_only: bool = False) -> list[str]:
         states = ["active"] if active_only else []
-        with _manager() as manager:
-            units = _call(pattern, lambda: manager.Manager.ListUnitsByPatterns(states, [pattern]))
+        manager = _manager()
+        units = _call(pattern, lambda: manager.Manager.ListUnitsByPatterns(states, [pattern]))
         return sorted(entry[0].decode() for entry in units)
 
     def start_timer(self, timer: str, at: datetime, argv: Sequence[str], description: str) -> None:
@@ -181,16 +183,16 @@ class PystemdSystemd:
         if self.status(unit).active_state != "failed":
             return
         log.warning("%s failed to start; resetting it and retrying once", unit)
-        with _manager() as manager:
-            _call(unit, lambda: manager.Manager.ResetFailedUnit(unit.encode()))
+        manager = _manager()
+        _call(unit, lambda: manager.Manager.ResetFailedUnit(unit.encode()))
         self._run(unit, call)
         if not self.status(unit).active:
             raise HostError(f"systemd could not start {unit}; see `journalctl -u {unit}`")
 
     def _run(self, unit: str, call: Callable[[Any], bytes]) -> None:
-        with _manager() as manager:
-            job = _call(unit, lambda: call(manager.Manager))
-            self._wait_job(manager, unit, job)
+        manager = _manager()
+        job = _call(unit, lambda: call(manager.Manager))
+        self._wait_job(manager, unit, job)
 
     def _wait_job(self, manager: Any, unit: str, job: bytes) -> None:
         deadline = self._clock() + self._timeout
@@ -261,7 +263,12 @@ def _drop_bus() -> None:
 
 
 def _manager() -> Any:
-    """systemd's manager object on this thread's connection, introspected once."""
+    """systemd's manager object on this thread's connection, introspected once.
+
+    Never entered with ``with``: pystemd's ``__enter__`` loads the object again unless it is
+    marked loaded, and Debian's pystemd (0.13) never marks it, so each ``with`` fetched and
+    parsed the manager's whole introspection XML again (the reaper's passes spent most of
+    their time there)."""
     manager = getattr(_local, "manager", None)
     if manager is None:
         from pystemd.systemd1 import Manager
@@ -271,7 +278,11 @@ def _manager() -> Any:
     return manager
 
 
-def _unit(unit: str) -> Any:
-    from pystemd.systemd1 import Unit
+def _property(unit: str, interface: bytes, name: bytes) -> str:
+    """A string property of a unit, read straight off the bus: a pystemd ``Unit`` object
+    would first fetch and parse the unit's introspection XML, for every read."""
+    from pystemd.dbuslib import path_encode
 
-    return _call(unit, lambda: Unit(unit.encode(), bus=_bus(), _autoload=True))
+    path = path_encode(UNIT_PATH, unit.encode())
+    value = _bus().get_property(SYSTEMD, path, interface, name, b"s")
+    return bytes(value).decode()

@@ -199,6 +199,17 @@ class FakeDocker:
     def exec_inspect(self, exec_id: str) -> ExecState:
         return self._execs().exec_inspect(exec_id)
 
+    async def inspect_async(self, backend_id: str) -> SandboxInfo | None:
+        return self.inspect(backend_id)
+
+    async def exec_create_async(
+        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
+    ) -> str:
+        return self.exec_create(backend_id, request, streamed_stdin)
+
+    async def exec_inspect_async(self, exec_id: str) -> ExecState:
+        return self.exec_inspect(exec_id)
+
     def _execs(self) -> FakeExecApi:
         if self.execs is None:
             raise HostError("this fake Docker has no exec script; pass execs=FakeExecApi(...)")

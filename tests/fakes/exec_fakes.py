@@ -158,6 +158,14 @@ class FakeExecApi:
             stdin = b"".join([chunk async for chunk in _chunks(stdin)])
         return FakeAsyncAttachment(self.exec_start(exec_id, stdin))
 
+    async def exec_create_async(
+        self, container_id: str, request: ExecRequest, streamed_stdin: bool = False
+    ) -> str:
+        return self.exec_create(container_id, request, streamed_stdin)
+
+    async def exec_inspect_async(self, exec_id: str) -> ExecState:
+        return self.exec_inspect(exec_id)
+
     def exec_inspect(self, exec_id: str) -> ExecState:
         run = self.run
         run.inspects += 1

@@ -159,6 +159,14 @@ class LocalExecs:
         self.processes[exec_id] = process
         return LocalAttachment(process, stdin)
 
+    async def exec_create_async(
+        self, container_id: str, request: ExecRequest, streamed_stdin: bool = False
+    ) -> str:
+        return self.exec_create(container_id, request, streamed_stdin)
+
+    async def exec_inspect_async(self, exec_id: str) -> ExecState:
+        return self.exec_inspect(exec_id)
+
     def exec_inspect(self, exec_id: str) -> ExecState:
         process = self.processes[exec_id]
         code = process.returncode

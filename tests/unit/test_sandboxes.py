@@ -123,7 +123,10 @@ def test_a_create_into_a_kept_slice_gives_it_the_ceiling_in_force(world: World) 
 def test_destroy_while_another_removal_runs_is_idempotent(world: World) -> None:
     box = world.manager.create(spec())
     world.docker.begin_removal(box.container_id)  # say, the reaper's destroy of it
-    assert world.manager.destroy(box.id) == box, "no error: the sandbox is on its way out"
+    destroyed = world.manager.destroy(box.id)
+    assert destroyed is not None, "no error: the sandbox is on its way out"
+    assert destroyed.id == box.id
+    assert destroyed.state == SandboxState.REMOVING
     world.docker.finish_removal(box.container_id)
     assert world.manager.destroy(box.id) is None
     assert world.manager.find(user="al-ice") == []

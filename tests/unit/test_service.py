@@ -569,9 +569,9 @@ def test_a_run_never_looks_up_the_sandbox_it_created_and_answers_before_removing
     later.finish()
     assert answered == {
         "docker.create": 1,  # Docker's create and start; the image is known present
-        "docker.exec_create": 1,  # in the scope its labels give: no look-up of its init
+        "docker.exec_create_async": 1,  # in the scope its labels give: no look-up of its init
         "docker.exec_start_async": 1,
-        "docker.exec_inspect": 1,
+        "docker.exec_inspect_async": 1,
         "systemd.status": 3,  # the three slices exist ...
         "systemd.set_properties": 3,  # ... and get the ceilings in force
         "systemd.start_timer": 1,  # the deadline of a new sandbox: nothing to look for
@@ -586,10 +586,23 @@ def test_a_run_never_looks_up_the_sandbox_it_created_and_answers_before_removing
     assert world.host.scopes == [f"{web}/docker-{1:064x}.scope", f"{web}/docker-{2:064x}.scope"]
 
 
-def test_an_exec_in_a_sandbox_it_did_not_just_create_asks_for_its_cgroup(world: World) -> None:
-    """The backend is asked for the container's init (which fails if it is not running)."""
+def test_an_exec_in_a_running_sandbox_costs_one_look_up(world: World) -> None:
+    """Its look-up says it runs: the exec goes to the scope its labels give, with no second
+    inspect for the container's init."""
     box = world.create(ALICE)
     world.calls.clear()
     on_loop(world.service.aexec(ALICE, box, ExecRequest(argv=("x",)), None, inline))
-    assert (world.calls["docker.inspect"], world.calls["docker.sandbox_pid"]) == (1, 1)
-    assert world.host.scopes == []
+    assert (world.calls["docker.inspect_async"], world.calls["docker.sandbox_pid"]) == (1, 0)
+    assert world.calls["docker.inspect"] == 0
+    web = "slicebox.slice/slicebox-alice.slice/slicebox-alice-web.slice"
+    assert world.host.scopes == [f"{web}/docker-{1:064x}.scope"]
+
+
+def test_an_exec_in_a_stopped_sandbox_asks_for_its_init_and_is_refused(world: World) -> None:
+    box = world.create(ALICE)
+    world.docker.stop(world.service.get(ALICE, box).container_id)
+    world.calls.clear()
+    with pytest.raises(SandboxNotRunning):
+        on_loop(world.service.aexec(ALICE, box, ExecRequest(argv=("x",)), None, inline))
+    assert world.calls["docker.sandbox_pid"] == 1
+    assert world.calls["docker.exec_create"] == 0

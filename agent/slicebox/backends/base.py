@@ -127,9 +127,9 @@ class StdinSource(Protocol):
 
 
 class ExecApi(Protocol):
-    """The exec primitives :class:`slicebox.core.execution.ExecEngine` drives. All but
-    ``exec_start_async`` block (briefly: none waits for the command); the agent runs them on its
-    calls pool and reads the output on its event loop."""
+    """The exec primitives :class:`slicebox.core.execution.ExecEngine` drives. The plain ones
+    block (briefly: none waits for the command), for in-process callers; the agent uses the
+    ``_async`` ones on its event loop, which hold no thread."""
 
     def sandbox_pid(self, backend_id: str) -> int:
         """Host pid of the running sandbox's init; SandboxNotFound / SandboxNotRunning."""
@@ -152,6 +152,14 @@ class ExecApi(Protocol):
 
     def exec_inspect(self, exec_id: str) -> ExecState: ...
 
+    async def exec_create_async(
+        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
+    ) -> str:
+        """``exec_create`` on the running event loop, holding no thread."""
+
+    async def exec_inspect_async(self, exec_id: str) -> ExecState:
+        """``exec_inspect`` on the running event loop, holding no thread."""
+
 
 class SandboxBackend(ExecApi, Protocol):
     """A kind of sandbox: its lifecycle and listing, plus the exec primitives."""
@@ -173,6 +181,9 @@ class SandboxBackend(ExecApi, Protocol):
 
     def inspect(self, backend_id: str) -> SandboxInfo | None:
         """A sandbox by backend id or name; None when there is none."""
+
+    async def inspect_async(self, backend_id: str) -> SandboxInfo | None:
+        """``inspect`` on the running event loop, holding no thread."""
 
     def find(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
         """Every sandbox (running or not) carrying all of ``labels``, in one listing call."""

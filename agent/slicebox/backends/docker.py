@@ -30,6 +30,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, TypeVar
+from urllib.parse import quote
 
 import docker
 import docker.errors
@@ -44,6 +45,7 @@ from slicebox.backends.base import (
     StdinSource,
     VolumeInfo,
 )
+from slicebox.backends.dockerjson import DockerJsonApi
 from slicebox.backends.dockerstream import (
     AsyncRawExecAttachment,
     DockerEndpoint,
@@ -210,6 +212,8 @@ class DockerBackend:
     def __init__(self, endpoint: DockerEndpoint, client: Any = None) -> None:
         self._endpoint = endpoint
         self._client = client  # docker.APIClient; made on first use (the daemon may be late)
+        self._json = DockerJsonApi(endpoint, map_status)  # an exec's calls, on the event loop
+        self._version: str | None = None  # the API version those calls use, once known
         self._lock = threading.Lock()
         self._heavy = threading.BoundedSemaphore(HEAVY_CALLS)
 
@@ -264,12 +268,7 @@ class DockerBackend:
             attrs = self._call(backend_id, lambda api: api.inspect_container(backend_id))
         except SandboxNotFound:
             return None
-        return SandboxInfo(
-            id=attrs["Id"],
-            name=str(attrs.get("Name", "")).lstrip("/"),
-            labels=(attrs.get("Config") or {}).get("Labels") or {},
-            state=SandboxState.parse((attrs.get("State") or {}).get("Status")),
-        )
+        return _inspected(attrs)
 
     def find(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
         wanted = [f"{key}={value}" for key, value in labels.items()]
@@ -366,12 +365,44 @@ class DockerBackend:
             raise map_status(exc.status, exc.text, f"of exec {exec_id}") from exc
 
     def exec_inspect(self, exec_id: str) -> ExecState:
-        data = self._call(exec_id, lambda api: api.exec_inspect(exec_id))
-        return ExecState(
-            pid=int(data.get("Pid") or 0),
-            running=bool(data.get("Running")),
-            exit_code=data.get("ExitCode"),
-        )
+        return _exec_state(self._call(exec_id, lambda api: api.exec_inspect(exec_id)))
+
+    # --- the same calls on the event loop (backends.dockerjson) ---------------------------
+
+    async def inspect_async(self, backend_id: str) -> SandboxInfo | None:
+        path = f"/containers/{quote(backend_id, safe='')}/json"
+        try:
+            attrs = await self._json.get(await self._versioned(path), backend_id)
+        except SandboxNotFound:
+            return None
+        return _inspected(attrs)
+
+    async def exec_create_async(
+        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
+    ) -> str:
+        path = await self._versioned(f"/containers/{quote(backend_id, safe='')}/exec")
+        created = await self._json.post(path, backend_id, exec_body(request, streamed_stdin))
+        return str(created["Id"])
+
+    async def exec_inspect_async(self, exec_id: str) -> ExecState:
+        path = await self._versioned(f"/exec/{quote(exec_id, safe='')}/json")
+        return _exec_state(await self._json.get(path, exec_id))
+
+    async def aclose(self) -> None:
+        """End the event loop's connections to the daemon (the agent's shutdown)."""
+        await self._json.aclose()
+
+    async def _versioned(self, path: str) -> str:
+        """``path`` under the API version the client settled on; asked of the daemon on the
+        loop when no client exists yet."""
+        if self._version is None:
+            client = self._client
+            if client is not None:
+                self._version = str(client.api_version)
+            else:
+                said = await self._json.get("/version", "the version")
+                self._version = str(said["ApiVersion"])
+        return f"/v{self._version}{path}"
 
     # --- the client -----------------------------------------------------------------------
 
@@ -382,13 +413,16 @@ class DockerBackend:
     def _api(self) -> Any:
         with self._lock:
             if self._client is None:
-                self._client = self._call_raw(
-                    "the connection",
-                    lambda: docker.APIClient(
-                        base_url=self._url, version="auto", timeout=DOCKER_TIMEOUT
-                    ),
-                )
+                self._client = self._call_raw("the connection", self._new_client)
             return self._client
+
+    def _new_client(self) -> Any:
+        client = docker.APIClient(base_url=self._url, version="auto", timeout=DOCKER_TIMEOUT)
+        # The client is a requests session: left trusting the environment, every call looks
+        # for proxy settings and reads ~/.netrc for credentials, neither of which the daemon's
+        # own socket takes (a tenth of the agent's time per exec went there).
+        client.trust_env = False
+        return client
 
     def _call(self, what: str, call: Callable[[Any], R]) -> R:
         api = self._api()
@@ -422,6 +456,38 @@ def _create(api: Any, request: SandboxRequest) -> Any:
         working_dir=request.workdir,
         detach=True,
         host_config=host_config(request),
+    )
+
+
+def _inspected(attrs: Mapping[str, Any]) -> SandboxInfo:
+    return SandboxInfo(
+        id=attrs["Id"],
+        name=str(attrs.get("Name", "")).lstrip("/"),
+        labels=(attrs.get("Config") or {}).get("Labels") or {},
+        state=SandboxState.parse((attrs.get("State") or {}).get("Status")),
+    )
+
+
+def exec_body(request: ExecRequest, streamed_stdin: bool) -> dict[str, Any]:
+    """The exec create's body, as docker-py's ``exec_create`` builds it for the same call."""
+    return {
+        "User": "",
+        "Privileged": False,
+        "Tty": False,
+        "AttachStdin": bool(request.stdin) or streamed_stdin,
+        "AttachStdout": True,
+        "AttachStderr": True,
+        "Cmd": list(request.argv),
+        "Env": [f"{name}={value}" for name, value in request.env.items()],
+        "WorkingDir": request.cwd,
+    }
+
+
+def _exec_state(data: Mapping[str, Any]) -> ExecState:
+    return ExecState(
+        pid=int(data.get("Pid") or 0),
+        running=bool(data.get("Running")),
+        exit_code=data.get("ExitCode"),
     )
 
 

@@ -93,7 +93,7 @@ class DockerEndpoint(BaseModel):
                 return sock
             return socket.create_connection((self.address, self.port), timeout=START_TIMEOUT)
         except OSError as exc:
-            raise self._unreachable(exc) from exc
+            raise self.unreachable(exc) from exc
 
     async def aconnect(self) -> socket.socket:
         """``connect`` on the event loop: a new non-blocking connection, or Unavailable."""
@@ -103,9 +103,9 @@ class DockerEndpoint(BaseModel):
                     return await _unix_connection(self.address)
                 return await _tcp_connection(self.address, self.port)
         except OSError as exc:  # TimeoutError included
-            raise self._unreachable(exc) from exc
+            raise self.unreachable(exc) from exc
 
-    def _unreachable(self, exc: OSError) -> Unavailable:
+    def unreachable(self, exc: OSError) -> Unavailable:
         return Unavailable(
             f"the Docker daemon at {self.base_url} is not reachable ({exc}); "
             "is docker.service running, and is DOCKER_HOST right?"

@@ -20,10 +20,11 @@ included; the sandbox itself survives, and the result says ``timed_out`` with ex
 
 How it runs: one exec's logic is one async generator (``ExecEngine._events``), written once
 and given its way of blocking. The agent runs it on its event loop (``astream``): the output is
-awaited on the async attachment (no thread waits while the command runs), timeouts are checked
-on the same monotonic clock as the loop's, and the short blocking steps (the sandbox's pid and
-cgroup, the OOM counter, exec create and inspect, the kill) go through the
-:class:`~slicebox.core.blocking.Blocking` the caller passes, the agent's calls pool. In-process
+awaited on the async attachment (no thread waits while the command runs), Docker's exec create
+and inspect are the backend's calls on the loop too, timeouts are checked on the same monotonic
+clock as the loop's, and the short blocking steps (the sandbox's cgroup when its look-up did not
+give it, the OOM counter, the kill) go through the :class:`~slicebox.core.blocking.Blocking`
+the caller passes, the agent's calls pool. In-process
 callers (the real-host tests, the bench) run the same generator in their own thread
 (``run``/``stream``), on an event loop of its own where every step blocks in place.
 
@@ -154,11 +155,14 @@ class _Run:
 
 @dataclass(frozen=True)
 class _Io:
-    """How one exec's steps reach the world: its short blocking steps, its pauses, its start."""
+    """How one exec's steps reach the world: its short blocking steps, its pauses, and its
+    three calls to the backend (create, start, inspect)."""
 
     call: Blocking
     pause: Callable[[float], Awaitable[None]]
+    create: Callable[[str, ExecRequest, bool], Awaitable[str]]
     start: Callable[[str, bytes | StdinSource], Awaitable[AsyncExecAttachment]]
+    inspect: Callable[[str], Awaitable[ExecState]]
 
 
 class _InThread:
@@ -219,11 +223,17 @@ class ExecEngine:
         async def pause(seconds: float) -> None:
             self._sleep(seconds)
 
+        async def create(container: str, request: ExecRequest, streamed: bool) -> str:
+            return self._api.exec_create(container, request, streamed)
+
         async def start(exec_id: str, stdin: bytes | StdinSource) -> AsyncExecAttachment:
             assert isinstance(stdin, bytes)  # a streamed stdin needs the event loop
             return _InThread(self._api.exec_start(exec_id, stdin))
 
-        io = _Io(inline, pause, start)
+        async def inspect(exec_id: str) -> ExecState:
+            return self._api.exec_inspect(exec_id)
+
+        io = _Io(inline, pause, create, start, inspect)
         return _in_thread(self._events(container_id, request, io, scope))
 
     def astream(
@@ -243,7 +253,14 @@ class ExecEngine:
         ``stdin``: a streamed stdin in place of ``request.stdin`` (a file upload's body);
         ``capture``: what becomes of the output, in place of keeping ``output_cap`` of each
         stream (a file download streams all of stdout and keeps none)."""
-        io = _Io(blocking, self._asleep, self._api.exec_start_async)
+        api = self._api
+        io = _Io(
+            blocking,
+            self._asleep,
+            api.exec_create_async,
+            api.exec_start_async,
+            api.exec_inspect_async,
+        )
         return self._events(container_id, request, io, scope, stdin=stdin, capture=capture)
 
     async def _events(
@@ -256,9 +273,7 @@ class ExecEngine:
         stdin: StdinSource | None = None,
         capture: Capture | None = None,
     ) -> AsyncGenerator[ExecEvent, None]:
-        streamed = stdin is not None
-        begin = functools.partial(self._begin, container_id, request, scope, streamed)
-        run = await io.call(begin)
+        run = await self._begin(container_id, request, scope, stdin is not None, io)
         capture = capture or OutputCapture(request.output_cap)
         attachment = await io.start(run.exec_id, request.stdin if stdin is None else stdin)
         try:
@@ -273,18 +288,22 @@ class ExecEngine:
                 await asyncio.shield(self._kill(run, "its stream was abandoned", io))
         yield await self._finish(run, capture, io)
 
-    def _begin(
-        self, container_id: str, request: ExecRequest, scope: str | None, streamed: bool
+    async def _begin(
+        self, container_id: str, request: ExecRequest, scope: str | None, streamed: bool, io: _Io
     ) -> _Run:
+        where = functools.partial(self._where, container_id, scope)
+        cgroup, oom_before, since = await io.call(where)
+        exec_id = await io.create(container_id, request, streamed)
+        started = self._clock()
+        return _Run(exec_id, cgroup, oom_before, since, started, started + request.timeout)
+
+    def _where(self, container_id: str, scope: str | None) -> tuple[Path, int | None, int]:
+        """The sandbox's cgroup, its OOM count and the process clock, before the exec."""
         if scope is None:
             cgroup = self._host.cgroup_of(self._api.sandbox_pid(container_id))
         else:  # a container that is not running fails its exec create just the same
             cgroup = self._host.cgroup_at(scope)
-        oom_before = self._host.oom_kills(cgroup)
-        since = self._host.process_clock()
-        exec_id = self._api.exec_create(container_id, request, streamed)
-        started = self._clock()
-        return _Run(exec_id, cgroup, oom_before, since, started, started + request.timeout)
+        return cgroup, self._host.oom_kills(cgroup), self._host.process_clock()
 
     async def _finish(self, run: _Run, capture: Capture, io: _Io) -> ExecResult:
         exit_code = await self._exit_code(run, io)  # first: it may time the run out
@@ -349,7 +368,7 @@ class ExecEngine:
         return state.exit_code
 
     async def _inspect(self, run: _Run, io: _Io) -> ExecState:
-        return await io.call(functools.partial(self._api.exec_inspect, run.exec_id))
+        return await io.inspect(run.exec_id)
 
 
 def _in_thread(events: AsyncGenerator[T, None]) -> Generator[T, None, None]:

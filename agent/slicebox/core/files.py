@@ -273,7 +273,9 @@ class Files:
             tally, sandbox = run
             if length is not None and length > self.cap():
                 raise too_large(self.cap())
-            events = self._engine.astream(sandbox.container_id, request, blocking, stdin=source)
+            events = self._engine.astream(
+                sandbox.container_id, request, blocking, sandbox.running_scope(), stdin=source
+            )
             try:
                 result = await result_of(events)
             finally:
@@ -294,7 +296,9 @@ class Files:
         request = _request(download_argv(query))
         async with self._transfer(who, sandbox_id, Direction.DOWNLOAD, query, blocking) as run:
             tally, sandbox = run
-            events = self._engine.astream(sandbox.container_id, request, blocking, capture=relay)
+            events = self._engine.astream(
+                sandbox.container_id, request, blocking, sandbox.running_scope(), capture=relay
+            )
             async with contextlib.aclosing(events):
                 async for event in events:
                     if isinstance(event, ExecResult):
@@ -312,7 +316,10 @@ class Files:
         sandbox = await blocking(functools.partial(self._visible, who, sandbox_id))
         with self._sandboxes.operation(sandbox.id):
             events = self._engine.astream(
-                sandbox.container_id, _request(stat_argv(query)), blocking
+                sandbox.container_id,
+                _request(stat_argv(query)),
+                blocking,
+                sandbox.running_scope(),
             )
             result = await result_of(events)
         check(result, query, None)

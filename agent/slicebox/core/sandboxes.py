@@ -32,6 +32,7 @@ from slicebox.backends.base import (
     SandboxBackend,
     SandboxInfo,
     SandboxRequest,
+    SandboxState,
     VolumeInfo,
 )
 from slicebox.core.credentials import GIT_ENV, MOUNTED_AT, CredentialStore
@@ -98,6 +99,8 @@ class Sandbox(BaseModel):
     backend: str
     created_at: datetime
     expires_at: datetime | None
+    # What the backend said of it when it was looked up (a create's own: running).
+    state: SandboxState = SandboxState.UNKNOWN
 
     @classmethod
     def from_info(cls, info: SandboxInfo) -> Sandbox:
@@ -116,6 +119,7 @@ class Sandbox(BaseModel):
             backend=lineage.backend,
             created_at=lineage.created_at,
             expires_at=lineage.expires_at,
+            state=info.state,
         )
 
     def slices(self) -> SliceNames:
@@ -128,6 +132,15 @@ class Sandbox(BaseModel):
     def scope_cgroup(self, root: PurePosixPath = CGROUP_ROOT) -> PurePosixPath:
         """The cgroup directory of the container's scope (exec'd processes land here too)."""
         return self.slice_cgroups(root).project / scope_name(self.container_id)
+
+    def running_scope(self) -> str | None:
+        """The scope cgroup (below the cgroup root) of a sandbox its look-up or its create found
+        running, for an exec in it: the exec then need not ask the backend for the container's
+        init, a second inspect of the same container a moment later. None in any other state:
+        the exec asks, and a stopped or paused sandbox is refused in its own words."""
+        if self.state != SandboxState.RUNNING:
+            return None
+        return str(self.scope_cgroup(PurePosixPath("/"))).lstrip("/")
 
 
 class SandboxManager:
@@ -460,13 +473,16 @@ class SandboxManager:
         however many containers there are (a list filtered by label goes through them all);
         its labels still decide whether it is that sandbox."""
         info = self._backend.inspect(sandbox_id) if CONTAINER_NAME.fullmatch(sandbox_id) else None
-        if info is None or not _labelled(info, sandbox_id):
-            raise NotFound(f"no sandbox {sandbox_id}; list sandboxes to see the ids")
-        sandbox = Sandbox.from_info(info)
+        sandbox = _found(info, sandbox_id)
         if current_deadline and self._deadlines is not None:
             held = self._deadlines.current_of(sandbox.id)
             return sandbox.model_copy(update={"expires_at": held}) if held else sandbox
         return sandbox
+
+    async def aget(self, sandbox_id: str) -> Sandbox:
+        """``get`` on the running event loop (the deadline its labels give)."""
+        named = CONTAINER_NAME.fullmatch(sandbox_id)
+        return _found(await self._backend.inspect_async(sandbox_id) if named else None, sandbox_id)
 
     def find(self, **labels: str) -> list[Sandbox]:
         """Sandboxes whose labels match, e.g. ``list(user='alice', root_task_id='t1')``."""
@@ -730,6 +746,13 @@ def _labelled(info: SandboxInfo, sandbox_id: str) -> bool:
 
 def _nothing(sandbox: Sandbox) -> None:
     """A last look that reads nothing."""
+
+
+def _found(info: SandboxInfo | None, sandbox_id: str) -> Sandbox:
+    """The sandbox a look-up by name found, if its labels say it is that sandbox."""
+    if info is None or not _labelled(info, sandbox_id):
+        raise NotFound(f"no sandbox {sandbox_id}; list sandboxes to see the ids")
+    return Sandbox.from_info(info)
 
 
 @contextmanager

@@ -63,13 +63,6 @@ def _read(usage: ResourceUsage | None, sandbox: Sandbox) -> ResourceUsage | None
     return usage
 
 
-def _scope(created: Sandbox | None) -> str | None:
-    """The scope cgroup of a sandbox the caller has just created, for its exec: the exec then
-    need not ask the backend for the container's init to find it. None for any other sandbox,
-    whose container is asked (it may have stopped or been paused since)."""
-    return None if created is None else cgroups_of(created).scope
-
-
 def view_of(sandbox: Sandbox) -> SandboxView:
     lineage = sandbox.lineage
     return SandboxView(
@@ -259,7 +252,7 @@ class Service:
             audited_exec(self._auditor, who, sandbox_id) as tally,
         ):
             sandbox = tally.found(known or self._visible(who, sandbox_id))
-            scope = _scope(known)
+            scope = sandbox.running_scope()
             with self._sandboxes.operation(sandbox.id):
                 return tally.ran(self._engine.run(sandbox.container_id, request, scope))
 
@@ -275,7 +268,9 @@ class Service:
             sandbox = tally.found(self._visible(who, sandbox_id))
             with (
                 self._sandboxes.operation(sandbox.id),
-                contextlib.closing(self._engine.stream(sandbox.container_id, request)) as run,
+                contextlib.closing(
+                    self._engine.stream(sandbox.container_id, request, sandbox.running_scope())
+                ) as run,
             ):
                 yield from map(tally.saw, run)
 
@@ -326,14 +321,12 @@ class Service:
             self._aholding(who, request.output_cap, held, blocking=blocking, sandbox_id=sandbox_id),
             audited_aexec(self._auditor, who, sandbox_id, blocking) as tally,
         ):
-            sandbox = known
-            if sandbox is None:
-                sandbox = await blocking(functools.partial(self._visible, who, sandbox_id))
+            sandbox = known or await self._avisible(who, sandbox_id)
             tally.found(sandbox)
             self._sandboxes.begin_operation(sandbox.id)
             try:
                 events = self._engine.astream(
-                    sandbox.container_id, request, blocking, _scope(known)
+                    sandbox.container_id, request, blocking, sandbox.running_scope()
                 )
                 async with contextlib.aclosing(events):
                     async for event in events:
@@ -471,6 +464,14 @@ class Service:
         self, who: Identity, sandbox_id: str, *, current_deadline: bool = False
     ) -> Sandbox:
         sandbox = self._sandboxes.get(sandbox_id, current_deadline=current_deadline)
+        return self._visible_to(who, sandbox, sandbox_id)
+
+    async def _avisible(self, who: Identity, sandbox_id: str) -> Sandbox:
+        """``_visible`` on the running event loop."""
+        return self._visible_to(who, await self._sandboxes.aget(sandbox_id), sandbox_id)
+
+    @staticmethod
+    def _visible_to(who: Identity, sandbox: Sandbox, sandbox_id: str) -> Sandbox:
         if not who.may_see(sandbox.user):
             # The same answer as for a sandbox that does not exist: nothing leaks.
             raise NotFound(f"no sandbox {sandbox_id}; list sandboxes to see the ids")

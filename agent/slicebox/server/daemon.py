@@ -88,9 +88,11 @@ class Agent:
         *,
         periodic: Sequence[Periodic] = (),
         state: Mapping[web.AppKey[Any], object] | None = None,
+        closing: Sequence[Callable[[], Awaitable[None]]] = (),
     ) -> None:
         self._routes = routes
         self._state = state
+        self._closing = closing  # run on the loop once the app has stopped: its connections
         self._notifier = notifier
         self._auditor = auditor
         self._reload = reload
@@ -121,6 +123,8 @@ class Agent:
             if task is not None:
                 task.cancel()
         await runner.cleanup()
+        for close in self._closing:
+            await close()
 
     def _start_watchdog(self) -> asyncio.Task[None] | None:
         interval = watchdog_interval(os.environ, os.getpid())
@@ -226,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             (runtime.config.reaper.interval_seconds, runtime.reaper.run),
         ],
         state={SERVICE: runtime.service},
+        closing=[runtime.backend.aclose],
     )
     asyncio.run(agent.run(options.socket))
     return 0

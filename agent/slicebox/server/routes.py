@@ -3,8 +3,9 @@
 Docker and systemd calls block, so each runs on a bounded pool of worker threads
 (:mod:`slicebox.server.pools`); the event loop stays free to answer other callers and to ping
 systemd's watchdog. An exec holds no thread while its command runs: the service reads its output
-on the loop (``Service.aexec``/``aexec_stream``) and sends only its short steps (the look-up,
-Docker's exec create and inspect, the kill at its timeout, the audit record) to the calls pool.
+on the loop (``Service.aexec``/``aexec_stream``), where the look-up and Docker's exec create
+and inspect are made too, and sends only its short steps (the cgroup reads, the kill at its
+timeout, the audit record) to the calls pool.
 
 A one-shot run answers once its exec has ended and its final usage is read: the removal of its
 sandbox goes on after the answer, on the calls pool, and a graceful stop waits for it

@@ -63,6 +63,7 @@ class Runtime:
     service: Service
     auditor: Auditor
     reaper: Reaper
+    backend: DockerBackend
 
     def reconcile(self) -> str:
         """The start-up pass: rebuild the view from labels and systemd before answering."""
@@ -153,6 +154,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         service,
         auditor,
         reaper,
+        backend,
     )
 
 

@@ -2,8 +2,9 @@
 
     tests/guest/run python3 -m bench.bench_load [--sandboxes 200] [--clients 8] [--execs 400]
 
-Both sides run the same work with the same number of parallel clients, one side after the
-other in the same run:
+Both sides run the same work with the same number of parallel clients in the same run, each
+phase in ``--rounds`` rounds with the sides taking turns (a change in the guest's load falls on
+both alike):
 
 - slicebox: the real service (the checkout's units under systemd), called on its socket by
   ``--clients`` threads with the Python client: create ``--sandboxes`` sandboxes across 10
@@ -15,12 +16,16 @@ other in the same run:
 
 Printed: creates/s, execs/s and destroys/s of each side and their RATIO (slicebox over
 docker-py: 1.0 means the agent adds nothing), p50/p99 per route of the agent, and the agent's
-RSS and thread count with every sandbox alive (and idle, before the load).
+RSS and thread count with every sandbox alive (and idle, before the load), and each phase's
+CPU seconds per operation by where they were spent (the agent, dockerd, containerd with its
+shims and runc, systemd, journald, the sandboxes; "all" is the whole guest, the bench's own
+clients included), from cgroup v2's counters, which keep the CPU of processes gone since.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import threading
@@ -89,72 +94,126 @@ def agent_stats() -> tuple[int, int]:
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["Threads"])
 
 
-class Rates:
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.rates: dict[str, float] = {}
+# Where the guest's CPU goes, by the cgroups that do the work: cgroup v2 counts the CPU of
+# processes that have exited too (runc, the shims' children), which /proc would lose.
+CGROUP = Path("/sys/fs/cgroup")
+CPU_UNITS = {
+    "agent": "system.slice/slicebox.service",
+    "dockerd": "system.slice/docker.service",
+    "containerd": "system.slice/containerd.service",
+    "systemd": "init.scope",
+    "journald": "system.slice/systemd-journald.service",
+    "sandboxes": "slicebox.slice",
+}
 
-    def add(self, what: str, count: int, seconds: float) -> None:
-        self.rates[what] = count / seconds
+
+def cpu_now() -> dict[str, float]:
+    """CPU seconds so far of each unit above and of the whole guest ("all")."""
+    seconds = {name: _usage(CGROUP / path) for name, path in CPU_UNITS.items()}
+    stat = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    busy = sum(int(v) for i, v in enumerate(stat) if i not in (3, 4))  # less idle, iowait
+    seconds["all"] = busy / os.sysconf("SC_CLK_TCK")
+    return seconds
 
 
-def run_slicebox(args: argparse.Namespace, latencies: Latencies) -> tuple[Rates, list[str]]:
-    rates, notes = Rates("slicebox"), []
-    client = Client(str(SOCKET), timeout=600)
-    rss, threads = agent_stats()
-    notes.append(f"agent idle: RSS {rss / 2**20:.0f} MiB, {threads} threads")
-    ids: list[str] = []
-    lock = threading.Lock()
+def _usage(cgroup: Path) -> float:
+    try:
+        for line in (cgroup / "cpu.stat").read_text().splitlines():
+            if line.startswith("usage_usec "):
+                return int(line.split()[1]) / 1e6
+    except OSError:  # the unit is not running (the agent, on docker-py's side)
+        pass
+    return 0.0
 
-    def create(n: int) -> None:
+
+class Side:
+    """One way of doing the work: its three operations, the sandboxes it made, and what each
+    of its phases measured (seconds and CPU seconds by unit, summed over the rounds)."""
+
+    name = ""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.cpu: dict[str, dict[str, float]] = {}
+        self._lock = threading.Lock()
+
+    def create(self, n: int) -> None: ...
+
+    def exec_(self, n: int) -> None: ...
+
+    def destroy(self, sandbox: str) -> None: ...
+
+    def made(self, sandbox: str) -> None:
+        with self._lock:
+            self.ids.append(sandbox)
+
+    def phase(self, what: str, clients: int, work: list[T], call: Callable[[T], object]) -> None:
+        """One round of a phase: ``call`` on every item, ``clients`` at a time."""
+        before = cpu_now()
+        seconds = parallel(clients, work, call)
+        after = cpu_now()
+        self.seconds[what] = self.seconds.get(what, 0.0) + seconds
+        self.counts[what] = self.counts.get(what, 0) + len(work)
+        spent = self.cpu.setdefault(what, dict.fromkeys(after, 0.0))
+        for name in after:
+            spent[name] += after[name] - before[name]
+
+    def rate(self, what: str) -> float:
+        return self.counts[what] / self.seconds[what]
+
+    def cpu_per_operation(self, what: str) -> dict[str, float]:
+        return {name: spent / self.counts[what] for name, spent in self.cpu[what].items()}
+
+
+class Slicebox(Side):
+    name = "slicebox"
+
+    def __init__(self, latencies: Latencies) -> None:
+        super().__init__()
+        self.latencies = latencies
+        self.client = Client(str(SOCKET), timeout=600)
+
+    def create(self, n: int) -> None:
         body = {"project": f"load{n % PROJECTS}", "ttl_seconds": 3600}
-        made = latencies.timed(
-            "POST /sandboxes", lambda: client.request("POST", "/sandboxes", body)
+        made = self.latencies.timed(
+            "POST /sandboxes", lambda: self.client.request("POST", "/sandboxes", body)
         )
-        with lock:
-            ids.append(str(made["id"]))
+        self.made(str(made["id"]))
 
-    def exec_(n: int) -> None:
-        sandbox = ids[n % len(ids)]
+    def exec_(self, n: int) -> None:
+        sandbox = self.ids[n % len(self.ids)]
         path = f"/sandboxes/{sandbox}/exec"
-        ran = latencies.timed(
+        ran = self.latencies.timed(
             "POST /sandboxes/{id}/exec",
-            lambda: client.request("POST", path, {"argv": ["echo", "hi"]}),
+            lambda: self.client.request("POST", path, {"argv": ["echo", "hi"]}),
         )
         assert ran["stdout"] == "aGkK", ran  # base64 of hi\n
         if n % 20 == 0:
-            latencies.timed("GET /sandboxes", lambda: client.request("GET", "/sandboxes"))
-            latencies.timed(
+            self.latencies.timed("GET /sandboxes", lambda: self.client.request("GET", "/sandboxes"))
+            self.latencies.timed(
                 "GET /sandboxes/{id}/usage",
-                lambda: client.request("GET", f"/sandboxes/{sandbox}/usage"),
+                lambda: self.client.request("GET", f"/sandboxes/{sandbox}/usage"),
             )
 
-    def destroy(sandbox: str) -> None:
-        latencies.timed(
-            "DELETE /sandboxes/{id}", lambda: client.request("DELETE", f"/sandboxes/{sandbox}")
+    def destroy(self, sandbox: str) -> None:
+        self.latencies.timed(
+            "DELETE /sandboxes/{id}",
+            lambda: self.client.request("DELETE", f"/sandboxes/{sandbox}"),
         )
 
-    try:
-        rates.add(
-            "creates/s", args.sandboxes, parallel(args.clients, range(args.sandboxes), create)
-        )
-        rss, threads = agent_stats()
-        notes.append(f"agent at {len(ids)} sandboxes: RSS {rss / 2**20:.0f} MiB, {threads} threads")
-        rates.add("execs/s", args.execs, parallel(args.clients, range(args.execs), exec_))
-        rss, threads = agent_stats()
-        notes.append(f"agent after the execs: RSS {rss / 2**20:.0f} MiB, {threads} threads")
-    finally:
-        rates.add("destroys/s", len(ids), parallel(args.clients, list(ids), destroy))
-    return rates, notes
 
+class DockerPy(Side):
+    """The same work on the Engine API directly, with the flags the Docker backend uses."""
 
-def run_docker(args: argparse.Namespace) -> Rates:
-    rates = Rates("docker-py")
-    api = docker.APIClient(timeout=600)
-    ids: list[str] = []
-    lock = threading.Lock()
+    name = "docker-py"
 
-    def create(n: int) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        self.api = docker.APIClient(timeout=600)
+
+    def create(self, n: int) -> None:
         request = SandboxRequest(
             name=f"bench-load-{n}",
             image=IMAGE,
@@ -163,30 +222,52 @@ def run_docker(args: argparse.Namespace) -> Rates:
             slice=slice_names("root", f"load{n % PROJECTS}").project,
             limits=parse_config(TEST_CONFIG).sandbox.limits(),
         )
-        made = api.create_container(
+        made = self.api.create_container(
             IMAGE, list(KEEP_ALIVE), name=request.name, host_config=host_config(request)
         )
-        api.start(made["Id"])
-        with lock:
-            ids.append(made["Id"])
+        self.api.start(made["Id"])
+        self.made(made["Id"])
 
-    def exec_(n: int) -> None:
-        made = api.exec_create(ids[n % len(ids)], ["echo", "hi"])
-        assert api.exec_start(made["Id"]) == b"hi\n"
-        assert api.exec_inspect(made["Id"])["ExitCode"] == 0
+    def exec_(self, n: int) -> None:
+        container = self.ids[n % len(self.ids)]
+        made = self.api.exec_create(container, ["echo", "hi"])
+        assert self.api.exec_start(made["Id"]) == b"hi\n"
+        assert self.api.exec_inspect(made["Id"])["ExitCode"] == 0
+        if n % 20 == 0:  # the list and the usage read slicebox's side does as often
+            self.api.containers(filters={"name": "bench-load-"})
+            self.api.stats(container, stream=False, one_shot=True)
 
-    def destroy(container: str) -> None:
-        api.remove_container(container, force=True)
+    def destroy(self, sandbox: str) -> None:
+        self.api.remove_container(sandbox, force=True)
 
+
+def rounds(count: int, parts: int) -> list[list[int]]:
+    """``range(count)`` in ``parts`` slices, each spread over the whole range (n, n+parts...)."""
+    return [list(range(start, count, parts)) for start in range(parts)]
+
+
+def interleaved(args: argparse.Namespace, sides: list[Side], notes: list[str]) -> None:
+    """Each phase in rounds, the sides taking turns: a change in the guest's load (another
+    guest on the same cores, a slow moment of the emulator) falls on both sides alike."""
+    ours = sides[0]
     try:
-        rates.add(
-            "creates/s", args.sandboxes, parallel(args.clients, range(args.sandboxes), create)
+        for part in rounds(args.sandboxes, args.rounds):
+            for side in sides:
+                side.phase("creates/s", args.clients, part, side.create)
+        rss, threads = agent_stats()
+        notes.append(
+            f"agent at {len(ours.ids)} sandboxes: RSS {rss / 2**20:.0f} MiB, {threads} threads"
         )
-        rates.add("execs/s", args.execs, parallel(args.clients, range(args.execs), exec_))
+        for part in rounds(args.execs, args.rounds):
+            for side in sides:
+                side.phase("execs/s", args.clients, part, side.exec_)
+        rss, threads = agent_stats()
+        notes.append(f"agent after the execs: RSS {rss / 2**20:.0f} MiB, {threads} threads")
     finally:
-        rates.add("destroys/s", len(ids), parallel(args.clients, list(ids), destroy))
-        api.close()
-    return rates
+        for index in range(args.rounds):
+            for side in sides:
+                made = side.ids[index :: args.rounds]
+                side.phase("destroys/s", args.clients, made, side.destroy)
 
 
 def main() -> None:
@@ -194,22 +275,46 @@ def main() -> None:
     parser.add_argument("--sandboxes", type=int, default=200)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--execs", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
-    latencies = Latencies()
+    latencies, notes = Latencies(), []
     config = agent_config("interval_seconds = 2\n")
     try:
         with installed_agent(config):
             subprocess.run(["systemctl", "start", "slicebox.service"], check=True)
             Client(str(SOCKET), timeout=120).request("GET", "/health")
-            ours, notes = run_slicebox(args, latencies)
-        theirs = run_docker(args)
+            rss, threads = agent_stats()
+            notes.append(f"agent idle: RSS {rss / 2**20:.0f} MiB, {threads} threads")
+            ours, theirs = Slicebox(latencies), DockerPy()
+            try:
+                interleaved(args, [ours, theirs], notes)
+            finally:
+                theirs.api.close()
     finally:
         units = [slice_names("root", f"load{n}").project for n in range(PROJECTS)]
         subprocess.run(["systemctl", "stop", *units, "slicebox-root.slice"], check=False)
-    print(f"{args.sandboxes} sandboxes, {args.execs} execs, {args.clients} parallel clients")
-    for what, rate in ours.rates.items():
-        bare = theirs.rates[what]
-        print(f"  {what:11} slicebox {rate:7.2f}  docker-py {bare:7.2f}  RATIO {rate / bare:.2f}")
+    report(args, ours, theirs, notes, latencies)
+
+
+def report(
+    args: argparse.Namespace, ours: Side, theirs: Side, notes: list[str], latencies: Latencies
+) -> None:
+    print(
+        f"{args.sandboxes} sandboxes, {args.execs} execs, {args.clients} parallel clients, "
+        f"{args.rounds} rounds a phase, the sides taking turns"
+    )
+    for what in ours.counts:
+        rate, bare_rate = ours.rate(what), theirs.rate(what)
+        print(
+            f"  {what:11} slicebox {rate:7.2f}  docker-py {bare_rate:7.2f}  "
+            f"RATIO {rate / bare_rate:.2f}"
+        )
+    print("CPU seconds per operation, by where it was spent (slicebox | docker-py):")
+    for what in ours.counts:
+        print(f"  {what}")
+        mine, bare = ours.cpu_per_operation(what), theirs.cpu_per_operation(what)
+        for name in mine:
+            print(f"    {name:11} {mine[name]:6.2f} | {bare[name]:6.2f}")
     for note in notes:
         print(f"  {note}")
     latencies.print()

@@ -44,7 +44,16 @@ from pathlib import Path, PurePosixPath
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from slicebox.model.errors import ConfigError
-from slicebox.model.limits import Ceiling, Limits, RawSize, parse_cpus, parse_pids, parse_size
+from slicebox.model.limits import (
+    Ceiling,
+    Limits,
+    OptionalCpus,
+    OptionalPids,
+    RawSize,
+    parse_cpus,
+    parse_pids,
+    parse_size,
+)
 from slicebox.model.paths import CONFIG_PATH
 from slicebox.model.pool import PoolConfig
 from slicebox.model.validation import checked, describe, problems
@@ -73,23 +82,13 @@ class CeilingConfig(_Strict):
 
     memory: RawSize | None = None
     memory_high: RawSize | None = None
-    cpus: float | None = None
-    pids: int | None = None
+    cpus: OptionalCpus = None
+    pids: OptionalPids = None
 
     @field_validator("memory", "memory_high")
     @classmethod
     def _size(cls, value: RawSize | None) -> RawSize | None:
         return checked(lambda: value is None or parse_size("size", value, _ANY_TOTAL), value)
-
-    @field_validator("cpus")
-    @classmethod
-    def _cpus(cls, value: float | None) -> float | None:
-        return checked(lambda: value is None or parse_cpus("cpus", value), value)
-
-    @field_validator("pids")
-    @classmethod
-    def _pids(cls, value: int | None) -> int | None:
-        return checked(lambda: value is None or parse_pids("pids", value), value)
 
     def over(self, base: CeilingConfig) -> CeilingConfig:
         """This override laid over ``base``: fields set here win."""

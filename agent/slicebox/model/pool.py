@@ -23,7 +23,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from slicebox.model.limits import Limits, RawSize, parse_cpus, parse_pids, parse_size
+from slicebox.model.limits import Limits, OptionalCpus, OptionalPids, RawSize, parse_size
 from slicebox.model.names import slice_names
 from slicebox.model.spec import Id, Mount
 from slicebox.model.validation import checked
@@ -43,8 +43,8 @@ class PoolConfig(BaseModel):
     size: int = Field(ge=1, le=MAX_POOL_SIZE)
     image: str | None = None
     memory: RawSize | None = None
-    cpus: float | None = None
-    pids: int | None = None
+    cpus: OptionalCpus = None
+    pids: OptionalPids = None
     network: str = "none"
     run_as: str | None = Field(default=None, pattern=r"^[1-9][0-9]*:[1-9][0-9]*$")
     # A member nobody acquired for this long is removed by the reaper (``pool_idle``), and the
@@ -64,16 +64,6 @@ class PoolConfig(BaseModel):
     @classmethod
     def _memory(cls, value: RawSize | None) -> RawSize | None:
         return checked(lambda: value is None or parse_size("memory", value), value)
-
-    @field_validator("cpus")
-    @classmethod
-    def _cpus(cls, value: float | None) -> float | None:
-        return checked(lambda: value is None or parse_cpus("cpus", value), value)
-
-    @field_validator("pids")
-    @classmethod
-    def _pids(cls, value: int | None) -> int | None:
-        return checked(lambda: value is None or parse_pids("pids", value), value)
 
 
 class PoolKey(BaseModel):

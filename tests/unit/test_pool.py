@@ -227,6 +227,9 @@ def test_an_idle_member_is_no_one_s_to_use(world: World) -> None:
         world.service.get(ALICE, idle.id)
     listed = {v.id: v.pool for v in world.service.list_sandboxes(ALICE)}
     assert listed[idle.id] == "idle"
+    assert not world.service.destroy(ALICE, idle.id).destroyed
+    assert world.service.destroy_tree(ALICE, idle.id) == [], "its label task id is no task's"
+    assert idle.id in {m.id for m in world.members()}
 
 
 def test_an_acquired_member_s_lineage_survives_a_restart_from_systemd_alone(

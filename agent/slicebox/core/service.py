@@ -158,7 +158,9 @@ class Service:
     def destroy_tree(self, who: Identity, root_task_id: str) -> list[Destroyed]:
         """Every sandbox of a root task the caller may see, children before parents."""
         members = [
-            s for s in self._sandboxes.find(root_task_id=root_task_id) if who.may_see(s.user)
+            s
+            for s in self._sandboxes.find(root_task_id=root_task_id)
+            if who.may_see(s.user) and s.pool_state != "idle"  # the pool's, no task's
         ]
         members.sort(key=lambda s: -s.lineage.depth)
         return [self._destroy(who, sandbox) for sandbox in members]

@@ -30,6 +30,7 @@ class FakeSystemd:
         self.calls: list[tuple[str, str]] = []
         self.timers: dict[str, tuple[datetime, list[str]]] = {}
         self.killed: list[tuple[str, int]] = []
+        self.descriptions: dict[str, str] = {}
         self._lock = threading.Lock()  # systemd serialises its bus calls
 
     def status(self, unit: str) -> UnitStatus:
@@ -69,6 +70,7 @@ class FakeSystemd:
             self.running.discard(unit)
             self.children.pop(unit, None)
             self.timers.pop(unit, None)
+            self.descriptions.pop(unit, None)
             if unit not in self.installed:
                 self.properties.pop(unit, None)  # a stopped transient unit loses its files
 
@@ -92,6 +94,11 @@ class FakeSystemd:
             units = self.running if active_only else self._loaded()
             return sorted(u for u in units if fnmatch.fnmatchcase(u, pattern))
 
+    def describe_units(self, pattern: str) -> dict[str, str]:
+        with self._lock:
+            units = (u for u in self._loaded() if fnmatch.fnmatchcase(u, pattern))
+            return {u: self.descriptions.get(u, u) for u in sorted(units)}
+
     def start_timer(self, timer: str, at: datetime, argv: Sequence[str], description: str) -> None:
         with self._lock:
             self.calls.append(("start_timer", timer))
@@ -99,6 +106,7 @@ class FakeSystemd:
                 raise HostError(f"systemd says {timer} already exists", code="unit_exists")
             self._start(timer)
             self.timers[timer] = (at, list(argv))
+            self.descriptions[timer] = description
 
     def _start(self, unit: str) -> None:
         if unit in self.fail_start:

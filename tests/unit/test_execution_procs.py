@@ -281,3 +281,16 @@ def test_cgroup_of_and_oom_kills_read_the_files(tmp_path: Path) -> None:
     with pytest.raises(HostError, match="vanished"):
         host.cgroup_of(6)
     assert host.cgroup_at("/a.slice/b.scope") == cgroup == host.cgroup_at("a.slice/b.scope")
+
+
+@pytest.mark.parametrize("freezer", [True, False])
+def test_kill_since_takes_everything_a_reused_member_s_run_started_and_nothing_older(
+    tmp_path: Path, freezer: bool
+) -> None:
+    """A reuse release: every process started at or after the acquire's mark goes, daemons
+    and other sessions included; the container's init and main process (and whatever ran
+    before the acquire) stay."""
+    kernel = FakeKernel(tmp_path, TABLE, freezer=freezer)
+    assert kernel.host().kill_since(kernel.cgroup, SINCE) == 8
+    assert sorted(kernel.table) == [1, 2, 30, 31]
+    assert not kernel.frozen()

@@ -72,7 +72,7 @@ def test_every_other_rule_reads_as_a_sentence() -> None:
         (Rule.ORPHAN, "theirs"): (
             "it was made by agent run run-before, not this one, and the orphan policy is reap"
         ),
-        (Rule.POOL_SURPLUS, "idle"): "it is an idle pool member beyond the 0 kept of its kind",
+        (Rule.POOL_SURPLUS, "idle"): "it is an idle pool member beyond the 0 its pool keeps",
         (Rule.RUN_ENDED, "ran"): (
             "it was made for a one-shot run that no longer holds it (the run's removal failed, "
             "or its agent stopped before removing it)"

@@ -45,6 +45,7 @@ from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult
 from slicebox.model.files import FileFormat, FilesQuery, FileStat, Transferred
 from slicebox.model.paths import AGENT_SOCKET
+from slicebox.model.pool import PoolList
 from slicebox.model.reaper import Report
 from slicebox.model.usage import LevelNode, ResourceUsage
 
@@ -122,6 +123,10 @@ class Client:
 
     def run(self, request: RunRequest) -> RunResult:
         return self._call(wire.run(request))
+
+    def pools(self) -> PoolList:
+        """The warm pools: key, ready and busy members, hit rate, refill time."""
+        return self._call(wire.pools())
 
     def reap(self, request: ReapRequest | None = None) -> Report:
         return self._call(wire.reap(request or ReapRequest()))

@@ -67,6 +67,11 @@ def _sandbox_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--read-only", action="store_true", help="mount the workspace read-only")
     parser.add_argument("--run-as", help="uid[:gid] or user name (default: a non-root uid)")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="accept a reused warm-pool member (reset since its last run; default: never)",
+    )
 
 
 def _workspace(options: argparse.Namespace) -> dict[str, object] | None:
@@ -156,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cp.add_argument("source", help="a local path, - (a tar on stdin), or SANDBOX:/path")
     cp.add_argument("destination", help="SANDBOX:/path, a local path, or - (a tar on stdout)")
+    commands.add_parser("pool", help="the warm pools: key, ready/busy, hit rate, refill time")
     reap = commands.add_parser("reap", help="one reaper pass now (root and slicebox-admin)")
     reap.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     return parser
@@ -195,6 +201,7 @@ def _spec(options: argparse.Namespace) -> CreateSandbox:
         "workspace": _workspace(options),
         "credentials": _credentials(options),
         "run_as": options.run_as,
+        "reuse": options.reuse,
     }
     return _parse(CreateSandbox, fields)
 
@@ -339,8 +346,21 @@ def _print_tree(client: Client, as_json: bool) -> None:
     node = client.level_tree()
     if as_json:
         _json(node)
+        return
+    print("\n".join(tables.tree(node)))
+    idle = [v for v in client.list_sandboxes() if v.pool == "idle"]
+    if idle:  # in the tree's project memory, but no task's: say so
+        memory = sum(v.limits.memory_bytes for v in idle) // tables.MiB
+        print(f"idle pool members: {len(idle)} ({memory}MB provisioned, charged to no task)")
+
+
+def cmd_pool(options: argparse.Namespace, client: Client) -> int:
+    found = client.pools()
+    if options.json:
+        _json(found)
     else:
-        print("\n".join(tables.tree(node)))
+        print("\n".join(tables.pools(found)))
+    return 0
 
 
 def cmd_extend(options: argparse.Namespace, client: Client) -> int:
@@ -380,6 +400,7 @@ COMMANDS: dict[str, Command] = {
     "top": cmd_top,
     "extend": cmd_extend,
     "reap": cmd_reap,
+    "pool": cmd_pool,
     "cp": cmd_cp,
 }
 

@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 
 from slicebox.model.api import Destroyed, SandboxView
 from slicebox.model.exec import ExecResult
+from slicebox.model.pool import PoolList
 from slicebox.model.reaper import Report
 from slicebox.model.usage import LevelNode
 
@@ -15,15 +16,39 @@ MiB = 1024 * 1024
 def sandboxes(views: Sequence[SandboxView]) -> Iterator[str]:
     yield (
         f"{'ID':<18} {'USER':<12} {'PROJECT':<14} {'MEMORY':>10} {'CPUS':>5} "
-        f"{'CREATED':<25} {'EXPIRES'}"
+        f"{'CREATED':<25} {'EXPIRES':<25} {'POOL'}"
     )
     for v in views:
         memory = f"{v.limits.memory_bytes // MiB}MB"
         expires = v.expires_at.isoformat() if v.expires_at else "-"
         yield (
             f"{v.id:<18} {v.user:<12} {v.project:<14} {memory:>10} {v.limits.cpus:>5} "
-            f"{v.created_at.isoformat():<25} {expires}"
+            f"{v.created_at.isoformat():<25} {expires:<25} {v.pool or '-'}"
+        ).rstrip()
+
+
+def pools(found: PoolList) -> Iterator[str]:
+    """Each pool's key, members and how well it serves; idle members are charged to no task."""
+    yield (
+        f"{'USER/PROJECT':<24} {'IMAGE':<28} {'MEMORY':>8} {'CPUS':>5} {'NET':<7} {'REUSE':<5} "
+        f"{'READY':>5} {'BUSY':>4} {'SIZE':>4} {'HIT%':>5} {'REFILL':>7} {'ACQUIRE':>8}"
+    )
+    for p in found.pools:
+        key = p.key
+        hit = f"{100 * p.hit_rate:.0f}" if p.hit_rate is not None else "-"
+        yield (
+            f"{key.user + '/' + key.project:<24} {key.image:<28} "
+            f"{key.limits.memory_bytes // MiB:>6}MB {key.limits.cpus:>5} {key.network:<7} "
+            f"{'yes' if key.reuse else 'no':<5} {p.ready:>5} {p.busy:>4} {p.size:>4} {hit:>5} "
+            f"{_seconds(p.refill_seconds_p50):>7} {_seconds(p.acquire_seconds_p50):>8}"
         )
+        if p.held_back:
+            yield f"  held back: {p.held_back}"
+    yield f"cold creates and runs (no pool's key): {found.cold}"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}s"
 
 
 def destroyed(gone: Destroyed) -> str:

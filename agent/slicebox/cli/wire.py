@@ -37,6 +37,7 @@ from slicebox.model.api import (
 )
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
 from slicebox.model.files import FilesQuery, FileStat, Transferred
+from slicebox.model.pool import PoolList
 from slicebox.model.reaper import Report
 from slicebox.model.spec import SEND_SECRETS
 from slicebox.model.usage import LevelNode
@@ -141,6 +142,10 @@ def destroy_task(root_task_id: str) -> Call[DestroyedList]:
 def run(request: RunRequest) -> Call[RunResult]:
     grace = request.exec.timeout + EXEC_GRACE
     return Call("POST", "/run", RunResult, _run_body(request), grace)
+
+
+def pools() -> Call[PoolList]:
+    return Call("GET", "/pool", PoolList)
 
 
 def reap(request: ReapRequest) -> Call[Report]:

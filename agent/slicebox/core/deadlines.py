@@ -12,6 +12,11 @@ it is arming a later timer and stopping the earlier one: the labels (immutable) 
 original ``expires_at``, systemd holds the current one. Timers live in ``/run``: they survive
 ``daemon-reload`` and agent restarts, not a reboot (after which no sandbox is running anyway).
 
+An acquired warm-pool member's lineage rides on its timer too: the Description says
+``slicebox deadline of <sandbox>; lease task=... root=...`` (:class:`~slicebox.model.pool.Lease`),
+systemd lists Descriptions with the names, and an extension carries the lease to its new timer.
+Why there: ``docs/pool.md``.
+
 A scope's own ``RuntimeMaxSec`` would be simpler but cannot be changed once the scope runs
 (systemd 257 refuses it), so a deadline could never be extended.
 """
@@ -30,6 +35,7 @@ from pydantic import BaseModel, ConfigDict
 from slicebox.host.systemd import Systemd
 from slicebox.model.errors import HostError
 from slicebox.model.names import scope_name
+from slicebox.model.pool import Lease, parse_lease
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,7 @@ class Timer(BaseModel):
     unit: str
     sandbox_id: str
     at: datetime
+    lease: Lease | None = None  # a pool member's lineage, when the timer holds one
 
 
 def timer_unit(sandbox_id: str, at: datetime) -> str:
@@ -60,6 +67,18 @@ def parse_timer(unit: str) -> Timer | None:
     if not sandbox_id or not epoch.isdigit():
         return None
     return Timer(unit=unit, sandbox_id=sandbox_id, at=datetime.fromtimestamp(int(epoch), UTC))
+
+
+def described(unit: str, description: str) -> Timer | None:
+    """The timer a unit name stands for, with the lease its Description holds, if any."""
+    timer = parse_timer(unit)
+    lease = parse_lease(description) if timer is not None else None
+    return timer if lease is None or timer is None else timer.model_copy(update={"lease": lease})
+
+
+def description(sandbox_id: str, lease: Lease | None) -> str:
+    own = f"slicebox deadline of {sandbox_id}"
+    return own if lease is None else f"{own}; {lease.describe()}"
 
 
 def own_pattern(sandbox_id: str) -> str:
@@ -147,6 +166,13 @@ class Deadlines:
         found = (parse_timer(unit) for unit in self._systemd.list_units(own_pattern(sandbox_id)))
         return [timer for timer in found if timer is not None and timer.sandbox_id == sandbox_id]
 
+    def leased(self, sandbox_id: str | None = None) -> list[Timer]:
+        """The timers (every one, or the sandbox's own) with the leases their Descriptions
+        hold: one systemd call, as ``timers`` is."""
+        pattern = PATTERN if sandbox_id is None else own_pattern(sandbox_id)
+        found = (described(u, d) for u, d in self._systemd.describe_units(pattern).items())
+        return [t for t in found if t is not None and sandbox_id in (None, t.sandbox_id)]
+
     def current(self) -> dict[str, datetime]:
         """Each sandbox's deadline now: the latest of its timers."""
         return latest(self.timers())
@@ -155,26 +181,34 @@ class Deadlines:
         """The sandbox's deadline now, if a timer holds one."""
         return latest(self.timers_of(sandbox_id)).get(sandbox_id)
 
-    def arm(self, sandbox_id: str, container_id: str, at: datetime) -> str:
-        """Make ``at`` the sandbox's deadline; earlier timers are stopped once it is armed."""
+    def arm(
+        self, sandbox_id: str, container_id: str, at: datetime, lease: Lease | None = None
+    ) -> str:
+        """Make ``at`` the sandbox's deadline; earlier timers are stopped once it is armed.
+        ``lease``: an acquired pool member's, carried to the new timer."""
         unit = timer_unit(sandbox_id, at)
         older = [t for t in self.timers_of(sandbox_id) if t.unit != unit]
         if not self._systemd.status(unit).active:
-            self._start(unit, sandbox_id, container_id, at)
+            self._start(unit, sandbox_id, container_id, at, lease)
         self.stop(older)
         return unit
 
-    def arm_new(self, sandbox_id: str, container_id: str, at: datetime) -> str:
+    def arm_new(
+        self, sandbox_id: str, container_id: str, at: datetime, lease: Lease | None = None
+    ) -> str:
         """``arm`` for a sandbox being created: its id is new, so it has no timer to look for
         or stop, and arming is one systemd call. Should a timer of that name exist after all,
-        systemd refuses it (``unit_exists``) and the create fails and is undone."""
+        systemd refuses it (``unit_exists``) and the create fails and is undone. An idle pool
+        member has no timer either: its acquire arms its first, with the ``lease``."""
         unit = timer_unit(sandbox_id, at)
-        self._start(unit, sandbox_id, container_id, at)
+        self._start(unit, sandbox_id, container_id, at, lease)
         return unit
 
-    def _start(self, unit: str, sandbox_id: str, container_id: str, at: datetime) -> None:
+    def _start(
+        self, unit: str, sandbox_id: str, container_id: str, at: datetime, lease: Lease | None
+    ) -> None:
         command = self._command(sandbox_id, container_id, at)
-        self._systemd.start_timer(unit, at, command, f"slicebox deadline of {sandbox_id}")
+        self._systemd.start_timer(unit, at, command, description(sandbox_id, lease))
 
     def _command(self, sandbox_id: str, container_id: str, at: datetime) -> list[str]:
         program = self._program()

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Protocol
 
 from slicebox.backends.base import SandboxBackend
 from slicebox.core.credentials import CredentialStore
@@ -25,9 +26,19 @@ from slicebox.model.audit import AuditEvent, AuditRecord
 from slicebox.model.config import ReaperConfig
 from slicebox.model.errors import HostError, SliceboxError
 from slicebox.model.labels import VOLUME_MARK, selector
-from slicebox.model.reaper import Action, Kind, Outcome, Report
+from slicebox.model.reaper import Action, Kind, Outcome, Report, Rule
 
 log = logging.getLogger(__name__)
+
+
+class PoolView(Protocol):
+    """What the reaper asks of the warm pool (``core.pool.WarmPool``)."""
+
+    def trims(self) -> dict[str, tuple[int, float]]: ...
+
+    def ready_since(self) -> dict[str, datetime]: ...
+
+    def withdraw(self, sandbox_id: str) -> bool: ...
 
 
 class Reaper:
@@ -43,7 +54,9 @@ class Reaper:
         config: Callable[[], ReaperConfig],
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         final_usage: FinalUsage | None = None,
+        pool: PoolView | None = None,
     ) -> None:
+        self._pool = pool
         self._sandboxes = sandboxes
         self._slices = slices
         self._backend = backend
@@ -70,11 +83,13 @@ class Reaper:
             busy=self._sandboxes.busy(),
             containers=self._backend.find(selector()),
             slices=self._slices.running_slices(),
-            timers=deadlines.timers() if deadlines is not None else [],
+            timers=deadlines.leased() if deadlines is not None else [],
             state_dirs=sorted(p.name for p in _children(state_dir)),
             volumes=self._backend.volumes({VOLUME_MARK: "true"}),
             adopted=self.adopted,
             empty_since=self._seen_empty_since(),
+            pools=self._pool.trims() if self._pool is not None else {},
+            ready_since=self._pool.ready_since() if self._pool is not None else {},
         )
 
     def _seen_empty_since(self) -> dict[str, datetime]:
@@ -182,9 +197,21 @@ class Reaper:
             sandbox = self._sandboxes.get(action.sandbox_id)
         except SliceboxError:
             return False, None
+        if sandbox.lineage.pool and not self._pool_may_go(sandbox, action.rule):
+            return False, None
         gone, usage = self._sandboxes.destroy_sandbox(sandbox, self._final_usage or _no_usage)
         self._adopted.discard(sandbox.id)
         return gone, usage
+
+    def _pool_may_go(self, sandbox: Sandbox, rule: Rule) -> bool:
+        """Looked at again under the claim, as it is now: an idle member goes once the pool has
+        let go of it (an acquire taking it now defers it); one acquired since the plan is no
+        longer the pool rules' (the others, an expiry, still apply)."""
+        if sandbox.lease is not None:
+            return rule not in (Rule.POOL_SURPLUS, Rule.POOL_IDLE)
+        if self._pool is not None and not self._pool.withdraw(sandbox.id):
+            raise _Deferred(f"{sandbox.id} is being acquired from its pool; next pass")
+        return True
 
 
 def _no_usage(sandbox: Sandbox) -> None:

@@ -26,9 +26,11 @@ The rules, each with its :class:`Rule` name in the plan and the audit:
   one on its sandbox from the end of the create until the removal it starts once its exec has
   ended is over, so this is one whose agent stopped before removing it, or whose removal
   failed: no one may exec in it any more.
-- ``pool_surplus``: idle pool members beyond ``reaper.pool_size`` of a kind (oldest first).
-  Only an agent that still took ``pool`` in a create made them; none does until a warm pool
-  acquires and releases members, so this rule clears what such an agent left.
+- ``pool_surplus``: idle warm-pool members (no lease in systemd: ``core.pool``) beyond their
+  pool's size (oldest first), or beyond ``reaper.pool_size`` for a key no ``[[pool]]``
+  declares any more. An acquired member is a task's sandbox like any other: never trimmed.
+- ``pool_idle``: an idle member nobody acquired for its pool's ``idle_timeout_seconds``
+  (since it was made, or since a reuse handed it back); the refill makes a fresh one.
 - ``deadline_missing``: a running sandbox with a TTL and no timer (the agent died between
   the start and the arming): the timer is armed from the label.
 - ``stale_deadline``: a timer whose sandbox is gone.
@@ -88,6 +90,10 @@ class Observed(BaseModel):
     adopted: frozenset[str] = frozenset()
     # Slice unit -> since when it is known to be empty; a slice not here is empty from now.
     empty_since: dict[str, datetime] = {}
+    # Warm pools: key fingerprint -> (size, idle timeout in seconds); idle members back from
+    # a reuse -> since when (the others are idle since they were made).
+    pools: dict[str, tuple[int, float]] = {}
+    ready_since: dict[str, datetime] = {}
 
 
 class Plan(NamedTuple):
@@ -130,6 +136,7 @@ def _sandboxes(
     """Readable sandboxes (id -> (sandbox, status)) and removals of unreadable containers."""
     sandboxes: dict[str, tuple[Sandbox, str]] = {}
     removals: list[Action] = []
+    leases = {t.sandbox_id: t for t in sorted(observed.timers, key=lambda t: t.at) if t.lease}
     for info in observed.containers:
         if info.name in observed.in_flight:
             continue
@@ -150,6 +157,8 @@ def _sandboxes(
                 )
             )
             continue
+        if sandbox.lineage.pool and sandbox.id in leases:  # an acquired member's lineage
+            sandbox = sandbox.leased(leases[sandbox.id])
         if sandbox.id not in observed.in_flight:
             sandboxes[sandbox.id] = (sandbox, info.state)
     return sandboxes, removals
@@ -188,7 +197,7 @@ def _doomed(
                 f"it was made by agent run {sandbox.lineage.instance_id}, not this one, and the "
                 "orphan policy is reap",
             )
-    doomed |= _pool_surplus(sandboxes, doomed, policy.pool_size)
+    doomed |= _pool_surplus(observed, sandboxes, doomed, now, policy.pool_size)
     _doom_children(observed, sandboxes, doomed)
     return doomed
 
@@ -201,25 +210,49 @@ def _due(deadline: datetime | None, *, held: bool) -> datetime | None:
 
 
 def _pool_surplus(
+    observed: Observed,
     sandboxes: dict[str, tuple[Sandbox, str]],
     doomed: dict[str, tuple[Rule, str]],
+    now: datetime,
     size: int,
 ) -> dict[str, tuple[Rule, str]]:
-    """Idle pool members beyond ``size`` per kind (owner and limits); the newest are kept."""
-    kinds: dict[tuple[object, ...], list[Sandbox]] = {}
+    """Idle pool members past their pool's idle timeout, then beyond its size (or ``size``
+    for a key no pool declares); the newest are kept. Acquired members are never here."""
+    kinds: dict[str, list[Sandbox]] = {}
     for sandbox_id, (sandbox, status) in sandboxes.items():
-        if sandbox.lineage.pool and status == "running" and sandbox_id not in doomed:
-            kind = (sandbox.user, sandbox.project, *sandbox.limits.model_dump().values())
-            kinds.setdefault(kind, []).append(sandbox)
+        if sandbox.pool_state == "idle" and status == "running" and sandbox_id not in doomed:
+            kinds.setdefault(_pool_kind(sandbox), []).append(sandbox)
     surplus: dict[str, tuple[Rule, str]] = {}
-    for members in kinds.values():
+    for key, members in kinds.items():
+        keep, timeout = observed.pools.get(key, (size, None))
         members.sort(key=lambda s: (s.created_at, s.id), reverse=True)
-        for extra in members[size:]:
+        stale = [m for m in members if _idle_too_long(observed, m, now, timeout)]
+        for old in stale:
+            surplus[old.id] = (
+                Rule.POOL_IDLE,
+                f"it is an idle pool member unused for {timeout:g} s",
+            )
+        for extra in [m for m in members if m not in stale][keep:]:
             surplus[extra.id] = (
                 Rule.POOL_SURPLUS,
-                f"it is an idle pool member beyond the {size} kept of its kind",
+                f"it is an idle pool member beyond the {keep} its pool keeps",
             )
     return surplus
+
+
+def _pool_kind(member: Sandbox) -> str:
+    """Its key's fingerprint; a member an agent before the warm pool made has none, and is
+    grouped by owner and limits, as that agent's reaper did."""
+    limits = member.limits
+    legacy = f"{member.user}/{member.project}/{limits.cpus}/{limits.memory_bytes}/{limits.pids}"
+    return member.lineage.pool_key or legacy
+
+
+def _idle_too_long(
+    observed: Observed, member: Sandbox, now: datetime, timeout: float | None
+) -> bool:
+    since = observed.ready_since.get(member.id, member.created_at)
+    return timeout is not None and now - since >= timedelta(seconds=timeout)
 
 
 def _doom_children(

@@ -36,7 +36,7 @@ from slicebox.backends.base import (
     VolumeInfo,
 )
 from slicebox.core.credentials import GIT_ENV, MOUNTED_AT, CredentialStore
-from slicebox.core.deadlines import Deadlines
+from slicebox.core.deadlines import Deadlines, Timer, latest
 from slicebox.core.gitclone import clone
 from slicebox.core.policy import (
     Admitted,
@@ -62,6 +62,7 @@ from slicebox.model.labels import Lineage, VolumeLineage, decode, decode_volume,
 from slicebox.model.limits import Limits
 from slicebox.model.names import SliceCgroups, SliceNames, scope_name, slice_names
 from slicebox.model.paths import CGROUP_ROOT
+from slicebox.model.pool import Lease
 from slicebox.model.spec import Mount, MountKind, SandboxSpec, WorkspaceKind
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,9 @@ T = TypeVar("T")
 # What Docker accepts as a container name: anything else is no sandbox's id, and never reaches
 # Docker's API as part of a path.
 CONTAINER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]+")
+# Lineage an acquired pool member's lease gives, not its labels: found by filtering, not by
+# Docker's label filter.
+LEASED = frozenset({"root_task_id", "task_id", "parent_id"})
 
 
 def new_sandbox_id() -> str:
@@ -101,6 +105,24 @@ class Sandbox(BaseModel):
     expires_at: datetime | None
     # What the backend said of it when it was looked up (a create's own: running).
     state: SandboxState = SandboxState.UNKNOWN
+    lease: Lease | None = None  # an acquired pool member's, from systemd (model.pool)
+
+    @property
+    def pool_state(self) -> str:
+        """``idle`` (a pool member no one acquired), ``acquired``, or "" (no pool member)."""
+        if not self.lineage.pool:
+            return ""
+        return "idle" if self.lease is None else "acquired"
+
+    def leased(self, timer: Timer) -> Sandbox:
+        """This pool member as the lease on its deadline ``timer`` says: its task's lineage
+        and deadline over the labels' (written before the task was known)."""
+        lease = timer.lease
+        if lease is None:
+            return self
+        facts = lease.model_dump(exclude={"oneshot"}) | {"expires_at": timer.at}
+        lineage = self.lineage.model_copy(update={**facts, "oneshot": lease.oneshot})
+        return self.model_copy(update={"lineage": lineage, "lease": lease, "expires_at": timer.at})
 
     @classmethod
     def from_info(cls, info: SandboxInfo) -> Sandbox:
@@ -264,6 +286,7 @@ class SandboxManager:
         *,
         one_shot: bool = False,
         owner: tuple[int, int] | None = None,
+        pool_key: str = "",
     ) -> Sandbox:
         """Admit, place and start a sandbox; on any failure nothing is left behind.
 
@@ -272,16 +295,18 @@ class SandboxManager:
         free in between); the caller ends it (``end_operation``) once it has removed it.
         The reaper removes a one-shot sandbox that no operation holds (``run_ended``).
         ``owner``: the (uid, gid) of the user the sandbox is for, as the kernel told the agent
-        (the caller's own); left out, it is looked up by name. A host workspace runs as it."""
-        admitted = self._who_runs(admit(spec, self._config, self._host_memory), owner)
+        (the caller's own); left out, it is looked up by name. A host workspace runs as it.
+        ``pool_key``: a warm pool's member of that key (core.pool), labelled so, with no
+        deadline until it is acquired, and returned held as a one-shot's is."""
+        admitted = self.admitted(spec, owner)
         self._check_backend(spec)
         self._check_volume_mounts(admitted.spec)
         admitted, pinned = self._pin_binds(admitted)
-        lineage = self._lineage(admitted, one_shot=one_shot)
+        lineage = self._lineage(admitted, one_shot=one_shot, pool_key=pool_key)
         known = self._image_known(admitted.image)
         if not known:  # an image that cannot be had is refused before anything exists
             self._backend.prepare(admitted.image)
-        with self._creating(lineage, hold=one_shot):
+        with self._creating(lineage, hold=one_shot or bool(pool_key)):
             made = self._ensure_slices(admitted, lineage.sandbox_id)
             fresh: VolumeInfo | None = None
             try:
@@ -311,6 +336,38 @@ class SandboxManager:
             admitted.placement.names.project,
         )
         return Sandbox.from_info(info)
+
+    def admitted(self, spec: SandboxSpec, owner: tuple[int, int] | None = None) -> Admitted:
+        """The spec through policy and admission, with who it runs as decided: what a create
+        makes, and what a warm pool's key is read from (core.pool.key_of)."""
+        return self._who_runs(admit(spec, self._config, self._host_memory), owner)
+
+    def lease(self, member: Sandbox, spec: SandboxSpec, *, one_shot: bool) -> Sandbox:
+        """Hand an idle pool member to ``spec``'s task: the lineage a create would give it,
+        armed as the lease on its first deadline timer (one systemd call; ``docs/pool.md``).
+        The caller holds an operation on the member and has checked the deadline exists."""
+        deadlines, ttl = self._deadlines, spec.ttl_seconds or self._config.default_ttl_seconds
+        if deadlines is None or ttl is None:
+            raise InvalidRequest("a pool member is leased only with a deadline in systemd")
+        task_id = spec.task_id or member.id
+        root, depth = self._ancestry(spec, task_id)
+        lease = Lease(
+            task_id=task_id,
+            root_task_id=root,
+            parent_id=spec.parent_id or "",
+            depth=depth,
+            oneshot=one_shot,
+        )
+        at = (self._clock() + timedelta(seconds=ttl)).replace(microsecond=0)
+        unit = deadlines.arm_new(member.id, member.container_id, at, lease)
+        return member.leased(Timer(unit=unit, sandbox_id=member.id, at=at, lease=lease))
+
+    def with_lease(self, sandbox: Sandbox) -> Sandbox:
+        """A pool member with the lease systemd holds for it (one call); others as they are."""
+        if not sandbox.lineage.pool or self._deadlines is None:
+            return sandbox
+        timers = sorted(self._deadlines.leased(sandbox.id), key=lambda t: t.at)
+        return sandbox.leased(timers[-1]) if timers else sandbox
 
     # --- who the sandbox runs as, and its workspace ------------------------------------------
 
@@ -474,20 +531,31 @@ class SandboxManager:
         its labels still decide whether it is that sandbox."""
         info = self._backend.inspect(sandbox_id) if CONTAINER_NAME.fullmatch(sandbox_id) else None
         sandbox = _found(info, sandbox_id)
+        if sandbox.lineage.pool:  # its lineage and deadline are its lease's
+            return self.with_lease(sandbox)
         if current_deadline and self._deadlines is not None:
             held = self._deadlines.current_of(sandbox.id)
             return sandbox.model_copy(update={"expires_at": held}) if held else sandbox
         return sandbox
 
     async def aget(self, sandbox_id: str) -> Sandbox:
-        """``get`` on the running event loop (the deadline its labels give)."""
+        """``get`` on the running event loop (the deadline its labels give). A pool member
+        comes without its lease, which is systemd's: the caller reads it (``with_lease``)."""
         named = CONTAINER_NAME.fullmatch(sandbox_id)
         return _found(await self._backend.inspect_async(sandbox_id) if named else None, sandbox_id)
 
     def find(self, **labels: str) -> list[Sandbox]:
-        """Sandboxes whose labels match, e.g. ``list(user='alice', root_task_id='t1')``."""
-        found = [Sandbox.from_info(info) for info in self._backend.find(selector(**labels))]
-        return self._with_deadlines(found)
+        """Sandboxes whose lineage matches, e.g. ``find(user='alice', root_task_id='t1')``: by
+        Docker's label filter, but for the task ids, which an acquired pool member's lease
+        holds (its labels say its own id), and which are compared once the leases are read."""
+        fixed = {key: value for key, value in labels.items() if key not in LEASED}
+        found = [Sandbox.from_info(info) for info in self._backend.find(selector(**fixed))]
+        wanted = {key: value for key, value in labels.items() if key in LEASED}
+        return [
+            sandbox
+            for sandbox in self._with_deadlines(found)
+            if all(getattr(sandbox.lineage, key) == value for key, value in wanted.items())
+        ]
 
     def extend(self, sandbox_id: str, ttl_seconds: int) -> Sandbox:
         """Move the sandbox's deadline to ``ttl_seconds`` from now (sooner or later), at most
@@ -498,7 +566,7 @@ class SandboxManager:
         sandbox = self.get(sandbox_id)
         at = self._clock() + timedelta(seconds=ttl_seconds)
         with self.operation(sandbox.id):
-            self._deadlines.arm(sandbox.id, sandbox.container_id, at)
+            self._deadlines.arm(sandbox.id, sandbox.container_id, at, sandbox.lease)
         log.info("deadline of %s is now %s", sandbox_id, at.isoformat())
         return sandbox.model_copy(update={"expires_at": at.replace(microsecond=0)})
 
@@ -523,12 +591,17 @@ class SandboxManager:
         another removal holds it (a second destroy, the reaper's), which is no error.
 
         The deadline is disarmed beside the rest, which does not depend on it: should the
-        removal fail, the reaper arms it again from the labels. The slices stay (see the
-        module)."""
-        with self.operation(sandbox.id), _beside(self._aside, self._disarming(sandbox.id)):
+        removal fail, the reaper arms it again from the labels. A pool member's goes after its
+        container: it holds the lease, and a member without one is idle, free to acquire. The
+        slices stay (see the module)."""
+        beside = None if sandbox.lineage.pool else self._disarming(sandbox.id)
+        with self.operation(sandbox.id), _beside(self._aside, beside):
             seen = last_look(sandbox)
             gone = self._backend.remove(sandbox.container_id)
             self._slices.wait_stopped(scope_name(sandbox.container_id))
+            after = self._disarming(sandbox.id) if sandbox.lineage.pool and gone else None
+            if after is not None:
+                after()
         self._vacate(sandbox)
         if gone:
             self.forget(sandbox)
@@ -573,8 +646,8 @@ class SandboxManager:
 
     def destroy_tree(self, root_task_id: str) -> list[Sandbox]:
         """Destroy every sandbox of a root task, children before parents (deepest first)."""
-        found = self._backend.find(selector(root_task_id=root_task_id))
-        members = sorted(map(Sandbox.from_info, found), key=lambda s: -s.lineage.depth)
+        found = self.find(root_task_id=root_task_id)
+        members = sorted(found, key=lambda s: -s.lineage.depth)
         for member in members:
             self.destroy_sandbox(member, _nothing)
         return members
@@ -648,21 +721,31 @@ class SandboxManager:
             self._deadlines.arm(sandbox_id, container_id, at)
 
     def _with_deadlines(self, sandboxes: list[Sandbox]) -> list[Sandbox]:
-        """The deadlines systemd holds now override the labels' (they may be extended)."""
+        """The deadlines systemd holds now override the labels' (they may be extended), and
+        pool members' leases their labels' lineage (one listing either way)."""
         if self._deadlines is None or not sandboxes:
             return sandboxes
-        current = self._deadlines.current()
+        pooled = any(s.lineage.pool for s in sandboxes)
+        timers = sorted(
+            self._deadlines.leased() if pooled else self._deadlines.timers(), key=lambda t: t.at
+        )
+        current, leases = latest(timers), {t.sandbox_id: t for t in timers if t.lease}
         return [
-            s.model_copy(update={"expires_at": current[s.id]}) if s.id in current else s
+            s.leased(leases[s.id])
+            if s.lineage.pool and s.id in leases
+            else s.model_copy(update={"expires_at": current[s.id]})
+            if s.id in current
+            else s
             for s in sandboxes
         ]
 
-    def _lineage(self, admitted: Admitted, *, one_shot: bool) -> Lineage:
+    def _lineage(self, admitted: Admitted, *, one_shot: bool, pool_key: str = "") -> Lineage:
         spec, limits, now = admitted.spec, admitted.limits, self._clock()
         sandbox_id = self._new_id()
         task_id = spec.task_id or sandbox_id
         root, depth = self._ancestry(spec, task_id)
-        ttl = spec.ttl_seconds or self._config.default_ttl_seconds
+        # A pool member has no deadline until its acquire arms its lease's.
+        ttl = None if pool_key else spec.ttl_seconds or self._config.default_ttl_seconds
         return Lineage(
             sandbox_id=sandbox_id,
             instance_id=self._instance_id,
@@ -679,6 +762,8 @@ class SandboxManager:
             provisioned_memory_bytes=limits.memory_bytes,
             provisioned_pids=limits.pids,
             oneshot=one_shot,
+            pool=bool(pool_key),
+            pool_key=pool_key,
             workspace_volume=_volume_name(spec, sandbox_id),
             credentials="git" if spec.credentials and spec.credentials.git else "",
         )

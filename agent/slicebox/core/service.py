@@ -23,6 +23,7 @@ from slicebox.core.budget import OutputBudget, Reservation
 from slicebox.core.execaudit import audited_aexec, audited_exec, refused, subject
 from slicebox.core.execution import ExecEngine, result_of
 from slicebox.core.files import Files
+from slicebox.core.pool import WarmPool
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.telemetry import SandboxCgroups, SandboxMeta, TreeReader, UsageReader
@@ -47,6 +48,7 @@ from slicebox.model.errors import (
     SliceboxError,
 )
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
+from slicebox.model.pool import PoolList
 from slicebox.model.reaper import Report
 from slicebox.model.spec import SandboxSpec
 from slicebox.model.usage import LevelNode, ResourceUsage
@@ -79,6 +81,7 @@ def view_of(sandbox: Sandbox) -> SandboxView:
         depth=lineage.depth,
         limits=sandbox.limits,
         workspace_volume=lineage.workspace_volume,
+        pool=sandbox.pool_state,
     )
 
 
@@ -110,7 +113,9 @@ class Service:
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         reaper: Reaper | None = None,
         budget: OutputBudget | None = None,
+        pool: WarmPool | None = None,
     ) -> None:
+        self._pool = pool
         self._reaper = reaper
         self._budget = budget or OutputBudget.fixed(DEFAULT_EXEC_OUTPUT_BUDGET)
         self._sandboxes = sandboxes
@@ -146,7 +151,9 @@ class Service:
     def destroy_tree(self, who: Identity, root_task_id: str) -> list[Destroyed]:
         """Every sandbox of a root task the caller may see, children before parents."""
         members = [
-            s for s in self._sandboxes.find(root_task_id=root_task_id) if who.may_see(s.user)
+            s
+            for s in self._sandboxes.find(root_task_id=root_task_id)
+            if who.may_see(s.user) and s.pool_state != "idle"  # the pool's, no task's
         ]
         members.sort(key=lambda s: -s.lineage.depth)
         return [self._destroy(who, sandbox) for sandbox in members]
@@ -167,6 +174,14 @@ class Service:
             raise NotFound("this agent runs no reaper")
         return self._reaper.run(dry_run=request.dry_run)
 
+    def pools(self, who: Identity) -> PoolList:
+        """The warm pools: every one for admins, the caller's own user's for everyone else."""
+        found = self._pool.stats() if self._pool is not None else PoolList(pools=[], cold=0)
+        if who.is_admin:
+            return found
+        own = [p for p in found.pools if p.key.user == who.user_name]
+        return found.model_copy(update={"pools": own})
+
     def final_usage_wire(self, sandbox: Sandbox) -> dict[str, object] | None:
         """The final usage as the audit records it (for the reaper's destroys)."""
         usage = self._final_usage(sandbox)
@@ -182,7 +197,12 @@ class Service:
                 spec = SandboxSpec.model_validate({**request.model_dump(), "user": user})
                 # The kernel's word for the caller's own ids; another user's are looked up.
                 owner = (who.uid, who.gid) if user == who.user_name else None
-                made = self._sandboxes.create(spec, one_shot=one_shot, owner=owner)
+                made = (
+                    self._pool.acquire(spec, owner=owner, one_shot=one_shot) if self._pool else None
+                )
+                if made is not None:
+                    record["detail"] = f"from warm pool {made.lineage.pool_key}"
+                made = made or self._sandboxes.create(spec, one_shot=one_shot, owner=owner)
                 record.update(subject(made))
                 if made.lineage.credentials:  # that they were, never what they are
                     record["detail"] = f"credentials delivered: {made.lineage.credentials}"
@@ -212,6 +232,13 @@ class Service:
         it is read from the cgroup just before the removal)."""
         with self._audit(AuditEvent.SANDBOX_DESTROYED, who, **subject(sandbox)) as record:
             look = last_look or self._final_usage
+            if self._pool is not None and self._pool.takes_back(sandbox):
+                usage = look(sandbox)
+                if self._pool.release(sandbox):
+                    record["usage"] = usage.to_wire() if usage else None
+                    record["detail"] = "released: reset and back in its reuse pool"
+                    return Destroyed(id=sandbox.id, destroyed=True, usage=usage)
+                look = functools.partial(_read, usage)
             gone, usage = self._sandboxes.destroy_sandbox(sandbox, look)
             record["usage"] = usage.to_wire() if usage else None
             return Destroyed(id=sandbox.id, destroyed=gone, usage=usage)
@@ -321,7 +348,7 @@ class Service:
             self._aholding(who, request.output_cap, held, blocking=blocking, sandbox_id=sandbox_id),
             audited_aexec(self._auditor, who, sandbox_id, blocking) as tally,
         ):
-            sandbox = known or await self._avisible(who, sandbox_id)
+            sandbox = known or await self._avisible(who, sandbox_id, blocking)
             tally.found(sandbox)
             self._sandboxes.begin_operation(sandbox.id)
             try:
@@ -466,13 +493,18 @@ class Service:
         sandbox = self._sandboxes.get(sandbox_id, current_deadline=current_deadline)
         return self._visible_to(who, sandbox, sandbox_id)
 
-    async def _avisible(self, who: Identity, sandbox_id: str) -> Sandbox:
-        """``_visible`` on the running event loop."""
-        return self._visible_to(who, await self._sandboxes.aget(sandbox_id), sandbox_id)
+    async def _avisible(self, who: Identity, sandbox_id: str, blocking: Blocking) -> Sandbox:
+        """``_visible`` on the running event loop; a pool member's lease is read through
+        ``blocking`` (a systemd call)."""
+        sandbox = await self._sandboxes.aget(sandbox_id)
+        if sandbox.lineage.pool:
+            sandbox = await blocking(functools.partial(self._sandboxes.with_lease, sandbox))
+        return self._visible_to(who, sandbox, sandbox_id)
 
     @staticmethod
     def _visible_to(who: Identity, sandbox: Sandbox, sandbox_id: str) -> Sandbox:
-        if not who.may_see(sandbox.user):
+        # An idle pool member is the pool's until an acquire leases it: no one may use it.
+        if not who.may_see(sandbox.user) or sandbox.pool_state == "idle":
             # The same answer as for a sandbox that does not exist: nothing leaks.
             raise NotFound(f"no sandbox {sandbox_id}; list sandboxes to see the ids")
         return sandbox

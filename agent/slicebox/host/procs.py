@@ -155,6 +155,23 @@ class CgroupHost:
                 self._sleep(ROUND_PAUSE)
         raise HostError(f"processes of exec pid {pid} survived {KILL_ROUNDS} rounds of SIGKILL")
 
+    def kill_since(self, cgroup: Path, since: int) -> int:
+        """SIGKILL every process of the cgroup started at ``since`` or later (a reused pool
+        member's, since its acquire: its init and main process are older), with the cgroup
+        frozen each round as for an exec; how many were killed."""
+        killed: set[int] = set()
+        with self._killing:
+            for _ in range(KILL_ROUNDS):
+                with self._frozen(cgroup):
+                    members = {p.pid for p in self.processes(cgroup) if p.started >= since}
+                    for member in members:
+                        self._signal(member)
+                if not members:
+                    return len(killed)
+                killed |= members
+                self._sleep(ROUND_PAUSE)
+        raise HostError(f"processes of {cgroup} survived {KILL_ROUNDS} rounds of SIGKILL")
+
     def processes(self, cgroup: Path) -> list[ProcInfo]:
         """Living processes in the cgroup (zombies are dead already and cannot be killed)."""
         text = _read(cgroup / "cgroup.procs") or ""

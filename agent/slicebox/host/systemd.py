@@ -79,6 +79,10 @@ class Systemd(Protocol):
     def list_units(self, pattern: str, *, active_only: bool = False) -> list[str]:
         """Names of the loaded units matching a glob (only the active ones, if asked)."""
 
+    def describe_units(self, pattern: str) -> dict[str, str]:
+        """Each loaded unit matching a glob -> its Description, in the same one call as
+        ``list_units`` (systemd lists both): how a deadline timer's lease is read back."""
+
     def start_timer(self, timer: str, at: datetime, argv: Sequence[str], description: str) -> None:
         """Start a transient ``timer`` that runs ``argv`` (as a transient service of the same
         name) once at the wall-clock time ``at``, whether or not slicebox is still running."""
@@ -152,6 +156,11 @@ class PystemdSystemd:
         manager = _manager()
         units = _call(pattern, lambda: manager.Manager.ListUnitsByPatterns(states, [pattern]))
         return sorted(entry[0].decode() for entry in units)
+
+    def describe_units(self, pattern: str) -> dict[str, str]:
+        with _manager() as manager:
+            units = _call(pattern, lambda: manager.Manager.ListUnitsByPatterns([], [pattern]))
+        return {entry[0].decode(): entry[1].decode() for entry in units}
 
     def start_timer(self, timer: str, at: datetime, argv: Sequence[str], description: str) -> None:
         service = timer.removesuffix(".timer") + ".service"

@@ -58,6 +58,9 @@ class SandboxView(BaseModel):
     depth: int
     limits: Limits
     workspace_volume: str = ""  # the Docker volume at /workspace, when it is one
+    # "idle": a warm-pool member nobody acquired (listed, never usable, charged to no task);
+    # "acquired": a member serving this sandbox's task; "": created cold.
+    pool: str = ""
 
 
 class Destroyed(BaseModel):

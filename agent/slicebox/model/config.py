@@ -25,26 +25,40 @@ when the file is loaded, so a bad value is refused at load time, naming its fiel
     orphans = "adopt"        # or "reap": what becomes of another agent run's sandboxes
     pool_size = 0            # idle pool members kept per kind
     empty_slice_grace_seconds = 300  # an empty user or project slice is kept this long
+    [[pool]]                 # members kept ready for one key (docs/pool.md); one table each
+    user = "alice"
+    project = "web"
+    size = 3
+    memory = "256MB"         # image, memory, cpus, pids, network, run_as: the defaults if unset
+    idle_timeout_seconds = 1800
+    reuse = false            # true: a release resets the member for the next reuse request
 """
 
 from __future__ import annotations
 
 import logging
 import tomllib
-from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
-from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from slicebox.model.errors import ConfigError, SliceboxError
-from slicebox.model.limits import Ceiling, Limits, RawSize, parse_cpus, parse_pids, parse_size
+from slicebox.model.errors import ConfigError
+from slicebox.model.limits import (
+    Ceiling,
+    Limits,
+    OptionalCpus,
+    OptionalPids,
+    RawSize,
+    parse_cpus,
+    parse_pids,
+    parse_size,
+)
 from slicebox.model.paths import CONFIG_PATH
-from slicebox.model.validation import describe, problems
+from slicebox.model.pool import PoolConfig
+from slicebox.model.validation import checked, describe, problems
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 DEFAULT_PATH = CONFIG_PATH
 DEFAULT_CAPABILITIES = frozenset(
@@ -59,15 +73,6 @@ TTL_CEILING_SECONDS = 366 * 24 * 3600
 DEFAULT_EXEC_OUTPUT_BUDGET = 256 * 1024 * 1024
 
 
-def _checked(check: Callable[[], object], value: T) -> T:
-    """Run a parser for its errors only, turning slicebox errors into pydantic's ValueError."""
-    try:
-        check()
-    except SliceboxError as exc:
-        raise ValueError(exc.message) from exc
-    return value
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -77,23 +82,13 @@ class CeilingConfig(_Strict):
 
     memory: RawSize | None = None
     memory_high: RawSize | None = None
-    cpus: float | None = None
-    pids: int | None = None
+    cpus: OptionalCpus = None
+    pids: OptionalPids = None
 
     @field_validator("memory", "memory_high")
     @classmethod
     def _size(cls, value: RawSize | None) -> RawSize | None:
-        return _checked(lambda: value is None or parse_size("size", value, _ANY_TOTAL), value)
-
-    @field_validator("cpus")
-    @classmethod
-    def _cpus(cls, value: float | None) -> float | None:
-        return _checked(lambda: value is None or parse_cpus("cpus", value), value)
-
-    @field_validator("pids")
-    @classmethod
-    def _pids(cls, value: int | None) -> int | None:
-        return _checked(lambda: value is None or parse_pids("pids", value), value)
+        return checked(lambda: value is None or parse_size("size", value, _ANY_TOTAL), value)
 
     def over(self, base: CeilingConfig) -> CeilingConfig:
         """This override laid over ``base``: fields set here win."""
@@ -131,6 +126,7 @@ class OrphanPolicy(StrEnum):
 class ReaperConfig(_Strict):
     interval_seconds: float = Field(default=30.0, gt=0)
     orphans: OrphanPolicy = OrphanPolicy.ADOPT
+    # Idle members kept of a key no [[pool]] declares (one a removed table left): 0 trims them.
     pool_size: int = Field(default=0, ge=0)
     # An empty user or project slice is stopped only once it has been empty this long, so the
     # next sandbox of a project that comes and goes (one-shot runs) finds its slices in place.
@@ -169,11 +165,26 @@ class Config(_Strict):
     # The most one file transfer moves, either way (core/files.py): what a caller can make
     # the agent stream for it, and make a sandbox's tmpfs hold, at one go.
     files_max_bytes: RawSize = "1GB"
+    # Warm pools, one ``[[pool]]`` table each (model.pool.PoolConfig; core.pool keeps them).
+    pool: tuple[PoolConfig, ...] = ()
+
+    @field_validator("pool")
+    @classmethod
+    def _pools(cls, pools: tuple[PoolConfig, ...], info: ValidationInfo) -> tuple[PoolConfig, ...]:
+        networks = info.data.get("allowed_networks", frozenset())
+        for index, pool in enumerate(pools):
+            if pool.network not in networks:
+                raise ValueError(
+                    f"pool {index}: network {pool.network!r} is not in allowed_networks"
+                )
+            if pool in pools[:index]:
+                raise ValueError(f"pool {index} repeats an earlier [[pool]] table; remove one")
+        return pools
 
     @field_validator("files_max_bytes")
     @classmethod
     def _files_max(cls, value: RawSize) -> RawSize:
-        return _checked(lambda: parse_size("files_max_bytes", value), value)
+        return checked(lambda: parse_size("files_max_bytes", value), value)
 
     def files_max_bytes_value(self) -> int:
         return parse_size("files_max_bytes", self.files_max_bytes)
@@ -181,7 +192,7 @@ class Config(_Strict):
     @field_validator("exec_output_budget")
     @classmethod
     def _budget(cls, value: RawSize | None) -> RawSize | None:
-        return _checked(lambda: value is None or parse_size("exec_output_budget", value), value)
+        return checked(lambda: value is None or parse_size("exec_output_budget", value), value)
 
     def exec_output_budget_bytes(self, agent_memory_max: int | None) -> int:
         """The budget in bytes, given the agent's own memory limit (None: it has none)."""

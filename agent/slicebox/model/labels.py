@@ -38,9 +38,12 @@ class Lineage(BaseModel):
     provisioned_cpu: float
     provisioned_memory_bytes: int
     provisioned_pids: int
-    # Only containers made by an agent that took ``pool`` in a create carry pool=true now;
-    # the reaper still trims them (``pool_surplus``), and a warm pool will set it again.
+    # A warm pool's member (core.pool), made for its pool's user and project before any task
+    # was known: its task facts, once acquired, are in a lease in systemd (model.pool.Lease),
+    # and its labels' task ids are its own id. ``pool_key`` is the fingerprint of the key it
+    # serves (model.pool.PoolKey), so a restarted agent adopts it into the right pool.
     pool: bool = False
+    pool_key: str = ""
     # Made for a one-shot run (``POST /v1/run``), which removes it once its exec has ended:
     # one that no operation holds is left over (its agent stopped meanwhile, or the removal
     # failed), and the reaper removes it (``run_ended``).
@@ -68,6 +71,7 @@ class Lineage(BaseModel):
             "provisioned.memory_bytes": str(self.provisioned_memory_bytes),
             "provisioned.pids": str(self.provisioned_pids),
             "pool": "true" if self.pool else "false",
+            "pool_key": self.pool_key,
             "oneshot": "true" if self.oneshot else "false",
             "workspace_volume": self.workspace_volume,
             "credentials": self.credentials,

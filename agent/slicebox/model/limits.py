@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from slicebox.model.errors import InvalidLimit
+from slicebox.model.validation import checked
 
 INFINITY = 2**64 - 1  # systemd's "no limit" for uint64 properties
 USEC_PER_SEC = 1_000_000
@@ -29,6 +31,19 @@ _HUMAN_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 Property = tuple[str, int]
 RawSize = int | str
 RawNumber = int | float | str
+
+
+def _cpus_or_none(value: float | None) -> float | None:
+    return checked(lambda: value is None or parse_cpus("cpus", value), value)
+
+
+def _pids_or_none(value: int | None) -> int | None:
+    return checked(lambda: value is None or parse_pids("pids", value), value)
+
+
+# A config's optional cpus and pids, checked when the file is loaded (naming the field).
+OptionalCpus = Annotated[float | None, AfterValidator(_cpus_or_none)]
+OptionalPids = Annotated[int | None, AfterValidator(_pids_or_none)]
 
 
 def parse_size(field: str, value: RawSize, total: int | None = None) -> int:

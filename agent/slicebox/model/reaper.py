@@ -16,6 +16,7 @@ class Rule(StrEnum):
     EXITED = "exited"
     NEVER_STARTED = "never_started"
     POOL_SURPLUS = "pool_surplus"
+    POOL_IDLE = "pool_idle"
     RUN_ENDED = "run_ended"
     ADOPT = "adopt"
     DEADLINE_MISSING = "deadline_missing"

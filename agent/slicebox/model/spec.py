@@ -184,8 +184,10 @@ class SandboxSpec(BaseModel):
     root_task_id: Id | None = None
     parent_id: Id | None = None
     backend: Backend = Backend.DOCKER
-    # No ``pool`` field until a warm pool acquires and releases members: a sandbox asked for
-    # as a pool member was idle to the reaper and destroyed as surplus on its next pass.
+    # Opt in to a reused warm-pool member (a ``[[pool]]`` with ``reuse = true``): one a run
+    # before used, its processes killed and scratch places emptied at its release
+    # (core.poolreset). Without it a request only ever gets a container nothing ran in.
+    reuse: bool = False
 
 
 def parse_spec(data: Mapping[str, object]) -> SandboxSpec:

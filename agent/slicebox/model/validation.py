@@ -9,7 +9,8 @@ request is ``invalid_limit`` like ``memory`` in a create.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import ErrorDetails
@@ -20,7 +21,10 @@ from slicebox.model.errors import (
     InvalidName,
     InvalidRequest,
     InvalidTimeout,
+    SliceboxError,
 )
+
+T = TypeVar("T")
 
 FIELD_CODES: dict[str, str] = {
     "argv": "invalid_command",
@@ -122,3 +126,13 @@ def _path(loc: Sequence[int | str]) -> str:
 
 def _text(error: ErrorDetails) -> str:
     return _WORDING.get(error["type"], str(error["msg"]).removeprefix("Value error, "))
+
+
+def checked(check: Callable[[], object], value: T) -> T:
+    """Run a parser for its errors only, turning slicebox errors into pydantic's ValueError
+    (so a config or body field that fails its parser is refused naming that field)."""
+    try:
+        check()
+    except SliceboxError as exc:
+        raise ValueError(exc.message) from exc
+    return value

@@ -45,6 +45,10 @@ MEMORY_SAMPLE_SECONDS = 5.0
 Reload = Callable[[], Awaitable[str]]
 Periodic = tuple[float, Callable[[], object]]  # (interval in seconds, a blocking function)
 
+# The refill is asked for at every acquire; this catches what else empties a pool (the
+# reaper's trims, a member that failed to start).
+POOL_KICK_SECONDS = 5.0
+
 
 class Notifier(Protocol):
     def notify(self, state: str) -> None: ...
@@ -228,6 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         periodic=[
             (MEMORY_SAMPLE_SECONDS, runtime.sample_memory),
             (runtime.config.reaper.interval_seconds, runtime.reaper.run),
+            (POOL_KICK_SECONDS, runtime.pool.kick),
         ],
         state={SERVICE: runtime.service},
         closing=[runtime.backend.aclose],

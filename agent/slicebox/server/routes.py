@@ -46,6 +46,7 @@ from slicebox.model.api import (
 )
 from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
+from slicebox.model.pool import PoolList
 from slicebox.model.reaper import Report
 from slicebox.model.usage import LevelNode
 from slicebox.server.api import (
@@ -143,6 +144,9 @@ def _routes() -> list[Route]:
             await _call(request, _service(request).extend, identity_of(request), _id(request), body)
         )
 
+    async def pools(request: web.Request) -> web.StreamResponse:
+        return json_ok(await _call(request, _service(request).pools, identity_of(request)))
+
     async def reap(request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, ReapRequest)
         return json_ok(await _call(request, _service(request).reap, identity_of(request), body))
@@ -183,6 +187,9 @@ def _routes() -> list[Route]:
         Route("POST", "/run", run, "One-shot: create, exec, destroy", RunRequest, RunResult),
         Route(
             "GET", "/usage/tree", tree, "The level tree with OOM/throttle blame", None, LevelNode
+        ),
+        Route(
+            "GET", "/pool", pools, "Warm pools: key, ready/busy, hit rate, refill", None, PoolList
         ),
         Route(
             "POST",

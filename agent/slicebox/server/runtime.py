@@ -17,6 +17,8 @@ from slicebox.core.budget import OutputBudget
 from slicebox.core.deadlines import Deadlines, find_program
 from slicebox.core.execution import ExecEngine
 from slicebox.core.expiry import Expiry
+from slicebox.core.pool import WarmPool
+from slicebox.core.poolreset import MemberReset
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.service import Service, cgroups_of
@@ -63,19 +65,28 @@ class Runtime:
     service: Service
     auditor: Auditor
     reaper: Reaper
+    pool: WarmPool
     backend: DockerBackend
 
     def reconcile(self) -> str:
-        """The start-up pass: rebuild the view from labels and systemd before answering."""
+        """The start-up pass: rebuild the view from labels and systemd before answering, then
+        take the idle pool members that are left into their pools and start the refill."""
         report = self.reaper.run()
         adopted = sum(1 for action in report.plan if action.kind is Kind.ADOPT)
         removed = len(report.plan) - adopted
-        return f"reconciled: {adopted} sandboxes adopted, {removed} other reaper actions"
+        members = self.pool.adopt()
+        self.pool.kick()
+        return (
+            f"reconciled: {adopted} sandboxes adopted, {removed} other reaper actions, "
+            f"{members} idle pool members taken back"
+        )
 
     def reload(self) -> str:
         """Re-read the config and write its ceilings to every running slice, live."""
         config = load_config(self.config_path)
         self.sandboxes.reconfigure(config)
+        self.pool.configure(config)
+        self.pool.kick()
         self.config = config
         updated = self.apply_ceilings()
         return f"configuration reloaded; ceilings applied to {len(updated)} slices"
@@ -122,6 +133,12 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
     def final_usage(sandbox: Sandbox) -> dict[str, object] | None:
         return service.final_usage_wire(sandbox)
 
+    host = CgroupHost()
+    engine = ExecEngine(backend, host)
+    pool = WarmPool(
+        sandboxes,
+        reset=MemberReset(backend, engine, host, lambda s: cgroups_of(s).scope),
+    )
     reaper = Reaper(
         sandboxes,
         slices,
@@ -129,19 +146,21 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         auditor=auditor,
         config=lambda: sandboxes.config.reaper,  # what a reload leaves in force
         final_usage=final_usage,
+        pool=pool,
     )
     agent_memory = agent_memory_max()  # read once; the config's budget is re-read on reload
     budget = OutputBudget(lambda: sandboxes.config.exec_output_budget_bytes(agent_memory))
     log.info("exec output budget %s bytes", config.exec_output_budget_bytes(agent_memory))
     service = Service(
         sandboxes,
-        ExecEngine(backend, CgroupHost()),
+        engine,
         usage=usage,
         tree=TreeReader(files, decode=decode_unit),
         auditor=auditor,
         pid_of=pid_of,
         reaper=reaper,
         budget=budget,
+        pool=pool,
     )
     return Runtime(
         config_path,
@@ -154,6 +173,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         service,
         auditor,
         reaper,
+        pool,
         backend,
     )
 

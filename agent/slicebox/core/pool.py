@@ -1,0 +1,423 @@
+"""The warm pool: containers kept ready for the keys the config declares, handed out at create.
+
+A member is a sandbox made ahead of time for one ``[[pool]]`` table: in that table's project
+slice (a cgroup parent cannot change, so a member can only ever serve that project), with
+that key's image, limits, network and uid, running ``sleep infinity`` as every sandbox does,
+labelled ``slicebox.pool=true`` and ``slicebox.pool_key=<fingerprint>``. A create or one-shot
+run whose key (:func:`key_of`, after the same admission a cold create has) equals a pool's
+takes one of its ready members: its lease, the lineage and deadline the request gives, is
+armed on its first deadline timer (one systemd call) and the member is the request's sandbox.
+Anything else, and a key whose pool has nothing ready, is created cold.
+
+Refills run on the pool's own threads, never on a request's: an acquire only asks for one.
+They make members up to each pool's size, and never past its project's headroom: what the
+project's running sandboxes and the members being made are provisioned, against the project's
+MemoryMax and TasksMax.
+
+A release destroys the member by default (the caller's destroy), and the refill makes a fresh
+one. A ``reuse`` pool (whose key says so, so only requests that asked for reuse ever match it)
+takes a member back instead: every process started since its acquire is killed, its writable
+scratch places are emptied, and it goes back to ready only if it is still healthy.
+
+What this pool keeps in memory (ready lists, counters, acquire marks) is rebuilt at start-up
+from Docker and systemd: an idle member of a declared key is adopted, the rest is the reaper's
+(``pool_surplus``, ``pool_idle``); an acquired member's lineage is its lease (``docs/pool.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Protocol
+
+from slicebox.core.policy import Admitted
+from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.model.config import Config
+from slicebox.model.errors import SliceboxError
+from slicebox.model.limits import human_bytes
+from slicebox.model.pool import PoolConfig, PoolKey, PoolList, PoolStats
+from slicebox.model.spec import Backend, SandboxSpec
+
+log = logging.getLogger(__name__)
+
+REFILL_THREADS = 4  # Docker starts four containers at once for the agent (core.sandboxes)
+SAMPLES = 64  # refill and acquire durations kept for the medians
+
+
+class Reset(Protocol):
+    """How a reuse pool's member is made fit for its next request (see :class:`MemberReset`)."""
+
+    def mark(self) -> int:
+        """Now, on the clock process start times are kept on."""
+
+    def reset(self, sandbox: Sandbox, since: int) -> bool:
+        """Kill every process of the sandbox started since ``since`` and empty its scratch
+        places; whether it is healthy after."""
+
+
+def key_of(admitted: Admitted) -> PoolKey | None:
+    """The pool key of an admitted spec; None for one no pool may serve (it sets what a
+    member cannot have been made with: a command, env, a workspace, credentials, mounts, a
+    working directory). Requests and pools get theirs here alike."""
+    spec = admitted.spec
+    extras = (spec.command, spec.env, spec.workdir, spec.workspace, spec.credentials, spec.mounts)
+    if any(extras) or spec.backend is not Backend.DOCKER:
+        return None
+    return PoolKey(
+        user=spec.user,
+        project=spec.project,
+        image=admitted.image,
+        limits=admitted.limits,
+        network=spec.network,
+        run_as=spec.run_as or "",
+        cap_add=tuple(sorted({c.upper().removeprefix("CAP_") for c in spec.cap_add})),
+        mounts=spec.mounts,
+        reuse=spec.reuse,
+    )
+
+
+def spec_of(pool: PoolConfig) -> SandboxSpec:
+    """A member's create request: the pool's settings, the rest the defaults."""
+    fields = pool.model_dump(
+        include={"user", "project", "image", "memory", "cpus", "pids", "network", "run_as", "reuse"}
+    )
+    return SandboxSpec.model_validate(fields)
+
+
+@dataclass
+class _Pool:
+    config: PoolConfig
+    key: PoolKey
+    admitted: Admitted
+    ready: list[Sandbox] = field(default_factory=list)
+    acquiring: set[str] = field(default_factory=set)
+    creating: int = 0
+    hits: int = 0
+    misses: int = 0
+    held_back: str = ""
+    refills: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    acquires: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+
+
+class WarmPool:
+    """The pools of the config in force; thread-safe; refills on its own threads."""
+
+    def __init__(
+        self,
+        manager: SandboxManager,
+        *,
+        reset: Reset | None = None,
+        executor: Executor | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self._manager = manager
+        self._reset = reset
+        self._executor = executor or ThreadPoolExecutor(
+            REFILL_THREADS, thread_name_prefix="slicebox-pool"
+        )
+        self._clock = clock
+        self._now = now
+        self._lock = threading.Lock()
+        self._pools: dict[PoolKey, _Pool] = {}
+        self._cold = 0
+        self._kicked = False  # a refill pass is queued and has not begun
+        self._filling = threading.Lock()  # one refill pass at a time: each counts what is made
+        # An acquired member of a reuse pool -> its acquire mark and itself as it was idle.
+        self._reusable: dict[str, tuple[int, Sandbox]] = {}
+        self._ready_since: dict[str, datetime] = {}  # member back from a reuse -> since when
+        self.configure(manager.config)
+
+    # --- configuration and start-up -----------------------------------------------------------
+
+    def configure(self, config: Config) -> None:
+        """Take the ``[[pool]]`` tables of ``config`` (at start and on reload). A pool kept
+        keeps its members; a removed one's are the reaper's (``pool_surplus``)."""
+        pools: dict[PoolKey, _Pool] = {}
+        for table in config.pool:
+            made = self._pool_of(table)
+            if made is not None:
+                with self._lock:
+                    kept = self._pools.get(made.key)
+                pools[made.key] = _Pool(table, made.key, made.admitted) if kept is None else kept
+                pools[made.key].config = table
+        with self._lock:
+            self._pools = pools
+
+    def _pool_of(self, table: PoolConfig) -> _Pool | None:
+        try:
+            admitted = self._manager.admitted(spec_of(table))
+        except SliceboxError as exc:
+            log.warning("pool of %s/%s is off: %s", table.user, table.project, exc.message)
+            return None
+        key = key_of(admitted)
+        return None if key is None else _Pool(table, key, admitted)
+
+    def adopt(self) -> int:
+        """Take the idle members a previous agent run made for a declared key into their
+        pools, up to each pool's size (the reaper trims the rest); how many were taken."""
+        members = [s for s in self._manager.find(pool="true") if s.pool_state == "idle"]
+        taken = 0
+        with self._lock:
+            by_print = {pool.key.fingerprint(): pool for pool in self._pools.values()}
+            for member in sorted(members, key=lambda s: s.created_at):
+                pool = by_print.get(member.lineage.pool_key)
+                known = pool is not None and member in pool.ready
+                if pool is not None and not known and len(pool.ready) < pool.config.size:
+                    pool.ready.append(member)
+                    taken += 1
+        return taken
+
+    # --- acquire -----------------------------------------------------------------------------
+
+    def acquire(
+        self,
+        spec: SandboxSpec,
+        *,
+        owner: tuple[int, int] | None = None,
+        one_shot: bool = False,
+    ) -> Sandbox | None:
+        """A ready member of ``spec``'s key, leased to it; None: create it cold. One-shot, the
+        member comes with an operation held, as ``SandboxManager.create`` returns one."""
+        if not self._pools:
+            return None
+        started = self._clock()
+        pool = self._pool_for(spec, owner)
+        member = self._take(pool) if pool is not None else None
+        leased = (
+            None if pool is None or member is None else self._lease(pool, member, spec, one_shot)
+        )
+        if pool is not None and leased is not None:
+            with self._lock:
+                pool.hits += 1
+                pool.acquires.append(self._clock() - started)
+        self.kick()
+        return leased
+
+    def _pool_for(self, spec: SandboxSpec, owner: tuple[int, int] | None) -> _Pool | None:
+        """The pool of the spec's exact key, counted as a miss when it has nothing ready."""
+        ttl = spec.ttl_seconds or self._manager.config.default_ttl_seconds
+        key = key_of(self._manager.admitted(spec, owner))
+        with self._lock:
+            pool = self._pools.get(key) if key is not None else None
+            if pool is None or ttl is None or self._manager.deadlines is None:
+                self._cold += 1
+                return None
+            return pool
+
+    def _take(self, pool: _Pool) -> Sandbox | None:
+        with self._lock:
+            if not pool.ready:
+                pool.misses += 1
+                return None
+            member = pool.ready.pop(0)  # the oldest: the idle timeout takes the fewest
+            pool.acquiring.add(member.id)
+            self._manager.begin_operation(member.id)
+        return member
+
+    def _lease(
+        self, pool: _Pool, member: Sandbox, spec: SandboxSpec, one_shot: bool
+    ) -> Sandbox | None:
+        """The member with its lease armed; None when the lease failed (a parent not found,
+        systemd refusing): the request is created cold, which says what is wrong, and the
+        member, whose state is not known for sure, is destroyed on the pool's threads."""
+        mark = self._reset.mark() if pool.key.reuse and self._reset else None
+        try:
+            leased = self._manager.lease(member, spec, one_shot=one_shot)
+        except Exception as exc:
+            log.warning("could not lease pool member %s (%s); creating cold", member.id, exc)
+            leased = None
+        with self._lock:
+            pool.acquiring.discard(member.id)
+            self._ready_since.pop(member.id, None)
+            if leased is not None and mark is not None:
+                self._reusable[member.id] = (mark, member)
+        if leased is None or not one_shot:
+            self._manager.end_operation(member.id)
+        if leased is None:
+            self._executor.submit(self._manager.destroy_sandbox, member, _nothing)
+        return leased
+
+    # --- release -----------------------------------------------------------------------------
+
+    def takes_back(self, sandbox: Sandbox) -> bool:
+        """Whether a destroy of ``sandbox`` is a release into its reuse pool instead: a member
+        acquired by this agent run from a pool whose key says reuse."""
+        with self._lock:
+            return sandbox.id in self._reusable and self._reuse_pool(sandbox) is not None
+
+    def release(self, sandbox: Sandbox) -> bool:
+        """Take a reuse member back: reset, checked, its lease disarmed, ready again. False:
+        it is not fit (or not wanted any more), and the caller destroys it."""
+        with self._lock:
+            taken = self._reusable.pop(sandbox.id, None)
+            pool = self._reuse_pool(sandbox)
+        if taken is None or pool is None or self._reset is None:
+            return False
+        mark, idle = taken
+        with self._manager.operation(sandbox.id):
+            if not self._reset.reset(sandbox, mark):
+                log.info("pool member %s is not healthy after its reset; replacing it", sandbox.id)
+                return False
+            deadlines = self._manager.deadlines
+            if deadlines is not None:  # without its lease it is idle again
+                deadlines.disarm(sandbox.id)
+        with self._lock:
+            pool.ready.append(idle)
+            self._ready_since[sandbox.id] = self._now()
+        return True
+
+    def _reuse_pool(self, sandbox: Sandbox) -> _Pool | None:
+        for pool in self._pools.values():
+            if pool.key.reuse and pool.key.fingerprint() == sandbox.lineage.pool_key:
+                return pool
+        return None
+
+    def withdraw(self, sandbox_id: str) -> bool:
+        """The reaper's, before it removes an idle member: False while an acquire takes it
+        (the reaper leaves it); True once it is out of every ready list, or was in none."""
+        with self._lock:
+            for pool in self._pools.values():
+                if sandbox_id in pool.acquiring:
+                    return False
+                pool.ready = [m for m in pool.ready if m.id != sandbox_id]
+            self._ready_since.pop(sandbox_id, None)
+            return True
+
+    def ready_since(self) -> dict[str, datetime]:
+        """Members back from a reuse -> since when they are idle (others: since created)."""
+        with self._lock:
+            return dict(self._ready_since)
+
+    def trims(self) -> dict[str, tuple[int, float]]:
+        """Fingerprint -> (size, idle timeout in seconds) of every pool: the reaper's rules."""
+        with self._lock:
+            return {
+                p.key.fingerprint(): (p.config.size, p.config.idle_timeout_seconds)
+                for p in self._pools.values()
+            }
+
+    # --- refill ------------------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Queue a refill pass on the pool's own threads; returns at once (a pass queued and
+        not begun yet is not queued twice)."""
+        with self._lock:
+            if self._kicked or not self._pools:
+                return
+            self._kicked = True
+        self._executor.submit(self.refill)
+
+    def refill(self) -> None:
+        """Start the members every pool lacks (each on a thread of its own), within headroom."""
+        with self._filling:
+            with self._lock:
+                self._kicked = False
+                pools = list(self._pools.values())
+            for pool in pools:
+                for _ in range(self._wanted(pool)):
+                    self._executor.submit(self._make, pool)
+
+    def _wanted(self, pool: _Pool) -> int:
+        """How many members to start now: up to the size, within the project's headroom."""
+        with self._lock:
+            short = pool.config.size - len(pool.ready) - len(pool.acquiring) - pool.creating
+        if short <= 0:
+            return 0
+        room, why = self._headroom(pool)
+        with self._lock:
+            wanted = max(0, min(short, room))
+            pool.held_back = why if room < short else ""
+            pool.creating += wanted
+        return wanted
+
+    def _headroom(self, pool: _Pool) -> tuple[int, str]:
+        """Members of this pool the project still has room for under its MemoryMax and
+        TasksMax: what its sandboxes and the members being made are provisioned counts."""
+        key, ceiling = pool.key, pool.admitted.placement.project
+        running = self._manager.find(user=key.user, project=key.project)
+        with self._lock:
+            making = [
+                p
+                for p in self._pools.values()
+                if (p.key.user, p.key.project) == (key.user, key.project)
+            ]
+            memory = sum(s.limits.memory_bytes for s in running) + sum(
+                p.creating * p.key.limits.memory_bytes for p in making
+            )
+            pids = sum(s.limits.pids for s in running) + sum(
+                p.creating * p.key.limits.pids for p in making
+            )
+        rooms = [(1 << 30, "")]
+        if ceiling.memory_bytes is not None:
+            left = max(0, ceiling.memory_bytes - memory)
+            rooms.append((left // key.limits.memory_bytes, f"{human_bytes(left)} of memory"))
+        if ceiling.pids is not None:
+            left_pids = max(0, ceiling.pids - pids)
+            rooms.append((left_pids // key.limits.pids, f"{left_pids} pids"))
+        room, left_words = min(rooms)
+        return room, f"project {key.user}/{key.project} has {left_words} left under its ceiling"
+
+    def _make(self, pool: _Pool) -> None:
+        started = self._clock()
+        try:
+            member = self._manager.create(spec_of(pool.config), pool_key=pool.key.fingerprint())
+        except Exception:
+            log.exception("could not make a member of pool %s/%s", pool.key.user, pool.key.project)
+            with self._lock:
+                pool.creating -= 1
+            return
+        with self._lock:
+            pool.creating -= 1
+            pool.ready.append(member)
+            pool.refills.append(self._clock() - started)
+        self._manager.end_operation(member.id)  # held since its create: now the pool's
+
+    # --- what it shows -----------------------------------------------------------------------
+
+    def stats(self) -> PoolList:
+        members = self._manager.find(pool="true")
+        busy: dict[str, int] = {}
+        for member in members:
+            if member.pool_state == "acquired":
+                busy[member.lineage.pool_key] = busy.get(member.lineage.pool_key, 0) + 1
+        with self._lock:
+            pools = [self._stats(p, busy.get(p.key.fingerprint(), 0)) for p in self._pools.values()]
+            return PoolList(pools=pools, cold=self._cold)
+
+    def _stats(self, pool: _Pool, busy: int) -> PoolStats:
+        asked = pool.hits + pool.misses
+        return PoolStats(
+            key=pool.key,
+            fingerprint=pool.key.fingerprint(),
+            size=pool.config.size,
+            ready=len(pool.ready),
+            busy=busy,
+            creating=pool.creating,
+            hits=pool.hits,
+            misses=pool.misses,
+            hit_rate=pool.hits / asked if asked else None,
+            refill_seconds_last=pool.refills[-1] if pool.refills else None,
+            refill_seconds_p50=_median(pool.refills),
+            acquire_seconds_p50=_median(pool.acquires),
+            held_back=pool.held_back,
+        )
+
+    def shutdown(self) -> None:
+        if isinstance(self._executor, ThreadPoolExecutor):
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _nothing(sandbox: Sandbox) -> None:
+    """A destroy's last look that reads nothing (a member no task used)."""
+
+
+def _median(samples: deque[float]) -> float | None:
+    return statistics.median(samples) if samples else None

@@ -1,0 +1,156 @@
+"""The warm pool as data: a pool as the config declares it, the key that decides which request a
+member may serve, the lease that records an acquired member's lineage, and what ``GET
+/v1/pool`` answers.
+
+A key is exactly the settings that decide a container once it runs: its owner (user and
+project: the project slice is its cgroup parent, which cannot change), image, limits, network,
+the uid it runs as, added capabilities, mounts, and whether it is reused. Anything a request
+sets beyond them (a command, env, a workspace, credentials, a working directory) makes it no
+pool's: it is created cold. Requests and pools get their keys from the same function
+(``core.pool.key_of``), after the same admission, so equal keys mean equal containers.
+
+A :class:`Lease` is what an acquired member's labels cannot say (they were written before its
+task was known): its task, root task, parent and depth, and whether a one-shot run holds it. It
+lives in the Description of the member's deadline timer in systemd (``docs/pool.md``), so the
+reaper and a restarted agent read it from systemd alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from slicebox.model.limits import Limits, OptionalCpus, OptionalPids, RawSize, parse_size
+from slicebox.model.names import slice_names
+from slicebox.model.spec import Id, Mount
+from slicebox.model.validation import checked
+
+# The most members one pool keeps ready: each is a running container in its project's slice.
+MAX_POOL_SIZE = 64
+
+
+class PoolConfig(BaseModel):
+    """One ``[[pool]]`` table. Limits, image, network and run_as left out are the sandbox
+    defaults, as for a request that leaves them out (so such a request matches)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    user: str
+    project: str
+    size: int = Field(ge=1, le=MAX_POOL_SIZE)
+    image: str | None = None
+    memory: RawSize | None = None
+    cpus: OptionalCpus = None
+    pids: OptionalPids = None
+    network: str = "none"
+    run_as: str | None = Field(default=None, pattern=r"^[1-9][0-9]*:[1-9][0-9]*$")
+    # A member nobody acquired for this long is removed by the reaper (``pool_idle``), and the
+    # refill makes a fresh one: an image updated meanwhile is then what members run.
+    idle_timeout_seconds: float = Field(default=1800.0, gt=0)
+    # Members are reset and handed out again after a release, to requests that ask for
+    # ``reuse`` only; without it every release destroys its member and a fresh one replaces it.
+    reuse: bool = False
+
+    @field_validator("project")
+    @classmethod
+    def _names(cls, project: str, info: ValidationInfo) -> str:
+        user = info.data.get("user")  # absent when it failed its own check
+        return project if user is None else checked(lambda: slice_names(user, project), project)
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, value: RawSize | None) -> RawSize | None:
+        return checked(lambda: value is None or parse_size("memory", value), value)
+
+
+class PoolKey(BaseModel):
+    """What decides a container; two requests with equal keys get equal containers."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    user: str
+    project: str
+    image: str
+    limits: Limits
+    network: str
+    run_as: str
+    cap_add: tuple[str, ...] = ()
+    mounts: tuple[Mount, ...] = ()
+    reuse: bool = False
+
+    def fingerprint(self) -> str:
+        """The key as a short stable digest, for the ``slicebox.pool_key`` label: a member
+        adopted after a restart is matched by it."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:24]
+
+
+class Lease(BaseModel):
+    """An acquired member's lineage, kept in systemd (its deadline timer's Description)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    task_id: Id
+    root_task_id: Id
+    parent_id: Annotated[str, Field(pattern=r"^$|^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")] = ""
+    depth: int = Field(default=0, ge=0)
+    oneshot: bool = False
+
+    def describe(self) -> str:
+        """The lease as words of a unit Description (ids hold no space and no '=')."""
+        return (
+            f"lease task={self.task_id} root={self.root_task_id} parent={self.parent_id or '-'} "
+            f"depth={self.depth} oneshot={int(self.oneshot)}"
+        )
+
+
+_LEASE = re.compile(
+    r"lease task=(?P<task>\S+) root=(?P<root>\S+) parent=(?P<parent>\S+) "
+    r"depth=(?P<depth>\d+) oneshot=(?P<oneshot>[01])"
+)
+
+
+def parse_lease(description: str) -> Lease | None:
+    """The lease a Description holds; None when it holds none (or one slicebox did not write)."""
+    found = _LEASE.search(description)
+    if found is None:
+        return None
+    try:
+        return Lease(
+            task_id=found["task"],
+            root_task_id=found["root"],
+            parent_id="" if found["parent"] == "-" else found["parent"],
+            depth=int(found["depth"]),
+            oneshot=found["oneshot"] == "1",
+        )
+    except ValueError:
+        return None
+
+
+class PoolStats(BaseModel):
+    """One pool as ``GET /v1/pool`` and ``slicebox pool`` show it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    key: PoolKey
+    fingerprint: str
+    size: int
+    ready: int
+    busy: int  # acquired members still running
+    creating: int
+    hits: int
+    misses: int  # requests of this key that found no member ready and were created cold
+    hit_rate: float | None  # hits / (hits + misses); None before the first request
+    refill_seconds_last: float | None
+    refill_seconds_p50: float | None
+    acquire_seconds_p50: float | None
+    held_back: str = ""  # why the refill stops short of ``size`` (the project's headroom)
+
+
+class PoolList(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    pools: list[PoolStats]
+    cold: int  # creates and runs that matched no pool's key

@@ -1,0 +1,356 @@
+"""The warm pool over fakes: exact keys, refill off the request's thread, leases that survive a
+restart, release, headroom, and the reaper's pool rules."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from concurrent.futures import Future
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slicebox.core.deadlines import Deadlines
+from slicebox.core.pool import WarmPool
+from slicebox.core.reaper import Reaper
+from slicebox.core.reaping import Observed, plan
+from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.service import Service
+from slicebox.core.slices import SliceManager
+from slicebox.core.telemetry import TreeReader, UsageReader
+from slicebox.host.cgroupfs import CgroupFS
+from slicebox.host.identity import Identity
+from slicebox.host.journal import Auditor
+from slicebox.model.api import CreateSandbox
+from slicebox.model.config import ReaperConfig, parse_config
+from slicebox.model.errors import NotFound
+from slicebox.model.reaper import Kind, Rule
+from slicebox.model.spec import SandboxSpec
+from tests.fakes.docker import FakeDocker
+from tests.fakes.journal import ListJournal
+from tests.fakes.systemd import FakeSystemd
+
+MiB = 1024 * 1024
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+ALICE = Identity(uid=1000, gid=1000, pid=11, user_name="alice", is_admin=False)
+POOL = """
+[projects."alice/web"]
+memory = "1GB"
+[[pool]]
+user = "alice"
+project = "web"
+size = 2
+memory = "128MB"
+idle_timeout_seconds = 600
+"""
+REUSE = POOL.replace("size = 2", "size = 1\nreuse = true")
+
+
+class Queue:
+    """An executor that runs nothing until told: a refill's work stays off the request."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+
+    def submit(self, function: Callable[..., Any], *args: Any) -> Future[Any]:
+        self.jobs.append((function, args))
+        return Future()
+
+    def drain(self) -> int:
+        ran = 0
+        while self.jobs:
+            function, args = self.jobs.pop(0)
+            function(*args)
+            ran += 1
+        return ran
+
+
+class FakeReset:
+    def __init__(self) -> None:
+        self.healthy = True
+        self.resets: list[tuple[str, int]] = []
+
+    def mark(self) -> int:
+        return 77
+
+    def reset(self, sandbox: Sandbox, since: int) -> bool:
+        self.resets.append((sandbox.id, since))
+        return self.healthy
+
+
+class World:
+    def __init__(self, tmp: Path, config: str = POOL) -> None:
+        self.tmp = tmp
+        self.systemd = FakeSystemd()
+        self.docker = FakeDocker(self.systemd)
+        self.ids = (f"sbx-{n:012x}" for n in itertools.count(1))
+        self.now = NOW
+        self.config = parse_config(config)
+        self.queue = Queue()
+        self.reset = FakeReset()
+        self.start("run-1")
+
+    def start(self, instance_id: str) -> None:
+        """An agent run over the same Docker and systemd (a restart after a ``kill -9``)."""
+        self.manager = SandboxManager(
+            self.docker,
+            SliceManager(self.systemd),
+            config=self.config,
+            host_memory=4096 * MiB,
+            instance_id=instance_id,
+            clock=lambda: self.now,
+            new_id=lambda: next(self.ids),
+            deadlines=Deadlines(self.systemd),
+        )
+        self.pool = WarmPool(self.manager, reset=self.reset, executor=self.queue, now=self.clock)  # type: ignore[arg-type]
+        self.reaper = Reaper(
+            self.manager,
+            SliceManager(self.systemd),
+            self.docker,
+            auditor=Auditor(ListJournal()),
+            config=lambda: ReaperConfig(state_dir=self.tmp / "state"),
+            clock=self.clock,
+            pool=self.pool,
+        )
+        self.service = Service(
+            self.manager,
+            None,  # type: ignore[arg-type]  # no exec here
+            usage=UsageReader(CgroupFS(self.tmp)),
+            tree=TreeReader(CgroupFS(self.tmp)),
+            auditor=Auditor(ListJournal()),
+            pid_of=lambda sandbox: None,
+            clock=self.clock,
+            pool=self.pool,
+        )
+
+    def clock(self) -> datetime:
+        return self.now
+
+    def fill(self) -> None:
+        self.pool.kick()
+        self.queue.drain()
+
+    def members(self) -> list[Sandbox]:
+        return self.manager.find(pool="true")
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    world = World(tmp_path)
+    world.fill()
+    return world
+
+
+def spec(**fields: object) -> SandboxSpec:
+    return SandboxSpec.model_validate(
+        {"user": "alice", "project": "web", "memory": "128MB", **fields}
+    )
+
+
+def test_members_are_made_for_their_key_in_their_project_slice(world: World) -> None:
+    members = world.members()
+    assert [m.pool_state for m in members] == ["idle", "idle"]
+    (fingerprint,) = {m.lineage.pool_key for m in members}
+    assert fingerprint == world.pool.stats().pools[0].fingerprint
+    request = world.docker.requests[members[0].container_id]
+    assert request.slice == "slicebox-alice-web.slice"
+    assert (request.network, request.cap_add, request.user) == ("none", (), "65534:65534")
+    assert request.limits.memory_bytes == 128 * MiB
+    assert members[0].expires_at is None, "no deadline until acquired"
+    assert world.systemd.timers == {}
+
+
+@pytest.mark.parametrize(
+    "differs",
+    [
+        {"memory": "256MB"},
+        {"network": "bridge"},
+        {"project": "api"},
+        {"cpus": 1},
+        {"pids": 50},
+        {"image": "busybox"},
+        {"run_as": "1000:1000"},
+        {"env": {"A": "1"}},
+        {"command": ["sh"]},
+        {"cap_add": ["CHOWN"]},
+        {"reuse": True},
+    ],
+)
+def test_a_request_whose_settings_differ_never_gets_a_member(
+    world: World, differs: dict[str, object]
+) -> None:
+    world.docker.images.add("busybox")
+    before = {m.id for m in world.members()}
+    made = world.service.create(
+        ALICE, CreateSandbox.model_validate({"project": "web", "memory": "128MB", **differs})
+    )
+    assert made.id not in before
+    assert made.pool == ""
+    assert {m.id for m in world.members()} == before, "the idle members are untouched"
+    stats = world.pool.stats()
+    assert (stats.cold, stats.pools[0].hits) == (1, 0)
+
+
+def test_a_request_of_the_key_takes_a_ready_member_and_the_refill_runs_elsewhere(
+    world: World,
+) -> None:
+    created = world.docker.created
+    view = world.service.create(
+        ALICE, CreateSandbox(project="web", memory="128MB", task_id="t1", ttl_seconds=60)
+    )
+    assert view.pool == "acquired"
+    assert world.docker.created == created, "nothing was created for the request"
+    assert (view.task_id, view.root_task_id, view.parent_id) == ("t1", "t1", "")
+    assert view.expires_at == NOW + timedelta(seconds=60)
+    stats = world.pool.stats().pools[0]
+    assert (stats.ready, stats.busy, stats.hits, stats.hit_rate) == (1, 1, 1, 1.0)
+    assert world.queue.jobs, "the refill is queued, not run on the request's thread"
+    world.queue.drain()
+    assert world.docker.created == created + 1
+    assert world.pool.stats().pools[0].ready == 2
+    assert world.pool.stats().pools[0].refill_seconds_last is not None
+
+
+def test_an_empty_pool_is_a_miss_and_the_request_is_created_cold(world: World) -> None:
+    for _ in range(3):
+        world.service.create(ALICE, CreateSandbox(project="web", memory="128MB"))
+    stats = world.pool.stats().pools[0]
+    assert (stats.hits, stats.misses, stats.ready) == (2, 1, 0)
+    assert stats.hit_rate == pytest.approx(2 / 3)
+
+
+def test_an_idle_member_is_no_one_s_to_use(world: World) -> None:
+    idle = world.members()[0]
+    with pytest.raises(NotFound):
+        world.service.get(ALICE, idle.id)
+    listed = {v.id: v.pool for v in world.service.list_sandboxes(ALICE)}
+    assert listed[idle.id] == "idle"
+    assert not world.service.destroy(ALICE, idle.id).destroyed
+    assert world.service.destroy_tree(ALICE, idle.id) == [], "its label task id is no task's"
+    assert idle.id in {m.id for m in world.members()}
+
+
+def test_an_acquired_member_s_lineage_survives_a_restart_from_systemd_alone(
+    world: World,
+) -> None:
+    parent = world.service.create(ALICE, CreateSandbox(project="api", root_task_id="root-7"))
+    child = world.service.create(
+        ALICE, CreateSandbox(project="web", memory="128MB", parent_id=parent.id, task_id="t2")
+    )
+    assert child.pool == "acquired"
+    world.start("run-2")  # kill -9: nothing in memory survives
+    again = world.service.get(ALICE, child.id)
+    assert (again.root_task_id, again.task_id, again.parent_id, again.depth) == (
+        "root-7",
+        "t2",
+        parent.id,
+        1,
+    )
+    assert {s.id for s in world.manager.find(root_task_id="root-7")} == {parent.id, child.id}
+    assert world.pool.adopt() == 1, "the idle member is taken back; the acquired one is not"
+    report = world.reaper.run()
+    assert [a for a in report.plan if a.kind is Kind.DESTROY] == []
+    destroyed = [d.id for d in world.service.destroy_tree(ALICE, "root-7")]
+    assert destroyed == [child.id, parent.id], "deepest first, found by its lease"
+    assert world.systemd.timers == {}, "the lease went with its container"
+
+
+def test_extending_an_acquired_member_keeps_its_lease(world: World) -> None:
+    view = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB", task_id="t3"))
+    world.manager.extend(view.id, 7200)
+    world.start("run-2")
+    again = world.service.get(ALICE, view.id)
+    assert (again.task_id, again.expires_at) == ("t3", NOW + timedelta(seconds=7200))
+
+
+def test_a_release_destroys_the_member_and_only_then_its_lease(world: World) -> None:
+    view = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB"))
+    container = view.container_id
+    assert world.service.destroy(ALICE, view.id).destroyed
+    assert container in world.docker.removed
+    assert world.systemd.timers == {}
+    assert world.reset.resets == [], "no reuse without asking"
+
+
+def test_a_failed_removal_leaves_the_member_leased_not_idle(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    view = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB", task_id="t4"))
+    monkeypatch.setattr(world.docker, "remove", lambda container_id: False)
+    world.service.destroy(ALICE, view.id)
+    assert world.manager.get(view.id).pool_state == "acquired", "a used member never looks idle"
+
+
+def test_a_reuse_member_comes_back_reset_and_only_to_reuse_requests(tmp_path: Path) -> None:
+    world = World(tmp_path, REUSE)
+    world.fill()
+    first = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB", reuse=True))
+    assert first.pool == "acquired"
+    assert world.service.destroy(ALICE, first.id).destroyed
+    assert world.reset.resets == [(first.id, 77)], "killed since its acquire mark"
+    assert world.systemd.timers == {}, "its lease is gone: it is idle"
+    plain = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB"))
+    assert plain.id != first.id, "a request without reuse never gets a used member"
+    again = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB", reuse=True))
+    assert again.id == first.id
+    world.reset.healthy = False
+    world.service.destroy(ALICE, again.id)
+    assert again.container_id in world.docker.removed, "an unhealthy member is replaced"
+
+
+def test_members_never_fill_the_project_past_its_memory_ceiling(tmp_path: Path) -> None:
+    config = POOL.replace('memory = "1GB"', 'memory = "400MB"').replace("size = 2", "size = 5")
+    world = World(tmp_path, config)
+    world.manager.create(spec(project="web", memory="100MB"))
+    world.fill()
+    stats = world.pool.stats().pools[0]
+    assert stats.ready == 2, "100 + 2 x 128 MB fit under 400 MB; a third would not"
+    assert "MiB of memory left under its ceiling" in stats.held_back
+
+
+def test_the_reaper_trims_idle_members_past_their_timeout_and_size_never_acquired_ones(
+    world: World,
+) -> None:
+    taken = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB"))
+    world.queue.drain()  # the refill: two idle members again
+    waiting = {m.id for m in world.members() if m.pool_state == "idle"}
+    world.now = NOW + timedelta(seconds=700)
+    world.queue.jobs.clear()
+    report = world.reaper.run()
+    idle = {a.target for a in report.plan if a.rule is Rule.POOL_IDLE}
+    assert idle == waiting
+    assert len(idle) == 2
+    assert taken.id not in idle
+    assert [m.id for m in world.members()] == [taken.id]
+    assert world.pool.stats().pools[0].ready == 0, "withdrawn from the pool first"
+
+
+def test_surplus_idle_members_of_an_undeclared_key_go_an_acquired_one_stays(
+    world: World,
+) -> None:
+    taken = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB"))
+    world.config = parse_config("")
+    world.start("run-2")  # the [[pool]] table was removed meanwhile
+    report = world.reaper.run()
+    surplus = {a.target for a in report.plan if a.rule is Rule.POOL_SURPLUS}
+    assert len(surplus) == 1
+    assert taken.id not in surplus
+    assert world.manager.get(taken.id).pool_state == "acquired"
+
+
+def test_an_idle_member_being_acquired_is_deferred_by_the_reaper(world: World) -> None:
+    member = world.members()[0]
+    observed = Observed(
+        instance_id="run-1",
+        containers=world.docker.find({}),
+        pools={member.lineage.pool_key: (0, 600.0)},
+    )
+    (action, *_) = [a for a in plan(observed, NOW, ReaperConfig()) if a.target == member.id]
+    assert action.rule is Rule.POOL_SURPLUS
+    taking = world.pool._pools[next(iter(world.pool._pools))]  # an acquire under way
+    taking.acquiring.add(member.id)
+    outcome = world.reaper._carry_out(action)
+    assert outcome.result == "deferred"
+    assert member.id in {m.id for m in world.members()}

@@ -58,6 +58,11 @@ def installed_agent(
         sh("groupadd", "--system", "slicebox")
     CONFIG.parent.mkdir(exist_ok=True)
     CONFIG.write_text(config)
+    # The config's bind root, as an operator makes it (root's, 0755): `slicebox doctor` fails
+    # on a root that is not there, and no test may depend on another having made it first.
+    roots = Path(WORKSPACE_ROOTS)
+    made_roots = not roots.exists()
+    roots.mkdir(mode=0o755, exist_ok=True)
     for unit in AGENT_UNITS:
         shutil.copy(UNITS / unit, RUNTIME / unit)
     directory = RUNTIME / "slicebox.service.d"
@@ -78,6 +83,8 @@ def installed_agent(
             (RUNTIME / unit).unlink()
         sh("systemctl", "daemon-reload")
         shutil.rmtree(CONFIG.parent)
+        if made_roots:
+            shutil.rmtree(roots, ignore_errors=True)
         if created_group:
             sh("groupdel", "slicebox")
 

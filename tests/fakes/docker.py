@@ -42,10 +42,11 @@ from slicebox.model.labels import VolumeLineage
 from slicebox.model.names import scope_name
 from slicebox.model.spec import Backend, MountKind
 from tests.fakes.exec_fakes import FakeExecApi
+from tests.fakes.onloop import ExecCallsOnLoop
 from tests.fakes.systemd import FakeSystemd
 
 
-class FakeDocker:
+class FakeDocker(ExecCallsOnLoop):
     kind = Backend.DOCKER
 
     def __init__(
@@ -201,14 +202,6 @@ class FakeDocker:
 
     async def inspect_async(self, backend_id: str) -> SandboxInfo | None:
         return self.inspect(backend_id)
-
-    async def exec_create_async(
-        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
-    ) -> str:
-        return self.exec_create(backend_id, request, streamed_stdin)
-
-    async def exec_inspect_async(self, exec_id: str) -> ExecState:
-        return self.exec_inspect(exec_id)
 
     def _execs(self) -> FakeExecApi:
         if self.execs is None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from slicebox.backends.base import StdinSource
 from slicebox.model.errors import SandboxNotFound
 from slicebox.model.exec import ExecRequest, ExecState, StreamChunk
+from tests.fakes.onloop import ExecCallsOnLoop
 
 
 class FakeClock:
@@ -127,7 +128,7 @@ class FakeSandboxHost:
         return len(doomed)
 
 
-class FakeExecApi:
+class FakeExecApi(ExecCallsOnLoop):
     def __init__(self, clock: FakeClock, host: FakeSandboxHost, run: FakeExec) -> None:
         self.clock = clock
         self.host = host
@@ -157,14 +158,6 @@ class FakeExecApi:
         if not isinstance(stdin, bytes):  # a streamed stdin is read whole, then the script runs
             stdin = b"".join([chunk async for chunk in _chunks(stdin)])
         return FakeAsyncAttachment(self.exec_start(exec_id, stdin))
-
-    async def exec_create_async(
-        self, container_id: str, request: ExecRequest, streamed_stdin: bool = False
-    ) -> str:
-        return self.exec_create(container_id, request, streamed_stdin)
-
-    async def exec_inspect_async(self, exec_id: str) -> ExecState:
-        return self.exec_inspect(exec_id)
 
     def exec_inspect(self, exec_id: str) -> ExecState:
         run = self.run

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from slicebox.backends.base import ExecAttachment, StdinSource
 from slicebox.model.exec import ExecRequest, ExecState, OutputStream, StreamChunk
+from tests.fakes.onloop import ExecCallsOnLoop
 
 PIECE = 64 * 1024
 
@@ -129,7 +130,7 @@ async def _write(pipe: asyncio.StreamWriter, data: bytes) -> bool:
     return True
 
 
-class LocalExecs:
+class LocalExecs(ExecCallsOnLoop):
     def __init__(self, root: Path) -> None:
         self.root = root
         self.argv: dict[str, tuple[str, ...]] = {}
@@ -158,14 +159,6 @@ class LocalExecs:
         )
         self.processes[exec_id] = process
         return LocalAttachment(process, stdin)
-
-    async def exec_create_async(
-        self, container_id: str, request: ExecRequest, streamed_stdin: bool = False
-    ) -> str:
-        return self.exec_create(container_id, request, streamed_stdin)
-
-    async def exec_inspect_async(self, exec_id: str) -> ExecState:
-        return self.exec_inspect(exec_id)
 
     def exec_inspect(self, exec_id: str) -> ExecState:
         process = self.processes[exec_id]

@@ -357,8 +357,7 @@ class DockerBackend:
     async def exec_start_async(
         self, exec_id: str, stdin: bytes | StdinSource
     ) -> AsyncRawExecAttachment:
-        # The client exists by now (exec_create made it): reading its version makes no call.
-        version = str(self._api().api_version)
+        version = await self._api_version()
         try:
             return await attach_async(self._endpoint, version, exec_id, stdin)
         except StartRefused as exc:
@@ -393,8 +392,11 @@ class DockerBackend:
         await self._json.aclose()
 
     async def _versioned(self, path: str) -> str:
-        """``path`` under the API version the client settled on; asked of the daemon on the
-        loop when no client exists yet."""
+        return f"/v{await self._api_version()}{path}"
+
+    async def _api_version(self) -> str:
+        """The API version the client settled on; asked of the daemon on the loop when no
+        client exists yet (making one would block the loop on the same question)."""
         if self._version is None:
             client = self._client
             if client is not None:
@@ -402,7 +404,7 @@ class DockerBackend:
             else:
                 said = await self._json.get("/version", "the version")
                 self._version = str(said["ApiVersion"])
-        return f"/v{self._version}{path}"
+        return self._version
 
     # --- the client -----------------------------------------------------------------------
 

@@ -177,10 +177,13 @@ def _check_network(network: str, config: Config) -> None:
         )
 
 
+def capability_name(cap: str) -> str:
+    """A capability as the config and Docker name it: ``cap_net_raw`` is ``NET_RAW``."""
+    return cap.upper().removeprefix("CAP_")
+
+
 def _check_capabilities(cap_add: tuple[str, ...], config: Config) -> None:
-    refused = sorted(
-        {cap.upper().removeprefix("CAP_") for cap in cap_add} - config.allowed_capabilities
-    )
+    refused = sorted({capability_name(cap) for cap in cap_add} - config.allowed_capabilities)
     if refused:
         allowed = ", ".join(sorted(config.allowed_capabilities))
         raise PolicyViolation(

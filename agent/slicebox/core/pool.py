@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
 
-from slicebox.core.policy import Admitted
+from slicebox.core.policy import Admitted, capability_name
 from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.model.config import Config
 from slicebox.model.errors import SliceboxError
@@ -77,7 +77,7 @@ def key_of(admitted: Admitted) -> PoolKey | None:
         limits=admitted.limits,
         network=spec.network,
         run_as=spec.run_as or "",
-        cap_add=tuple(sorted({c.upper().removeprefix("CAP_") for c in spec.cap_add})),
+        cap_add=tuple(sorted({capability_name(cap) for cap in spec.cap_add})),
         mounts=spec.mounts,
         reuse=spec.reuse,
     )

@@ -41,6 +41,7 @@ from slicebox.core.gitclone import clone
 from slicebox.core.policy import (
     Admitted,
     admit,
+    capability_name,
     check_root,
     check_ttl,
     runs_as_root,
@@ -869,7 +870,7 @@ def _request(admitted: Admitted, lineage: Lineage, store: CredentialStore) -> Sa
         user=spec.run_as,
         workdir=spec.workdir,
         mounts=spec.mounts + _volume_mount(spec, lineage) + _credentials_mount(store, lineage),
-        cap_add=tuple(cap.upper().removeprefix("CAP_") for cap in spec.cap_add),
+        cap_add=tuple(capability_name(cap) for cap in spec.cap_add),
     )
 
 

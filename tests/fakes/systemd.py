@@ -31,6 +31,8 @@ class FakeSystemd:
         self.timers: dict[str, tuple[datetime, list[str]]] = {}
         self.killed: list[tuple[str, int]] = []
         self.descriptions: dict[str, str] = {}
+        self.invocations: dict[str, int] = {}  # unit -> the number of its current activation
+        self._activations = 0
         self._lock = threading.Lock()  # systemd serialises its bus calls
 
     def status(self, unit: str) -> UnitStatus:
@@ -40,6 +42,10 @@ class FakeSystemd:
                 active_state=self._active_state(unit),
                 fragment_path=f"/etc/systemd/system/{unit}" if unit in self.installed else "",
             )
+
+    def invocation(self, unit: str) -> str:
+        with self._lock:
+            return f"{self.invocations[unit]:032x}" if unit in self.running else ""
 
     def start_transient(self, unit: str, properties: Sequence[Property], description: str) -> None:
         with self._lock:
@@ -113,6 +119,9 @@ class FakeSystemd:
             self.failed.add(unit)
             raise HostError(f"systemd could not start {unit}; see `journalctl -u {unit}`")
         self.failed.discard(unit)
+        if unit not in self.running:
+            self._activations += 1
+            self.invocations[unit] = self._activations
         self.running.add(unit)
 
     def _loaded(self) -> set[str]:

@@ -173,6 +173,26 @@ def test_a_destroy_costs_the_same_few_calls_however_many_sandboxes_exist(world: 
     )
 
 
+def test_a_destroy_through_the_socket_looks_the_sandbox_up_on_the_loop(world: World) -> None:
+    """The route's destroy: the same calls, its look-up on the event loop, not through
+    docker-py on a worker thread; another user's sandbox is as absent as a missing one."""
+    target = world.create(ALICE)
+    assert on_loop(world.service.adestroy(BOB, target, inline)).destroyed is False
+    world.calls.clear()
+    done = on_loop(world.service.adestroy(ALICE, target, inline))
+    assert done.destroyed
+    assert done.usage is not None
+    assert dict(world.calls) == {
+        "docker.inspect_async": 1,
+        "docker.remove": 1,
+        "systemd.status": 1,
+        "systemd.list_units": 1,
+        "systemd.stop": 1,
+    }
+    assert on_loop(world.service.adestroy(ALICE, target, inline)).destroyed is False
+    assert world.journal.events()[-1] == ("sandbox_destroyed", "ok")
+
+
 def test_a_destroy_while_another_removal_runs_answers_false_and_no_error(world: World) -> None:
     mine = world.create(ALICE)
     world.docker.begin_removal(world.sandboxes.get(mine).container_id)  # say, the reaper's
@@ -561,6 +581,8 @@ def test_a_run_never_looks_up_the_sandbox_it_created_and_answers_before_removing
     removal waits for no answer."""
     on_loop(world.service.arun(ALICE, RUN, None, inline))  # the project's slices exist now
     world.run.script = [[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None]
+    on_loop(world.service.arun(ALICE, RUN, None, inline))  # ... with their ceilings set
+    world.run.script = [[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None]
     world.calls.clear()
     later = Later()
     assert on_loop(world.service.arun(ALICE, RUN, None, inline, later)).result.stdout == b"hi\n"
@@ -572,8 +594,7 @@ def test_a_run_never_looks_up_the_sandbox_it_created_and_answers_before_removing
         "docker.exec_create_async": 1,  # in the scope its labels give: no look-up of its init
         "docker.exec_start_async": 1,
         "docker.exec_inspect_async": 1,
-        "systemd.status": 3,  # the three slices exist ...
-        "systemd.set_properties": 3,  # ... and get the ceilings in force
+        "systemd.invocation": 3,  # the three slices run as they did when given ceilings
         "systemd.start_timer": 1,  # the deadline of a new sandbox: nothing to look for
     }
     assert dict(world.calls) == {
@@ -583,7 +604,7 @@ def test_a_run_never_looks_up_the_sandbox_it_created_and_answers_before_removing
         "systemd.stop": 1,
     }
     web = "slicebox.slice/slicebox-alice.slice/slicebox-alice-web.slice"
-    assert world.host.scopes == [f"{web}/docker-{1:064x}.scope", f"{web}/docker-{2:064x}.scope"]
+    assert world.host.scopes == [f"{web}/docker-{n:064x}.scope" for n in (1, 2, 3)]
 
 
 def test_an_exec_in_a_running_sandbox_costs_one_look_up(world: World) -> None:

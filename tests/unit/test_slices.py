@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -27,6 +29,31 @@ def test_ensure_starts_a_transient_slice_then_updates_it() -> None:
     assert systemd.properties["slicebox-a.slice"]["MemoryMax"] == 9
     assert systemd.properties["slicebox-a.slice"]["TasksMax"] == INFINITY
     assert [c for c, _ in systemd.calls] == ["start_transient", "set_properties"]
+
+
+def test_ceilings_are_set_once_per_activation_of_a_slice() -> None:
+    """A create in a running slice sets nothing that slice already has; a slice started again
+    meanwhile (by anyone: systemd then knows none of the ceilings of a transient slice) and a
+    changed ceiling are set again."""
+    systemd = FakeSystemd()
+    slices = SliceManager(systemd)
+    slices.ensure(UNIT, Ceiling(pids=7))  # created with its ceilings
+    slices.ensure(UNIT, Ceiling(pids=7))  # not known to be set on this activation yet
+    systemd.calls.clear()
+    for _ in range(3):
+        assert not slices.ensure(UNIT, Ceiling(pids=7))
+    assert systemd.calls == []
+    assert not slices.ensure(UNIT, Ceiling(pids=8))
+    assert systemd.properties[UNIT]["TasksMax"] == 8
+    systemd.stop(UNIT)
+    systemd.start(UNIT)  # as a container's scope starts its slice: without ceilings
+    systemd.calls.clear()
+    assert not slices.ensure(UNIT, Ceiling(pids=8))
+    assert systemd.calls == [("set_properties", UNIT)]
+    assert systemd.properties[UNIT]["TasksMax"] == 8
+    assert slices.update(UNIT, Ceiling(pids=9))
+    assert not slices.ensure(UNIT, Ceiling(pids=9))
+    assert systemd.properties[UNIT]["TasksMax"] == 9
 
 
 def test_an_installed_slice_is_configured_and_started_not_replaced() -> None:
@@ -135,23 +162,15 @@ def test_other_start_failures_still_fail() -> None:
         SliceManager(systemd).ensure(UNIT, Ceiling())
 
 
-class RefusingManager:
-    """pystemd's manager object, as far as a KillUnit that systemd refuses goes."""
+def refusing(error: str) -> Callable[[bytes, list[Any]], Any]:
+    """systemd's manager as far as a call that it refuses goes."""
 
-    def __init__(self, error: str) -> None:
-        self.Manager = self
-        self.error = error
-
-    def __enter__(self) -> RefusingManager:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def KillUnit(self, unit: bytes, whom: bytes, signal: int) -> None:
+    def method(name: bytes, args: list[Any]) -> Any:
         from pystemd.dbusexc import DBusBaseError
 
-        raise DBusBaseError(self.error.encode(), b"refused")
+        raise DBusBaseError(error.encode(), b"refused")
+
+    return method
 
 
 @pytest.mark.parametrize(
@@ -165,7 +184,7 @@ def test_a_kill_of_a_scope_with_nothing_left_is_no_such_unit(
     monkeypatch: pytest.MonkeyPatch, error: str, code: str
 ) -> None:
     pytest.importorskip("pystemd")
-    monkeypatch.setattr(systemd_adapter, "_manager", lambda: RefusingManager(error))
+    monkeypatch.setattr(systemd_adapter, "_method", refusing(error))
     monkeypatch.setattr(systemd_adapter, "_drop_bus", lambda: None)
     with pytest.raises(HostError) as caught:
         systemd_adapter.PystemdSystemd().kill("docker-c1.scope", 9)

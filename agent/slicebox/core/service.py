@@ -148,6 +148,15 @@ class Service:
             return Destroyed(id=sandbox_id, destroyed=False)
         return self._destroy(who, sandbox)
 
+    async def adestroy(self, who: Identity, sandbox_id: str, blocking: Blocking) -> Destroyed:
+        """``destroy``, its look-up made on the event loop (as an exec's is), the rest through
+        ``blocking``."""
+        try:
+            sandbox = await self._avisible(who, sandbox_id, blocking)
+        except NotFound:
+            return Destroyed(id=sandbox_id, destroyed=False)
+        return await blocking(functools.partial(self._destroy, who, sandbox))
+
     def destroy_tree(self, who: Identity, root_task_id: str) -> list[Destroyed]:
         """Every sandbox of a root task the caller may see, children before parents."""
         members = [

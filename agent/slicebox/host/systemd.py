@@ -28,6 +28,8 @@ ACTIVE = frozenset({"active", "activating", "reloading"})
 _UNIT_EXISTS = "org.freedesktop.systemd1.UnitExists"
 _NO_PROCESS = "org.freedesktop.systemd1.NoSuchProcess"
 SYSTEMD = b"org.freedesktop.systemd1"
+MANAGER_PATH = b"/org/freedesktop/systemd1"
+MANAGER_INTERFACE = b"org.freedesktop.systemd1.Manager"
 UNIT_PATH = b"/org/freedesktop/systemd1/unit"
 UNIT_INTERFACE = b"org.freedesktop.systemd1.Unit"
 SLICE_INTERFACE = b"org.freedesktop.systemd1.Slice"
@@ -54,6 +56,11 @@ class Systemd(Protocol):
     """Everything the slice manager asks of systemd. Each call returns once systemd is done."""
 
     def status(self, unit: str) -> UnitStatus: ...
+
+    def invocation(self, unit: str) -> str:
+        """The id of the unit's current activation while it is active (systemd's
+        ``InvocationID``, in hex), "" while it is not: a unit stopped and started again, by
+        anyone, has a new one."""
 
     def start_transient(self, unit: str, properties: Sequence[Property], description: str) -> None:
         """Start a new transient unit with ``properties``; a unit of that name that runs, has
@@ -113,30 +120,45 @@ class PystemdSystemd:
             ),
         )
 
+    def invocation(self, unit: str) -> str:
+        def read() -> str:
+            if _property(unit, UNIT_INTERFACE, b"ActiveState") not in ACTIVE:
+                return ""
+            path = _path(unit)
+            value = _bus().get_property(SYSTEMD, path, UNIT_INTERFACE, b"InvocationID", b"ay")
+            return bytes(value).hex()
+
+        return _call(unit, read)
+
     def start_transient(self, unit: str, properties: Sequence[Property], description: str) -> None:
         props: dict[bytes, Any] = _props(properties)
         props[b"Description"] = description.encode()
-        self._run_retrying(unit, lambda m: m.StartTransientUnit(unit.encode(), b"fail", props))
+
+        def args() -> list[Any]:
+            return _typed(b"ss", unit.encode(), b"fail") + _array(props) + _aux([])
+
+        self._run_retrying(unit, b"StartTransientUnit", args)
 
     def set_properties(self, unit: str, properties: Sequence[Property]) -> None:
-        manager = _manager()
         _call(
             unit,
-            lambda: manager.Manager.SetUnitProperties(unit.encode(), True, _props(properties)),
+            lambda: _method(
+                b"SetUnitProperties",
+                _typed(b"sb", unit.encode(), True) + _array(_props(properties)),
+            ),
         )
 
     def start(self, unit: str) -> None:
-        self._run_retrying(unit, lambda m: m.StartUnit(unit.encode(), b"fail"))
+        self._run_retrying(unit, b"StartUnit", lambda: _typed(b"ss", unit.encode(), b"fail"))
 
     def stop(self, unit: str) -> None:
-        self._run(unit, lambda m: m.StopUnit(unit.encode(), b"fail"))
+        self._run(unit, b"StopUnit", lambda: _typed(b"ss", unit.encode(), b"fail"))
         if self.status(unit).active:
             raise HostError(f"systemd did not stop {unit}; see `systemctl status {unit}`")
 
     def kill(self, unit: str, signal: int) -> None:
         try:
-            manager = _manager()
-            _call(unit, lambda: manager.Manager.KillUnit(unit.encode(), b"all", signal))
+            _call(unit, lambda: _method(b"KillUnit", _typed(b"ssi", unit.encode(), b"all", signal)))
         except HostError as exc:
             if _NO_PROCESS not in exc.message:
                 raise
@@ -152,15 +174,11 @@ class PystemdSystemd:
             return False
 
     def list_units(self, pattern: str, *, active_only: bool = False) -> list[str]:
-        states = ["active"] if active_only else []
-        manager = _manager()
-        units = _call(pattern, lambda: manager.Manager.ListUnitsByPatterns(states, [pattern]))
+        units = _units(pattern, [b"active"] if active_only else [])
         return sorted(entry[0].decode() for entry in units)
 
     def describe_units(self, pattern: str) -> dict[str, str]:
-        with _manager() as manager:
-            units = _call(pattern, lambda: manager.Manager.ListUnitsByPatterns([], [pattern]))
-        return {entry[0].decode(): entry[1].decode() for entry in units}
+        return {entry[0].decode(): entry[1].decode() for entry in _units(pattern, [])}
 
     def start_timer(self, timer: str, at: datetime, argv: Sequence[str], description: str) -> None:
         service = timer.removesuffix(".timer") + ".service"
@@ -180,32 +198,34 @@ class PystemdSystemd:
         _known_signatures()
         self._run(
             timer,
-            lambda m: m.StartTransientUnit(
-                timer.encode(), b"fail", props, [(service.encode(), aux)]
+            b"StartTransientUnit",
+            lambda: (
+                _typed(b"ss", timer.encode(), b"fail")
+                + _array(props)
+                + _aux([(service.encode(), aux)])
             ),
         )
         if not self.status(timer).active:
             raise HostError(f"systemd did not start {timer}; see `systemctl status {timer}`")
 
-    def _run_retrying(self, unit: str, call: Callable[[Any], bytes]) -> None:
-        self._run(unit, call)
+    def _run_retrying(self, unit: str, method: bytes, args: Callable[[], list[Any]]) -> None:
+        self._run(unit, method, args)
         if self.status(unit).active_state != "failed":
             return
         log.warning("%s failed to start; resetting it and retrying once", unit)
-        manager = _manager()
-        _call(unit, lambda: manager.Manager.ResetFailedUnit(unit.encode()))
-        self._run(unit, call)
+        _call(unit, lambda: _method(b"ResetFailedUnit", _typed(b"s", unit.encode())))
+        self._run(unit, method, args)
         if not self.status(unit).active:
             raise HostError(f"systemd could not start {unit}; see `journalctl -u {unit}`")
 
-    def _run(self, unit: str, call: Callable[[Any], bytes]) -> None:
-        manager = _manager()
-        job = _call(unit, lambda: call(manager.Manager))
-        self._wait_job(manager, unit, job)
+    def _run(self, unit: str, method: bytes, args: Callable[[], list[Any]]) -> None:
+        """Call ``method`` (one that queues a job) and wait for its job to finish."""
+        job = _call(unit, lambda: _method(method, args()))
+        self._wait_job(unit, job)
 
-    def _wait_job(self, manager: Any, unit: str, job: bytes) -> None:
+    def _wait_job(self, unit: str, job: bytes) -> None:
         deadline = self._clock() + self._timeout
-        while any(entry[4] == job for entry in _call(unit, manager.Manager.ListJobs)):
+        while any(entry[4] == job for entry in _call(unit, lambda: _method(b"ListJobs", []))):
             if self._clock() > deadline:
                 raise HostError(f"systemd job for {unit} did not finish in {self._timeout}s")
             self._sleep(0.05)
@@ -220,6 +240,38 @@ def _known_signatures() -> None:
 
 def _props(properties: Sequence[Property]) -> dict[bytes, Any]:
     return {name.encode(): value for name, value in properties}
+
+
+def _typed(signature: bytes, *values: Any) -> list[Any]:
+    """Arguments of a D-Bus call, each paired with its type as pystemd's bus takes them."""
+    from pystemd.dbuslib import apply_signature
+
+    return list(apply_signature(signature, list(values)))
+
+
+def _array(properties: dict[bytes, Any]) -> list[Any]:
+    """Unit properties as an ``a(sv)`` argument, each value typed by systemd's property
+    table (pystemd's)."""
+    from pystemd.systemd1.unit_signatures import signature_array
+
+    return list(signature_array(properties))
+
+
+def _aux(units: list[tuple[bytes, dict[bytes, Any]]]) -> list[Any]:
+    """The auxiliary units of a ``StartTransientUnit``, an ``a(sa(sv))`` argument: the
+    encoding pystemd's own ``StartTransientUnit`` writes."""
+    args: list[Any] = [(ord("a"), b"(sa(sv))")]
+    for name, properties in units:
+        args += [(ord("r"), b"sa(sv)"), *_typed(b"s", name), *_array(properties), (-1, None)]
+    return [*args, (-1, None)]
+
+
+def _units(pattern: str, states: list[bytes]) -> Any:
+    """``ListUnitsByPatterns``: one entry (name, description, ...) per loaded unit."""
+    return _call(
+        pattern,
+        lambda: _method(b"ListUnitsByPatterns", _typed(b"asas", states, [pattern.encode()])),
+    )
 
 
 def _call(unit: str, call: Callable[[], R]) -> R:
@@ -263,7 +315,7 @@ def _bus() -> Any:
 
 def _drop_bus() -> None:
     bus = getattr(_local, "bus", None)
-    _local.bus = _local.manager = None
+    _local.bus = None
     if bus is not None:
         try:
             bus.close()
@@ -271,27 +323,26 @@ def _drop_bus() -> None:
             log.debug("closing a failed system-bus connection failed", exc_info=True)
 
 
-def _manager() -> Any:
-    """systemd's manager object on this thread's connection, introspected once.
+def _method(name: bytes, args: list[Any]) -> Any:
+    """A call of systemd's manager on this thread's connection, ``args`` typed (``_typed``);
+    the reply's body.
 
-    Never entered with ``with``: pystemd's ``__enter__`` loads the object again unless it is
-    marked loaded, and Debian's pystemd (0.13) never marks it, so each ``with`` fetched and
-    parsed the manager's whole introspection XML again (the reaper's passes spent most of
-    their time there)."""
-    manager = getattr(_local, "manager", None)
-    if manager is None:
-        from pystemd.systemd1 import Manager
-
-        manager = _call("the manager", lambda: Manager(bus=_bus(), _autoload=True))
-        _local.manager = manager
-    return manager
+    The methods are called by name with their D-Bus signatures written here, not through
+    pystemd's ``Manager`` object: that object first fetches and parses the manager's whole
+    introspection XML, and keeps it, about 0.8 MiB for each thread that ever called systemd
+    (measured in the guest; Debian's pystemd, 0.13, also fetched it again at every ``with``)."""
+    return _bus().call_method(SYSTEMD, MANAGER_PATH, MANAGER_INTERFACE, name, args).body
 
 
 def _property(unit: str, interface: bytes, name: bytes) -> str:
     """A string property of a unit, read straight off the bus: a pystemd ``Unit`` object
     would first fetch and parse the unit's introspection XML, for every read."""
+    value = _bus().get_property(SYSTEMD, _path(unit), interface, name, b"s")
+    return bytes(value).decode()
+
+
+def _path(unit: str) -> bytes:
+    """The unit's object path: systemd loads the unit on demand when it is asked for one."""
     from pystemd.dbuslib import path_encode
 
-    path = path_encode(UNIT_PATH, unit.encode())
-    value = _bus().get_property(SYSTEMD, path, interface, name, b"s")
-    return bytes(value).decode()
+    return bytes(path_encode(UNIT_PATH, unit.encode()))

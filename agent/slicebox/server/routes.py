@@ -92,9 +92,8 @@ def _routes() -> list[Route]:
         )
 
     async def destroy(request: web.Request) -> web.StreamResponse:
-        return json_ok(
-            await _call(request, _service(request).destroy, identity_of(request), _id(request))
-        )
+        service, calls = _service(request), pools_of(request).call
+        return json_ok(await service.adestroy(identity_of(request), _id(request), calls))
 
     async def destroy_task(request: web.Request) -> web.StreamResponse:
         root = request.match_info["root_task_id"]

@@ -45,7 +45,12 @@ class FakeSystemd:
 
     def invocation(self, unit: str) -> str:
         with self._lock:
-            return f"{self.invocations[unit]:032x}" if unit in self.running else ""
+            if unit not in self.running:
+                return ""
+            if unit not in self.invocations:  # put in ``running`` by a test directly
+                self._activations += 1
+                self.invocations[unit] = self._activations
+            return f"{self.invocations[unit]:032x}"
 
     def start_transient(self, unit: str, properties: Sequence[Property], description: str) -> None:
         with self._lock:

@@ -166,7 +166,7 @@ def test_a_destroy_costs_the_same_few_calls_however_many_sandboxes_exist(world: 
         == {
             "docker.inspect": 1,  # the sandbox, by its container's name
             "docker.remove": 1,
-            "systemd.status": 1,  # its scope has stopped
+            "systemd.invocation": 1,  # its scope has stopped
             "systemd.list_units": 1,  # its deadline timer, to disarm
             "systemd.stop": 1,
         }
@@ -185,7 +185,7 @@ def test_a_destroy_through_the_socket_looks_the_sandbox_up_on_the_loop(world: Wo
     assert dict(world.calls) == {
         "docker.inspect_async": 1,
         "docker.remove": 1,
-        "systemd.status": 1,
+        "systemd.invocation": 1,
         "systemd.list_units": 1,
         "systemd.stop": 1,
     }
@@ -599,7 +599,7 @@ def test_a_run_never_looks_up_the_sandbox_it_created_and_answers_before_removing
     }
     assert dict(world.calls) == {
         "docker.remove": 1,
-        "systemd.status": 1,  # the scope has stopped
+        "systemd.invocation": 1,  # the scope has stopped
         "systemd.list_units": 1,  # its timers, to disarm
         "systemd.stop": 1,
     }

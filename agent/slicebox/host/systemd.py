@@ -123,7 +123,7 @@ class PystemdSystemd:
     def invocation(self, unit: str) -> str:
         def read() -> str:
             if _property(unit, UNIT_INTERFACE, b"ActiveState") not in ACTIVE:
-                return ""
+                return ""  # one read, as a scope that has stopped (``wait_stopped``) answers
             path = _path(unit)
             value = _bus().get_property(SYSTEMD, path, UNIT_INTERFACE, b"InvocationID", b"ay")
             return bytes(value).hex()
@@ -153,7 +153,7 @@ class PystemdSystemd:
 
     def stop(self, unit: str) -> None:
         self._run(unit, b"StopUnit", lambda: _typed(b"ss", unit.encode(), b"fail"))
-        if self.status(unit).active:
+        if _state(unit) in ACTIVE:
             raise HostError(f"systemd did not stop {unit}; see `systemctl status {unit}`")
 
     def kill(self, unit: str, signal: int) -> None:
@@ -205,17 +205,17 @@ class PystemdSystemd:
                 + _aux([(service.encode(), aux)])
             ),
         )
-        if not self.status(timer).active:
+        if _state(timer) not in ACTIVE:
             raise HostError(f"systemd did not start {timer}; see `systemctl status {timer}`")
 
     def _run_retrying(self, unit: str, method: bytes, args: Callable[[], list[Any]]) -> None:
         self._run(unit, method, args)
-        if self.status(unit).active_state != "failed":
+        if _state(unit) != "failed":
             return
         log.warning("%s failed to start; resetting it and retrying once", unit)
         _call(unit, lambda: _method(b"ResetFailedUnit", _typed(b"s", unit.encode())))
         self._run(unit, method, args)
-        if not self.status(unit).active:
+        if _state(unit) not in ACTIVE:
             raise HostError(f"systemd could not start {unit}; see `journalctl -u {unit}`")
 
     def _run(self, unit: str, method: bytes, args: Callable[[], list[Any]]) -> None:
@@ -339,6 +339,11 @@ def _property(unit: str, interface: bytes, name: bytes) -> str:
     would first fetch and parse the unit's introspection XML, for every read."""
     value = _bus().get_property(SYSTEMD, _path(unit), interface, name, b"s")
     return bytes(value).decode()
+
+
+def _state(unit: str) -> str:
+    """The unit's ActiveState alone: one read where ``status`` makes three."""
+    return _call(unit, lambda: _property(unit, UNIT_INTERFACE, b"ActiveState"))
 
 
 def _path(unit: str) -> bytes:

@@ -20,7 +20,7 @@ from tests.realhost import real_host_problem
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "load: the many-users load soaks (real host; run on demand with -m load)"
+        "markers", "load: the kill storms under load (real host; run on demand with -m load)"
     )
 
 

@@ -202,3 +202,25 @@ def test_after_a_kill_9_acquired_members_keep_their_lineage_and_idle_ones_come_b
     listed = json.loads(sh("slicebox", "--json", "ps").stdout)
     assert {s["id"] for s in listed} & {child.id, parent.id} == set()
     assert all(s["pool"] == "idle" for s in listed if s["project"] == "kill")
+
+
+def test_members_killed_while_idle_are_replaced_never_handed_out(agent: None) -> None:
+    """Every idle member of a pool killed behind the agent's back (as the OOM killer or an
+    operator would): the next run of that key finds no live member, is created cold and runs,
+    and the dead members are removed and replaced."""
+    _filled("kill", 2)
+    members = _client().list_sandboxes()
+    killed = {s.id: s.container_id for s in members if s.project == "kill" and s.pool == "idle"}
+    assert len(killed) >= 2, members
+    sh("docker", "kill", *killed.values())
+    ran = _client().run(
+        RunRequest(
+            sandbox=CreateSandbox(user=USER, project="kill", memory="64MB"),
+            exec=ExecRequest(argv=("echo", "ok")),
+        )
+    )
+    assert (ran.result.exit_code, ran.result.stdout) == (0, b"ok\n"), ran.result.stderr
+    assert ran.sandbox_id not in killed
+    _filled("kill", 2)
+    wait_for(lambda: not set(_managed()) & set(killed.values()), timeout=120, step=1)
+    assert not {s.id for s in _client().list_sandboxes()} & set(killed)

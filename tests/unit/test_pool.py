@@ -90,6 +90,7 @@ class World:
         self.config = parse_config(config)
         self.queue = Queue()
         self.reset = FakeReset()
+        self.dead: set[str] = set()  # members whose processes are gone (their scope is empty)
         self.start("run-1")
 
     def start(self, instance_id: str) -> None:
@@ -104,7 +105,13 @@ class World:
             new_id=lambda: next(self.ids),
             deadlines=Deadlines(self.systemd),
         )
-        self.pool = WarmPool(self.manager, reset=self.reset, executor=self.queue, now=self.clock)  # type: ignore[arg-type]
+        self.pool = WarmPool(
+            self.manager,
+            reset=self.reset,
+            executor=self.queue,  # type: ignore[arg-type]
+            now=self.clock,
+            alive=lambda member: member.container_id not in self.dead,
+        )
         self.reaper = Reaper(
             self.manager,
             SliceManager(self.systemd),
@@ -211,6 +218,20 @@ def test_a_request_of_the_key_takes_a_ready_member_and_the_refill_runs_elsewhere
     assert world.docker.created == created + 1
     assert world.pool.stats().pools[0].ready == 2
     assert world.pool.stats().pools[0].refill_seconds_last is not None
+
+
+def test_a_member_that_died_while_idle_is_replaced_never_handed_out(world: World) -> None:
+    oldest, younger = world.members()
+    world.dead.add(oldest.container_id)  # say, OOM-killed or killed by hand while idle
+    view = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB"))
+    assert (view.id, view.pool) == (younger.id, "acquired")
+    cold = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB"))
+    assert cold.id not in (oldest.id, younger.id)
+    assert cold.pool == "", "none was ready: created cold"
+    world.queue.drain()  # the dead one is destroyed, the pool filled again
+    ids = {m.id for m in world.members()}
+    assert oldest.id not in ids
+    assert world.pool.stats().pools[0].ready == 2
 
 
 def test_an_empty_pool_is_a_miss_and_the_request_is_created_cold(world: World) -> None:

@@ -117,8 +117,13 @@ class WarmPool:
         executor: Executor | None = None,
         clock: Callable[[], float] = time.monotonic,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        alive: Callable[[Sandbox], bool] = lambda member: True,
     ) -> None:
+        """``alive``: whether an idle member still has its processes (its scope's cgroup is
+        populated), asked at every acquire: a member killed while idle is replaced, never
+        handed out."""
         self._manager = manager
+        self._alive = alive
         self._reset = reset
         self._executor = executor or ThreadPoolExecutor(
             REFILL_THREADS, thread_name_prefix="slicebox-pool"
@@ -213,14 +218,24 @@ class WarmPool:
             return pool
 
     def _take(self, pool: _Pool) -> Sandbox | None:
-        with self._lock:
-            if not pool.ready:
-                pool.misses += 1
-                return None
-            member = pool.ready.pop(0)  # the oldest: the idle timeout takes the fewest
-            pool.acquiring.add(member.id)
-            self._manager.begin_operation(member.id)
-        return member
+        """The oldest ready member that is still alive (the idle timeout takes the fewest);
+        a dead one (killed, OOM-killed while idle) is destroyed on the pool's threads."""
+        while True:
+            with self._lock:
+                if not pool.ready:
+                    pool.misses += 1
+                    return None
+                member = pool.ready.pop(0)
+                pool.acquiring.add(member.id)
+                self._manager.begin_operation(member.id)
+            if self._alive(member):
+                return member
+            log.warning("pool member %s has no process left; replacing it", member.id)
+            with self._lock:
+                pool.acquiring.discard(member.id)
+                self._ready_since.pop(member.id, None)
+            self._manager.end_operation(member.id)
+            self._executor.submit(self._manager.destroy_sandbox, member, _nothing)
 
     def _lease(
         self, pool: _Pool, member: Sandbox, spec: SandboxSpec, one_shot: bool

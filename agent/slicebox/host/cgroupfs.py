@@ -41,6 +41,13 @@ class CgroupFiles(Protocol):
         ...
 
 
+def populated(files: CgroupFiles, cgroup: str) -> bool:
+    """Whether any process is in ``cgroup`` or beneath it (``cgroup.events``); False for a
+    cgroup that is gone, as a container's scope is once its last process has exited."""
+    events = files.read(cgroup, "cgroup.events")
+    return events is not None and "populated 1" in events.splitlines()
+
+
 class CgroupFS:
     """:class:`CgroupFiles` over a real directory. No subprocesses, one syscall per step.
 

@@ -24,7 +24,7 @@ from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.service import Service, cgroups_of
 from slicebox.core.slices import SliceManager
 from slicebox.core.telemetry import MemoryIntegrator, TreeReader, UsageReader, scope_pid
-from slicebox.host.cgroupfs import CgroupFS
+from slicebox.host.cgroupfs import CgroupFS, populated
 from slicebox.host.journal import Auditor
 from slicebox.host.netstats import NetnsCounters
 from slicebox.host.owncgroup import agent_memory_max
@@ -138,6 +138,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
     pool = WarmPool(
         sandboxes,
         reset=MemberReset(backend, engine, host, lambda s: cgroups_of(s).scope),
+        alive=lambda member: populated(files, cgroups_of(member).scope),
     )
     reaper = Reaper(
         sandboxes,

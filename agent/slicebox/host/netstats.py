@@ -81,7 +81,7 @@ class NetnsCounters:
 @contextmanager
 def _netlink_in(target: int) -> Iterator[Any]:
     """An IPRoute socket created inside the namespace ``target`` (an open ns fd)."""
-    from pyroute2 import IPRoute
+    from pyroute2.iproute.linux import IPRoute  # the module, not the package (host/lean.py)
     from pyroute2.netns import setns
 
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)

@@ -1,4 +1,4 @@
-"""The agent's real aiohttp app, every route, on a real unix socket, with the core over fakes.
+"""The agent's real app, every route, on a real unix socket, with the core over fakes.
 
 For tests of what talks to the agent (the Python clients, the CLI): the bytes on the socket
 are the agent's own, only Docker, systemd and the exec behind them are fakes.
@@ -14,14 +14,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiohttp import web
-
 from slicebox.host.identity import SystemUsers
 from slicebox.host.listen import bind_unix
 from slicebox.model.exec import OutputStream, StreamChunk
 from slicebox.server.api import build_app
 from slicebox.server.pools import POOLS, Pools
 from slicebox.server.routes import ROUTES, SERVICE
+from slicebox.web.server import serve
 from tests.fakes.exec_fakes import FakeExec
 from tests.unit.test_service import World
 
@@ -66,15 +65,13 @@ def served(tmp: Path, world: World | None = None) -> Iterator[Agent]:
     loop = asyncio.new_event_loop()
     pools = Pools()
     app = build_app(ROUTES, SystemUsers(), {SERVICE: world.service, POOLS: pools})
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.SockSite(runner, sock).start())
+    serving = loop.run_until_complete(serve(app, sock))
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     try:
         yield Agent(str(path), world, pools)
     finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        asyncio.run_coroutine_threadsafe(serving.close(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()

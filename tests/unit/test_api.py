@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 from pydantic import BaseModel, ConfigDict
 
 from slicebox.cli.client import Client
@@ -21,6 +20,7 @@ from slicebox.host.listen import activated_sockets, bind_unix
 from slicebox.model import errors
 from slicebox.model.api import RunRequest
 from slicebox.server.api import Route, base_routes, build_app, json_ok, parse_body
+from slicebox.web.server import Request, StreamResponse, serve
 
 
 class Echo(BaseModel):
@@ -30,19 +30,19 @@ class Echo(BaseModel):
     count: int = 1
 
 
-async def echo(request: web.Request) -> web.StreamResponse:
+async def echo(request: Request) -> StreamResponse:
     return json_ok(await parse_body(request, Echo))
 
 
-async def run(request: web.Request) -> web.StreamResponse:
+async def run(request: Request) -> StreamResponse:
     return json_ok(await parse_body(request, RunRequest))
 
 
-async def boom(request: web.Request) -> web.StreamResponse:
+async def boom(request: Request) -> StreamResponse:
     raise RuntimeError("secret internals")
 
 
-async def missing(request: web.Request) -> web.StreamResponse:
+async def missing(request: Request) -> StreamResponse:
     raise errors.NotFound("no sandbox sbx-1; list yours with GET /v1/sandboxes")
 
 
@@ -60,13 +60,11 @@ def server(tmp_path: Path) -> Iterator[Path]:
     path = tmp_path / "agent.sock"
     sock = bind_unix(path, group=None)
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(build_app(ROUTES, SystemUsers()))
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.SockSite(runner, sock).start())
+    serving = loop.run_until_complete(serve(build_app(ROUTES, SystemUsers()), sock))
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     yield path
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    asyncio.run_coroutine_threadsafe(serving.close(), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
     loop.close()

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 
 from slicebox.core.budget import OutputBudget, Reservation, exec_reservation
 from slicebox.core.execution import OutputCapture
@@ -19,6 +18,7 @@ from slicebox.model.errors import InvalidRequest, SandboxNotRunning, Unavailable
 from slicebox.model.exec import ExecRequest, ExecResult, OutputStream, StreamChunk
 from slicebox.server.api import json_ok
 from slicebox.server.routes import _line
+from slicebox.web.server import Response
 from tests.unit.test_service import ALICE, World
 
 MiB = 1024 * 1024
@@ -105,7 +105,7 @@ def test_the_reservation_covers_what_answering_an_exec_holds(
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert isinstance(sent, web.Response | bytes)
+    assert isinstance(sent, Response | bytes)
     assert 2 * cap < peak <= exec_reservation(cap)
 
 

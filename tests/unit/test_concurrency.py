@@ -15,7 +15,6 @@ from contextlib import aclosing
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 
 from slicebox.cli.asyncclient import AsyncClient
 from slicebox.cli.client import Client
@@ -32,6 +31,7 @@ from slicebox.model.exec import (
 from slicebox.server.api import base_routes, build_app
 from slicebox.server.daemon import _every
 from slicebox.server.pools import AFTER_ANSWER_MAX, CALL_THREADS, POOLS, AfterAnswer, Pools
+from slicebox.web.server import serve_path
 from tests.fakes.exec_fakes import FakeClock, FakeExecApi
 from tests.unit.agentserver import served
 from tests.unit.test_service import World
@@ -155,10 +155,7 @@ def test_a_slow_user_database_does_not_stall_the_loop_and_is_asked_once(tmp_path
     users = SlowUsers(delay=0.5)
 
     async def main() -> tuple[float, int]:
-        runner = web.AppRunner(build_app(base_routes(), users))
-        await runner.setup()
-        site = web.UnixSite(runner, str(tmp_path / "s.sock"))
-        await site.start()
+        serving = await serve_path(build_app(base_routes(), users), str(tmp_path / "s.sock"))
         gaps: list[float] = []
         stop = asyncio.Event()
 
@@ -177,7 +174,7 @@ def test_a_slow_user_database_does_not_stall_the_loop_and_is_asked_once(tmp_path
         )
         stop.set()
         await tick
-        await runner.cleanup()
+        await serving.close()
         return max(gaps), users.calls
 
     worst, calls = asyncio.run(main())
@@ -217,22 +214,21 @@ def test_the_reaper_runs_on_its_own_pool_while_every_request_thread_is_busy() ->
         pools.shutdown()
 
 
-def test_the_app_brings_bounded_pools_and_takes_them_down() -> None:
+def test_the_app_brings_bounded_pools_and_takes_them_down(tmp_path: Path) -> None:
     app = build_app(base_routes(), SystemUsers())
     pools = app[POOLS]
     assert pools.calls._max_workers == CALL_THREADS
 
     async def cycle() -> None:
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await runner.cleanup()
+        serving = await serve_path(app, str(tmp_path / "s.sock"))
+        await serving.close()
 
     asyncio.run(cycle())
     with pytest.raises(RuntimeError):
         pools.calls.submit(int)
 
 
-def test_work_after_answers_is_bounded_and_a_stopping_app_waits_for_it() -> None:
+def test_work_after_answers_is_bounded_and_a_stopping_app_waits_for_it(tmp_path: Path) -> None:
     app = build_app(base_routes(), SystemUsers())
     pools = app[POOLS]
     gate, finished = threading.Event(), list[int]()
@@ -247,10 +243,9 @@ def test_work_after_answers_is_bounded_and_a_stopping_app_waits_for_it() -> None
     assert len(pools.after_answer) == AFTER_ANSWER_MAX
 
     async def cycle() -> None:
-        runner = web.AppRunner(app)
-        await runner.setup()
+        serving = await serve_path(app, str(tmp_path / "s.sock"))
         threading.Timer(0.2, gate.set).start()
-        await runner.cleanup()
+        await serving.close()
 
     asyncio.run(cycle())
     assert sorted(finished) == list(range(AFTER_ANSWER_MAX)), "the stop waited for each"

@@ -178,3 +178,22 @@ def test_the_async_client_moves_files_both_ways(agent: Agent, box: str) -> None:
             return b"".join([piece async for piece in fetched])
 
     assert asyncio.run(both()) == data
+
+
+def test_the_async_client_hears_a_refused_upload_as_its_code(agent: Agent, box: str) -> None:
+    """The agent answers a refused upload before reading it and closes the connection: without
+    ``Expect: 100-continue`` the client's write of the body failed first (a reset, reported as
+    no answer), and the 404 or 413 was never read."""
+
+    def pieces() -> Iterator[bytes]:
+        return (b"x" * 64 * KiB for _ in range(200))  # 12.5 MiB, more than any socket buffers
+
+    async def refused() -> tuple[str, str]:
+        async with AsyncClient(agent.socket) as client:
+            with pytest.raises(errors.NotFound) as missing:
+                await client.upload("sbx-nosuch", "/workspace/f", pieces(), FileFormat.FILE)
+            with pytest.raises(errors.TooLarge) as large:
+                await client.upload(box, "/workspace/big", pieces(), FileFormat.FILE)
+            return missing.value.code, large.value.code
+
+    assert asyncio.run(refused()) == ("not_found", "file_too_large")

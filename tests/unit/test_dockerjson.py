@@ -12,13 +12,13 @@ from typing import Any
 
 import docker
 import pytest
-from aiohttp import web
 
 from slicebox.backends.base import SandboxState
 from slicebox.backends.docker import DockerBackend, exec_body
 from slicebox.backends.dockerstream import DockerEndpoint
 from slicebox.model.errors import SandboxNotFound, SandboxNotRunning, Unavailable
 from slicebox.model.exec import ExecRequest
+from slicebox.web.server import Application, Handler, Request, Response, json_response, serve_path
 
 CONTAINER = {
     "Id": "c" * 64,
@@ -34,41 +34,39 @@ class Daemon:
     def __init__(self) -> None:
         self.asked: list[tuple[str, str, Any]] = []
 
-    async def handle(self, request: web.Request) -> web.Response:
-        body = await request.json() if request.can_read_body else None
+    async def handle(self, request: Request, _: Handler) -> Response:
+        raw = await request.read()
+        body = json.loads(raw) if raw else None
         self.asked.append((request.method, request.path, body))
         path = request.path
         if path == "/version":
-            return web.json_response({"ApiVersion": "1.45"})
+            return json_response({"ApiVersion": "1.45"})
         if path == f"/v1.45/containers/{'c' * 64}/json":
-            return web.json_response(CONTAINER)
+            return json_response(CONTAINER)
         if path == "/v1.45/containers/stopped/exec":
             message = {"message": "container stopped is not running"}
-            return web.json_response(message, status=409)
+            return json_response(message, status=409)
         if path == f"/v1.45/containers/{'c' * 64}/exec":
-            return web.json_response({"Id": "e1"}, status=201)
+            return json_response({"Id": "e1"}, status=201)
         if path == "/v1.45/exec/e1/json":
-            return web.json_response({"Running": False, "ExitCode": 3, "Pid": 77})
-        return web.json_response({"message": f"No such container: {path}"}, status=404)
+            return json_response({"Running": False, "ExitCode": 3, "Pid": 77})
+        return json_response({"message": f"No such container: {path}"}, status=404)
 
 
 def with_daemon(test: Callable[[DockerBackend, Daemon], Awaitable[None]]) -> Daemon:
     daemon = Daemon()
 
     async def main() -> None:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", daemon.handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
+        app = Application(middlewares=[daemon.handle])  # every path, whatever the routes
         with tempfile.TemporaryDirectory() as scratch:
             socket = str(Path(scratch) / "docker.sock")
-            await web.UnixSite(runner, socket).start()
+            serving = await serve_path(app, socket)
             backend = DockerBackend(DockerEndpoint(scheme="unix", address=socket))
             try:
                 await test(backend, daemon)
             finally:
                 await backend.aclose()
-                await runner.cleanup()
+                await serving.close()
 
     asyncio.run(main())
     return daemon

@@ -38,14 +38,13 @@ FEDORA_REQUIRES = {
     "python3-pystemd >= 0.13",
     "python3-pyroute2 >= 0.7",
     "python3-sdnotify >= 0.3",
-    "python3-aiohttp >= 3.9",
     "systemd",
     "shadow-utils",
 }
 DEBIAN_DEPENDS = (
     "python3 (>= 3.11), python3-pydantic (>= 2.5), python3-docker (>= 7.0), "
     "python3-pystemd (>= 0.13), python3-pyroute2 (>= 0.7), python3-sdnotify (>= 0.3), "
-    "python3-aiohttp (>= 3.9), systemd, init-system-helpers, passwd"
+    "systemd, init-system-helpers, passwd"
 )
 
 

@@ -4,8 +4,8 @@ Every exec makes three small JSON calls beside its output stream (the container'
 it is looked up, the exec's create, the exec's inspect for its exit code). Through docker-py
 each one was a trip to a worker thread and through requests' and http.client's pure-Python
 layers, which under load cost the agent more than a quarter of its CPU (a guest profile of
-parallel execs). Here they go over one keep-alive connection pool of aiohttp's, whose parser is
-C, on the loop that already reads the exec's output.
+parallel execs). Here they go over one keep-alive connection pool (:mod:`slicebox.web.client`)
+on the loop that already reads the exec's output.
 
 What the answers mean is the Docker backend's (:func:`slicebox.backends.docker.map_status`);
 this module only speaks HTTP to the daemon, at the API version the backend's client settled.
@@ -18,10 +18,10 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import aiohttp
-
 from slicebox.backends.dockerstream import DockerEndpoint
 from slicebox.model.errors import HostError, SliceboxError
+from slicebox.web.client import HttpClient
+from slicebox.web.message import ProtocolError
 
 CALL_TIMEOUT = 120.0  # as the backend's own client: a daemon that busy is answered as failed
 # Connections kept to the daemon: as many as calls run at once on the loop, in practice.
@@ -31,13 +31,13 @@ StatusMapper = Callable[[int, str, str], SliceboxError]
 
 
 class DockerJsonApi:
-    """JSON calls to the daemon at ``endpoint``; the session is made on the running loop at
-    the first call, and ``aclose`` ends it (the agent's shutdown)."""
+    """JSON calls to the daemon at ``endpoint``; the connection pool is made on the running loop
+    at the first call, and ``aclose`` ends it (the agent's shutdown)."""
 
     def __init__(self, endpoint: DockerEndpoint, refusal: StatusMapper) -> None:
         self._endpoint = endpoint
         self._refusal = refusal
-        self._session: aiohttp.ClientSession | None = None
+        self._client: HttpClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def get(self, path: str, what: str) -> Any:
@@ -48,19 +48,18 @@ class DockerJsonApi:
         return await self._call("POST", path, what, body)
 
     async def aclose(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
 
     async def _call(self, method: str, path: str, what: str, body: Mapping[str, Any] | None) -> Any:
-        url = f"{self._base()}{path}"
-        data = None if body is None else json.dumps(body)
+        data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if body is not None else None
         try:
-            async with self._client().request(method, url, data=data, headers=headers) as answer:
-                text = await answer.text()
-                status = answer.status
-        except (aiohttp.ClientError, OSError) as exc:  # TimeoutError is an OSError
+            async with asyncio.timeout(CALL_TIMEOUT):
+                answer = await self._pool().request(method, path, body=data, headers=headers)
+                status, text = answer.status, (await answer.read()).decode(errors="replace")
+        except (ProtocolError, OSError) as exc:  # TimeoutError is an OSError
             raise self._endpoint_failed(exc) from exc
         if status >= 300:
             raise self._refusal(status, _message(text), what)
@@ -69,26 +68,18 @@ class DockerJsonApi:
         except ValueError as exc:
             raise HostError(f"Docker answered {what} with no JSON: {text[:200]!r}") from exc
 
-    def _client(self) -> aiohttp.ClientSession:
+    def _pool(self) -> HttpClient:
         loop = asyncio.get_running_loop()
-        if self._session is None or self._loop is not loop:
-            self._session = aiohttp.ClientSession(
-                connector=self._connector(),
-                timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT),
-                trust_env=False,  # a proxy or .netrc never applies to the daemon's socket
-            )
+        if self._client is None or self._loop is not loop:
+            endpoint = self._endpoint
+            if endpoint.scheme == "unix":
+                self._client = HttpClient.unix(endpoint.address, limit=KEPT_CONNECTIONS)
+            else:
+                self._client = HttpClient.tcp(
+                    endpoint.address, endpoint.port, limit=KEPT_CONNECTIONS
+                )
             self._loop = loop
-        return self._session
-
-    def _connector(self) -> aiohttp.BaseConnector:
-        if self._endpoint.scheme == "unix":
-            return aiohttp.UnixConnector(path=self._endpoint.address, limit=KEPT_CONNECTIONS)
-        return aiohttp.TCPConnector(limit=KEPT_CONNECTIONS)
-
-    def _base(self) -> str:
-        if self._endpoint.scheme == "unix":
-            return "http://docker"  # the host part is not used: the connector has the path
-        return self._endpoint.base_url.replace("tcp://", "http://", 1)
+        return self._client
 
     def _endpoint_failed(self, exc: BaseException) -> SliceboxError:
         if isinstance(exc, TimeoutError):

@@ -1,4 +1,5 @@
-"""The asyncio Python client: ``Client``'s methods as coroutines, over aiohttp's unix connector.
+"""The asyncio Python client: ``Client``'s methods as coroutines, over keep-alive connections
+to the agent's unix socket (:mod:`slicebox.web.client`).
 
     async with AsyncClient() as agent:           # on exit, destroys what it created
         box = await agent.create(CreateSandbox(project="web"))
@@ -12,12 +13,12 @@ the agent then kills the command. Without ``async with``, call ``aclose()`` when
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterable
-from contextlib import AbstractAsyncContextManager
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterable, Mapping
 from types import TracebackType
 from typing import Self, TypeVar
 
-import aiohttp
 from pydantic import BaseModel
 
 from slicebox.cli import wire
@@ -37,8 +38,14 @@ from slicebox.model.files import FileFormat, FilesQuery, FileStat, Transferred
 from slicebox.model.paths import AGENT_SOCKET
 from slicebox.model.reaper import Report
 from slicebox.model.usage import LevelNode, ResourceUsage
+from slicebox.web.client import ClientResponse, HttpClient
+from slicebox.web.message import BodyCutOff, ProtocolError
 
 T = TypeVar("T", bound=BaseModel)
+
+# An agent fires its tool calls in parallel and a running exec holds its connection: as many
+# may be open at once as aiohttp's client allowed (a unix socket's connection costs little).
+OPEN_CONNECTIONS = 100
 
 
 class AsyncClient:
@@ -46,7 +53,7 @@ class AsyncClient:
         self.path = path
         self.timeout = timeout
         self._created = wire.Created()
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: HttpClient | None = None
 
     # --- the routes ---------------------------------------------------------------------------
 
@@ -108,19 +115,12 @@ class AsyncClient:
     ) -> Transferred:
         """``Client.upload``: ``data`` sent as it comes, never whole."""
         call = wire.files(sandbox_id, FilesQuery(path=path, format=file_format))
-        headers = {"Content-Type": wire.MEDIA[file_format]}
-        try:
-            async with self._http().put(
-                "http://localhost" + call.target,
-                data=_pieces(data),
-                headers=headers,
-                timeout=self._timeout(call),
-            ) as response:
-                return wire.answer(call, response.status, await response.read())
-        except aiohttp.ClientConnectorError as exc:
-            raise wire.unreachable(self.path, exc.strerror or str(exc)) from exc
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise wire.no_answer(self.path, self.timeout, exc) from exc
+        # The body waits for the agent's go: an upload it refuses (too large, no such sandbox)
+        # is answered before a byte is read, and that answer is heard, not a reset connection.
+        headers = {"Content-Type": wire.MEDIA[file_format], "Expect": "100-continue"}
+        async with self._failures(call):
+            response = await self._send(call, body=data, headers=headers)
+            return wire.answer(call, response.status, await response.read())
 
     async def download(
         self, sandbox_id: str, path: str, file_format: FileFormat = FileFormat.TAR
@@ -128,25 +128,20 @@ class AsyncClient:
         """``Client.download``: pieces as they arrive; a stream cut off is an error."""
         query = FilesQuery(path=path, format=file_format)
         call = wire.files(sandbox_id, query)
-        url = "http://localhost" + call.target
-        try:
-            async with self._http().get(url, timeout=self._timeout(call)) as response:
-                if response.status >= 400:
-                    raise wire.error_from(response.status, await response.read())
-                cap = wire.max_bytes(response.headers.get(wire.MAX_BYTES_HEADER))
-                received = 0
-                try:
-                    async for piece in response.content.iter_any():
-                        received += len(piece)
-                        yield piece
-                except aiohttp.ClientPayloadError as exc:
-                    raise wire.cut_off(query, received, cap) from exc
-                finally:
-                    response.close()  # not back to the pool: a stream left early must end
-        except aiohttp.ClientConnectorError as exc:
-            raise wire.unreachable(self.path, exc.strerror or str(exc)) from exc
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise wire.no_answer(self.path, self.timeout, exc) from exc
+        async with self._failures(call):
+            response = await self._send(call, method="GET")  # the files route's other way
+            if response.status >= 400:
+                raise wire.error_from(response.status, await response.read())
+            cap = wire.max_bytes(response.headers.get(wire.MAX_BYTES_HEADER))
+            received = 0
+            try:
+                async for piece in response.iter_any():
+                    received += len(piece)
+                    yield piece
+            except (BodyCutOff, ProtocolError) as exc:
+                raise wire.cut_off(query, received, cap) from exc
+            finally:
+                response.close()  # not back to the pool: a stream left early must end
 
     # --- clean-up -----------------------------------------------------------------------------
 
@@ -169,61 +164,72 @@ class AsyncClient:
             await self.aclose()
 
     async def aclose(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
 
     # --- transport ----------------------------------------------------------------------------
 
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.path))
-        return self._session
+    def _http(self) -> HttpClient:
+        if self._pool is None:
+            self._pool = HttpClient(self._connect, limit=OPEN_CONNECTIONS)
+        return self._pool
 
-    def _timeout(self, call: wire.Call[T]) -> aiohttp.ClientTimeout:
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await asyncio.open_unix_connection(self.path)
+        except OSError as exc:  # TimeoutError included
+            raise _Unreachable(exc.strerror or str(exc) or exc.__class__.__name__) from exc
+
+    async def _send(
+        self,
+        call: wire.Call[T],
+        body: AsyncIterable[bytes] | Iterable[bytes] | bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        method: str | None = None,
+    ) -> ClientResponse:
+        if body is None and call.body:
+            body, headers = call.body, wire.JSON_HEADERS
         wait = max(self.timeout, call.min_timeout)
-        return aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=wait)
-
-    def _request(self, call: wire.Call[T]) -> AbstractAsyncContextManager[aiohttp.ClientResponse]:
-        headers = wire.JSON_HEADERS if call.body else {}
-        url = "http://localhost" + call.target
-        return self._http().request(
-            call.method, url, data=call.body, headers=headers, timeout=self._timeout(call)
+        return await self._http().request(
+            method or call.method, call.target, body=body, headers=headers, read_timeout=wait
         )
 
-    async def _call(self, call: wire.Call[T]) -> T:
+    @contextlib.asynccontextmanager
+    async def _failures(self, call: wire.Call[T]) -> AsyncIterator[None]:
+        """The transport's failures as the clients' errors: no agent there, or no answer."""
         try:
-            async with self._request(call) as response:
-                return wire.answer(call, response.status, await response.read())
-        except aiohttp.ClientConnectorError as exc:
-            raise wire.unreachable(self.path, exc.strerror or str(exc)) from exc
-        except (TimeoutError, aiohttp.ClientError) as exc:
+            yield
+        except _Unreachable as exc:
+            raise wire.unreachable(self.path, exc.reason) from exc
+        except (OSError, ProtocolError) as exc:  # TimeoutError is an OSError
             raise wire.no_answer(self.path, max(self.timeout, call.min_timeout), exc) from exc
+
+    async def _call(self, call: wire.Call[T]) -> T:
+        async with self._failures(call):
+            response = await self._send(call)
+            return wire.answer(call, response.status, await response.read())
 
     async def _stream(self, call: wire.Call[ExecResult]) -> AsyncGenerator[ExecEvent, None]:
         decoder = wire.EventDecoder(f"{call.method} {call.target}")
-        try:
-            async with self._request(call) as response:
-                if response.status >= 400:
-                    raise wire.error_from(response.status, await response.read())
-                try:
-                    async for data in response.content.iter_any():
-                        for event in decoder.feed(data):
-                            yield event
-                    decoder.end()
-                finally:
-                    if not decoder.finished:
-                        response.close()  # not back to the pool: the agent must see us gone
-        except aiohttp.ClientConnectorError as exc:
-            raise wire.unreachable(self.path, exc.strerror or str(exc)) from exc
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise wire.no_answer(self.path, max(self.timeout, call.min_timeout), exc) from exc
+        async with self._failures(call):
+            response = await self._send(call)
+            if response.status >= 400:
+                raise wire.error_from(response.status, await response.read())
+            try:
+                async for data in response.iter_any():
+                    for event in decoder.feed(data):
+                        yield event
+                decoder.end()
+            finally:
+                if not decoder.finished:
+                    response.close()  # not back to the pool: the agent must see us gone
 
 
-async def _pieces(data: AsyncIterable[bytes] | Iterable[bytes]) -> AsyncIterator[bytes]:
-    if isinstance(data, AsyncIterable):
-        async for piece in data:
-            yield piece
-    else:
-        for piece in data:
-            yield piece
+class _Unreachable(Exception):
+    """No connection to the agent's socket could be made (it is not there, or refuses us)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason

@@ -1,6 +1,6 @@
 """What both Python clients share: the agent's routes as data, and answers as models or errors.
 
-``Client`` (http.client) and ``AsyncClient`` (aiohttp) only move bytes over the unix socket;
+``Client`` (http.client) and ``AsyncClient`` (asyncio) only move bytes over the unix socket;
 everything about the API itself — paths, bodies, decoding, the error classes, the exec stream's
 lines — lives here, so the two cannot drift apart. Like the clients, this imports nothing of
 slicebox but ``slicebox.model``.

@@ -39,7 +39,7 @@ class PeerCredentials(BaseModel):
 
 
 class SocketOptions(Protocol):
-    """What reading SO_PEERCRED needs of a socket (a socket.socket, or aiohttp's wrapper)."""
+    """What reading SO_PEERCRED needs of a socket (a socket.socket, or asyncio's wrapper of one)."""
 
     def getsockopt(self, level: int, option: int, buflen: int, /) -> bytes: ...
 

@@ -1,6 +1,6 @@
 """The HTTP/1.1 + JSON API on the agent's unix socket.
 
-Routes are data (``Route``): the same list builds the aiohttp router and the OpenAPI document,
+Routes are data (``Route``): the same list builds the router and the OpenAPI document,
 so the document cannot drift from what is served. Every answer that is not a success is the
 ``ErrorBody`` envelope with a stable code — malformed JSON, unknown fields, wrong types, huge
 bodies, unknown routes and wrong methods included; an unexpected exception is logged and
@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 import slicebox
@@ -37,6 +36,17 @@ from slicebox.model.errors import InvalidRequest, SliceboxError
 from slicebox.model.limits import human_bytes
 from slicebox.model.validation import refusal
 from slicebox.server.pools import POOLS, Pools, pools_of, run_in
+from slicebox.web.server import (
+    AppKey,
+    Application,
+    Handler,
+    HTTPError,
+    Middleware,
+    Request,
+    Response,
+    StreamResponse,
+    json_response,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +55,8 @@ MAX_BODY_BYTES = 1024 * 1024
 # An exec carries its stdin as base64 (4/3 of the bytes) in JSON: 4 MiB of body is about 3 MiB
 # of stdin. Only the exec and run routes take this much; larger inputs belong in a workspace.
 MAX_EXEC_BODY_BYTES = 4 * 1024 * 1024
-# aiohttp >= 3.12 types request storage keys; older versions (Debian's) take a string.
-IDENTITY_KEY: Any = (
-    web.RequestKey("identity", Identity) if hasattr(web, "RequestKey") else "slicebox.host.identity"
-)
+IDENTITY_KEY = "slicebox.identity"  # the caller's, in each request's state
 Model = TypeVar("Model", bound=BaseModel)
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass(frozen=True)
@@ -66,24 +72,18 @@ class Route:
     raw_answer: bool = False  # so is the success answer
 
 
-def error_response(status: int, code: str, message: str, field: str | None = None) -> web.Response:
+def error_response(status: int, code: str, message: str, field: str | None = None) -> Response:
     body = ErrorBody(code=code, message=message, field=field)
-    return web.json_response(body.model_dump(exclude_none=True), status=status)
+    return json_response(body.model_dump(exclude_none=True), status=status)
 
 
-def json_ok(model: BaseModel, status: int = 200) -> web.Response:
-    return web.Response(
-        text=model.model_dump_json(), status=status, content_type="application/json"
-    )
+def json_ok(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json().encode(), status=status)
 
 
-async def parse_body(
-    request: web.Request, model: type[Model], limit: int = MAX_BODY_BYTES
-) -> Model:
+async def parse_body(request: Request, model: type[Model], limit: int = MAX_BODY_BYTES) -> Model:
     """The request body as ``model``: bad JSON and every schema error name what to fix."""
-    if limit != request.client_max_size:
-        request = request.clone(client_max_size=limit)
-    raw = await request.read()
+    raw = await request.read(limit)
     try:
         data = json.loads(raw or b"{}")
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -102,12 +102,12 @@ async def parse_body(
         raise refusal(exc) from exc
 
 
-def identity_of(request: web.Request) -> Identity:
+def identity_of(request: Request) -> Identity:
     identity: Identity = request[IDENTITY_KEY]
     return identity
 
 
-def _peer(request: web.Request) -> PeerCredentials | None:
+def _peer(request: Request) -> PeerCredentials | None:
     transport = request.transport
     sock: SocketOptions | None = transport.get_extra_info("socket") if transport else None
     if sock is None:
@@ -118,9 +118,8 @@ def _peer(request: web.Request) -> PeerCredentials | None:
         return None
 
 
-def make_middlewares(users: UserDirectory) -> list[Any]:
-    @web.middleware
-    async def envelope(request: web.Request, handler: Handler) -> web.StreamResponse:
+def make_middlewares(users: UserDirectory) -> list[Middleware]:
+    async def envelope(request: Request, handler: Handler) -> StreamResponse:
         try:
             creds = _peer(request)
             if creds is None:
@@ -130,8 +129,8 @@ def make_middlewares(users: UserDirectory) -> list[Any]:
             return await handler(request)
         except SliceboxError as exc:
             return error_response(exc.http_status, exc.code, exc.message, exc.field)
-        except web.HTTPException as exc:
-            return _http_error(exc)
+        except HTTPError as exc:
+            return http_error(exc.status, exc.reason)
         except Exception:
             log.exception("unexpected error on %s %s", request.method, request.path)
             return error_response(500, "internal", "the agent failed; see its journal")
@@ -140,6 +139,9 @@ def make_middlewares(users: UserDirectory) -> list[Any]:
 
 
 _HTTP_CODES = {404: "unknown_route", 405: "method_not_allowed", 413: "body_too_large"}
+# A request the server cannot read as HTTP (a malformed head, a head over 64 KiB, a
+# transfer coding other than chunked) is answered before any route sees it.
+
 _OTHER_HTTP_CODE = "bad_request"
 _HTTP_HINTS = {
     404: "no such route; see GET /v1/openapi.json",
@@ -150,12 +152,14 @@ _HTTP_HINTS = {
 }
 
 
-def _http_error(exc: web.HTTPException) -> web.Response:
-    code = _HTTP_CODES.get(exc.status, _OTHER_HTTP_CODE)
-    return error_response(exc.status, code, _HTTP_HINTS.get(exc.status, exc.reason))
+def http_error(status: int, reason: str) -> Response:
+    """The envelope of an answer the HTTP layer gives: a route missing, a body too large, a
+    request that is not HTTP."""
+    code = _HTTP_CODES.get(status, _OTHER_HTTP_CODE)
+    return error_response(status, code, _HTTP_HINTS.get(status, reason))
 
 
-async def health(request: web.Request) -> web.StreamResponse:
+async def health(request: Request) -> StreamResponse:
     identity = identity_of(request)
     return json_ok(
         Health(
@@ -261,11 +265,13 @@ def _ref_response(name: str, description: str) -> dict[str, Any]:
 def build_app(
     routes: Sequence[Route],
     users: UserDirectory,
-    state: Mapping[web.AppKey[Any], object] | None = None,
-) -> web.Application:
+    state: Mapping[AppKey[Any], object] | None = None,
+) -> Application:
     """The app serving ``routes``; ``state`` is what their handlers find in ``request.app``."""
-    app = web.Application(
-        middlewares=make_middlewares(CachedUsers(users)), client_max_size=MAX_BODY_BYTES
+    app = Application(
+        middlewares=make_middlewares(CachedUsers(users)),
+        client_max_size=MAX_BODY_BYTES,
+        error_response=http_error,
     )
     for key, value in (state or {}).items():
         app[key] = value
@@ -274,7 +280,7 @@ def build_app(
         app[POOLS] = Pools()
     pools = app[POOLS]
 
-    async def shut_down(app: web.Application) -> None:
+    async def shut_down(app: Application) -> None:
         # Every handler has returned by now: what they left to finish after their answers
         # (one-shot removals) is all started, and still has its threads.
         await pools.after_answer.drain()
@@ -284,8 +290,8 @@ def build_app(
     app.on_cleanup.append(shut_down)
     document = openapi_document(routes)
 
-    async def openapi(request: web.Request) -> web.StreamResponse:
-        return web.json_response(document)
+    async def openapi(request: Request) -> StreamResponse:
+        return json_response(document)
 
     app.router.add_get(API_PREFIX + "/openapi.json", openapi)
     for route in routes:

@@ -22,8 +22,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from aiohttp import web
-
 import slicebox
 from slicebox import VersionAction
 from slicebox.host.identity import SystemUsers
@@ -38,11 +36,15 @@ from slicebox.server.api import Route, build_app
 from slicebox.server.pools import POOLS, run_in
 from slicebox.server.routes import ROUTES, SERVICE
 from slicebox.server.runtime import assemble, assemble_expiry
+from slicebox.web.server import AppKey, serve
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SOCKET = Path(AGENT_SOCKET)
 MEMORY_SAMPLE_SECONDS = 5.0
+# A stop lets the requests under way finish their answers for this long (an exec's own
+# timeout may be longer: such an exec is cut off and audited as abandoned).
+ANSWER_WAIT = 30.0
 Reload = Callable[[], Awaitable[str]]
 Periodic = tuple[float, Callable[[], object]]  # (interval in seconds, a blocking function)
 
@@ -92,7 +94,7 @@ class Agent:
         reload: Reload | None = None,
         *,
         periodic: Sequence[Periodic] = (),
-        state: Mapping[web.AppKey[Any], object] | None = None,
+        state: Mapping[AppKey[Any], object] | None = None,
         closing: Sequence[Callable[[], Awaitable[None]]] = (),
     ) -> None:
         self._routes = routes
@@ -105,14 +107,13 @@ class Agent:
         self._stop = asyncio.Event()
 
     async def run(self, socket_path: Path) -> None:
-        runner = web.AppRunner(build_app(self._routes, SystemUsers(), self._state), access_log=None)
-        await runner.setup()
-        await web.SockSite(runner, listening_socket(socket_path)).start()
+        app = build_app(self._routes, SystemUsers(), self._state)
+        serving = await serve(app, listening_socket(socket_path))
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self._on_reload()))
-        background = runner.app[POOLS].background  # the reaper never waits behind requests
+        background = app[POOLS].background  # the reaper never waits behind requests
         tasks = [
             loop.create_task(_every(interval, job, background)) for interval, job in self._periodic
         ]
@@ -127,7 +128,7 @@ class Agent:
         for task in [*tasks, watchdog]:
             if task is not None:
                 task.cancel()
-        await runner.cleanup()
+        await serving.close(ANSWER_WAIT)
         for close in self._closing:
             await close()
 

@@ -3,8 +3,8 @@
 The bodies are bytes, not JSON: a tar stream (``format=tar``, the default) or one file's
 contents (``format=file``); the query string (``path``, ``format``) is parsed into
 :class:`~slicebox.model.files.FilesQuery` at the edge. Nothing is read or written whole: an
-upload's body is handed to the sandbox's tar chunk by chunk as Docker takes it (aiohttp's reader
-stops reading the socket while its small buffer is full), and a download's chunks are written
+upload's body is handed to the sandbox's tar chunk by chunk as Docker takes it (the request's
+body is read from the socket only as the tar asks for it), and a download's chunks are written
 as they come, the next read waiting until the caller's socket has taken the last (``await
 response.write``). No thread is held while the bytes move: the look-up, the exec's create and
 inspect and the audit record are short steps on the calls pool (see :mod:`slicebox.core.files`).
@@ -22,9 +22,6 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, Callable
 
-import aiohttp
-from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import ValidationError
 
 from slicebox.core.service import Service
@@ -33,6 +30,8 @@ from slicebox.model.files import FileFormat, FilesQuery, FileStat, Transferred
 from slicebox.model.validation import refusal
 from slicebox.server.api import Route, identity_of, json_ok
 from slicebox.server.pools import pools_of
+from slicebox.web.message import BodyReader, ProtocolError
+from slicebox.web.server import Request, StreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -43,29 +42,30 @@ MEDIA = {FileFormat.TAR: "application/x-tar", FileFormat.FILE: "application/octe
 
 class RequestBody:
     """An upload's body as the exec's stdin (a ``StdinSource``). A caller gone mid-body is a
-    ``ConnectionResetError`` (audited ``abandoned``), whatever aiohttp calls it."""
+    ``ConnectionResetError`` (audited ``abandoned``), and so is a body whose chunked framing
+    breaks."""
 
-    def __init__(self, content: aiohttp.StreamReader) -> None:
+    def __init__(self, content: BodyReader) -> None:
         self._content = content
 
     async def read(self) -> bytes:
         try:
             return await self._content.read(READ_SIZE)
-        except (aiohttp.ClientPayloadError, HttpProcessingError) as exc:
+        except ProtocolError as exc:
             raise ConnectionResetError(f"the upload's body was cut off ({exc})") from exc
 
 
-def parse_query(request: web.Request) -> FilesQuery:
+def parse_query(request: Request) -> FilesQuery:
     try:
         return FilesQuery.model_validate(dict(request.query))
     except ValidationError as exc:
         raise refusal(exc) from exc
 
 
-def file_routes(service_of: Callable[[web.Request], Service]) -> list[Route]:
+def file_routes(service_of: Callable[[Request], Service]) -> list[Route]:
     """The routes, given how a handler finds the service."""
 
-    async def upload(request: web.Request) -> web.StreamResponse:
+    async def upload(request: Request) -> StreamResponse:
         query, files = parse_query(request), service_of(request).files
         done = await files.upload(
             identity_of(request),
@@ -77,15 +77,15 @@ def file_routes(service_of: Callable[[web.Request], Service]) -> list[Route]:
         )
         return json_ok(done)
 
-    async def download(request: web.Request) -> web.StreamResponse:
+    async def download(request: Request) -> StreamResponse:
         query, files = parse_query(request), service_of(request).files
         chunks = files.download(
             identity_of(request), request.match_info["id"], query, pools_of(request).call
         )
         headers = {"Content-Type": MEDIA[query.format], MAX_BYTES_HEADER: str(files.cap())}
-        return await _relay(request, chunks, web.StreamResponse(headers=headers))
+        return await _relay(request, chunks, StreamResponse(headers=headers))
 
-    async def stat(request: web.Request) -> web.StreamResponse:
+    async def stat(request: Request) -> StreamResponse:
         query, files = parse_query(request), service_of(request).files
         found = await files.stat(
             identity_of(request), request.match_info["id"], query, pools_of(request).call
@@ -125,8 +125,8 @@ def file_routes(service_of: Callable[[web.Request], Service]) -> list[Route]:
 
 
 async def _relay(
-    request: web.Request, chunks: AsyncGenerator[bytes, None], response: web.StreamResponse
-) -> web.StreamResponse:
+    request: Request, chunks: AsyncGenerator[bytes, None], response: StreamResponse
+) -> StreamResponse:
     """Write ``chunks`` as they come; an error before the first is a plain error answer, one
     after it cuts the connection. Leaving early closes ``chunks``, which kills the exec."""
     async with contextlib.aclosing(chunks):
@@ -144,7 +144,7 @@ async def _relay(
     return response
 
 
-def _cut_off(request: web.Request, exc: Exception) -> None:
+def _cut_off(request: Request, exc: Exception) -> None:
     """A download that failed after its head: the transfer's record says why; the caller gets
     a short stream, which its client reports as cut off."""
     if isinstance(exc, SliceboxError):

@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from aiohttp import web
+from slicebox.web.server import AppKey, Request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -128,8 +128,8 @@ async def run_in(pool: ThreadPoolExecutor, function: Callable[..., T], *args: An
     return await loop.run_in_executor(pool, functools.partial(function, *args))
 
 
-POOLS = web.AppKey("slicebox.pools", Pools)
+POOLS = AppKey("slicebox.pools", Pools)
 
 
-def pools_of(request: web.Request) -> Pools:
+def pools_of(request: Request) -> Pools:
     return request.app[POOLS]

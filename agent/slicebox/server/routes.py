@@ -27,7 +27,6 @@ import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
-from aiohttp import web
 from pydantic import BaseModel
 
 from slicebox.core.service import Service
@@ -59,43 +58,44 @@ from slicebox.server.api import (
 )
 from slicebox.server.fileroutes import file_routes
 from slicebox.server.pools import pools_of, run_in
+from slicebox.web.server import AppKey, Request, StreamResponse
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-SERVICE = web.AppKey("slicebox.service", Service)
+SERVICE = AppKey("slicebox.service", Service)
 
 
-def _service(request: web.Request) -> Service:
+def _service(request: Request) -> Service:
     return request.app[SERVICE]
 
 
 def _routes() -> list[Route]:
     """Every route of the agent: data; the app they are served by holds the Service."""
 
-    async def create(request: web.Request) -> web.StreamResponse:
+    async def create(request: Request) -> StreamResponse:
         body = await parse_body(request, CreateSandbox)
         view = await _call(request, _service(request).create, identity_of(request), body)
         return json_ok(view, status=201)
 
-    async def list_sandboxes(request: web.Request) -> web.StreamResponse:
+    async def list_sandboxes(request: Request) -> StreamResponse:
         return json_ok(
             SandboxList(
                 await _call(request, _service(request).list_sandboxes, identity_of(request))
             )
         )
 
-    async def get(request: web.Request) -> web.StreamResponse:
+    async def get(request: Request) -> StreamResponse:
         return json_ok(
             await _call(request, _service(request).get, identity_of(request), _id(request))
         )
 
-    async def destroy(request: web.Request) -> web.StreamResponse:
+    async def destroy(request: Request) -> StreamResponse:
         service, calls = _service(request), pools_of(request).call
         return json_ok(await service.adestroy(identity_of(request), _id(request), calls))
 
-    async def destroy_task(request: web.Request) -> web.StreamResponse:
+    async def destroy_task(request: Request) -> StreamResponse:
         root = request.match_info["root_task_id"]
         return json_ok(
             DestroyedList(
@@ -103,7 +103,7 @@ def _routes() -> list[Route]:
             )
         )
 
-    async def exec_(request: web.Request) -> web.StreamResponse:
+    async def exec_(request: Request) -> StreamResponse:
         body = await parse_body(request, ExecRequest, MAX_EXEC_BODY_BYTES)
         service, who = _service(request), identity_of(request)
         calls = pools_of(request).call
@@ -113,7 +113,7 @@ def _routes() -> list[Route]:
             result = await service.aexec(who, _id(request), body, held, calls)
             return await _sent(request, json_ok(result))
 
-    async def exec_stream(request: web.Request) -> web.StreamResponse:
+    async def exec_stream(request: Request) -> StreamResponse:
         body = await parse_body(request, ExecRequest, MAX_EXEC_BODY_BYTES)
         service, who = _service(request), identity_of(request)
         calls = pools_of(request).call
@@ -123,30 +123,30 @@ def _routes() -> list[Route]:
             events = service.aexec_stream(who, _id(request), body, held, calls)
             return await _stream(request, events)
 
-    async def run(request: web.Request) -> web.StreamResponse:
+    async def run(request: Request) -> StreamResponse:
         body = await parse_body(request, RunRequest, MAX_EXEC_BODY_BYTES)
         service, who, pools = _service(request), identity_of(request), pools_of(request)
         with await _call(request, service.reserve, who, body.exec.output_cap, "run") as held:
             ran = await service.arun(who, body, held, pools.call, pools.aside)
             return await _sent(request, json_ok(ran))
 
-    async def usage(request: web.Request) -> web.StreamResponse:
+    async def usage(request: Request) -> StreamResponse:
         found = await _call(request, _service(request).usage, identity_of(request), _id(request))
         return json_ok(UsageAnswer(usage=found))
 
-    async def tree(request: web.Request) -> web.StreamResponse:
+    async def tree(request: Request) -> StreamResponse:
         return json_ok(await _call(request, _service(request).level_tree, identity_of(request)))
 
-    async def extend(request: web.Request) -> web.StreamResponse:
+    async def extend(request: Request) -> StreamResponse:
         body = await parse_body(request, Extend)
         return json_ok(
             await _call(request, _service(request).extend, identity_of(request), _id(request), body)
         )
 
-    async def pools(request: web.Request) -> web.StreamResponse:
+    async def pools(request: Request) -> StreamResponse:
         return json_ok(await _call(request, _service(request).pools, identity_of(request)))
 
-    async def reap(request: web.Request) -> web.StreamResponse:
+    async def reap(request: Request) -> StreamResponse:
         body = await parse_body(request, ReapRequest)
         return json_ok(await _call(request, _service(request).reap, identity_of(request), body))
 
@@ -204,16 +204,16 @@ def _routes() -> list[Route]:
 ROUTES = _routes()
 
 
-def _id(request: web.Request) -> str:
+def _id(request: Request) -> str:
     return request.match_info["id"]
 
 
-async def _call(request: web.Request, function: Callable[..., T], *args: Any) -> T:
+async def _call(request: Request, function: Callable[..., T], *args: Any) -> T:
     """A request's short blocking step (Docker, systemd, cgroupfs) on the calls pool."""
     return await run_in(pools_of(request).calls, function, *args)
 
 
-async def _sent(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+async def _sent(request: Request, response: StreamResponse) -> StreamResponse:
     """Send the answer now, while the exec's output budget is still held for it: a caller that
     reads slowly keeps its share reserved instead of leaving an unaccounted copy queued."""
     try:
@@ -224,14 +224,12 @@ async def _sent(request: web.Request, response: web.StreamResponse) -> web.Strea
     return response
 
 
-async def _stream(
-    request: web.Request, events: AsyncGenerator[ExecEvent, None]
-) -> web.StreamResponse:
+async def _stream(request: Request, events: AsyncGenerator[ExecEvent, None]) -> StreamResponse:
     """Write ``events`` as NDJSON lines as they come; leaving early closes ``events``, which
     kills the exec."""
     async with contextlib.aclosing(events):
         first = await anext(events, None)  # an error before any output is a plain error answer
-        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        response = StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         try:
             await response.prepare(request)
             item: object = first

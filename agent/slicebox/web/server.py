@@ -550,8 +550,14 @@ class Serving:
         finally:
             self._closed.set()
 
-    async def _listen(self, **where: Any) -> None:
-        self._server = await asyncio.start_unix_server(self._accept, **where)
+    async def _listen(self, *, sock: socket.socket | None = None, path: str | None = None) -> None:
+        if sock is not None:
+            # Not start_unix_server: from Python 3.13 on it unlinks the socket's file at close,
+            # a passed socket's included, and systemd's socket unit would be left listening on
+            # a file that is gone (the next agent started on it unreachable).
+            self._server = await asyncio.start_server(self._accept, sock=sock)
+        else:
+            self._server = await asyncio.start_unix_server(self._accept, path=path)
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Connection(self, reader, writer)

@@ -43,8 +43,9 @@ from slicebox.web.message import BodyCutOff, ProtocolError
 
 T = TypeVar("T", bound=BaseModel)
 
-# An agent fires its tool calls in parallel and a running exec holds its connection: as many
-# may be open at once as aiohttp's client allowed (a unix socket's connection costs little).
+# An agent fires its tool calls in parallel and a running exec holds its connection until it
+# ends: up to this many may be open at once (a unix socket's connection costs little); with 16,
+# fifty parallel execs kept a list waiting for one (tests/unit/test_concurrency.py).
 OPEN_CONNECTIONS = 100
 
 

@@ -139,9 +139,8 @@ def make_middlewares(users: UserDirectory) -> list[Middleware]:
 
 
 _HTTP_CODES = {404: "unknown_route", 405: "method_not_allowed", 413: "body_too_large"}
-# A request the server cannot read as HTTP (a malformed head, a head over 64 KiB, a
-# transfer coding other than chunked) is answered before any route sees it.
-
+# Any other status of the HTTP layer's: a request it cannot read as HTTP (a malformed head, a
+# head over 64 KiB, a transfer coding other than chunked), answered before any route sees it.
 _OTHER_HTTP_CODE = "bad_request"
 _HTTP_HINTS = {
     404: "no such route; see GET /v1/openapi.json",

@@ -1,15 +1,17 @@
 """The Docker backend's pure parts: the settings table, the error mapping, DOCKER_HOST.
 
-The adapter's calls are checked against a stub of docker-py's low-level client that answers
-the way the Engine API does (the stub raises docker-py's own exceptions).
+The adapter's calls are checked against a daemon stand-in on a real unix socket that answers
+the way the Engine API does (tests/fakes/engine.py); docker-py's own exceptions, which only an
+image pull raises now, are mapped by ``map_error``.
 """
 
 from __future__ import annotations
 
-import threading
+import json
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import docker.errors
@@ -20,6 +22,7 @@ from slicebox.backends.base import SandboxRequest, SandboxState
 from slicebox.backends.docker import (
     HEAVY_CALLS,
     DockerBackend,
+    create_body,
     host_config,
     host_settings,
     map_error,
@@ -39,6 +42,7 @@ from slicebox.model.errors import (
 from slicebox.model.limits import Limits
 from slicebox.model.paths import DOCKER_SOCKET
 from slicebox.model.spec import Mount, MountKind
+from tests.fakes.engine import FakeEngine
 
 MiB = 1024 * 1024
 SLICE = "slicebox-al\\x2dice-p.slice"
@@ -197,112 +201,114 @@ def test_unsupported_docker_hosts_are_refused_with_their_code(
     assert "DOCKER_HOST" in refused.value.message
 
 
-# --- the adapter over a stub client ---------------------------------------------------------
+# --- the adapter against a daemon stand-in ------------------------------------------------
 
 
-class StubApi:
-    """docker-py's APIClient as far as the adapter uses it, answering as the engine does."""
-
-    api_version = "1.45"
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-        self.containers_listed: list[dict[str, Any]] = []
-        self.remove_error: Exception | None = None
-        self.start_error: Exception | None = None
-        self.create_error: Exception | None = None
-        self.created: dict[str, Any] = {}
-
-    def containers(self, all: bool, filters: Mapping[str, list[str]]) -> list[dict[str, Any]]:
-        self.calls.append(f"list {filters['label']}")
-        return self.containers_listed
-
-    def inspect_container(self, container: str) -> dict[str, Any]:
-        self.calls.append(f"inspect {container}")
-        raise api_error(404, f"No such container: {container}", docker.errors.NotFound)
-
-    def create_container(self, image: str, **kwargs: Any) -> dict[str, str]:
-        if self.create_error is not None:
-            raise self.create_error
-        self.created = {"image": image, **kwargs}
-        return {"Id": "c1"}
-
-    def start(self, container: str) -> None:
-        if self.start_error is not None:
-            raise self.start_error
-
-    def remove_container(self, container: str, force: bool, v: bool) -> None:
-        self.calls.append(f"remove {container}")
-        if self.remove_error is not None:
-            raise self.remove_error
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[FakeEngine]:
+    served = FakeEngine().serve(tmp_path / "docker.sock")
+    yield served
+    served.close()
 
 
-def backend(api: StubApi) -> DockerBackend:
-    return DockerBackend(DockerEndpoint(scheme="unix", address="/nonexistent"), client=api)
+def backend(engine: FakeEngine) -> DockerBackend:
+    assert engine._server is not None
+    return DockerBackend(DockerEndpoint(scheme="unix", address=engine._server.server_address))
 
 
-def test_listing_by_labels_is_one_call_that_carries_labels_and_state() -> None:
-    api = StubApi()
-    api.containers_listed = [
-        {"Id": "c1", "Names": ["/sbx-1"], "Labels": {"a": "b"}, "State": "running"},
-        {"Id": "c2", "Names": ["/sbx-2"], "Labels": None, "State": "weird"},
-    ]
-    found = backend(api).find({"slicebox.managed": "true"})
+def routes(engine: FakeEngine) -> list[str]:
+    return [f"{method} {path}" for method, path, _, _ in engine.asked]
+
+
+def test_listing_by_labels_is_one_call_that_carries_labels_and_state(engine: FakeEngine) -> None:
+    docker_backend = backend(engine)
+    made = docker_backend.create(REQUEST)
+    docker_backend.create(REQUEST.model_copy(update={"name": "sbx-2", "labels": {"other": "1"}}))
+    engine.asked.clear()
+    found = docker_backend.find({"slicebox.managed": "true"})
     assert [(i.id, i.name, i.labels, i.state) for i in found] == [
-        ("c1", "sbx-1", {"a": "b"}, SandboxState.RUNNING),
-        ("c2", "sbx-2", {}, SandboxState.UNKNOWN),
+        (made.id, "sbx-1", {"slicebox.managed": "true"}, SandboxState.RUNNING)
     ]
-    assert api.calls == ["list ['slicebox.managed=true']"]
+    assert routes(engine) == ["GET /v1.45/containers/json"]
+    assert engine.asked[0][2]["filters"] == ['{"label": ["slicebox.managed=true"]}']
 
 
-def test_remove_is_idempotent_when_gone_or_being_removed() -> None:
-    api = StubApi()
-    assert backend(api).remove("c1") is True
-    api.remove_error = api_error(404, "No such container: c1", docker.errors.NotFound)
-    assert backend(api).remove("c1") is False
-    api.remove_error = api_error(409, "removal of container c1 is already in progress")
-    assert backend(api).remove("c1") is False
-    api.remove_error = api_error(500, "driver failed")
-    with pytest.raises(HostError):
-        backend(api).remove("c1")
+def test_remove_is_idempotent_when_gone_or_being_removed(engine: FakeEngine) -> None:
+    docker_backend = backend(engine)
+    made = docker_backend.create(REQUEST)
+    assert docker_backend.remove(made.id) is True
+    assert engine.asked[-1][2] == {"force": ["1"], "v": ["1"]}
+    assert docker_backend.remove(made.id) is False  # 404
+    engine.removing.add("c1")
+    assert docker_backend.remove("c1") is False  # 409: another removal holds it
 
 
-def test_a_failed_start_removes_the_container_and_explains() -> None:
-    api = StubApi()
-    api.start_error = api_error(500, "unable to find user nosuchuser")
+def test_a_failed_start_removes_the_container_and_explains(engine: FakeEngine) -> None:
+    engine.start_error = (400, "unable to find user nosuchuser: no matching entries")
     with pytest.raises(InvalidRequest, match="nosuchuser") as failed:
-        backend(api).create(REQUEST)
+        backend(engine).create(REQUEST)
     assert failed.value.code == "container_start_failed"
-    assert api.calls == ["remove c1"]
+    assert routes(engine)[-1].startswith("DELETE /v1.45/containers/")
+    assert engine.containers == {}
 
 
-def test_create_sends_the_host_config_and_answers_running() -> None:
-    api = StubApi()
-    info = backend(api).create(REQUEST)
-    assert (info.id, info.name, info.state) == ("c1", "sbx-1", SandboxState.RUNNING)
-    assert api.created["host_config"] == host_config(REQUEST)
-    assert api.created["command"] == ["sleep", "infinity"]
-    assert api.created["labels"] == REQUEST.labels
+def test_create_sends_the_host_config_and_answers_running(engine: FakeEngine) -> None:
+    info = backend(engine).create(REQUEST)
+    assert (info.name, info.state) == ("sbx-1", SandboxState.RUNNING)
+    sent = engine.containers[info.id]["Body"]
+    assert sent["HostConfig"] == json.loads(json.dumps(host_config(REQUEST)))
+    assert sent["Cmd"] == ["sleep", "infinity"]
+    assert sent["Labels"] == REQUEST.labels
+    assert engine.asked[0][:2] == ("GET", "/version")  # the version is asked once, first
+    assert [route for route in routes(engine) if route == "GET /version"] == ["GET /version"]
 
 
-def test_a_create_with_an_image_docker_lacks_is_image_unavailable_and_makes_nothing() -> None:
+def test_a_create_with_an_image_docker_lacks_is_image_unavailable_and_makes_nothing(
+    engine: FakeEngine,
+) -> None:
     """The core does not check an image it has seen before its create: it relies on this."""
-    response = requests.Response()
-    response.status_code = 404
-    response._content = b'{"message": "No such image: alpine:3.19"}'
-    with pytest.raises(docker.errors.APIError) as raised:  # as docker-py makes it of the answer
-        docker.errors.create_api_error_from_http_exception(
-            requests.exceptions.HTTPError(response=response)
-        )
-    api = StubApi()
-    api.create_error = raised.value
-    with pytest.raises(ImageUnavailable):
-        backend(api).create(REQUEST)
-    assert api.calls == [], "nothing to remove"
+    with pytest.raises(ImageUnavailable, match="No such image"):
+        backend(engine).create(REQUEST.model_copy(update={"image": "nothere:1"}))
+    assert not [route for route in routes(engine) if route.startswith("DELETE")]
 
 
-def test_inspect_of_a_missing_container_is_none() -> None:
-    assert backend(StubApi()).inspect("gone") is None
+def test_a_taken_name_is_its_own_conflict(engine: FakeEngine) -> None:
+    backend(engine).create(REQUEST)
+    with pytest.raises(HostError) as taken:
+        backend(engine).create(REQUEST)
+    assert taken.value.code == "sandbox_name_conflict"
+
+
+def test_inspect_of_a_missing_container_is_none(engine: FakeEngine) -> None:
+    assert backend(engine).inspect("gone") is None
+    assert backend(engine).volume("gone") is None
+
+
+def test_volumes_are_made_listed_and_kept_while_mounted(engine: FakeEngine) -> None:
+    docker_backend = backend(engine)
+    made = docker_backend.create_volume("ws-1", {"slicebox.volume": "true"})
+    assert (made.name, made.labels) == ("ws-1", {"slicebox.volume": "true"})
+    assert [v.name for v in docker_backend.volumes({"slicebox.volume": "true"})] == ["ws-1"]
+    mount = Mount(kind=MountKind.VOLUME, source="ws-1", target="/workspace")
+    container = docker_backend.create(REQUEST.model_copy(update={"mounts": (mount,)}))
+    assert docker_backend.remove_volume("ws-1") is False  # in use: it stays
+    docker_backend.remove(container.id)
+    assert docker_backend.remove_volume("ws-1") is True
+    assert docker_backend.remove_volume("ws-1") is False
+
+
+def test_a_thread_keeps_one_connection_and_survives_the_daemon_closing_it(
+    engine: FakeEngine,
+) -> None:
+    docker_backend = backend(engine)
+    for _ in range(20):
+        assert docker_backend.inspect("gone") is None
+    assert engine.connections == 1
+    engine.drop_idle_connections()  # as a restarted daemon: the kept connection is dead
+    time.sleep(0.05)
+    assert docker_backend.inspect("gone") is None  # no error: a new connection
+    assert engine.connections == 2
+    assert docker_backend.availability().available
 
 
 def test_an_unreachable_daemon_is_unavailable_not_an_exception() -> None:
@@ -311,35 +317,54 @@ def test_an_unreachable_daemon_is_unavailable_not_an_exception() -> None:
     assert not found.available
     assert found.kind == "docker"
     assert "not reachable" in found.detail
+    with pytest.raises(Unavailable, match=r"is docker\.service running"):
+        missing.find({})
 
 
-class SlowStarts(StubApi):
-    """Starts and removals that take a while, counting how many run at once."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.running = self.peak = 0
-        self.lock = threading.Lock()
-
-    def _busy(self) -> None:
-        with self.lock:
-            self.running += 1
-            self.peak = max(self.peak, self.running)
-        time.sleep(0.05)
-        with self.lock:
-            self.running -= 1
-
-    def start(self, container: str) -> None:
-        self._busy()
-
-    def remove_container(self, container: str, force: bool, v: bool) -> None:
-        self._busy()
-
-
-def test_many_creates_and_removals_at_once_reach_docker_a_few_at_a_time() -> None:
-    api = SlowStarts()
-    docker_backend = backend(api)
+def test_many_creates_and_removals_at_once_reach_docker_a_few_at_a_time(
+    engine: FakeEngine,
+) -> None:
+    engine.slow = 0.05
+    docker_backend = backend(engine)
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda n: docker_backend.create(REQUEST), range(16)))
-        list(pool.map(lambda n: docker_backend.remove(f"c{n}"), range(16)))
-    assert api.peak == HEAVY_CALLS
+        names = [f"sbx-{n}" for n in range(16)]
+        made = list(
+            pool.map(lambda name: docker_backend.create(REQUEST.model_copy(update={"name": name})),
+                     names)
+        )  # fmt: skip
+        assert engine.peak == HEAVY_CALLS
+        engine.peak = 0
+        assert all(pool.map(lambda info: docker_backend.remove(info.id), made))
+    assert engine.peak == HEAVY_CALLS
+    assert engine.containers == {}
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        REQUEST,
+        REQUEST.model_copy(
+            update={"env": {"A": "1", "B": "x=y"}, "user": "65534", "workdir": "/w"}
+        ),
+    ],
+)
+def test_the_create_body_is_docker_py_s_for_the_same_call(request_: SandboxRequest) -> None:
+    import docker
+
+    sent: list[dict[str, Any]] = []
+    api = docker.APIClient(base_url="unix:///nonexistent", version="1.45")
+    api._post_json = lambda url, data, params=None: sent.append(data)
+    api._result = lambda response, as_json=False: {"Id": "c1"}
+    api.create_container(
+        request_.image,
+        command=list(request_.command),
+        name=request_.name,
+        labels=request_.labels,
+        environment=request_.env,
+        user=request_.user,
+        working_dir=request_.workdir,
+        detach=True,
+        host_config=host_config(request_),
+    )
+    theirs = {key: value for key, value in sent[0].items() if value is not None}
+    assert json.loads(json.dumps(create_body(request_))) == json.loads(json.dumps(theirs))

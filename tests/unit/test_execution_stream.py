@@ -138,12 +138,8 @@ def test_attachment_read_times_out_with_nothing() -> None:
     attachment.close()
 
 
-class StubClient:
-    api_version = "1.45"
-
-
 def backend(path: str) -> DockerBackend:
-    return DockerBackend(DockerEndpoint(scheme="unix", address=path), client=StubClient())
+    return DockerBackend(DockerEndpoint(scheme="unix", address=path), version="1.45")
 
 
 def serve_once(path: str, reply: bytes) -> threading.Thread:
@@ -185,7 +181,7 @@ def test_the_exec_stream_works_over_plain_tcp_too() -> None:
     head = b"HTTP/1.1 101 UPGRADED\r\nContent-Type: application/vnd.docker.raw-stream\r\n\r\n"
     thread = _answer_once(server, head + frame(1, b"over tcp\n"))
     endpoint = DockerEndpoint(scheme="tcp", address="127.0.0.1", port=port)
-    attachment = DockerBackend(endpoint, client=StubClient()).exec_start("e1", b"")
+    attachment = DockerBackend(endpoint, version="1.45").exec_start("e1", b"")
     chunks = read_all(attachment)
     attachment.close()
     thread.join()
@@ -309,7 +305,7 @@ def test_on_the_loop_the_exec_stream_works_over_plain_tcp_too() -> None:
     endpoint = DockerEndpoint(scheme="tcp", address="127.0.0.1", port=port)
 
     async def main() -> list[StreamChunk]:
-        attachment = await DockerBackend(endpoint, client=StubClient()).exec_start_async("e1", b"")
+        attachment = await DockerBackend(endpoint, version="1.45").exec_start_async("e1", b"")
         chunks: list[StreamChunk] = []
         while (got := await attachment.read(1.0)) is not None:
             chunks += got

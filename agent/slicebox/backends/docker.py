@@ -25,16 +25,13 @@ Exec output is read off the daemon's socket by :mod:`slicebox.backends.dockerstr
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 from urllib.parse import quote
-
-import docker
-import docker.errors
-import requests.exceptions
 
 from slicebox.backends.base import (
     WORKSPACE,
@@ -45,6 +42,7 @@ from slicebox.backends.base import (
     StdinSource,
     VolumeInfo,
 )
+from slicebox.backends.dockerapi import EngineApi, Query, message_of
 from slicebox.backends.dockerjson import DockerJsonApi
 from slicebox.backends.dockerstream import (
     AsyncRawExecAttachment,
@@ -69,7 +67,6 @@ from slicebox.model.limits import nano_cpus
 from slicebox.model.spec import Backend, Mount, MountKind
 
 log = logging.getLogger(__name__)
-R = TypeVar("R")
 
 NO_NEW_PRIVILEGES = "no-new-privileges:true"
 # A busy daemon answers slowly, not never: docker-py's 60 s made a loaded host's creates fail
@@ -190,6 +187,9 @@ def _conflict(text: str, what: str) -> SliceboxError:
 
 def map_error(exc: Exception, what: str) -> SliceboxError | None:
     """docker-py's exception ``exc`` as a slicebox error; None for a foreign one (a bug)."""
+    import docker.errors
+    import requests.exceptions
+
     if isinstance(exc, docker.errors.ImageNotFound):
         return ImageUnavailable(
             f"image of {what} not found ({exc.explanation}); pull or load it, or choose another"
@@ -205,16 +205,19 @@ def map_error(exc: Exception, what: str) -> SliceboxError | None:
 
 
 class DockerBackend:
-    """:class:`slicebox.backends.base.SandboxBackend` over the Docker Engine API."""
+    """:class:`slicebox.backends.base.SandboxBackend` over the Docker Engine API.
+
+    Its threads' calls go through :class:`~slicebox.backends.dockerapi.EngineApi`, the event
+    loop's through :class:`~slicebox.backends.dockerjson.DockerJsonApi`, both at the one API
+    version the daemon said (``version`` presets it); docker-py pulls images.
+    """
 
     kind = Backend.DOCKER
 
-    def __init__(self, endpoint: DockerEndpoint, client: Any = None) -> None:
+    def __init__(self, endpoint: DockerEndpoint, version: str | None = None) -> None:
         self._endpoint = endpoint
-        self._client = client  # docker.APIClient; made on first use (the daemon may be late)
+        self._engine = EngineApi(endpoint, map_status, DOCKER_TIMEOUT, version)
         self._json = DockerJsonApi(endpoint, map_status)  # an exec's calls, on the event loop
-        self._version: str | None = None  # the API version those calls use, once known
-        self._lock = threading.Lock()
         self._heavy = threading.BoundedSemaphore(HEAVY_CALLS)
 
     @classmethod
@@ -228,7 +231,7 @@ class DockerBackend:
 
     def availability(self) -> Availability:
         try:
-            version = self._call("the version", lambda api: api.version())
+            version = self._engine.call("GET", "/version", "the version")
         except SliceboxError as exc:
             return Availability(kind=self.kind, available=False, detail=exc.message)
         detail = f"Docker {version.get('Version')} (API {version.get('ApiVersion')})"
@@ -239,7 +242,7 @@ class DockerBackend:
             return
         log.info("pulling %s", image)
         try:
-            self._call(image, lambda api: api.pull(image))
+            _pull(self._url, self._engine.version, image)
         except SliceboxError as exc:
             raise _unpullable(image, exc.message) from exc
         if not self._has_image(image):  # a failed pull can answer 200 with an error inside
@@ -247,35 +250,51 @@ class DockerBackend:
 
     def create(self, request: SandboxRequest) -> SandboxInfo:
         with self._heavy:
-            created = self._call(request.name, lambda api: _create(api, request))
+            created = self._create(request)
             container_id = str(created["Id"])
             try:
-                self._api().start(container_id)
-                started = None
-            except Exception as exc:
-                started = exc
+                status, text = self._engine.request(
+                    "POST", self._engine.versioned(f"/containers/{_part(container_id)}/start")
+                )
             except BaseException:
                 self._remove(container_id)
                 raise
-            if started is not None:
+            if status >= 300:
                 self._remove(container_id)
-                raise _start_failed(started) from started
+                # The engine answers 400 or 500 alike when the request cannot run (no such
+                # user, workdir or program): the caller's request is what needs changing.
+                raise InvalidRequest(
+                    f"the sandbox could not start: {message_of(text)}; check image, command, user",
+                    code=START_FAILED_CODE,
+                )
         state = SandboxState.RUNNING
         return SandboxInfo(id=container_id, name=request.name, labels=request.labels, state=state)
 
+    def _create(self, request: SandboxRequest) -> Any:
+        path = self._engine.versioned("/containers/create")
+        query = {"name": request.name}
+        status, text = self._engine.request("POST", path, query=query, body=create_body(request))
+        if status == 404:  # the one thing a create can miss is its image
+            raise ImageUnavailable(
+                f"image of {request.name} not found ({message_of(text)}); "
+                "pull or load it, or choose another"
+            )
+        if status >= 300:
+            raise map_status(status, message_of(text), request.name)
+        return json.loads(text)
+
     def inspect(self, backend_id: str) -> SandboxInfo | None:
         try:
-            attrs = self._call(backend_id, lambda api: api.inspect_container(backend_id))
+            attrs = self._call("GET", f"/containers/{_part(backend_id)}/json", backend_id)
         except SandboxNotFound:
             return None
         return _inspected(attrs)
 
     def find(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
-        wanted = [f"{key}={value}" for key, value in labels.items()]
         found = self._call(
-            "the list", lambda api: api.containers(all=True, filters={"label": wanted})
+            "GET", "/containers/json", "the list", query={"all": 1, "filters": _labels(labels)}
         )
-        return [_listed(entry) for entry in found]
+        return [_listed(entry) for entry in found or []]
 
     def remove(self, backend_id: str) -> bool:
         with self._heavy:
@@ -283,7 +302,12 @@ class DockerBackend:
 
     def _remove(self, backend_id: str) -> bool:
         try:
-            self._call(backend_id, lambda api: api.remove_container(backend_id, force=True, v=True))
+            self._call(
+                "DELETE",
+                f"/containers/{_part(backend_id)}",
+                backend_id,
+                query={"force": 1, "v": 1},
+            )
         except (SandboxNotFound, RemovalInProgress):
             return False
         return True
@@ -292,21 +316,18 @@ class DockerBackend:
 
     def volume(self, name: str) -> VolumeInfo | None:
         try:
-            attrs = self._call(f"volume {name}", lambda api: api.inspect_volume(name))
+            attrs = self._call("GET", f"/volumes/{_part(name)}", f"volume {name}")
         except SandboxNotFound:
             return None
         return _volume(attrs)
 
     def create_volume(self, name: str, labels: Mapping[str, str]) -> VolumeInfo:
-        attrs = self._call(
-            f"volume {name}",
-            lambda api: api.create_volume(name, driver="local", labels=dict(labels)),
-        )
-        return _volume(attrs)
+        body = {"Name": name, "Driver": "local", "Labels": dict(labels)}
+        return _volume(self._call("POST", "/volumes/create", f"volume {name}", body=body))
 
     def remove_volume(self, name: str) -> bool:
         try:
-            self._call(f"volume {name}", lambda api: api.remove_volume(name))
+            self._call("DELETE", f"/volumes/{_part(name)}", f"volume {name}")
         except SandboxNotFound:
             return False
         except SliceboxError as exc:
@@ -317,14 +338,13 @@ class DockerBackend:
         return True
 
     def volumes(self, labels: Mapping[str, str]) -> list[VolumeInfo]:
-        wanted = [f"{key}={value}" for key, value in labels.items()]
-        found = self._call("the volumes", lambda api: api.volumes(filters={"label": wanted}))
+        found = self._call("GET", "/volumes", "the volumes", query={"filters": _labels(labels)})
         return [_volume(entry) for entry in (found or {}).get("Volumes") or []]
 
     # --- exec primitives ------------------------------------------------------------------
 
     def sandbox_pid(self, backend_id: str) -> int:
-        attrs = self._call(backend_id, lambda api: api.inspect_container(backend_id))
+        attrs = self._call("GET", f"/containers/{_part(backend_id)}/json", backend_id)
         state = attrs["State"]
         if not state.get("Running") or state.get("Paused"):
             raise SandboxNotRunning(
@@ -335,20 +355,12 @@ class DockerBackend:
     def exec_create(
         self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
     ) -> str:
-        created = self._call(
-            backend_id,
-            lambda api: api.exec_create(
-                backend_id,
-                list(request.argv),
-                stdin=bool(request.stdin) or streamed_stdin,
-                environment=dict(request.env),
-                workdir=request.cwd,
-            ),
-        )
+        path = f"/containers/{_part(backend_id)}/exec"
+        created = self._call("POST", path, backend_id, body=exec_body(request, streamed_stdin))
         return str(created["Id"])
 
     def exec_start(self, exec_id: str, stdin: bytes) -> RawExecAttachment:
-        version = str(self._api().api_version)
+        version = self._engine.version
         try:
             return attach(self._endpoint.connect(), version, exec_id, stdin)
         except StartRefused as exc:
@@ -364,12 +376,12 @@ class DockerBackend:
             raise map_status(exc.status, exc.text, f"of exec {exec_id}") from exc
 
     def exec_inspect(self, exec_id: str) -> ExecState:
-        return _exec_state(self._call(exec_id, lambda api: api.exec_inspect(exec_id)))
+        return _exec_state(self._call("GET", f"/exec/{_part(exec_id)}/json", exec_id))
 
     # --- the same calls on the event loop (backends.dockerjson) ---------------------------
 
     async def inspect_async(self, backend_id: str) -> SandboxInfo | None:
-        path = f"/containers/{quote(backend_id, safe='')}/json"
+        path = f"/containers/{_part(backend_id)}/json"
         try:
             attrs = await self._json.get(await self._versioned(path), backend_id)
         except SandboxNotFound:
@@ -379,32 +391,30 @@ class DockerBackend:
     async def exec_create_async(
         self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
     ) -> str:
-        path = await self._versioned(f"/containers/{quote(backend_id, safe='')}/exec")
+        path = await self._versioned(f"/containers/{_part(backend_id)}/exec")
         created = await self._json.post(path, backend_id, exec_body(request, streamed_stdin))
         return str(created["Id"])
 
     async def exec_inspect_async(self, exec_id: str) -> ExecState:
-        path = await self._versioned(f"/exec/{quote(exec_id, safe='')}/json")
+        path = await self._versioned(f"/exec/{_part(exec_id)}/json")
         return _exec_state(await self._json.get(path, exec_id))
 
     async def aclose(self) -> None:
-        """End the event loop's connections to the daemon (the agent's shutdown)."""
+        """End the connections to the daemon (the agent's shutdown)."""
         await self._json.aclose()
+        self._engine.close()
 
     async def _versioned(self, path: str) -> str:
         return f"/v{await self._api_version()}{path}"
 
     async def _api_version(self) -> str:
-        """The API version the client settled on; asked of the daemon on the loop when no
-        client exists yet (making one would block the loop on the same question)."""
-        if self._version is None:
-            client = self._client
-            if client is not None:
-                self._version = str(client.api_version)
-            else:
-                said = await self._json.get("/version", "the version")
-                self._version = str(said["ApiVersion"])
-        return self._version
+        """The threads' API version, once known; else asked of the daemon on the loop (asking
+        it through the threads' client would block the loop on the same question)."""
+        try:
+            return self._engine.known_version()
+        except LookupError:
+            said = await self._json.get("/version", "the version")
+            return self._engine.settle(str(said["ApiVersion"]))
 
     # --- the client -----------------------------------------------------------------------
 
@@ -412,53 +422,69 @@ class DockerBackend:
     def _url(self) -> str:
         return self._endpoint.base_url
 
-    def _api(self) -> Any:
-        with self._lock:
-            if self._client is None:
-                self._client = self._call_raw("the connection", self._new_client)
-            return self._client
-
-    def _new_client(self) -> Any:
-        client = docker.APIClient(base_url=self._url, version="auto", timeout=DOCKER_TIMEOUT)
-        # The client is a requests session: left trusting the environment, every call looks
-        # for proxy settings and reads ~/.netrc for credentials, neither of which the daemon's
-        # own socket takes (a tenth of the agent's time per exec went there).
-        client.trust_env = False
-        return client
-
-    def _call(self, what: str, call: Callable[[Any], R]) -> R:
-        api = self._api()
-        return self._call_raw(what, lambda: call(api))
-
-    def _call_raw(self, what: str, call: Callable[[], R]) -> R:
-        try:
-            return call()
-        except Exception as exc:
-            mapped = map_error(exc, what)
-            if mapped is None:
-                raise
-            raise mapped from exc
+    def _call(
+        self,
+        method: str,
+        path: str,
+        what: str,
+        *,
+        query: Query | None = None,
+        body: Mapping[str, Any] | None = None,
+    ) -> Any:
+        return self._engine.call(method, self._engine.versioned(path), what, query=query, body=body)
 
     def _has_image(self, image: str) -> bool:
         try:
-            self._call(image, lambda api: api.inspect_image(image))
+            self._call("GET", f"/images/{quote(image, safe='/:@')}/json", image)
         except (ImageUnavailable, SandboxNotFound):
             return False
         return True
 
 
-def _create(api: Any, request: SandboxRequest) -> Any:
-    return api.create_container(
-        request.image,
-        command=list(request.command),
-        name=request.name,
-        labels=request.labels,
-        environment=request.env,
-        user=request.user,
-        working_dir=request.workdir,
-        detach=True,
-        host_config=host_config(request),
-    )
+def _part(name: str) -> str:
+    """``name`` as one path segment."""
+    return quote(name, safe="")
+
+
+def _labels(labels: Mapping[str, str]) -> str:
+    """A list's filter on ``labels``, as the Engine API takes it (JSON in the query)."""
+    return json.dumps({"label": [f"{key}={value}" for key, value in labels.items()]})
+
+
+def create_body(request: SandboxRequest) -> dict[str, Any]:
+    """The container create's body, as docker-py's ``create_container`` builds it for the same
+    call (``detach=True``: nothing attached, no stdin, no tty), without its nulls."""
+    body: dict[str, Any] = {
+        "Tty": False,
+        "OpenStdin": False,
+        "StdinOnce": False,
+        "AttachStdin": False,
+        "AttachStdout": False,
+        "AttachStderr": False,
+        "Cmd": list(request.command),
+        "Image": request.image,
+        "NetworkDisabled": False,
+        "HostConfig": host_config(request),
+        "Labels": dict(request.labels),
+    }
+    env = [f"{key}={value}" for key, value in request.env.items()] or None
+    optional = {"Env": env, "User": request.user, "WorkingDir": request.workdir}
+    return body | {key: value for key, value in optional.items() if value is not None}
+
+
+def _pull(url: str, version: str, image: str) -> None:
+    """Pull ``image`` through docker-py, which knows registry names and the host's credentials
+    (imported here: no other call of the agent needs it)."""
+    import docker
+
+    try:
+        with docker.APIClient(base_url=url, version=version, timeout=DOCKER_TIMEOUT) as api:
+            api.pull(image)
+    except Exception as exc:
+        mapped = map_error(exc, image)
+        if mapped is None:
+            raise
+        raise mapped from exc
 
 
 def _inspected(attrs: Mapping[str, Any]) -> SandboxInfo:
@@ -510,17 +536,6 @@ def _volume(attrs: Mapping[str, Any]) -> VolumeInfo:
         labels=attrs.get("Labels") or {},
         mountpoint=str(attrs.get("Mountpoint") or ""),
     )
-
-
-def _start_failed(exc: Exception) -> SliceboxError:
-    if isinstance(exc, docker.errors.APIError):
-        # The engine answers 400 or 500 alike when the request cannot run (no such user,
-        # workdir or program): the caller's request is what needs changing.
-        return InvalidRequest(
-            f"the sandbox could not start: {exc.explanation}; check image, command, user",
-            code=START_FAILED_CODE,
-        )
-    return map_error(exc, "the start") or HostError(f"the sandbox could not start: {exc}")
 
 
 def _unpullable(image: str, why: str) -> ImageUnavailable:

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
+from slicebox.backends.dockerapi import StatusMapper, message_of
 from slicebox.backends.dockerstream import DockerEndpoint
 from slicebox.model.errors import HostError, SliceboxError
 from slicebox.web.client import HttpClient
@@ -26,8 +27,6 @@ from slicebox.web.message import ProtocolError
 CALL_TIMEOUT = 120.0  # as the backend's own client: a daemon that busy is answered as failed
 # Connections kept to the daemon: as many as calls run at once on the loop, in practice.
 KEPT_CONNECTIONS = 16
-
-StatusMapper = Callable[[int, str, str], SliceboxError]
 
 
 class DockerJsonApi:
@@ -62,7 +61,7 @@ class DockerJsonApi:
         except (ProtocolError, OSError) as exc:  # TimeoutError is an OSError
             raise self._endpoint_failed(exc) from exc
         if status >= 300:
-            raise self._refusal(status, _message(text), what)
+            raise self._refusal(status, message_of(text), what)
         try:
             return json.loads(text) if text else None
         except ValueError as exc:
@@ -85,12 +84,3 @@ class DockerJsonApi:
         if isinstance(exc, TimeoutError):
             return HostError(f"Docker did not answer within {CALL_TIMEOUT:.0f}s; is it busy?")
         return self._endpoint.unreachable(OSError(str(exc)))
-
-
-def _message(text: str) -> str:
-    """The daemon's error message out of its JSON answer ({"message": ...}), else the text."""
-    try:
-        said = json.loads(text)
-    except ValueError:
-        return text.strip()
-    return str(said.get("message", text)) if isinstance(said, dict) else text.strip()

@@ -50,3 +50,37 @@ def test_the_agent_loads_the_modules_it_uses_and_not_the_rest_of_their_packages(
 def test_a_package_already_imported_is_left_as_it_is() -> None:
     assert "pytest" in sys.modules
     assert skip_package_inits(["pytest", "no_such_package", "no_such_package.child"]) == []
+
+
+# Every slicebox model, and whether importing the agent and the CLI built any of them.
+MODELS = """
+import pydantic
+import slicebox.server.daemon, slicebox.cli.main
+def models(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from models(sub)
+ours = {m for m in models(pydantic.BaseModel) if m.__module__.startswith("slicebox.")}
+ours = {m for m in ours if not m.__pydantic_generic_metadata__["origin"]}  # not Generic[X]
+print(len(ours))
+print(sorted(m.__qualname__ for m in ours if not m.model_config.get("defer_build")))
+print(sorted(m.__qualname__ for m in ours if m.__pydantic_complete__))
+"""
+
+
+def test_importing_the_agent_or_the_cli_builds_only_the_models_it_instantiates() -> None:
+    ran = subprocess.run(
+        [sys.executable, "-c", MODELS],
+        env={"PYTHONPATH": str(AGENT)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert ran.returncode == 0, ran.stderr
+    count, eager, built = ran.stdout.splitlines()
+    assert int(count) > 50
+    assert eager == "[]", "every model derives from slicebox.model.base.Model"
+    # Built at import: only those a module makes an instance of (defaults, the code table).
+    assert built == str(
+        ["CeilingConfig", "ErrorCode", "ExecRequest", "ReaperConfig", "SandboxDefaults"]
+    )

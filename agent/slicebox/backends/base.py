@@ -20,8 +20,9 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
+from slicebox.model.base import Model
 from slicebox.model.exec import ExecRequest, ExecState, StreamChunk
 from slicebox.model.limits import Limits
 from slicebox.model.spec import Backend, Mount
@@ -30,7 +31,7 @@ from slicebox.model.spec import Backend, Mount
 WORKSPACE = "/workspace"
 
 
-class Availability(BaseModel):
+class Availability(Model):
     """Whether a backend can run sandboxes now and, when it cannot, why and what to do."""
 
     model_config = ConfigDict(frozen=True)
@@ -40,7 +41,7 @@ class Availability(BaseModel):
     detail: str  # what was found (a version, an endpoint) or what is wrong and the fix
 
 
-class SandboxRequest(BaseModel):
+class SandboxRequest(Model):
     """A sandbox to create and start, in backend-neutral terms (no backend's flags)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -79,7 +80,7 @@ class SandboxState(StrEnum):
             return cls.UNKNOWN
 
 
-class SandboxInfo(BaseModel):
+class SandboxInfo(Model):
     """One sandbox as its backend lists it: its backend id, name, labels and state."""
 
     model_config = ConfigDict(frozen=True)
@@ -90,7 +91,7 @@ class SandboxInfo(BaseModel):
     state: SandboxState
 
 
-class VolumeInfo(BaseModel):
+class VolumeInfo(Model):
     """A named volume: its name, labels, and where its data lives on the host."""
 
     model_config = ConfigDict(frozen=True)

@@ -48,9 +48,10 @@ from collections.abc import Iterator, Mapping
 from typing import Literal
 from urllib.parse import SplitResult, urlsplit
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from slicebox.backends.base import StdinSource
+from slicebox.model.base import Model
 from slicebox.model.errors import HostError, Unavailable
 from slicebox.model.exec import OutputStream, StreamChunk
 from slicebox.model.paths import DOCKER_SOCKET
@@ -66,7 +67,7 @@ CONNECT_RETRY = 0.01
 DEFAULT_TCP_PORT = 2375  # Docker's plain-TCP port
 
 
-class DockerEndpoint(BaseModel):
+class DockerEndpoint(Model):
     """Where the Docker daemon listens: a unix socket path, or a TCP host and port."""
 
     model_config = ConfigDict(frozen=True)

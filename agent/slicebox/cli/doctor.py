@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, RootModel, computed_field
+from pydantic import ConfigDict, RootModel, computed_field
 
 from slicebox.cli.client import Client
+from slicebox.model.base import Model
 from slicebox.model.errors import SliceboxError
 from slicebox.model.paths import AGENT_SOCKET, CGROUP_MOUNT, CONFIG_PATH, DOCKER_SOCKET
 
@@ -33,7 +34,7 @@ class State(StrEnum):
     SKIP = "skip"
 
 
-class Check(BaseModel):
+class Check(Model):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
@@ -49,7 +50,7 @@ class Check(BaseModel):
 
 
 class CheckList(RootModel[list[Check]]):
-    pass
+    model_config = ConfigDict(defer_build=True)  # as slicebox.model.base.Model
 
 
 def passed(name: str, detail: str) -> Check:

@@ -35,6 +35,7 @@ from slicebox.model.api import (
     SandboxView,
     UsageAnswer,
 )
+from slicebox.model.base import Model
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
 from slicebox.model.files import FilesQuery, FileStat, Transferred
 from slicebox.model.pool import PoolList
@@ -256,13 +257,13 @@ def no_answer(path: str, timeout: float, exc: BaseException) -> errors.Unavailab
 # --- the exec stream ------------------------------------------------------------------------
 
 
-class _ResultLine(BaseModel):
+class _ResultLine(Model):
     model_config = ConfigDict(extra="forbid")
 
     result: ExecResult
 
 
-class _ErrorLine(BaseModel):
+class _ErrorLine(Model):
     model_config = ConfigDict(extra="forbid")
 
     error: ErrorBody

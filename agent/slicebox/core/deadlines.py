@@ -30,9 +30,10 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from slicebox.host.systemd import Systemd
+from slicebox.model.base import Model
 from slicebox.model.errors import HostError
 from slicebox.model.names import scope_name
 from slicebox.model.pool import Lease, parse_lease
@@ -44,7 +45,7 @@ PATTERN = f"{PREFIX}*.timer"
 PROGRAM = "sliceboxd"
 
 
-class Timer(BaseModel):
+class Timer(Model):
     """One armed deadline, as its unit name says."""
 
     model_config = ConfigDict(frozen=True)

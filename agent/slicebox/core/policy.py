@@ -13,10 +13,11 @@ from __future__ import annotations
 import re
 from pathlib import PurePosixPath
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from slicebox.backends.base import WORKSPACE
 from slicebox.host.beneath import escape, outside_roots, root_for
+from slicebox.model.base import Model
 from slicebox.model.config import Config
 from slicebox.model.errors import AdmissionRefused, PolicyViolation
 from slicebox.model.limits import (
@@ -34,7 +35,7 @@ from slicebox.model.spec import Mount, MountKind, SandboxSpec, WorkspaceKind
 _VOLUME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
-class Placement(BaseModel):
+class Placement(Model):
     """Where a sandbox goes and the ceilings of the three slices above it."""
 
     model_config = ConfigDict(frozen=True)
@@ -45,7 +46,7 @@ class Placement(BaseModel):
     project: Ceiling
 
 
-class Admitted(BaseModel):
+class Admitted(Model):
     """A request that passed policy and admission, with everything resolved."""
 
     model_config = ConfigDict(frozen=True)

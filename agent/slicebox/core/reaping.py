@@ -54,11 +54,12 @@ from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from slicebox.backends.base import SandboxInfo, SandboxState, VolumeInfo
 from slicebox.core.deadlines import Timer, latest
 from slicebox.core.sandboxes import Sandbox
+from slicebox.model.base import Model
 from slicebox.model.config import OrphanPolicy, ReaperConfig
 from slicebox.model.errors import SliceboxError
 from slicebox.model.labels import PREFIX, decode_volume, stamp
@@ -74,7 +75,7 @@ GONE = frozenset({SandboxState.EXITED, SandboxState.DEAD})
 TIMER_GRACE = timedelta(seconds=60)
 
 
-class Observed(BaseModel):
+class Observed(Model):
     """Everything a pass looks at, gathered before planning."""
 
     model_config = ConfigDict(frozen=True)

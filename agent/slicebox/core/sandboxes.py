@@ -25,7 +25,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import PurePosixPath
 from typing import TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from slicebox.backends.base import (
     WORKSPACE,
@@ -49,6 +49,7 @@ from slicebox.core.policy import (
 )
 from slicebox.core.slices import SliceManager
 from slicebox.host.beneath import BindGuard, KernelBindGuard, Pinned
+from slicebox.model.base import Model
 from slicebox.model.config import Config
 from slicebox.model.errors import (
     Forbidden,
@@ -90,7 +91,7 @@ def new_sandbox_id() -> str:
     return "sbx-" + secrets.token_hex(6)
 
 
-class Sandbox(BaseModel):
+class Sandbox(Model):
     """A sandbox as its labels and container describe it."""
 
     model_config = ConfigDict(frozen=True)

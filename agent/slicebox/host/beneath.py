@@ -27,8 +27,9 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
+from slicebox.model.base import Model
 from slicebox.model.errors import PolicyViolation
 
 RESOLVE_NO_XDEV = 0x01
@@ -51,7 +52,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 
-class Pinned(BaseModel):
+class Pinned(Model):
     """A bind source as the kernel resolved it: its path without symlinks, and what it is."""
 
     model_config = ConfigDict(frozen=True)

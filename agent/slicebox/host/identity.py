@@ -18,9 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from slicebox.model.audit import Caller
+from slicebox.model.base import Model
 from slicebox.model.errors import Forbidden
 
 ADMIN_GROUP = "slicebox-admin"
@@ -30,7 +31,7 @@ V = TypeVar("V")
 _UCRED = struct.Struct("3i")  # struct ucred { pid_t pid; uid_t uid; gid_t gid; }
 
 
-class PeerCredentials(BaseModel):
+class PeerCredentials(Model):
     model_config = ConfigDict(frozen=True)
 
     pid: int
@@ -111,7 +112,7 @@ class CachedUsers:
         return value
 
 
-class Identity(BaseModel):
+class Identity(Model):
     model_config = ConfigDict(frozen=True)
 
     uid: int

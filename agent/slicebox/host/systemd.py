@@ -15,8 +15,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
+from slicebox.model.base import Model
 from slicebox.model.errors import HostError
 from slicebox.model.limits import Property
 from slicebox.model.paths import CGROUP_MOUNT
@@ -36,7 +37,7 @@ SLICE_INTERFACE = b"org.freedesktop.systemd1.Slice"
 TIMER_ACCURACY_USEC = 1_000_000  # systemd coalesces timers by a minute unless told otherwise
 
 
-class UnitStatus(BaseModel):
+class UnitStatus(Model):
     model_config = ConfigDict(frozen=True)
 
     load_state: str  # loaded, not-found, stub...

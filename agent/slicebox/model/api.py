@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, RootModel
+from pydantic import ConfigDict, Field, JsonValue, RootModel
 
+from slicebox.model.base import Model
 from slicebox.model.codes import answered
 from slicebox.model.exec import ExecRequest, ExecResult
 from slicebox.model.limits import Limits
@@ -16,7 +17,7 @@ from slicebox.model.usage import ResourceUsage
 _CODES: list[JsonValue] = [*answered()]
 
 
-class ErrorBody(BaseModel):
+class ErrorBody(Model):
     """Every error answer. ``code`` is one of the registry's (:mod:`slicebox.model.codes`); the
     schema lists them, validation does not, so a client reads codes a newer agent adds."""
 
@@ -27,7 +28,7 @@ class ErrorBody(BaseModel):
     field: str | None = None
 
 
-class Health(BaseModel):
+class Health(Model):
     model_config = ConfigDict(extra="forbid")
 
     status: str
@@ -42,7 +43,7 @@ class CreateSandbox(SandboxSpec):
     user: str | None = None  # type: ignore[assignment]
 
 
-class SandboxView(BaseModel):
+class SandboxView(Model):
     model_config = ConfigDict(frozen=True)
 
     id: str
@@ -63,7 +64,7 @@ class SandboxView(BaseModel):
     pool: str = ""
 
 
-class Destroyed(BaseModel):
+class Destroyed(Model):
     model_config = ConfigDict(frozen=True)
 
     id: str
@@ -71,7 +72,7 @@ class Destroyed(BaseModel):
     usage: ResourceUsage | None = None
 
 
-class Extend(BaseModel):
+class Extend(Model):
     """A new deadline, ``ttl_seconds`` from now; the labels keep the original one. More than
     the agent's ``max_ttl_seconds`` (a setting, so not in this schema) is ``ttl_too_long``."""
 
@@ -80,13 +81,13 @@ class Extend(BaseModel):
     ttl_seconds: int = Field(gt=0)
 
 
-class ReapRequest(BaseModel):
+class ReapRequest(Model):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     dry_run: bool = False
 
 
-class RunRequest(BaseModel):
+class RunRequest(Model):
     """The seeds' one-shot ``execute(request, config)``: a sandbox made, used once, destroyed."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -95,7 +96,7 @@ class RunRequest(BaseModel):
     exec: ExecRequest
 
 
-class RunResult(BaseModel):
+class RunResult(Model):
     model_config = ConfigDict(frozen=True)
 
     sandbox_id: str
@@ -104,14 +105,14 @@ class RunResult(BaseModel):
 
 
 class SandboxList(RootModel[list[SandboxView]]):
-    pass
+    model_config = ConfigDict(defer_build=True)  # as slicebox.model.base.Model
 
 
 class DestroyedList(RootModel[list[Destroyed]]):
-    pass
+    model_config = ConfigDict(defer_build=True)  # as slicebox.model.base.Model
 
 
-class UsageAnswer(BaseModel):
+class UsageAnswer(Model):
     model_config = ConfigDict(frozen=True)
 
     usage: ResourceUsage

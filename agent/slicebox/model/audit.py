@@ -19,7 +19,9 @@ import re
 from collections.abc import Mapping
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from slicebox.model.base import Model
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +68,7 @@ def scrub(text: str) -> str:
     return _TOKENISH.sub("[redacted]", text)
 
 
-class Caller(BaseModel):
+class Caller(Model):
     """Who asked, as the kernel says (SO_PEERCRED), not as the request claims."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -77,7 +79,7 @@ class Caller(BaseModel):
     comm: str = ""
 
 
-class AuditRecord(BaseModel):
+class AuditRecord(Model):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     event: AuditEvent

@@ -8,10 +8,12 @@ raised. ``python3 -m slicebox.model.codes > docs/errors.md`` regenerates the tab
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
+
+from slicebox.model.base import Model
 
 
-class ErrorCode(BaseModel):
+class ErrorCode(Model):
     """One code: the HTTP status it is answered with (``None``: raised by the client only)."""
 
     model_config = ConfigDict(frozen=True)

@@ -41,8 +41,9 @@ import tomllib
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from slicebox.model.base import Model
 from slicebox.model.errors import ConfigError
 from slicebox.model.limits import (
     Ceiling,
@@ -73,7 +74,7 @@ TTL_CEILING_SECONDS = 366 * 24 * 3600
 DEFAULT_EXEC_OUTPUT_BUDGET = 256 * 1024 * 1024
 
 
-class _Strict(BaseModel):
+class _Strict(Model):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 

@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
+from slicebox.model.base import Model
 from slicebox.model.validation import refusal
 
 DEFAULT_TIMEOUT = 30.0
@@ -31,7 +32,7 @@ class OutputStream(StrEnum):
 _BYTES_AS_BASE64 = ConfigDict(frozen=True, ser_json_bytes="base64", val_json_bytes="base64")
 
 
-class ExecRequest(BaseModel):
+class ExecRequest(Model):
     """One command to run in a sandbox. ``argv`` is run without a shell unless ``shell``."""
 
     model_config = ConfigDict(**_BYTES_AS_BASE64, extra="forbid")
@@ -111,7 +112,7 @@ def _shell_form(value: object) -> bool:
     return isinstance(value, list | tuple) and len(value) == 3 and list(value[:2]) == ["sh", "-c"]
 
 
-class StreamChunk(BaseModel):
+class StreamChunk(Model):
     """A piece of output as it was produced, tagged with its stream."""
 
     model_config = _BYTES_AS_BASE64
@@ -120,7 +121,7 @@ class StreamChunk(BaseModel):
     data: bytes
 
 
-class ExecResult(BaseModel):
+class ExecResult(Model):
     """The outcome of one exec. Output is the head of each stream, see the module docstring."""
 
     model_config = _BYTES_AS_BASE64
@@ -137,7 +138,7 @@ class ExecResult(BaseModel):
     duration: float
 
 
-class ExecState(BaseModel):
+class ExecState(Model):
     """What Docker says about an exec: its host pid (0 before start), running, exit code."""
 
     model_config = ConfigDict(frozen=True)

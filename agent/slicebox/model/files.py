@@ -13,7 +13,9 @@ import posixpath
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
+
+from slicebox.model.base import Model
 
 MAX_PATH = 4096  # PATH_MAX: longer names no program in the sandbox could open
 
@@ -29,7 +31,7 @@ class FileKind(StrEnum):
     OTHER = "other"  # a device, socket, FIFO or a dangling symlink
 
 
-class FilesQuery(BaseModel):
+class FilesQuery(Model):
     """``?path=...&format=...`` of a files route, parsed once at the edge."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -57,7 +59,7 @@ class FilesQuery(BaseModel):
         return "./" + posixpath.basename(self.path) if self.path != "/" else "."
 
 
-class FileStat(BaseModel):
+class FileStat(Model):
     """What is at a path in the sandbox (``GET .../files/stat``): what ``slicebox cp`` asks
     before it decides whether a copy goes into a directory or becomes its own name."""
 
@@ -67,7 +69,7 @@ class FileStat(BaseModel):
     kind: FileKind
 
 
-class Transferred(BaseModel):
+class Transferred(Model):
     """A finished upload: where it went and how many bytes of body it took."""
 
     model_config = ConfigDict(frozen=True)

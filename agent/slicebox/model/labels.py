@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ConfigDict, ValidationError
 
+from slicebox.model.base import Model
 from slicebox.model.errors import HostError
 from slicebox.model.validation import Problem, problems
 
@@ -19,7 +20,7 @@ PREFIX = "slicebox."
 MANAGED = f"{PREFIX}managed"
 
 
-class Lineage(BaseModel):
+class Lineage(Model):
     """Everything a container's labels say about where it came from."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -82,7 +83,7 @@ class Lineage(BaseModel):
 VOLUME_MARK = f"{PREFIX}volume"
 
 
-class VolumeLineage(BaseModel):
+class VolumeLineage(Model):
     """A workspace volume's labels: whose it is, the root task it goes with, whether it stays."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -16,8 +16,9 @@ import math
 import re
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, ConfigDict
 
+from slicebox.model.base import Model
 from slicebox.model.errors import InvalidLimit
 from slicebox.model.validation import checked
 
@@ -110,7 +111,7 @@ def nano_cpus(cpus: float) -> int:
     return round(cpus * 1_000_000_000)
 
 
-class Limits(BaseModel):
+class Limits(Model):
     """What one sandbox is provisioned with: all three are always set."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -120,7 +121,7 @@ class Limits(BaseModel):
     pids: int
 
 
-class Ceiling(BaseModel):
+class Ceiling(Model):
     """A slice's ceilings; ``None`` means no limit at that level."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

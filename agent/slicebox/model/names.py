@@ -12,8 +12,9 @@ from __future__ import annotations
 import re
 from pathlib import PurePosixPath
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
+from slicebox.model.base import Model
 from slicebox.model.errors import InvalidName
 from slicebox.model.paths import CGROUP_ROOT
 
@@ -47,7 +48,7 @@ def unescape(part: str) -> str:
     return part.replace(_DASH, "-")
 
 
-class SliceNames(BaseModel):
+class SliceNames(Model):
     """The three slice unit names a sandbox of (user, project) lives under."""
 
     model_config = ConfigDict(frozen=True)
@@ -62,7 +63,7 @@ class SliceNames(BaseModel):
         return SliceCgroups(managed=managed, user=user, project=user / self.project)
 
 
-class SliceCgroups(BaseModel):
+class SliceCgroups(Model):
     """The cgroup directories of the three slices (managed, user, project)."""
 
     model_config = ConfigDict(frozen=True)

@@ -21,8 +21,9 @@ import hashlib
 import re
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
+from slicebox.model.base import Model
 from slicebox.model.limits import Limits, OptionalCpus, OptionalPids, RawSize, parse_size
 from slicebox.model.names import slice_names
 from slicebox.model.spec import Id, Mount
@@ -32,7 +33,7 @@ from slicebox.model.validation import checked
 MAX_POOL_SIZE = 64
 
 
-class PoolConfig(BaseModel):
+class PoolConfig(Model):
     """One ``[[pool]]`` table. Limits, image, network and run_as left out are the sandbox
     defaults, as for a request that leaves them out (so such a request matches)."""
 
@@ -66,7 +67,7 @@ class PoolConfig(BaseModel):
         return checked(lambda: value is None or parse_size("memory", value), value)
 
 
-class PoolKey(BaseModel):
+class PoolKey(Model):
     """What decides a container; two requests with equal keys get equal containers."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -87,7 +88,7 @@ class PoolKey(BaseModel):
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:24]
 
 
-class Lease(BaseModel):
+class Lease(Model):
     """An acquired member's lineage, kept in systemd (its deadline timer's Description)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -129,7 +130,7 @@ def parse_lease(description: str) -> Lease | None:
         return None
 
 
-class PoolStats(BaseModel):
+class PoolStats(Model):
     """One pool as ``GET /v1/pool`` and ``slicebox pool`` show it."""
 
     model_config = ConfigDict(frozen=True)
@@ -149,7 +150,7 @@ class PoolStats(BaseModel):
     held_back: str = ""  # why the refill stops short of ``size`` (the project's headroom)
 
 
-class PoolList(BaseModel):
+class PoolList(Model):
     model_config = ConfigDict(frozen=True)
 
     pools: list[PoolStats]

@@ -5,7 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
+
+from slicebox.model.base import Model
 
 
 class Rule(StrEnum):
@@ -37,7 +39,7 @@ class Kind(StrEnum):
     REMOVE_VOLUME = "remove_volume"
 
 
-class Action(BaseModel):
+class Action(Model):
     """One step of a plan; ``target`` is a sandbox id, container id, unit, directory or
     volume."""
 
@@ -56,7 +58,7 @@ class Action(BaseModel):
     deadline: datetime | None = None
 
 
-class Outcome(BaseModel):
+class Outcome(Model):
     model_config = ConfigDict(frozen=True)
 
     action: Action
@@ -64,7 +66,7 @@ class Outcome(BaseModel):
     message: str = ""
 
 
-class Report(BaseModel):
+class Report(Model):
     """A pass: the plan, and what became of each action (empty on a dry run)."""
 
     model_config = ConfigDict(frozen=True)

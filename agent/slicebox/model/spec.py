@@ -13,7 +13,6 @@ from typing import Annotated
 from urllib.parse import urlsplit
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     SecretStr,
@@ -24,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from slicebox.model.base import Model
 from slicebox.model.validation import refusal
 
 # The serialization context under which a dump carries secrets: a client's request body only.
@@ -50,7 +50,7 @@ class MountKind(StrEnum):
     VOLUME = "volume"
 
 
-class Mount(BaseModel):
+class Mount(Model):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     kind: MountKind = MountKind.BIND
@@ -65,7 +65,7 @@ class WorkspaceKind(StrEnum):
     GIT = "git"  # a fresh volume with a git remote cloned into it before the sandbox is given
 
 
-class Workspace(BaseModel):
+class Workspace(Model):
     """What the sandbox finds at ``/workspace``; without one it is a tmpfs that goes with it.
 
     ``host``: ``path`` is a directory under one of the caller's ``bind_roots``, resolved by
@@ -126,7 +126,7 @@ class Workspace(BaseModel):
         return self
 
 
-class GitCredential(BaseModel):
+class GitCredential(Model):
     """A token for git over HTTP(S), given to git through an askpass helper only: never argv,
     the URL, ``.git/config``, labels, logs or audit. ``hosts`` (``host`` or ``host:port``)
     limits where it is answered; empty: any host the sandbox's git asks for."""
@@ -150,13 +150,13 @@ class GitCredential(BaseModel):
         return token
 
 
-class Credentials(BaseModel):
+class Credentials(Model):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     git: GitCredential | None = None
 
 
-class SandboxSpec(BaseModel):
+class SandboxSpec(Model):
     """What a caller asks for. Everything left out gets the configured secure default."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -15,7 +15,6 @@ from typing import Annotated, Any
 from pydantic import (
     AfterValidator,
     AwareDatetime,
-    BaseModel,
     ConfigDict,
     Field,
     NonNegativeFloat,
@@ -23,6 +22,8 @@ from pydantic import (
     StrictFloat,
     StrictInt,
 )
+
+from slicebox.model.base import Model
 
 
 def _to_utc(value: datetime) -> datetime:
@@ -34,7 +35,7 @@ Bytes = Annotated[StrictInt, Field(ge=0)]
 Seconds = Annotated[StrictFloat | StrictInt, Field(ge=0)]
 
 
-class _Strict(BaseModel):
+class _Strict(Model):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 

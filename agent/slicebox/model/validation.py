@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ConfigDict, ValidationError
 from pydantic_core import ErrorDetails
 
+from slicebox.model.base import Model
 from slicebox.model.errors import (
     InvalidCommand,
     InvalidLimit,
@@ -56,7 +57,7 @@ _WORDING = {
 }
 
 
-class Problem(BaseModel):
+class Problem(Model):
     """One field at fault: its dotted path, its code, and what is wrong with it."""
 
     model_config = ConfigDict(frozen=True)

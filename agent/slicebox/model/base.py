@@ -1,0 +1,18 @@
+"""The base of every slicebox model: its validator is built at its first use, not at import.
+
+Building a pydantic model's core schema is most of what importing slicebox costs: measured in
+the guest (emulated), 2.5-3.5 s of the agent's 8-10 s start and 1.5-2.5 s of each CLI command's
+5 s, for models most processes never use (a CLI command sends one request and reads one answer;
+the agent answers what it is asked). Deferred, each model is built once, at its first
+validation or serialization, and the models a process never uses cost it no memory.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Model(BaseModel):
+    """A pydantic model built on first use (``defer_build``); subclasses add their config."""
+
+    model_config = ConfigDict(defer_build=True)

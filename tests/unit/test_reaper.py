@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
@@ -600,6 +601,30 @@ def test_adoption_happens_once_and_rearms_the_missing_deadline(world: World) -> 
     ]
     assert world.reaper.adopted == {"orphan"}
     assert world.reaper.run().plan == []
+
+
+def test_a_deadline_to_rearm_on_a_sandbox_destroyed_since_the_plan_is_skipped_quietly(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under load the reaper plans from a list a destroy overtakes: a sandbox gone by the time
+    its missing timer would be armed again is nothing to do, not a failure."""
+    world.docker.containers["c-x"] = box("orphan", run="run-old")  # its timer is missing
+    listed = world.docker.find
+
+    def find_then_a_destroy_completes(labels: Mapping[str, str]) -> list[SandboxInfo]:
+        found = listed(labels)
+        world.docker.containers.pop("c-x", None)  # a caller's destroy, after the list
+        return found
+
+    world.docker.find = find_then_a_destroy_completes  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO, logger="slicebox.core.reaper"):
+        report = world.reaper.run()
+    assert [(a.kind, o.result) for a, o in zip(report.plan, report.outcomes, strict=True)] == [
+        (Kind.ADOPT, "ok"),
+        (Kind.ARM_DEADLINE, "skipped"),
+    ]
+    assert {r.levelname for r in caplog.records} == {"INFO"}
+    assert world.systemd.timers == {}
 
 
 def test_in_flight_creates_protect_their_slices(world: World) -> None:

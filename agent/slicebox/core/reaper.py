@@ -24,7 +24,7 @@ from slicebox.core.slices import SliceManager
 from slicebox.host.journal import Auditor
 from slicebox.model.audit import AuditEvent, AuditRecord
 from slicebox.model.config import ReaperConfig
-from slicebox.model.errors import HostError, SliceboxError
+from slicebox.model.errors import HostError, NotFound, SliceboxError
 from slicebox.model.labels import VOLUME_MARK, selector
 from slicebox.model.reaper import Action, Kind, Outcome, Report, Rule
 
@@ -180,7 +180,12 @@ class Reaper:
         return True
 
     def _arm(self, action: Action) -> bool:
-        self._sandboxes.arm_deadline(self._sandboxes.get(action.sandbox_id))
+        try:
+            sandbox = self._sandboxes.get(action.sandbox_id)
+        except NotFound:  # destroyed since the plan was made: nothing left to arm
+            log.info("reaper: %s is gone since the plan; no deadline to arm", action.sandbox_id)
+            return False
+        self._sandboxes.arm_deadline(sandbox)
         return True
 
     def _stop_timer(self, action: Action) -> bool:

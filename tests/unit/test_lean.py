@@ -30,18 +30,23 @@ print(sorted({"aiohttp", "docker", "requests", "urllib3", "lxml", "pystemd.base"
 """
 
 
-def test_the_agent_loads_the_modules_it_uses_and_not_the_rest_of_their_packages() -> None:
-    pytest.importorskip("pystemd.dbuslib")
-    pytest.importorskip("pyroute2")
+def fresh_python(script: str) -> list[str]:
+    """The lines ``script`` prints in a new interpreter that has only the agent on its path."""
     ran = subprocess.run(
-        [sys.executable, "-c", USED],
+        [sys.executable, "-c", script],
         env={"PYTHONPATH": str(AGENT)},
         capture_output=True,
         text=True,
         check=False,
     )
     assert ran.returncode == 0, ran.stderr
-    registered, typed, loaded = ran.stdout.splitlines()
+    return ran.stdout.splitlines()
+
+
+def test_the_agent_loads_the_modules_it_uses_and_not_the_rest_of_their_packages() -> None:
+    pytest.importorskip("pystemd.dbuslib")
+    pytest.importorskip("pyroute2")
+    registered, typed, loaded = fresh_python(USED)
     assert registered == "['pystemd', 'pystemd.systemd1', 'pyroute2']"
     assert "MemoryMax" in typed
     assert loaded == "[]"  # no HTTP framework or docker-py, no lxml, no pyroute2 databases
@@ -69,15 +74,7 @@ print(sorted(m.__qualname__ for m in ours if m.__pydantic_complete__))
 
 
 def test_importing_the_agent_or_the_cli_builds_only_the_models_it_instantiates() -> None:
-    ran = subprocess.run(
-        [sys.executable, "-c", MODELS],
-        env={"PYTHONPATH": str(AGENT)},
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert ran.returncode == 0, ran.stderr
-    count, eager, built = ran.stdout.splitlines()
+    count, eager, built = fresh_python(MODELS)
     assert int(count) > 50
     assert eager == "[]", "every model derives from slicebox.model.base.Model"
     # Built at import: only those a module makes an instance of (defaults, the code table).

@@ -42,7 +42,7 @@ from slicebox.backends.base import (
     StdinSource,
     VolumeInfo,
 )
-from slicebox.backends.dockerapi import EngineApi, Query, message_of
+from slicebox.backends.dockerapi import EngineApi, answer_json, message_of
 from slicebox.backends.dockerjson import DockerJsonApi
 from slicebox.backends.dockerstream import (
     AsyncRawExecAttachment,
@@ -231,7 +231,7 @@ class DockerBackend:
 
     def availability(self) -> Availability:
         try:
-            version = self._engine.call("GET", "/version", "the version")
+            version = self._engine.daemon_version()
         except SliceboxError as exc:
             return Availability(kind=self.kind, available=False, detail=exc.message)
         detail = f"Docker {version.get('Version')} (API {version.get('ApiVersion')})"
@@ -279,19 +279,17 @@ class DockerBackend:
                 f"image of {request.name} not found ({message_of(text)}); "
                 "pull or load it, or choose another"
             )
-        if status >= 300:
-            raise map_status(status, message_of(text), request.name)
-        return json.loads(text)
+        return answer_json(status, text, request.name, map_status)
 
     def inspect(self, backend_id: str) -> SandboxInfo | None:
         try:
-            attrs = self._call("GET", f"/containers/{_part(backend_id)}/json", backend_id)
+            attrs = self._engine.call("GET", f"/containers/{_part(backend_id)}/json", backend_id)
         except SandboxNotFound:
             return None
         return _inspected(attrs)
 
     def find(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
-        found = self._call(
+        found = self._engine.call(
             "GET", "/containers/json", "the list", query={"all": 1, "filters": _labels(labels)}
         )
         return [_listed(entry) for entry in found or []]
@@ -302,7 +300,7 @@ class DockerBackend:
 
     def _remove(self, backend_id: str) -> bool:
         try:
-            self._call(
+            self._engine.call(
                 "DELETE",
                 f"/containers/{_part(backend_id)}",
                 backend_id,
@@ -316,18 +314,18 @@ class DockerBackend:
 
     def volume(self, name: str) -> VolumeInfo | None:
         try:
-            attrs = self._call("GET", f"/volumes/{_part(name)}", f"volume {name}")
+            attrs = self._engine.call("GET", f"/volumes/{_part(name)}", f"volume {name}")
         except SandboxNotFound:
             return None
         return _volume(attrs)
 
     def create_volume(self, name: str, labels: Mapping[str, str]) -> VolumeInfo:
         body = {"Name": name, "Driver": "local", "Labels": dict(labels)}
-        return _volume(self._call("POST", "/volumes/create", f"volume {name}", body=body))
+        return _volume(self._engine.call("POST", "/volumes/create", f"volume {name}", body=body))
 
     def remove_volume(self, name: str) -> bool:
         try:
-            self._call("DELETE", f"/volumes/{_part(name)}", f"volume {name}")
+            self._engine.call("DELETE", f"/volumes/{_part(name)}", f"volume {name}")
         except SandboxNotFound:
             return False
         except SliceboxError as exc:
@@ -338,13 +336,15 @@ class DockerBackend:
         return True
 
     def volumes(self, labels: Mapping[str, str]) -> list[VolumeInfo]:
-        found = self._call("GET", "/volumes", "the volumes", query={"filters": _labels(labels)})
+        found = self._engine.call(
+            "GET", "/volumes", "the volumes", query={"filters": _labels(labels)}
+        )
         return [_volume(entry) for entry in (found or {}).get("Volumes") or []]
 
     # --- exec primitives ------------------------------------------------------------------
 
     def sandbox_pid(self, backend_id: str) -> int:
-        attrs = self._call("GET", f"/containers/{_part(backend_id)}/json", backend_id)
+        attrs = self._engine.call("GET", f"/containers/{_part(backend_id)}/json", backend_id)
         state = attrs["State"]
         if not state.get("Running") or state.get("Paused"):
             raise SandboxNotRunning(
@@ -356,7 +356,9 @@ class DockerBackend:
         self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
     ) -> str:
         path = f"/containers/{_part(backend_id)}/exec"
-        created = self._call("POST", path, backend_id, body=exec_body(request, streamed_stdin))
+        created = self._engine.call(
+            "POST", path, backend_id, body=exec_body(request, streamed_stdin)
+        )
         return str(created["Id"])
 
     def exec_start(self, exec_id: str, stdin: bytes) -> RawExecAttachment:
@@ -376,7 +378,7 @@ class DockerBackend:
             raise map_status(exc.status, exc.text, f"of exec {exec_id}") from exc
 
     def exec_inspect(self, exec_id: str) -> ExecState:
-        return _exec_state(self._call("GET", f"/exec/{_part(exec_id)}/json", exec_id))
+        return _exec_state(self._engine.call("GET", f"/exec/{_part(exec_id)}/json", exec_id))
 
     # --- the same calls on the event loop (backends.dockerjson) ---------------------------
 
@@ -422,20 +424,9 @@ class DockerBackend:
     def _url(self) -> str:
         return self._endpoint.base_url
 
-    def _call(
-        self,
-        method: str,
-        path: str,
-        what: str,
-        *,
-        query: Query | None = None,
-        body: Mapping[str, Any] | None = None,
-    ) -> Any:
-        return self._engine.call(method, self._engine.versioned(path), what, query=query, body=body)
-
     def _has_image(self, image: str) -> bool:
         try:
-            self._call("GET", f"/images/{quote(image, safe='/:@')}/json", image)
+            self._engine.call("GET", f"/images/{quote(image, safe='/:@')}/json", image)
         except (ImageUnavailable, SandboxNotFound):
             return False
         return True

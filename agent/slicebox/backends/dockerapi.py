@@ -69,9 +69,13 @@ class EngineApi:
     def version(self) -> str:
         """The API version calls use: the daemon's, asked at the first call that needs it."""
         if self._version is None:
-            said = self.call("GET", "/version", "the version")
-            self._version = str(said["ApiVersion"])
-        return self._version
+            self.settle(str(self.daemon_version()["ApiVersion"]))
+        return self.known_version()
+
+    def daemon_version(self) -> Any:
+        """The daemon's ``/version`` answer (the one path without an API version)."""
+        status, text = self.request("GET", "/version")
+        return answer_json(status, text, "the version", self._refusal)
 
     def known_version(self) -> str:
         """The API version, if known already; LookupError before it is."""
@@ -98,15 +102,10 @@ class EngineApi:
         query: Query | None = None,
         body: Mapping[str, Any] | None = None,
     ) -> Any:
-        """The JSON answer (None for an empty one) to ``method path``; a status of 300 or more
-        is raised as the backend maps it, about ``what``."""
-        status, text = self.request(method, path, query=query, body=body)
-        if status >= 300:
-            raise self._refusal(status, message_of(text), what)
-        try:
-            return json.loads(text) if text else None
-        except ValueError as exc:
-            raise HostError(f"Docker answered {what} with no JSON: {text[:200]!r}") from exc
+        """The JSON answer (None for an empty one) to ``method path`` at the API version; a
+        status of 300 or more is raised as the backend maps it, about ``what``."""
+        status, text = self.request(method, self.versioned(path), query=query, body=body)
+        return answer_json(status, text, what, self._refusal)
 
     def request(
         self,
@@ -181,6 +180,17 @@ def _dropped(conn: http.client.HTTPConnection) -> bool:
         return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
+
+
+def answer_json(status: int, text: str, what: str, refusal: StatusMapper) -> Any:
+    """The daemon's answer ``text`` as JSON (None when empty); a refusal (300 and above) raised
+    as ``refusal`` maps it."""
+    if status >= 300:
+        raise refusal(status, message_of(text), what)
+    try:
+        return json.loads(text) if text else None
+    except ValueError as exc:
+        raise HostError(f"Docker answered {what} with no JSON: {text[:200]!r}") from exc
 
 
 def message_of(text: str) -> str:

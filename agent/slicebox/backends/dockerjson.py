@@ -18,7 +18,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from slicebox.backends.dockerapi import StatusMapper, message_of
+from slicebox.backends.dockerapi import StatusMapper, answer_json
 from slicebox.backends.dockerstream import DockerEndpoint
 from slicebox.model.errors import HostError, SliceboxError
 from slicebox.web.client import HttpClient
@@ -60,12 +60,7 @@ class DockerJsonApi:
                 status, text = answer.status, (await answer.read()).decode(errors="replace")
         except (ProtocolError, OSError) as exc:  # TimeoutError is an OSError
             raise self._endpoint_failed(exc) from exc
-        if status >= 300:
-            raise self._refusal(status, message_of(text), what)
-        try:
-            return json.loads(text) if text else None
-        except ValueError as exc:
-            raise HostError(f"Docker answered {what} with no JSON: {text[:200]!r}") from exc
+        return answer_json(status, text, what, self._refusal)
 
     def _pool(self) -> HttpClient:
         loop = asyncio.get_running_loop()

@@ -412,11 +412,11 @@ class DockerBackend:
     async def _api_version(self) -> str:
         """The threads' API version, once known; else asked of the daemon on the loop (asking
         it through the threads' client would block the loop on the same question)."""
-        try:
-            return self._engine.known_version()
-        except LookupError:
-            said = await self._json.get("/version", "the version")
-            return self._engine.settle(str(said["ApiVersion"]))
+        known = self._engine.known_version
+        if known is not None:
+            return known
+        said = await self._json.get("/version", "the version")
+        return self._engine.settle(str(said["ApiVersion"]))
 
     # --- the client -----------------------------------------------------------------------
 

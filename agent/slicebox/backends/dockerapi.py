@@ -68,19 +68,17 @@ class EngineApi:
     @property
     def version(self) -> str:
         """The API version calls use: the daemon's, asked at the first call that needs it."""
-        if self._version is None:
-            self.settle(str(self.daemon_version()["ApiVersion"]))
-        return self.known_version()
+        known = self._version
+        return known if known is not None else self.settle(str(self.daemon_version()["ApiVersion"]))
 
     def daemon_version(self) -> Any:
         """The daemon's ``/version`` answer (the one path without an API version)."""
         status, text = self.request("GET", "/version")
         return answer_json(status, text, "the version", self._refusal)
 
-    def known_version(self) -> str:
-        """The API version, if known already; LookupError before it is."""
-        if self._version is None:
-            raise LookupError("the daemon's API version is not known yet")
+    @property
+    def known_version(self) -> str | None:
+        """The API version, if known already."""
         return self._version
 
     def settle(self, version: str) -> str:
@@ -127,11 +125,7 @@ class EngineApi:
             text = answer.read().decode(errors="replace")
         except (OSError, http.client.HTTPException) as exc:
             self._drop(conn)
-            if isinstance(exc, TimeoutError):
-                raise HostError(
-                    f"Docker did not answer within {self._timeout:.0f}s; is it busy?"
-                ) from exc
-            raise self._endpoint.unreachable(OSError(str(exc) or type(exc).__name__)) from exc
+            raise call_failed(self._endpoint, exc, self._timeout) from exc
         if answer.will_close:
             self._drop(conn)
         return answer.status, text
@@ -180,6 +174,14 @@ def _dropped(conn: http.client.HTTPConnection) -> bool:
         return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
+
+
+def call_failed(endpoint: DockerEndpoint, exc: BaseException, timeout: float) -> SliceboxError:
+    """A call to the daemon that got no answer: HostError when it did not answer within
+    ``timeout``, else Unavailable (nothing listens, or the connection broke)."""
+    if isinstance(exc, TimeoutError):
+        return HostError(f"Docker did not answer within {timeout:.0f}s; is it busy?")
+    return endpoint.unreachable(OSError(str(exc) or type(exc).__name__))
 
 
 def answer_json(status: int, text: str, what: str, refusal: StatusMapper) -> Any:

@@ -18,9 +18,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from slicebox.backends.dockerapi import StatusMapper, answer_json
+from slicebox.backends.dockerapi import StatusMapper, answer_json, call_failed
 from slicebox.backends.dockerstream import DockerEndpoint
-from slicebox.model.errors import HostError, SliceboxError
 from slicebox.web.client import HttpClient
 from slicebox.web.message import ProtocolError
 
@@ -59,7 +58,7 @@ class DockerJsonApi:
                 answer = await self._pool().request(method, path, body=data, headers=headers)
                 status, text = answer.status, (await answer.read()).decode(errors="replace")
         except (ProtocolError, OSError) as exc:  # TimeoutError is an OSError
-            raise self._endpoint_failed(exc) from exc
+            raise call_failed(self._endpoint, exc, CALL_TIMEOUT) from exc
         return answer_json(status, text, what, self._refusal)
 
     def _pool(self) -> HttpClient:
@@ -74,8 +73,3 @@ class DockerJsonApi:
                 )
             self._loop = loop
         return self._client
-
-    def _endpoint_failed(self, exc: BaseException) -> SliceboxError:
-        if isinstance(exc, TimeoutError):
-            return HostError(f"Docker did not answer within {CALL_TIMEOUT:.0f}s; is it busy?")
-        return self._endpoint.unreachable(OSError(str(exc)))

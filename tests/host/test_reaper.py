@@ -238,18 +238,32 @@ def container_exists(container_id: str) -> bool:
 BURN = "i=0; while [ $i -lt 5000 ]; do i=$((i+1)); done"  # light: an emulated guest is slow
 
 
-def test_a_deadline_passing_while_the_agent_is_stopped_is_expired_and_audited_by_its_timer(
+def test_deadlines_hold_while_the_agent_is_stopped_an_expiry_by_its_timer_an_extension_too(
     agent: Client,
 ) -> None:
-    """The timer runs ``sliceboxd expire``: the final usage read from the live cgroup, one
-    ``expired`` record, the container removed, with no agent running.
+    """One minute of real time for two deadlines. ``doomed``'s timer runs ``sliceboxd expire``:
+    the final usage read from the live cgroup, one ``expired`` record, the container removed,
+    with no agent running. ``kept`` was extended before the agent stopped: the new deadline
+    lives in systemd alone (the label keeps the original), so the original passes, agent or no
+    agent, and nothing expires it.
     A minute of TTL leaves an emulated guest time to create, exec and stop the agent."""
-    box = agent.request("POST", "/sandboxes", {"project": "ttl", "ttl_seconds": 60})
-    sandbox_id, container = box["id"], box["container_id"]
-    expires = datetime.fromisoformat(box["expires_at"])
+    doomed = agent.request("POST", "/sandboxes", {"project": "ttl", "ttl_seconds": 60})
+    kept = agent.request("POST", "/sandboxes", {"project": "ext", "ttl_seconds": 60})
+    sandbox_id, container = doomed["id"], doomed["container_id"]
+    expires = datetime.fromisoformat(doomed["expires_at"])
     [timer] = timers_of(sandbox_id)
     service = timer.removesuffix(".timer") + ".service"
     assert "sliceboxd expire " + sandbox_id in prop(service, "ExecStart")
+
+    extended = agent.request("POST", f"/sandboxes/{kept['id']}/deadline", {"ttl_seconds": 600})
+    assert datetime.fromisoformat(extended["expires_at"]) > datetime.now(UTC) + timedelta(
+        seconds=500
+    )
+    labels = json.loads(sh("docker", "inspect", kept["container_id"]).stdout)[0]["Config"]
+    labelled = datetime.fromisoformat(labels["Labels"]["slicebox.expires_at"])
+    assert labelled == datetime.fromisoformat(kept["expires_at"]), "the label keeps the original"
+    assert len(timers_of(kept["id"])) == 1, "the original timer went with the extension"
+
     burnt = agent.request("POST", f"/sandboxes/{sandbox_id}/exec", {"argv": ["sh", "-c", BURN]})
     assert burnt["exit_code"] == 0
     sh("systemctl", "stop", "slicebox.service", "slicebox.socket")
@@ -257,7 +271,9 @@ def test_a_deadline_passing_while_the_agent_is_stopped_is_expired_and_audited_by
         assert datetime.now(UTC) < expires, "the agent must be stopped before the deadline"
         wait_for(lambda: not container_exists(container), timeout=180, step=1)
         wait_for(lambda: not timers_of(sandbox_id) and not active(service), timeout=60, step=1)
+        time.sleep(max((labelled - datetime.now(UTC)).total_seconds() + 5, 0))
         assert not active("slicebox.service"), "nothing of the agent ran meanwhile"
+        assert container_exists(kept["container_id"]), "the extended sandbox outlives its label"
     finally:
         sh("systemctl", "start", "slicebox.socket")
     wait_for(lambda: bool(reaper_records(sandbox_id)), timeout=30)
@@ -270,36 +286,25 @@ def test_a_deadline_passing_while_the_agent_is_stopped_is_expired_and_audited_by
     written = datetime.fromtimestamp(int(record["__REALTIME_TIMESTAMP"]) / 1e6, UTC)
     assert expires - timedelta(seconds=1) <= written <= expires + timedelta(seconds=120)
     # The agent comes back (its start-up pass runs before it answers) and finds nothing to do
-    # for the sandbox; its reaper stops the emptied slices (the tests' grace is 0).
-    assert agent.request("GET", "/sandboxes") == []
+    # for the expired sandbox; its reaper stops the emptied slice (the tests' grace is 0).
+    assert [s["id"] for s in agent.request("GET", "/sandboxes")] == [kept["id"]]
     report = agent.request("POST", "/reaper", {})
-    assert [a for a in report["plan"] if a["sandbox_id"] == sandbox_id] == []
+    assert [a for a in report["plan"] if a["sandbox_id"] in (sandbox_id, kept["id"])] == []
     assert len(reaper_records(sandbox_id)) == 1, "no second record, start-up pass included"
     assert not slicebox_units("slicebox-root-ttl.slice")
-    assert not slicebox_units("slicebox-root.slice")
 
-
-def test_extending_a_deadline_needs_no_relabelling(agent: Client) -> None:
-    # The first deadline must not pass before the extension: an emulated guest under load can
-    # take tens of seconds for a create, so give it a minute and sleep only until it is past.
-    box = agent.request("POST", "/sandboxes", {"project": "ext", "ttl_seconds": 60})
-    extended = agent.request("POST", f"/sandboxes/{box['id']}/deadline", {"ttl_seconds": 600})
-    assert datetime.fromisoformat(extended["expires_at"]) > datetime.now(UTC) + timedelta(
-        seconds=500
-    )
-    labels = json.loads(sh("docker", "inspect", box["container_id"]).stdout)[0]["Config"]["Labels"]
-    labelled = datetime.fromisoformat(labels["slicebox.expires_at"])
-    assert labelled == datetime.fromisoformat(box["expires_at"]), "the label keeps the original"
-    assert len(timers_of(box["id"])) == 1
-    time.sleep(max((labelled - datetime.now(UTC)).total_seconds() + 5, 0))
-    assert agent.request("GET", f"/sandboxes/{box['id']}")["expires_at"] == extended["expires_at"]
-    ran = agent.request("POST", f"/sandboxes/{box['id']}/exec", {"argv": ["echo", "alive"]})
+    # The extended one answers with its systemd deadline, runs, and refuses a TTL of 0.
+    assert agent.request("GET", f"/sandboxes/{kept['id']}")["expires_at"] == extended["expires_at"]
+    ran = agent.request("POST", f"/sandboxes/{kept['id']}/exec", {"argv": ["echo", "alive"]})
     assert ran["exit_code"] == 0
     refused = subprocess.run(
-        ["slicebox", "extend", box["id"], "0"], capture_output=True, text=True, check=False
+        ["slicebox", "extend", kept["id"], "0"], capture_output=True, text=True, check=False
     )
     assert refused.returncode == 2
     assert "invalid_ttl" in refused.stderr
+    assert agent.request("DELETE", f"/sandboxes/{kept['id']}")["destroyed"] is True
+    agent.request("POST", "/reaper", {})
+    assert not slicebox_units("slicebox-root.slice")
 
 
 def test_the_reap_command_prints_the_plan_and_only_admins_may_run_it(agent: Client) -> None:

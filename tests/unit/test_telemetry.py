@@ -162,8 +162,8 @@ def test_vanished_slice_drops_memory_bytes(tree_root: Path) -> None:
 
 
 def test_network_none_zero_is_a_reading() -> None:
-    assert total_bytes([LinkCounters("lo", 500, 500, loopback=True)]) == 0
-    links = [LinkCounters("lo", 9, 9, True), LinkCounters("eth0", 10, 20, False)]
+    assert total_bytes([LinkCounters(1, 500, 500)]) == 0  # lo
+    links = [LinkCounters(1, 9, 9), LinkCounters(2, 10, 20)]
     assert total_bytes(links) == 30
 
 
@@ -342,27 +342,30 @@ def test_usage_many_reads_each_slice_once_and_matches_single_reads(tree_root: Pa
     assert [u.cpu_seconds for u in many] == [2.5, 1e-6]
 
 
-class FakeLinkMessage:
-    """The parts of a pyroute2 RTM_NEWLINK message that link_counters reads."""
+class FakeStatsMessage:
+    """The parts of a pyroute2 RTM_NEWSTATS message that link_counters reads."""
 
-    def __init__(self, name: str, flags: int, stats: dict[str, int] | None) -> None:
-        self.attrs: dict[str, object] = {"IFLA_IFNAME": name, "IFLA_STATS64": stats}
-        self.flags = flags
+    def __init__(self, index: int, stats: dict[str, int] | None) -> None:
+        self.attrs: dict[str, object] = {"IFLA_STATS_LINK_64": stats}
+        self.index = index
 
     def get_attr(self, key: str) -> object:
         return self.attrs.get(key)
 
     def __getitem__(self, key: str) -> int:
-        assert key == "flags"
-        return self.flags
+        assert key == "ifindex"
+        return self.index
 
 
-def test_link_counters_mark_loopback_by_flag_and_name() -> None:
-    eth = link_counters(FakeLinkMessage("eth0", 0x1043, {"rx_bytes": 7, "tx_bytes": 5}))
-    lo_flag = link_counters(FakeLinkMessage("weird", 0x8, {"rx_bytes": 1, "tx_bytes": 1}))
-    assert eth == LinkCounters("eth0", 7, 5, loopback=False)
-    assert lo_flag.loopback
-    assert total_bytes([eth, lo_flag]) == 12
+def test_link_counters_take_link_1_for_loopback_and_sum_the_rest() -> None:
+    eth = link_counters(FakeStatsMessage(7, {"rx_bytes": 7, "tx_bytes": 5}))
+    lo = link_counters(FakeStatsMessage(1, {"rx_bytes": 1, "tx_bytes": 1}))
+    bare = link_counters(FakeStatsMessage(9, None))
+    assert eth == LinkCounters(7, 7, 5)
+    assert lo.loopback
+    assert not eth.loopback
+    assert bare == LinkCounters(9, 0, 0)
+    assert total_bytes([eth, lo, bare]) == 12
 
 
 def test_netns_of_a_gone_pid_reads_none(tmp_path: Path) -> None:

@@ -5,6 +5,13 @@ over netlink with pyroute2: the calling thread enters the container's namespace 
 to open a netlink socket (a socket stays bound to the namespace it was created in) and returns
 at once. No subprocess, no fork, no Docker call. A sandbox with network ``none`` has only ``lo``
 and so reads a real ``0``; a sandbox whose init process is gone reads ``None``.
+
+The counters are asked for with ``RTM_GETSTATS`` and the 64-bit link statistics alone, not with
+a whole link dump: pyroute2 decodes every attribute of every link it is sent (some fifty for
+each), which made the dump most of a destroy's final usage read (measured in the guest: 3.4 ms
+to decode a sandbox's one ``lo`` against 1.5 ms for its statistics, 15x that under load).
+Statistics carry no name or flags; loopback is link 1 in every namespace (the kernel's
+``LOOPBACK_IFINDEX``).
 """
 
 from __future__ import annotations
@@ -21,16 +28,21 @@ from slicebox.model.errors import HostError
 
 log = logging.getLogger(__name__)
 
-IFF_LOOPBACK = 0x8
+LOOPBACK_INDEX = 1  # the kernel's LOOPBACK_IFINDEX: lo is link 1 in every network namespace
+IFLA_STATS_LINK_64 = 1
+STATS_LINK_64 = 1 << (IFLA_STATS_LINK_64 - 1)  # IFLA_STATS_FILTER_BIT: these statistics only
 _GONE = frozenset({errno.ENOENT, errno.ESRCH})
 
 
 @dataclass(frozen=True, slots=True)
 class LinkCounters:
-    name: str
+    index: int
     rx_bytes: int
     tx_bytes: int
-    loopback: bool
+
+    @property
+    def loopback(self) -> bool:
+        return self.index == LOOPBACK_INDEX
 
 
 class NetCounters(Protocol):
@@ -45,11 +57,12 @@ def total_bytes(links: Iterable[LinkCounters]) -> int:
 
 
 def link_counters(message: Any) -> LinkCounters:
-    """One RTM_NEWLINK message (pyroute2 ifinfmsg) as counters."""
-    stats = message.get_attr("IFLA_STATS64") or message.get_attr("IFLA_STATS") or {}
-    name = str(message.get_attr("IFLA_IFNAME") or "")
-    loopback = bool(int(message["flags"]) & IFF_LOOPBACK) or name == "lo"
-    return LinkCounters(name, int(stats["rx_bytes"] or 0), int(stats["tx_bytes"] or 0), loopback)
+    """One RTM_NEWSTATS message (pyroute2 ifstatsmsg, asked for ``STATS_LINK_64``) as counters;
+    a link whose statistics are missing counts 0."""
+    index, stats = int(message["ifindex"]), message.get_attr("IFLA_STATS_LINK_64")
+    if not stats:
+        return LinkCounters(index, 0, 0)
+    return LinkCounters(index, int(stats["rx_bytes"] or 0), int(stats["tx_bytes"] or 0))
 
 
 class NetnsCounters:
@@ -73,7 +86,7 @@ class NetnsCounters:
     def _links(self, target: int) -> list[LinkCounters]:
         with _netlink_in(target) as ipr:
             try:
-                return [link_counters(m) for m in ipr.get_links()]
+                return [link_counters(m) for m in ipr.stats("dump", filter_mask=STATS_LINK_64)]
             except Exception as exc:
                 raise HostError(f"netlink link dump failed: {exc}") from exc
 

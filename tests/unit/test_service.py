@@ -44,12 +44,19 @@ T = TypeVar("T")
 
 
 class World:
-    def __init__(self, tmp: Path, budget: OutputBudget | None = None) -> None:
-        self.systemd = FakeSystemd()
+    """An agent over fakes of Docker and systemd; ``after``: an agent started anew on the
+    fakes (the host) of another, which knows of its sandboxes only what the host says."""
+
+    def __init__(
+        self, tmp: Path, budget: OutputBudget | None = None, *, after: World | None = None
+    ) -> None:
+        self.systemd: FakeSystemd = after.systemd if after else FakeSystemd()
         clock, self.host = FakeClock(), FakeSandboxHost()
         self.run = FakeExec([[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None])
         self.exec_api = FakeExecApi(clock, self.host, self.run)
-        self.docker = FakeDocker(self.systemd, execs=self.exec_api)
+        self.docker: FakeDocker = (
+            after.docker if after else FakeDocker(self.systemd, execs=self.exec_api)
+        )
         # Every call the agent makes to Docker and systemd, as "docker.find", "systemd.stop"...
         self.calls: Counter[str] = Counter()
         docker = counting(self.docker, self.calls, "docker")
@@ -173,24 +180,57 @@ def test_a_destroy_costs_the_same_few_calls_however_many_sandboxes_exist(world: 
     )
 
 
-def test_a_destroy_through_the_socket_looks_the_sandbox_up_on_the_loop(world: World) -> None:
-    """The route's destroy: the same calls, its look-up on the event loop, not through
-    docker-py on a worker thread; another user's sandbox is as absent as a missing one."""
+def test_a_destroy_through_the_socket_of_a_sandbox_the_agent_made_needs_no_look_up(
+    world: World,
+) -> None:
+    """The route's destroy: what it needs of a sandbox this agent made (container, user,
+    project, lineage) is in its labels, which never change, so no inspect goes to Docker;
+    another user's sandbox is as absent as a missing one, and nothing of it is removed."""
     target = world.create(ALICE)
-    assert on_loop(world.service.adestroy(BOB, target, inline)).destroyed is False
     world.calls.clear()
+    assert on_loop(world.service.adestroy(BOB, target, inline)).destroyed is False
+    assert dict(world.calls) == {}
     done = on_loop(world.service.adestroy(ALICE, target, inline))
     assert done.destroyed
     assert done.usage is not None
     assert dict(world.calls) == {
-        "docker.inspect_async": 1,
         "docker.remove": 1,
         "systemd.invocation": 1,
         "systemd.list_units": 1,
         "systemd.stop": 1,
     }
+    assert world.journal.events()[-1] == ("sandbox_destroyed", "ok")
+    world.calls.clear()
+    assert on_loop(world.service.adestroy(ALICE, target, inline)).destroyed is False
+    assert dict(world.calls) == {"docker.inspect_async": 1}, "forgotten with its removal"
+
+
+def test_a_restarted_agent_looks_a_sandbox_up_on_the_loop_before_its_destroy(
+    world: World, tmp_path: Path
+) -> None:
+    target = world.create(ALICE)
+    restarted = World(tmp_path, after=world)
+    assert on_loop(restarted.service.adestroy(BOB, target, inline)).destroyed is False
+    assert dict(restarted.calls) == {"docker.inspect_async": 1}
+    restarted.calls.clear()
+    assert on_loop(restarted.service.adestroy(ALICE, target, inline)).destroyed
+    assert restarted.calls["docker.inspect_async"] == 0, "known since the look-up before"
+    assert restarted.calls["docker.remove"] == 1
+    assert restarted.service.list_sandboxes(ALICE) == []
+
+
+def test_a_known_sandbox_removed_behind_the_agents_back_is_destroyed_false(
+    world: World,
+) -> None:
+    """Say its timer expired it while the agent ran: the destroy finds it gone, as the second
+    of two destroys does, and says so in its record."""
+    target = world.create(ALICE)
+    world.docker.remove(world.sandboxes.get(target).container_id)
+    world.calls.clear()
     assert on_loop(world.service.adestroy(ALICE, target, inline)).destroyed is False
     assert world.journal.events()[-1] == ("sandbox_destroyed", "ok")
+    assert "gone already" in str(world.journal.entries[-1].get("SLICEBOX_DETAIL"))
+    assert world.calls["docker.remove"] == 1
 
 
 def test_a_destroy_while_another_removal_runs_answers_false_and_no_error(world: World) -> None:

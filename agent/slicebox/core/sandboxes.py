@@ -78,6 +78,9 @@ ASIDE_THREADS = 8
 # Images a create of this agent found present, the most recently used kept: a create with one
 # of them does not ask the backend about the image first (see ``SandboxManager._start``).
 KNOWN_IMAGES = 64
+# Sandboxes known by id, the most recently used kept (``SandboxManager.known``): a few KiB each,
+# more than a host runs at once (the load test's 200 with room to spare).
+KNOWN_SANDBOXES = 1024
 T = TypeVar("T")
 # What Docker accepts as a container name: anything else is no sandbox's id, and never reaches
 # Docker's API as part of a path.
@@ -208,6 +211,14 @@ class SandboxManager:
         # Image -> None, least recently used first: the images known present (KNOWN_IMAGES).
         self._images: dict[str, None] = {}
         self._imaging = threading.Lock()
+        # Sandbox id -> the sandbox as this agent made or last looked it up, least recently
+        # used first (KNOWN_SANDBOXES): what a destroy needs of it (its container, user,
+        # project, lineage) is its labels', which never change, so a destroy of a known
+        # sandbox makes no look-up (an inspect). One removed behind the agent's back (its
+        # timer's expiry, a `docker rm`) stays known until a destroy finds it gone, as the
+        # second of two destroys at once does. No pool member: its lease is systemd's.
+        self._known: dict[str, Sandbox] = {}
+        self._knowing = threading.Lock()
         # Threads for a step that runs beside a request's own (a destroy's disarm). Kept, not
         # one per request: each keeps its system-bus connection (see host.systemd).
         self._aside = ThreadPoolExecutor(ASIDE_THREADS, thread_name_prefix="slicebox-aside")
@@ -337,7 +348,7 @@ class SandboxManager:
             info.id[:12],
             admitted.placement.names.project,
         )
-        return Sandbox.from_info(info)
+        return self._remember(Sandbox.from_info(info))
 
     def admitted(self, spec: SandboxSpec, owner: tuple[int, int] | None = None) -> Admitted:
         """The spec through policy and admission, with who it runs as decided: what a create
@@ -532,7 +543,7 @@ class SandboxManager:
         however many containers there are (a list filtered by label goes through them all);
         its labels still decide whether it is that sandbox."""
         info = self._backend.inspect(sandbox_id) if CONTAINER_NAME.fullmatch(sandbox_id) else None
-        sandbox = _found(info, sandbox_id)
+        sandbox = self._remember(_found(info, sandbox_id))
         if sandbox.lineage.pool:  # its lineage and deadline are its lease's
             return self.with_lease(sandbox)
         if current_deadline and self._deadlines is not None:
@@ -544,7 +555,31 @@ class SandboxManager:
         """``get`` on the running event loop (the deadline its labels give). A pool member
         comes without its lease, which is systemd's: the caller reads it (``with_lease``)."""
         named = CONTAINER_NAME.fullmatch(sandbox_id)
-        return _found(await self._backend.inspect_async(sandbox_id) if named else None, sandbox_id)
+        info = await self._backend.inspect_async(sandbox_id) if named else None
+        return self._remember(_found(info, sandbox_id))
+
+    def known(self, sandbox_id: str) -> Sandbox | None:
+        """The sandbox as this agent made or last looked it up, if it did: its lineage is
+        current (labels never change), its state may not be, and it may be gone since."""
+        with self._knowing:
+            sandbox = self._known.pop(sandbox_id, None)
+            if sandbox is not None:
+                self._known[sandbox_id] = sandbox  # most recently used last
+            return sandbox
+
+    def _remember(self, sandbox: Sandbox) -> Sandbox:
+        if sandbox.lineage.pool:
+            return sandbox
+        with self._knowing:
+            self._known.pop(sandbox.id, None)
+            self._known[sandbox.id] = sandbox
+            while len(self._known) > KNOWN_SANDBOXES:
+                del self._known[next(iter(self._known))]
+        return sandbox
+
+    def _unknown(self, sandbox_id: str) -> None:
+        with self._knowing:
+            self._known.pop(sandbox_id, None)
 
     def find(self, **labels: str) -> list[Sandbox]:
         """Sandboxes whose lineage matches, e.g. ``find(user='alice', root_task_id='t1')``: by
@@ -605,6 +640,7 @@ class SandboxManager:
             if after is not None:
                 after()
         self._vacate(sandbox)
+        self._unknown(sandbox.id)
         if gone:
             self.forget(sandbox)
         log.info("destroyed %s" if gone else "%s was gone or going already", sandbox.id)

@@ -150,9 +150,16 @@ class Service:
 
     async def adestroy(self, who: Identity, sandbox_id: str, blocking: Blocking) -> Destroyed:
         """``destroy``, its look-up made on the event loop (as an exec's is), the rest through
-        ``blocking``."""
+        ``blocking``. A sandbox the agent knows (it made it, or looked it up before) needs no
+        look-up: what a destroy reads of it never changes; one gone since answers false, as the
+        second of two destroys does."""
         try:
-            sandbox = await self._avisible(who, sandbox_id, blocking)
+            known = self._sandboxes.known(sandbox_id)
+            sandbox = (
+                self._visible_to(who, known, sandbox_id)
+                if known is not None
+                else await self._avisible(who, sandbox_id, blocking)
+            )
         except NotFound:
             return Destroyed(id=sandbox_id, destroyed=False)
         return await blocking(functools.partial(self._destroy, who, sandbox))
@@ -250,6 +257,8 @@ class Service:
                 look = functools.partial(_read, usage)
             gone, usage = self._sandboxes.destroy_sandbox(sandbox, look)
             record["usage"] = usage.to_wire() if usage else None
+            if not gone:
+                record["detail"] = "gone already: another removal took it"
             return Destroyed(id=sandbox.id, destroyed=gone, usage=usage)
 
     # --- exec ------------------------------------------------------------------------------

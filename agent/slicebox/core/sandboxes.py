@@ -47,6 +47,7 @@ from slicebox.core.policy import (
     runs_as_root,
     workspace_mount,
 )
+from slicebox.core.recent import Recent
 from slicebox.core.slices import SliceManager
 from slicebox.host.beneath import BindGuard, KernelBindGuard, Pinned
 from slicebox.model.base import Model
@@ -208,17 +209,15 @@ class SandboxManager:
         # goes when the slice is stopped here.
         self._vacated: dict[str, datetime] = {}
         self._placing = threading.Lock()
-        # Image -> None, least recently used first: the images known present (KNOWN_IMAGES).
-        self._images: dict[str, None] = {}
-        self._imaging = threading.Lock()
-        # Sandbox id -> the sandbox as this agent made or last looked it up, least recently
-        # used first (KNOWN_SANDBOXES): what a destroy needs of it (its container, user,
-        # project, lineage) is its labels', which never change, so a destroy of a known
-        # sandbox makes no look-up (an inspect). One removed behind the agent's back (its
-        # timer's expiry, a `docker rm`) stays known until a destroy finds it gone, as the
-        # second of two destroys at once does. No pool member: its lease is systemd's.
-        self._known: dict[str, Sandbox] = {}
-        self._knowing = threading.Lock()
+        # The images known present (KNOWN_IMAGES).
+        self._images: Recent[str, None] = Recent(KNOWN_IMAGES)
+        # Sandbox id -> the sandbox as this agent made or last looked it up (KNOWN_SANDBOXES):
+        # what a destroy needs of it (its container, user, project, lineage) is its labels',
+        # which never change, so a destroy of a known sandbox makes no look-up (an inspect).
+        # One removed behind the agent's back (its timer's expiry, a `docker rm`) stays known
+        # until a destroy finds it gone, as the second of two destroys at once does. No pool
+        # member: its lease is systemd's.
+        self._known: Recent[str, Sandbox] = Recent(KNOWN_SANDBOXES)
         # Threads for a step that runs beside a request's own (a destroy's disarm). Kept, not
         # one per request: each keeps its system-bus connection (see host.systemd).
         self._aside = ThreadPoolExecutor(ASIDE_THREADS, thread_name_prefix="slicebox-aside")
@@ -561,25 +560,12 @@ class SandboxManager:
     def known(self, sandbox_id: str) -> Sandbox | None:
         """The sandbox as this agent made or last looked it up, if it did: its lineage is
         current (labels never change), its state may not be, and it may be gone since."""
-        with self._knowing:
-            sandbox = self._known.pop(sandbox_id, None)
-            if sandbox is not None:
-                self._known[sandbox_id] = sandbox  # most recently used last
-            return sandbox
+        return self._known.get(sandbox_id)
 
     def _remember(self, sandbox: Sandbox) -> Sandbox:
-        if sandbox.lineage.pool:
-            return sandbox
-        with self._knowing:
-            self._known.pop(sandbox.id, None)
-            self._known[sandbox.id] = sandbox
-            while len(self._known) > KNOWN_SANDBOXES:
-                del self._known[next(iter(self._known))]
+        if not sandbox.lineage.pool:
+            self._known.put(sandbox.id, sandbox)
         return sandbox
-
-    def _unknown(self, sandbox_id: str) -> None:
-        with self._knowing:
-            self._known.pop(sandbox_id, None)
 
     def find(self, **labels: str) -> list[Sandbox]:
         """Sandboxes whose lineage matches, e.g. ``find(user='alice', root_task_id='t1')``: by
@@ -640,7 +626,7 @@ class SandboxManager:
             if after is not None:
                 after()
         self._vacate(sandbox)
-        self._unknown(sandbox.id)
+        self._known.pop(sandbox.id)
         if gone:
             self.forget(sandbox)
         log.info("destroyed %s" if gone else "%s was gone or going already", sandbox.id)
@@ -724,19 +710,13 @@ class SandboxManager:
         return info
 
     def _image_known(self, image: str) -> bool:
-        with self._imaging:
-            return image in self._images
+        return image in self._images
 
     def _remember_image(self, image: str) -> None:
-        with self._imaging:
-            self._images.pop(image, None)
-            self._images[image] = None
-            while len(self._images) > KNOWN_IMAGES:
-                del self._images[next(iter(self._images))]
+        self._images.put(image, None)
 
     def _forget_image(self, image: str) -> None:
-        with self._imaging:
-            self._images.pop(image, None)
+        self._images.pop(image)
 
     def _vacate(self, sandbox: Sandbox) -> None:
         names, now = sandbox.slices(), self._clock()

@@ -88,7 +88,7 @@ class NetnsCounters:
             try:
                 return [link_counters(m) for m in ipr.stats("dump", filter_mask=STATS_LINK_64)]
             except Exception as exc:
-                raise HostError(f"netlink link dump failed: {exc}") from exc
+                raise HostError(f"netlink link statistics dump failed: {exc}") from exc
 
 
 @contextmanager

@@ -261,6 +261,15 @@ def test_workspaces_are_the_callers_own_through_the_socket(agent: None) -> None:
             f"SLICEBOX_ROOT_TASK_ID={brief['root_task_id']}",
         ).stdout  # fmt: skip
         assert [json.loads(line)["SLICEBOX_RESULT"] for line in audit.splitlines()] == ["ok"]
+        # The agent made it, so it knows it without a look-up; Docker's answer says it is gone.
+        again_rm = as_user("sbxalice", "rm", brief["id"])
+        assert again_rm.returncode == 0, again_rm.stderr
+        assert f"{brief['id']} already gone" in again_rm.stdout
+        destroyed = sh(
+            "journalctl", "--no-pager", "-o", "json", "SLICEBOX_EVENT=sandbox_destroyed",
+            f"SLICEBOX_SANDBOX_ID={brief['id']}",
+        ).stdout  # fmt: skip
+        assert "gone already" in json.loads(destroyed.splitlines()[-1])["SLICEBOX_DETAIL"]
     finally:
         for sandbox in made:
             as_user("sbxalice", "rm", sandbox)

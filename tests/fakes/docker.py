@@ -129,14 +129,17 @@ class FakeDocker(ExecCallsOnLoop):
     def finish_removal(self, backend_id: str) -> None:
         self.containers.pop(backend_id)
         self.removed.append(backend_id)
-        parent = self.requests[backend_id].slice
-        self.systemd.children.get(parent, set()).discard(scope_name(backend_id))
+        self._scope_stopped(backend_id)
 
     def stop(self, backend_id: str) -> None:
         """The container's main process exited (say, killed at its deadline)."""
         self._set_state(backend_id, SandboxState.EXITED)
+        self._scope_stopped(backend_id)
+
+    def _scope_stopped(self, backend_id: str) -> None:
         parent = self.requests[backend_id].slice
         self.systemd.children.get(parent, set()).discard(scope_name(backend_id))
+        self.systemd.scope_stopped(scope_name(backend_id))
 
     # --- volumes ----------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ class FakeSystemd:
         self.killed: list[tuple[str, int]] = []
         self.descriptions: dict[str, str] = {}
         self.invocations: dict[str, int] = {}  # unit -> the number of its current activation
+        self.bound: dict[str, str] = {}  # timer -> the scope it is bound to (BindsTo=)
         self._activations = 0
         self._lock = threading.Lock()  # systemd serialises its bus calls
 
@@ -51,6 +52,10 @@ class FakeSystemd:
                 self._activations += 1
                 self.invocations[unit] = self._activations
             return f"{self.invocations[unit]:032x}"
+
+    def is_active(self, unit: str) -> bool:
+        with self._lock:
+            return unit in self.running
 
     def start_transient(self, unit: str, properties: Sequence[Property], description: str) -> None:
         with self._lock:
@@ -96,6 +101,7 @@ class FakeSystemd:
             self.running.discard(unit)
             for kids in holders:
                 kids.discard(unit)
+            self._scope_stopped(unit)
 
     def has_children(self, unit: str) -> bool:
         return bool(self.children.get(unit))
@@ -110,14 +116,43 @@ class FakeSystemd:
             units = (u for u in self._loaded() if fnmatch.fnmatchcase(u, pattern))
             return {u: self.descriptions.get(u, u) for u in sorted(units)}
 
-    def start_timer(self, timer: str, at: datetime, argv: Sequence[str], description: str) -> None:
+    def start_timer(
+        self,
+        timer: str,
+        at: datetime,
+        argv: Sequence[str],
+        description: str,
+        bound_to: str | None = None,
+    ) -> None:
         with self._lock:
             self.calls.append(("start_timer", timer))
             if timer in self.running:
                 raise HostError(f"systemd says {timer} already exists", code="unit_exists")
+            if bound_to is not None and not self._scope_runs(bound_to):
+                raise HostError(
+                    f"{timer} not started: {bound_to} does not run", code="no_such_unit"
+                )
             self._start(timer)
             self.timers[timer] = (at, list(argv))
             self.descriptions[timer] = description
+            if bound_to is not None:
+                self.bound[timer] = bound_to
+
+    def scope_stopped(self, scope: str) -> None:
+        """A scope stopped (its container was removed or exited): the timers bound to it
+        stop with it, as systemd stops a unit whose ``BindsTo=`` unit stops."""
+        with self._lock:
+            self._scope_stopped(scope)
+
+    def _scope_stopped(self, scope: str) -> None:
+        for timer in [t for t, bound in self.bound.items() if bound == scope]:
+            del self.bound[timer]
+            self.running.discard(timer)
+            self.timers.pop(timer, None)
+            self.descriptions.pop(timer, None)
+
+    def _scope_runs(self, unit: str) -> bool:
+        return unit in self.running or any(unit in kids for kids in self.children.values())
 
     def _start(self, unit: str) -> None:
         if unit in self.fail_start:

@@ -90,9 +90,9 @@ def test_users_see_only_their_own_and_outsiders_cannot_connect(agent: None) -> N
 
     story = sh("journalctl", "--no-pager", "-o", "json", f"SLICEBOX_ROOT_TASK_ID={root}").stdout
     entries = [json.loads(line) for line in story.splitlines()]
-    # A reaper pass that ran while the destroy had disarmed the timer but not yet removed the
-    # container plans to arm it again, finds the destroy in flight and records only that it
-    # deferred (CI saw it once): the reaper did nothing to the sandbox.
+    # A reaper pass that ran while the destroy was removing the container finds the destroy
+    # in flight and records only that it deferred (CI saw it once, when a destroy disarmed
+    # the timer first): the reaper did nothing to the sandbox.
     reaper = [e for e in entries if e["SLICEBOX_EVENT"] == "reaper_action"]
     assert {e["SLICEBOX_RESULT"] for e in reaper} <= {"deferred"}
     entries = [e for e in entries if e not in reaper]

@@ -158,14 +158,16 @@ def test_a_timer_left_from_before_an_extension_does_not_kill(host: Host) -> None
     assert list(host.systemd.timers) == [timer_unit(sandbox_id, later)], "the extension holds"
 
 
-def test_the_expiry_leaves_its_own_timer_and_stops_the_others(host: Host) -> None:
+def test_the_expiry_stops_an_unbound_timer_and_its_own_goes_with_the_scope(host: Host) -> None:
     sandbox_id, container = host.create(ttl=60)
     own = timer_unit(sandbox_id, NOW + timedelta(seconds=60))
-    earlier = NOW + timedelta(seconds=50)
+    assert host.systemd.bound == {own: f"docker-{container}.scope"}
+    earlier = NOW + timedelta(seconds=50)  # armed by an agent that bound no timer to its scope
     host.systemd.start_timer(timer_unit(sandbox_id, earlier), earlier, ["true"], "left over")
     host.now = deadline = NOW + timedelta(seconds=60)
     assert host.expiry.expire(sandbox_id, container, deadline) is Result.EXPIRED
-    assert list(host.systemd.timers) == [own], "its own goes when its service ends"
+    assert ("stop", own) not in host.systemd.calls, "never the unit that runs this command"
+    assert host.systemd.timers == {}
 
 
 def test_docker_down_kills_the_scope_through_systemd_and_still_audits(host: Host) -> None:
@@ -228,7 +230,7 @@ def test_after_the_expiry_the_reaper_finds_nothing_and_audits_nothing(
     host.now = deadline = NOW + timedelta(seconds=60)
     assert reaper.run().plan == [], "while the timer runs its expiry, the sandbox is the timer's"
     assert host.expiry.expire(sandbox_id, container, deadline) is Result.EXPIRED
-    host.systemd.stop(timer_unit(sandbox_id, deadline))  # its service ended: the timer goes
+    assert host.systemd.timers == {}, "the timer stopped with the scope it is bound to"
     assert reaper.run().plan == []
     assert [e["SLICEBOX_REAPER_RULE"] for e in host.journal.entries] == ["expired"]
 
@@ -240,7 +242,7 @@ def test_when_only_the_scope_was_killed_the_reaper_removes_the_container_as_exit
     host.docker.down = "connection refused"
     host.now = deadline = NOW + timedelta(seconds=60)
     assert host.expiry.expire(sandbox_id, container, deadline) is Result.KILLED
-    host.systemd.stop(timer_unit(sandbox_id, deadline))
+    assert host.systemd.timers == {}, "the killed scope took its timer with it"
     host.docker.down = None
     host.docker.stop(container)
     done = reaper_of(host, tmp_path).run()

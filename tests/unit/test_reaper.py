@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import threading
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
-from slicebox.backends.base import SandboxInfo, SandboxState, VolumeInfo
+from slicebox.backends.base import SandboxInfo, SandboxRequest, SandboxState, VolumeInfo
 from slicebox.core.deadlines import Deadlines, Timer, expire_command, find_program, timer_unit
 from slicebox.core.reaper import Reaper
 from slicebox.core.reaping import TIMER_GRACE, Observed, plan, plan_pass
@@ -22,7 +21,7 @@ from slicebox.host.journal import Auditor
 from slicebox.host.systemd import UnitStatus
 from slicebox.model.audit import AuditEvent
 from slicebox.model.config import OrphanPolicy, ReaperConfig, parse_config
-from slicebox.model.errors import HostError
+from slicebox.model.errors import HostError, SandboxNotRunning
 from slicebox.model.labels import MANAGED, Lineage, decode
 from slicebox.model.reaper import Action, Kind, Rule
 from slicebox.model.spec import SandboxSpec
@@ -414,25 +413,50 @@ def test_a_create_arms_its_timer_in_one_call_and_fails_whole_if_the_name_is_take
     assert not [u for u in asked if ".timer" in u], asked
 
 
-def test_a_destroy_disarms_the_deadline_beside_the_removal_not_after_it(
-    world: World, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_destroy_makes_no_timer_call_its_timer_stops_with_the_scope(world: World) -> None:
     sandbox_id = world.create(ttl_seconds=60)
-    disarming = threading.Event()
-    list_units, remove = world.systemd.list_units, world.docker.remove
-
-    def list_while_disarming(pattern: str, *, active_only: bool = False) -> list[str]:
-        disarming.set()
-        return list_units(pattern, active_only=active_only)
-
-    def remove_once_disarming(container_id: str) -> bool:
-        assert disarming.wait(timeout=5), "the disarm did not start beside the removal"
-        return remove(container_id)
-
-    monkeypatch.setattr(world.systemd, "list_units", list_while_disarming)
-    monkeypatch.setattr(world.docker, "remove", remove_once_disarming)
+    [timer] = world.systemd.timers
+    assert world.systemd.bound[timer].startswith("docker-")
+    world.systemd.calls.clear()
     assert world.manager.destroy(sandbox_id) is not None
     assert (world.docker.containers, world.systemd.timers) == ({}, {})
+    assert world.systemd.calls == [], "no listing, no stop: systemd stops it with the scope"
+
+
+def test_an_exited_sandbox_s_timer_stops_with_its_scope(world: World) -> None:
+    sandbox_id = world.create(ttl_seconds=60)
+    [container] = world.docker.containers
+    world.docker.stop(container)
+    assert world.systemd.timers == {}
+    assert world.manager.get(sandbox_id).expires_at is not None, "the label keeps the deadline"
+
+
+def test_a_deadline_is_not_armed_for_a_container_that_runs_no_more(world: World) -> None:
+    deadlines = Deadlines(world.systemd)
+    with pytest.raises(SandboxNotRunning, match="sbx-a has stopped"):
+        deadlines.arm("sbx-a", "c-gone", NOW + timedelta(seconds=60))
+    assert world.systemd.timers == {}
+
+
+def test_a_sandbox_whose_command_ended_at_once_is_made_without_a_timer_and_reaped_as_exited(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    created = world.docker.create
+
+    def ends_at_once(request: SandboxRequest) -> SandboxInfo:
+        made = created(request)
+        world.docker.stop(made.id)  # `true`: done before its deadline could be armed
+        return made
+
+    monkeypatch.setattr(world.docker, "create", ends_at_once)
+    sandbox_id = world.create(ttl_seconds=60, command=["true"])
+    assert world.systemd.timers == {}
+    with pytest.raises(SandboxNotRunning, match="has stopped") as refused:
+        world.manager.extend(sandbox_id, 600)
+    assert refused.value.http_status == 409
+    done = world.reaper.run()
+    assert [(a.rule, a.target) for a in done.plan][:1] == [(Rule.EXITED, sandbox_id)]
+    assert world.docker.containers == {}
 
 
 def test_without_sliceboxd_the_timer_only_kills_the_scope(
@@ -440,6 +464,7 @@ def test_without_sliceboxd_the_timer_only_kills_the_scope(
 ) -> None:
     deadlines = Deadlines(world.systemd, systemctl="/usr/bin/systemctl")
     at = NOW + timedelta(seconds=60)
+    world.systemd.running.update({"docker-c1.scope", "docker-c2.scope"})
     deadlines.arm("sbx-a", "c1", at)
     deadlines.arm("sbx-b", "c2", at)
     assert world.systemd.timers[timer_unit("sbx-a", at)][1] == [
@@ -594,6 +619,7 @@ def test_a_destroy_racing_the_reapers_makes_one_removal_and_no_error(world: Worl
 
 def test_adoption_happens_once_and_rearms_the_missing_deadline(world: World) -> None:
     world.docker.containers["c-x"] = box("orphan", run="run-old")
+    world.systemd.running.add("docker-c-orphan.scope")  # Docker's scope of the container
     first = world.reaper.run()
     assert [(a.kind, o.result) for a, o in zip(first.plan, first.outcomes, strict=True)] == [
         (Kind.ADOPT, "ok"),

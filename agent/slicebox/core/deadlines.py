@@ -34,7 +34,7 @@ from pydantic import ConfigDict
 
 from slicebox.host.systemd import Systemd
 from slicebox.model.base import Model
-from slicebox.model.errors import HostError
+from slicebox.model.errors import HostError, SandboxNotRunning
 from slicebox.model.names import scope_name
 from slicebox.model.pool import Lease, parse_lease
 
@@ -208,8 +208,20 @@ class Deadlines:
     def _start(
         self, unit: str, sandbox_id: str, container_id: str, at: datetime, lease: Lease | None
     ) -> None:
+        """Start the timer, bound to the container's scope: systemd stops it when the scope
+        stops (the container removed, or exited), so no destroy needs to disarm it. A container
+        that runs no more gets none (``SandboxNotRunning``): the reaper removes it as exited."""
         command = self._command(sandbox_id, container_id, at)
-        self._systemd.start_timer(unit, at, command, description(sandbox_id, lease))
+        scope = scope_name(container_id)
+        try:
+            self._systemd.start_timer(unit, at, command, description(sandbox_id, lease), scope)
+        except HostError as exc:
+            if exc.code != "no_such_unit":
+                raise
+            raise SandboxNotRunning(
+                f"sandbox {sandbox_id} has stopped (its command ended or it was killed), so it "
+                "has no deadline to arm; destroy it, or the reaper removes it"
+            ) from exc
 
     def _command(self, sandbox_id: str, container_id: str, at: datetime) -> list[str]:
         program = self._program()
@@ -233,6 +245,6 @@ class Deadlines:
                 self._systemd.stop(timer.unit)
             except HostError as exc:
                 # An elapsed timer may vanish between listing and stopping: that is its goal.
-                if self._systemd.status(timer.unit).active:
+                if self._systemd.is_active(timer.unit):
                     raise
                 log.debug("%s already gone: %s", timer.unit, exc)

@@ -148,9 +148,10 @@ class Expiry:
         return Result.EXPIRED
 
     def _stop_other_timers(self, sandbox_id: str, deadline: datetime | None) -> None:
-        """Stop what else is armed for it, but not its own timer: that one is unloaded by
-        systemd once this command ends, and stopping the unit that started this very process
-        would only risk the process."""
+        """Stop what else is armed for it, but not its own timer: stopping the unit that
+        started this very process would only risk the process. Timers bound to the scope
+        (every one this version arms) have stopped with it already; this is for those armed
+        before timers were bound."""
         deadlines = self._sandboxes.deadlines
         if deadlines is None:
             return

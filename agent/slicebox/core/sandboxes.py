@@ -19,7 +19,6 @@ import secrets
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import PurePosixPath
@@ -59,6 +58,7 @@ from slicebox.model.errors import (
     InvalidRequest,
     NotFound,
     PolicyViolation,
+    SandboxNotRunning,
     Unavailable,
 )
 from slicebox.model.labels import Lineage, VolumeLineage, decode, decode_volume, selector
@@ -73,9 +73,6 @@ log = logging.getLogger(__name__)
 
 # A sandbox without a command of its own stays up for execs, as the seeds' pool containers do.
 KEEP_ALIVE = ("sleep", "infinity")
-# Threads for steps run beside a request's own (a destroy's disarm): as many as the agent has
-# request threads (server.pools), so destroys at once seldom wait for one.
-ASIDE_THREADS = 8
 # Images a create of this agent found present, the most recently used kept: a create with one
 # of them does not ask the backend about the image first (see ``SandboxManager._start``).
 KNOWN_IMAGES = 64
@@ -218,9 +215,6 @@ class SandboxManager:
         # until a destroy finds it gone, as the second of two destroys at once does. No pool
         # member: its lease is systemd's.
         self._known: Recent[str, Sandbox] = Recent(KNOWN_SANDBOXES)
-        # Threads for a step that runs beside a request's own (a destroy's disarm). Kept, not
-        # one per request: each keeps its system-bus connection (see host.systemd).
-        self._aside = ThreadPoolExecutor(ASIDE_THREADS, thread_name_prefix="slicebox-aside")
 
     @property
     def instance_id(self) -> str:
@@ -613,18 +607,13 @@ class SandboxManager:
         (its final usage). True when this call removed it; False when it was gone already or
         another removal holds it (a second destroy, the reaper's), which is no error.
 
-        The deadline is disarmed beside the rest, which does not depend on it: should the
-        removal fail, the reaper arms it again from the labels. A pool member's goes after its
-        container: it holds the lease, and a member without one is idle, free to acquire. The
-        slices stay (see the module)."""
-        beside = None if sandbox.lineage.pool else self._disarming(sandbox.id)
-        with self.operation(sandbox.id), _beside(self._aside, beside):
+        Its deadline timers need no call: each is bound to the container's scope, and systemd
+        stops them as the scope stops (a pool member's lease, which its timer holds, goes
+        with its container, never before it). The slices stay (see the module)."""
+        with self.operation(sandbox.id):
             seen = last_look(sandbox)
             gone = self._backend.remove(sandbox.container_id)
             self._slices.wait_stopped(scope_name(sandbox.container_id))
-            after = self._disarming(sandbox.id) if sandbox.lineage.pool and gone else None
-            if after is not None:
-                after()
         self._vacate(sandbox)
         self._known.pop(sandbox.id)
         if gone:
@@ -723,20 +712,21 @@ class SandboxManager:
         with self._placing:
             self._vacated[names.user] = self._vacated[names.project] = now
 
-    def _disarming(self, sandbox_id: str) -> Callable[[], None] | None:
-        deadlines = self._deadlines
-        return None if deadlines is None else lambda: deadlines.disarm(sandbox_id)
-
     def _arm(
         self, sandbox_id: str, container_id: str, at: datetime | None, *, new: bool = False
     ) -> None:
         """Arm the deadline ``at``, if any; ``new``: of a sandbox this call is creating."""
         if self._deadlines is None or at is None:
             return
-        if new:
-            self._deadlines.arm_new(sandbox_id, container_id, at)
-        else:
-            self._deadlines.arm(sandbox_id, container_id, at)
+        try:
+            if new:
+                self._deadlines.arm_new(sandbox_id, container_id, at)
+            else:
+                self._deadlines.arm(sandbox_id, container_id, at)
+        except SandboxNotRunning:
+            # Its command ended already (or it was killed): the reaper removes it as exited,
+            # deadline or none.
+            log.info("%s has stopped already; no deadline timer armed", sandbox_id)
 
     def _with_deadlines(self, sandboxes: list[Sandbox]) -> list[Sandbox]:
         """The deadlines systemd holds now override the labels' (they may be extended), and
@@ -856,21 +846,6 @@ def _found(info: SandboxInfo | None, sandbox_id: str) -> Sandbox:
     if info is None or not _labelled(info, sandbox_id):
         raise NotFound(f"no sandbox {sandbox_id}; list sandboxes to see the ids")
     return Sandbox.from_info(info)
-
-
-@contextmanager
-def _beside(pool: Executor, work: Callable[[], None] | None) -> Iterator[None]:
-    """Run ``work`` on ``pool`` while the block runs; then wait for it and raise its error,
-    unless the block's own error is on its way."""
-    if work is None:
-        yield
-        return
-    done = pool.submit(work)
-    try:
-        yield
-    finally:
-        wait([done])
-    done.result()
 
 
 def _request(admitted: Admitted, lineage: Lineage, store: CredentialStore) -> SandboxRequest:

@@ -119,7 +119,7 @@ class SliceManager:
     def wait_stopped(self, unit: str, timeout: float = 10.0) -> bool:
         """Wait until ``unit`` (a container's scope) has stopped; False on timeout."""
         deadline = self._clock() + timeout
-        while self._systemd.invocation(unit):  # one read once it has stopped
+        while self._systemd.is_active(unit):  # one call once it has stopped and is unloaded
             if self._clock() > deadline:
                 log.warning("%s still active after %ss", unit, timeout)
                 return False

@@ -63,6 +63,11 @@ class Systemd(Protocol):
         ``InvocationID``, in hex), "" while it is not: a unit stopped and started again, by
         anyone, has a new one."""
 
+    def is_active(self, unit: str) -> bool:
+        """Whether the unit is active (or activating, reloading) now. A unit systemd has not
+        loaded is not, and asking does not load it: for units that are mostly gone when asked
+        (a container's scope after its removal, a timer after its stop)."""
+
     def start_transient(self, unit: str, properties: Sequence[Property], description: str) -> None:
         """Start a new transient unit with ``properties``; a unit of that name that runs, has
         a file or drop-ins is refused with :class:`HostError` code ``unit_exists``."""
@@ -91,9 +96,19 @@ class Systemd(Protocol):
         """Each loaded unit matching a glob -> its Description, in the same one call as
         ``list_units`` (systemd lists both): how a deadline timer's lease is read back."""
 
-    def start_timer(self, timer: str, at: datetime, argv: Sequence[str], description: str) -> None:
+    def start_timer(
+        self,
+        timer: str,
+        at: datetime,
+        argv: Sequence[str],
+        description: str,
+        bound_to: str | None = None,
+    ) -> None:
         """Start a transient ``timer`` that runs ``argv`` (as a transient service of the same
-        name) once at the wall-clock time ``at``, whether or not slicebox is still running."""
+        name) once at the wall-clock time ``at``, whether or not slicebox is still running.
+        ``bound_to``: a unit (a container's scope) the timer lives no longer than: systemd
+        stops the timer when that unit stops (``BindsTo=``); one that is not active now is
+        refused with :class:`HostError` code ``no_such_unit``."""
 
 
 class PystemdSystemd:
@@ -131,6 +146,21 @@ class PystemdSystemd:
 
         return _call(unit, read)
 
+    def is_active(self, unit: str) -> bool:
+        # A property read at a unit's path makes systemd load a unit it has not (a not-found
+        # one, announced on the bus and collected again); GetUnit answers from what is loaded.
+        from pystemd.dbusexc import DBusNoSuchUnitError
+
+        def read() -> bool:
+            try:
+                path = _method(b"GetUnit", _typed(b"s", unit.encode()))
+            except DBusNoSuchUnitError:
+                return False
+            state = _bus().get_property(SYSTEMD, path, UNIT_INTERFACE, b"ActiveState", b"s")
+            return bytes(state).decode() in ACTIVE
+
+        return _call(unit, read)
+
     def start_transient(self, unit: str, properties: Sequence[Property], description: str) -> None:
         props: dict[bytes, Any] = _props(properties)
         props[b"Description"] = description.encode()
@@ -154,7 +184,7 @@ class PystemdSystemd:
 
     def stop(self, unit: str) -> None:
         self._run(unit, b"StopUnit", lambda: _typed(b"ss", unit.encode(), b"fail"))
-        if _state(unit) in ACTIVE:
+        if self.is_active(unit):  # a stopped transient unit is soon unloaded: not loaded again
             raise HostError(f"systemd did not stop {unit}; see `systemctl status {unit}`")
 
     def kill(self, unit: str, signal: int) -> None:
@@ -181,7 +211,14 @@ class PystemdSystemd:
     def describe_units(self, pattern: str) -> dict[str, str]:
         return {entry[0].decode(): entry[1].decode() for entry in _units(pattern, [])}
 
-    def start_timer(self, timer: str, at: datetime, argv: Sequence[str], description: str) -> None:
+    def start_timer(
+        self,
+        timer: str,
+        at: datetime,
+        argv: Sequence[str],
+        description: str,
+        bound_to: str | None = None,
+    ) -> None:
         service = timer.removesuffix(".timer") + ".service"
         calendar = at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC").encode()
         props: dict[bytes, Any] = {
@@ -190,6 +227,9 @@ class PystemdSystemd:
             b"AccuracyUSec": TIMER_ACCURACY_USEC,
             b"RemainAfterElapse": False,
         }
+        if bound_to is not None:
+            props[b"BindsTo"] = [bound_to.encode()]
+            props[b"After"] = [bound_to.encode()]
         command = [(argv[0].encode(), [arg.encode() for arg in argv], False)]
         aux = {
             b"Description": description.encode(),
@@ -197,15 +237,24 @@ class PystemdSystemd:
             b"CollectMode": b"inactive-or-failed",
         }
         _known_signatures()
-        self._run(
-            timer,
-            b"StartTransientUnit",
-            lambda: (
-                _typed(b"ss", timer.encode(), b"fail")
-                + _array(props)
-                + _aux([(service.encode(), aux)])
-            ),
-        )
+        try:
+            self._run(
+                timer,
+                b"StartTransientUnit",
+                lambda: (
+                    _typed(b"ss", timer.encode(), b"fail")
+                    + _array(props)
+                    + _aux([(service.encode(), aux)])
+                ),
+            )
+        except HostError as exc:
+            if exc.code != "no_such_unit" or bound_to is None:
+                raise
+            # systemd's answer when the unit to bind to is not loaded ("Unit ... not found").
+            raise HostError(
+                f"{timer} was not started: {bound_to} does not run (the container has stopped)",
+                code="no_such_unit",
+            ) from exc
         if _state(timer) not in ACTIVE:
             raise HostError(f"systemd did not start {timer}; see `systemctl status {timer}`")
 

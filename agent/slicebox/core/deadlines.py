@@ -7,10 +7,13 @@ expiry and removes the container, agent or no agent. The program's absolute path
 the timer is armed (the agent's own ``sliceboxd``, else the one on ``PATH``); when there is
 none, the timer falls back to killing the scope (``systemctl kill --signal=SIGKILL
 docker-<id>.scope``) and the reaper later removes the exited container, unaudited as expired.
-The deadline is in the unit's name, so reading it back needs no property call, and extending
-it is arming a later timer and stopping the earlier one: the labels (immutable) keep the
-original ``expires_at``, systemd holds the current one. Timers live in ``/run``: they survive
-``daemon-reload`` and agent restarts, not a reboot (after which no sandbox is running anyway).
+Each timer is bound to the container's scope (``BindsTo=``): systemd stops it when the scope
+stops (the container removed, killed or exited), so a destroy makes no timer call, and a
+container that runs no more gets no timer. The deadline is in the unit's name, so reading it
+back needs no property call, and extending it is arming a later timer and stopping the
+earlier one: the labels (immutable) keep the original ``expires_at``, systemd holds the
+current one. Timers live in ``/run``: they survive ``daemon-reload`` and agent restarts, not a
+reboot (after which no sandbox is running anyway).
 
 An acquired warm-pool member's lineage rides on its timer too: the Description says
 ``slicebox deadline of <sandbox>; lease task=... root=...`` (:class:`~slicebox.model.pool.Lease`),

@@ -303,7 +303,8 @@ def _missing_deadlines(
 
 
 def _stale_timers(observed: Observed, sandboxes: dict[str, tuple[Sandbox, str]]) -> list[Action]:
-    """Timers of sandboxes with no container at all (a destroyed sandbox disarms its own)."""
+    """Timers of sandboxes with no container at all: systemd stops a timer with the scope it
+    is bound to, so these are an earlier agent's, which bound none."""
     return [
         Action(
             kind=Kind.STOP_TIMER,

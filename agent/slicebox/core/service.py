@@ -418,7 +418,8 @@ class Service:
         The exec and the removal act on the sandbox the create returned: neither looks it up.
 
         Once the exec has its result, the final usage is read and the run answers: the removal
-        (Docker's, the scope's stop, the deadline's disarm, the ``sandbox_destroyed`` record)
+        (Docker's, the scope's stop, which stops its deadline timer, the ``sandbox_destroyed``
+        record)
         goes on after the answer through ``aside`` when it takes it, else before the answer
         through ``blocking``. It holds the sandbox's operation until it is over (the reaper
         leaves the sandbox alone), it is handed over or run even when the caller is cancelled

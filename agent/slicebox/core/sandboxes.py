@@ -335,7 +335,8 @@ class SandboxManager:
                 self._drop_volume(fresh)
                 self._undo(made, lineage.sandbox_id)
                 raise
-        log.info(
+        # At debug: the service's sandbox_created audit record tells it in the journal.
+        log.debug(
             "created %s (%s) in %s",
             lineage.sandbox_id,
             info.id[:12],
@@ -618,7 +619,8 @@ class SandboxManager:
         self._known.pop(sandbox.id)
         if gone:
             self.forget(sandbox)
-        log.info("destroyed %s" if gone else "%s was gone or going already", sandbox.id)
+        # At debug: the sandbox_destroyed (or reaper_action) audit record tells it.
+        log.debug("destroyed %s" if gone else "%s was gone or going already", sandbox.id)
         return gone, seen
 
     def forget(self, sandbox: Sandbox) -> None:

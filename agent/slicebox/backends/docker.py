@@ -72,9 +72,13 @@ NO_NEW_PRIVILEGES = "no-new-privileges:true"
 # A busy daemon answers slowly, not never: docker-py's 60 s made a loaded host's creates fail
 # as `unavailable` while Docker went on to make the container.
 DOCKER_TIMEOUT = 300
-# Container starts and removals at once: beyond a few, Docker only gets slower at each (runc,
-# the shim, systemd's scope); further callers wait their turn in the agent instead.
+# Container starts at once: beyond a few, Docker only gets slower at each (runc, the shim,
+# systemd's scope); further callers wait their turn in the agent instead.
 HEAVY_CALLS = 4
+# Removals at once: as many as the agent's request threads (server.pools). A removal mostly
+# waits (for the kill, the shim, the scope's stop), so four at once left the guest's CPUs
+# idle where eight callers of Docker's own API kept them busy.
+REMOVALS = 8
 START_FAILED_CODE = "container_start_failed"
 
 
@@ -219,6 +223,7 @@ class DockerBackend:
         self._engine = EngineApi(endpoint, map_status, DOCKER_TIMEOUT, version)
         self._json = DockerJsonApi(endpoint, map_status)  # an exec's calls, on the event loop
         self._heavy = threading.BoundedSemaphore(HEAVY_CALLS)
+        self._removals = threading.BoundedSemaphore(REMOVALS)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> DockerBackend:
@@ -295,7 +300,7 @@ class DockerBackend:
         return [_listed(entry) for entry in found or []]
 
     def remove(self, backend_id: str) -> bool:
-        with self._heavy:
+        with self._removals:
             return self._remove(backend_id)
 
     def _remove(self, backend_id: str) -> bool:

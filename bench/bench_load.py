@@ -3,8 +3,8 @@
     tests/guest/run python3 -m bench.bench_load [--sandboxes 200] [--clients 8] [--execs 400]
 
 Both sides run the same work with the same number of parallel clients in the same run, each
-phase in ``--rounds`` rounds with the sides taking turns (a change in the guest's load falls on
-both alike):
+phase in ``--rounds`` rounds with the sides taking turns, in the order A B, B A, ... (a change
+in the guest's load falls on both alike, and neither side always follows the phase before):
 
 - slicebox: the real service (the checkout's units under systemd), called on its socket by
   ``--clients`` threads with the Python client: create ``--sandboxes`` sandboxes across 10
@@ -246,26 +246,33 @@ def rounds(count: int, parts: int) -> list[list[int]]:
     return [list(range(start, count, parts)) for start in range(parts)]
 
 
+def turns(sides: list[Side], index: int) -> list[Side]:
+    """The sides in round ``index``'s order: A B, then B A, and so on. What one phase leaves
+    behind (the last phase's exited processes, journal flushes, the agent's start) falls on
+    the phase right after it, so neither side always goes first."""
+    return sides if index % 2 == 0 else sides[::-1]
+
+
 def interleaved(args: argparse.Namespace, sides: list[Side], notes: list[str]) -> None:
     """Each phase in rounds, the sides taking turns: a change in the guest's load (another
     guest on the same cores, a slow moment of the emulator) falls on both sides alike."""
     ours = sides[0]
     try:
-        for part in rounds(args.sandboxes, args.rounds):
-            for side in sides:
+        for index, part in enumerate(rounds(args.sandboxes, args.rounds)):
+            for side in turns(sides, index):
                 side.phase("creates/s", args.clients, part, side.create)
         rss, threads = agent_stats()
         notes.append(
             f"agent at {len(ours.ids)} sandboxes: RSS {rss / 2**20:.0f} MiB, {threads} threads"
         )
-        for part in rounds(args.execs, args.rounds):
-            for side in sides:
+        for index, part in enumerate(rounds(args.execs, args.rounds)):
+            for side in turns(sides, index):
                 side.phase("execs/s", args.clients, part, side.exec_)
         rss, threads = agent_stats()
         notes.append(f"agent after the execs: RSS {rss / 2**20:.0f} MiB, {threads} threads")
     finally:
         for index in range(args.rounds):
-            for side in sides:
+            for side in turns(sides, index):
                 made = side.ids[index :: args.rounds]
                 side.phase("destroys/s", args.clients, made, side.destroy)
 
@@ -301,7 +308,7 @@ def report(
 ) -> None:
     print(
         f"{args.sandboxes} sandboxes, {args.execs} execs, {args.clients} parallel clients, "
-        f"{args.rounds} rounds a phase, the sides taking turns"
+        f"{args.rounds} rounds a phase, the sides taking turns (A B, B A, ...)"
     )
     for what in ours.counts:
         rate, bare_rate = ours.rate(what), theirs.rate(what)

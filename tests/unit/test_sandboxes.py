@@ -8,6 +8,7 @@ from pathlib import PurePosixPath
 import pytest
 
 from slicebox.backends.base import SandboxInfo, SandboxState
+from slicebox.core import sandboxes
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.host.beneath import BindGuard, Pinned
@@ -464,3 +465,29 @@ def test_a_failed_start_removes_the_volume_it_made() -> None:
     with pytest.raises(InvalidRequest):
         world.manager.create(spec(workspace={"kind": "volume", "name": "w"}))
     assert "slicebox-al-ice-w" not in world.docker.volume_table
+
+
+def test_a_container_s_labels_are_decoded_once_whatever_its_state_later(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reaper pass reads every container's labels; they never change, so each container's
+    are validated once. Other labels under the same id (no Docker makes them) decode anew."""
+    made = world.manager.create(spec())
+    info = world.docker.containers[made.container_id]
+    decodes = Counter[str]()
+
+    def counted(labels: dict[str, str]) -> object:
+        decodes[labels["slicebox.sandbox_id"]] += 1
+        return decode(labels)
+
+    monkeypatch.setattr(sandboxes, "decode", counted)
+    first = sandboxes.Sandbox.from_info(info)
+    exited = sandboxes.Sandbox.from_info(info.model_copy(update={"state": SandboxState.EXITED}))
+    assert (first.state, exited.state) == (SandboxState.RUNNING, SandboxState.EXITED)
+    assert exited.lineage == first.lineage == made.lineage
+    assert decodes == {}, "decoded once already, at its create"
+    other = {**info.labels, "slicebox.sandbox_id": "sbx-other0000000"}
+    assert sandboxes.Sandbox.from_info(info.model_copy(update={"labels": other})).id == (
+        "sbx-other0000000"
+    )
+    assert decodes == {"sbx-other0000000": 1}

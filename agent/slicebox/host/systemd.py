@@ -237,24 +237,17 @@ class PystemdSystemd:
             b"CollectMode": b"inactive-or-failed",
         }
         _known_signatures()
-        try:
-            self._run(
-                timer,
-                b"StartTransientUnit",
-                lambda: (
-                    _typed(b"ss", timer.encode(), b"fail")
-                    + _array(props)
-                    + _aux([(service.encode(), aux)])
-                ),
-            )
-        except HostError as exc:
-            if exc.code != "no_such_unit" or bound_to is None:
-                raise
-            # systemd's answer when the unit to bind to is not loaded ("Unit ... not found").
-            raise HostError(
-                f"{timer} was not started: {bound_to} does not run (the container has stopped)",
-                code="no_such_unit",
-            ) from exc
+        # A ``bound_to`` unit that is not loaded: systemd answers NoSuchUnit ("Unit ... not
+        # found"), which ``_call`` maps to ``no_such_unit``; the caller says what it means.
+        self._run(
+            timer,
+            b"StartTransientUnit",
+            lambda: (
+                _typed(b"ss", timer.encode(), b"fail")
+                + _array(props)
+                + _aux([(service.encode(), aux)])
+            ),
+        )
         if _state(timer) not in ACTIVE:
             raise HostError(f"systemd did not start {timer}; see `systemctl status {timer}`")
 

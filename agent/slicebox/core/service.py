@@ -419,9 +419,8 @@ class Service:
 
         Once the exec has its result, the final usage is read and the run answers: the removal
         (Docker's, the scope's stop, which stops its deadline timer, the ``sandbox_destroyed``
-        record)
-        goes on after the answer through ``aside`` when it takes it, else before the answer
-        through ``blocking``. It holds the sandbox's operation until it is over (the reaper
+        record) goes on after the answer through ``aside`` when it takes it, else before the
+        answer through ``blocking``. It holds the sandbox's operation until it is over (the reaper
         leaves the sandbox alone), it is handed over or run even when the caller is cancelled
         meanwhile, and a failed one is logged and audited for the reaper to finish."""
         output_cap = request.exec.output_cap

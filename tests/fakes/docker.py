@@ -203,6 +203,12 @@ class FakeDocker(ExecCallsOnLoop):
     def exec_inspect(self, exec_id: str) -> ExecState:
         return self._execs().exec_inspect(exec_id)
 
+    async def launch_async(self, backend_id: str, stdin: bytes) -> AsyncExecAttachment:
+        self.sandbox_pid(backend_id)
+        if not self.requests[backend_id].open_stdin:
+            raise HostError(f"sandbox {backend_id} has no stdin to attach to (not a waiter)")
+        return await self._execs().launch_async(backend_id, stdin)
+
     async def inspect_async(self, backend_id: str) -> SandboxInfo | None:
         return self.inspect(backend_id)
 

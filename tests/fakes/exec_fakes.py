@@ -7,14 +7,17 @@ scripted output stream. Time is a FakeClock that reads advance, so timeouts need
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from slicebox.backends.base import StdinSource
 from slicebox.model.errors import SandboxNotFound
-from slicebox.model.exec import ExecRequest, ExecState, StreamChunk
+from slicebox.model.exec import ExecRequest, ExecState, OutputStream, StreamChunk
 from tests.fakes.onloop import ExecCallsOnLoop
+
+NONCE = re.compile(rb"'?([0-9a-f]{32})'? \"\$s\"")  # the marker's nonce in a launch line
 
 
 class FakeClock:
@@ -117,6 +120,13 @@ class FakeSandboxHost:
         self.ticks += 1
         return self.ticks
 
+    def kill_since(self, cgroup: Path, since: int) -> int:
+        self.kill_calls.append(since)
+        doomed = {p for p in self.procs if self.started.get(p, since) >= since}
+        for victim in doomed:
+            self.procs.pop(victim, None)
+        return len(doomed)
+
     def kill_exec(self, cgroup: Path, pid: int, since: int) -> int:
         self.kill_calls.append(pid)
         doomed = {pid}
@@ -134,6 +144,7 @@ class FakeExecApi(ExecCallsOnLoop):
         self.host = host
         self.run = run
         self.containers = {"box": 100}
+        self.launched: list[str] = []  # the containers a run was launched in
 
     def sandbox_pid(self, container_id: str) -> int:
         if container_id not in self.containers:
@@ -158,6 +169,21 @@ class FakeExecApi(ExecCallsOnLoop):
         if not isinstance(stdin, bytes):  # a streamed stdin is read whole, then the script runs
             stdin = b"".join([chunk async for chunk in _chunks(stdin)])
         return FakeAsyncAttachment(self.exec_start(exec_id, stdin))
+
+    async def launch_async(self, container_id: str, stdin: bytes) -> FakeAsyncAttachment:
+        """The script as the sandbox's waiter would run it (``core.launch``): the line is
+        kept as the run's stdin, and the script's end is the waiter's two markers."""
+        self.launched.append(container_id)
+        nonce = NONCE.search(stdin)
+        if nonce is None:
+            raise AssertionError(f"no launch line in {stdin[:200]!r}")
+        self.run.script = self.run.script[:]
+        if None in self.run.script:
+            end = self.run.script.index(None)
+            marker = nonce.group(1) + b" %d\n" % self.run.exit_code
+            markers = [StreamChunk(stream=s, data=marker) for s in OutputStream]
+            self.run.script[end:end] = [markers]
+        return FakeAsyncAttachment(self.exec_start(container_id, stdin))
 
     def exec_inspect(self, exec_id: str) -> ExecState:
         run = self.run

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slicebox.backends.base import ExecAttachment, StdinSource
+from slicebox.core.launch import WAITER_COMMAND
 from slicebox.model.exec import ExecRequest, ExecState, OutputStream, StreamChunk
 from tests.fakes.onloop import ExecCallsOnLoop
 
@@ -30,6 +31,7 @@ class LocalHost:
     """The engine's view of the sandbox's processes: only the kill does anything."""
 
     killed: list[int] = field(default_factory=list)
+    waiters: list[int] = field(default_factory=list)  # launched waiters' process groups
 
     def cgroup_of(self, pid: int) -> Path:
         return Path("/nonexistent")
@@ -42,6 +44,11 @@ class LocalHost:
 
     def process_clock(self) -> int:
         return 0
+
+    def kill_since(self, cgroup: Path, since: int) -> int:
+        """The launched commands' processes: here the waiters' whole process groups (the
+        waiter stands for the sandbox, so its run ends without its markers)."""
+        return sum(self.kill_exec(cgroup, pid, since) for pid in self.waiters)
 
     def kill_exec(self, cgroup: Path, pid: int, since: int) -> int:
         self.killed.append(pid)
@@ -130,9 +137,19 @@ async def _write(pipe: asyncio.StreamWriter, data: bytes) -> bool:
     return True
 
 
+class LocalWaiter(LocalAttachment):
+    """A launched run's attachment: the waiter goes with it, as its sandbox is removed."""
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._process.pid, signal.SIGKILL)
+        super().close()
+
+
 class LocalExecs(ExecCallsOnLoop):
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, host: LocalHost | None = None) -> None:
         self.root = root
+        self.host = host or LocalHost()
         self.argv: dict[str, tuple[str, ...]] = {}
         self.processes: dict[str, asyncio.subprocess.Process] = {}
 
@@ -159,6 +176,18 @@ class LocalExecs(ExecCallsOnLoop):
         )
         self.processes[exec_id] = process
         return LocalAttachment(process, stdin)
+
+    async def launch_async(self, backend_id: str, stdin: bytes) -> LocalWaiter:
+        """The real waiter (``core.launch``) run by this machine's ``sh``, given ``stdin``."""
+        process = await asyncio.create_subprocess_exec(
+            *WAITER_COMMAND,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.host.waiters.append(process.pid)
+        return LocalWaiter(process, stdin)
 
     def exec_inspect(self, exec_id: str) -> ExecState:
         process = self.processes[exec_id]

@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 
 from slicebox.core.deadlines import Deadlines
+from slicebox.core.launch import LAUNCHER, WAITER_COMMAND
 from slicebox.core.pool import WarmPool
 from slicebox.core.reaper import Reaper
 from slicebox.core.reaping import Observed, plan
-from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.sandboxes import KEEP_ALIVE, Sandbox, SandboxManager
 from slicebox.core.service import Service
 from slicebox.core.slices import SliceManager
 from slicebox.core.telemetry import TreeReader, UsageReader
@@ -167,6 +168,9 @@ def test_members_are_made_for_their_key_in_their_project_slice(world: World) -> 
     assert request.limits.memory_bytes == 128 * MiB
     assert members[0].expires_at is None, "no deadline until acquired"
     assert world.systemd.timers == {}
+    # A run that takes it hands its command to its waiter; a create keeps it waiting.
+    assert (request.command, request.open_stdin) == (WAITER_COMMAND, True)
+    assert members[0].lineage.launcher == LAUNCHER
 
 
 @pytest.mark.parametrize(
@@ -307,6 +311,10 @@ def test_a_failed_removal_leaves_the_member_leased_not_idle(
 def test_a_reuse_member_comes_back_reset_and_only_to_reuse_requests(tmp_path: Path) -> None:
     world = World(tmp_path, REUSE)
     world.fill()
+    [idle] = world.members()
+    request = world.docker.requests[idle.container_id]
+    assert (request.command, request.open_stdin) == (KEEP_ALIVE, False), "its waiter would be used"
+    assert idle.lineage.launcher == ""
     first = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB", reuse=True))
     assert first.pool == "acquired"
     assert world.service.destroy(ALICE, first.id).destroyed

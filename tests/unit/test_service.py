@@ -17,8 +17,9 @@ from slicebox.core.blocking import inline
 from slicebox.core.budget import OutputBudget
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
+from slicebox.core.launch import WAITER_COMMAND
 from slicebox.core.reaper import Reaper
-from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.sandboxes import KEEP_ALIVE, Sandbox, SandboxManager
 from slicebox.core.service import Service, cgroups_of
 from slicebox.core.slices import SliceManager
 from slicebox.core.telemetry import TreeReader, UsageReader, scope_pid
@@ -587,7 +588,7 @@ def test_a_run_whose_caller_goes_away_mid_exec_still_removes_its_sandbox(world: 
 
     async def cancelled() -> None:
         task = asyncio.ensure_future(world.service.arun(ALICE, RUN, None, inline, later))
-        while world.run.request is None:  # the exec has started
+        while not world.exec_api.launched:  # the command has gone to the sandbox's waiter
             await asyncio.sleep(0)
         await asyncio.sleep(0)
         task.cancel()
@@ -595,7 +596,8 @@ def test_a_run_whose_caller_goes_away_mid_exec_still_removes_its_sandbox(world: 
             await task
 
     on_loop(cancelled())
-    assert world.host.kill_calls == [world.run.pid], "the exec is killed"
+    assert world.host.kill_calls, "the run's processes are killed"
+    assert world.run.pid not in world.host.procs
     assert len(later.taken) == 1
     later.finish()
     assert world.docker.containers == {}
@@ -627,9 +629,9 @@ def test_a_run_never_looks_up_the_sandbox_it_created_and_answers_before_removing
     later.finish()
     assert answered == {
         "docker.create": 1,  # Docker's create and start; the image is known present
-        "docker.exec_create_async": 1,  # in the scope its labels give: no look-up of its init
-        "docker.exec_start_async": 1,
-        "docker.exec_inspect_async": 1,
+        # The command goes to the sandbox's waiter, in the scope its labels give: no exec to
+        # create, start and inspect, and no look-up of its init.
+        "docker.launch_async": 1,
         "systemd.invocation": 3,  # the three slices run as they did when given ceilings
         "systemd.start_timer": 1,  # the deadline of a new sandbox: nothing to look for
     }
@@ -639,6 +641,69 @@ def test_a_run_never_looks_up_the_sandbox_it_created_and_answers_before_removing
     }
     web = "slicebox.slice/slicebox-alice.slice/slicebox-alice-web.slice"
     assert world.host.scopes == [f"{web}/docker-{n:064x}.scope" for n in (1, 2, 3)]
+
+
+def test_a_run_hands_its_command_to_the_waiter_its_sandbox_was_made_with(world: World) -> None:
+    """A one-shot run's sandbox runs the waiter with its stdin open, labelled so; the run's
+    command, env, working directory and stdin go to it in one write, and the answer is the
+    command's (the waiter's markers cut off)."""
+    world.run.exit_code = 3
+    run = RunRequest(
+        sandbox=CreateSandbox(project="web"),
+        exec=ExecRequest(argv=("printf", "it's"), env={"A_B": "x y"}, cwd="/w", stdin=b"in"),
+    )
+    ran = on_loop(world.service.arun(ALICE, run, None, inline))
+    assert (ran.result.stdout, ran.result.stderr, ran.result.exit_code) == (b"hi\n", b"", 3)
+    [container] = world.docker.removed
+    request = world.docker.requests[container]
+    assert (request.command, request.open_stdin) == (WAITER_COMMAND, True)
+    assert request.labels["slicebox.launcher"] == "sh"
+    assert world.exec_api.launched == [container]
+    sent = world.run.stdin
+    assert sent.startswith(b"(cd /w || exit 126; export 'A_B=x y'; exec printf 'it'\"'\"'s');")
+    assert sent.endswith(b"exec sleep infinity\nin")
+    assert world.journal.events() == [
+        ("sandbox_created", "ok"),
+        ("exec", "ok"),
+        ("sandbox_destroyed", "ok"),
+    ]
+
+
+def test_a_run_whose_env_the_line_cannot_carry_is_a_docker_exec(world: World) -> None:
+    run = RunRequest(
+        sandbox=CreateSandbox(project="web"), exec=ExecRequest(argv=("x",), env={"a-b": "1"})
+    )
+    ran = on_loop(world.service.arun(ALICE, run, None, inline))
+    assert ran.result.stdout == b"hi\n"
+    assert world.exec_api.launched == []
+    assert world.run.request is not None
+    assert world.run.request.env == {"a-b": "1"}
+
+
+def test_a_launched_run_past_its_timeout_is_killed_whole_and_answers_124(world: World) -> None:
+    endless(world)
+    world.host.started[world.run.pid] = 10**6  # started after the run began
+    world.host.procs[1] = 0  # the sandbox's init and its waiter, older than the run
+    world.host.started[1] = 0
+    run = RunRequest(sandbox=CreateSandbox(project="web"), exec=ExecRequest(argv=("x",), timeout=2))
+    ran = on_loop(world.service.arun(ALICE, run, None, inline))
+    assert (ran.result.exit_code, ran.result.timed_out) == (124, True)
+    assert world.run.pid not in world.host.procs, "the run's processes are killed"
+    assert 1 in world.host.procs, "the sandbox's own are older: it lives on until removed"
+
+
+def test_a_created_sandbox_sleeps_and_a_reuse_pool_member_too(world: World) -> None:
+    """Only a one-shot run's sandbox (and a member of a pool that does not reuse) waits for a
+    line: a created sandbox and a command of the caller's are what they were."""
+    world.create(ALICE)
+    commanded = CreateSandbox(project="web", command=("sleep", "9"))
+    world.service.create(ALICE, commanded)
+    requests = list(world.docker.requests.values())
+    assert [(r.command, r.open_stdin) for r in requests] == [
+        (KEEP_ALIVE, False),
+        (("sleep", "9"), False),
+    ]
+    assert [r.labels["slicebox.launcher"] for r in requests] == ["", ""]
 
 
 def test_an_exec_in_a_running_sandbox_costs_one_look_up(world: World) -> None:

@@ -58,6 +58,9 @@ class SandboxRequest(Model):
     workdir: str | None = None
     mounts: tuple[Mount, ...] = ()
     cap_add: tuple[str, ...] = ()  # capability names without CAP_, upper case
+    # The main process's stdin stays open for one attach, closed when that attach closes its
+    # side (a waiter's, ``core.launch``).
+    open_stdin: bool = False
 
 
 class SandboxState(StrEnum):
@@ -160,6 +163,10 @@ class ExecApi(Protocol):
 
     async def exec_inspect_async(self, exec_id: str) -> ExecState:
         """``exec_inspect`` on the running event loop, holding no thread."""
+
+    async def launch_async(self, backend_id: str, stdin: bytes) -> AsyncExecAttachment:
+        """Attach to the running sandbox's main process (a waiter, ``core.launch``), write
+        ``stdin`` to it and close it, and return its output as an exec's attachment."""
 
 
 class SandboxBackend(ExecApi, Protocol):

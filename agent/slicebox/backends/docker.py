@@ -51,6 +51,7 @@ from slicebox.backends.dockerstream import (
     StartRefused,
     attach,
     attach_async,
+    attach_request,
     endpoint_from_env,
 )
 from slicebox.model.errors import (
@@ -382,6 +383,14 @@ class DockerBackend:
         except StartRefused as exc:
             raise map_status(exc.status, exc.text, f"of exec {exec_id}") from exc
 
+    async def launch_async(self, backend_id: str, stdin: bytes) -> AsyncRawExecAttachment:
+        version = await self._api_version()
+        request = attach_request(version, _part(backend_id))
+        try:
+            return await attach_async(self._endpoint, version, backend_id, stdin, request=request)
+        except StartRefused as exc:
+            raise map_status(exc.status, exc.text, backend_id) from exc
+
     def exec_inspect(self, exec_id: str) -> ExecState:
         return _exec_state(self._engine.call("GET", f"/exec/{_part(exec_id)}/json", exec_id))
 
@@ -452,8 +461,8 @@ def create_body(request: SandboxRequest) -> dict[str, Any]:
     call (``detach=True``: nothing attached, no stdin, no tty), without its nulls."""
     body: dict[str, Any] = {
         "Tty": False,
-        "OpenStdin": False,
-        "StdinOnce": False,
+        "OpenStdin": request.open_stdin,
+        "StdinOnce": request.open_stdin,
         "AttachStdin": False,
         "AttachStdout": False,
         "AttachStderr": False,

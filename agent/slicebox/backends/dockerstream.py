@@ -252,6 +252,15 @@ def start_request(api_version: str, exec_id: str) -> bytes:
     return head.encode() + body
 
 
+def attach_request(api_version: str, container_id: str) -> bytes:
+    """An attach to a running container's stdin, stdout and stderr, as a raw stream."""
+    query = "stream=1&stdin=1&stdout=1&stderr=1"
+    return (
+        f"POST /v{api_version}/containers/{container_id}/attach?{query} HTTP/1.1\r\n"
+        "Host: docker\r\nContent-Length: 0\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n\r\n"
+    ).encode()
+
+
 class _ExecSocket:
     """One started exec's connection, non-blocking: decodes what is received, writes stdin in
     pieces and half-closes after it. The attachments below only differ in how they wait."""
@@ -470,16 +479,23 @@ def attach(sock: socket.socket, api_version: str, exec_id: str, stdin: bytes) ->
 
 
 async def attach_async(
-    endpoint: DockerEndpoint, api_version: str, exec_id: str, stdin: bytes | StdinSource
+    endpoint: DockerEndpoint,
+    api_version: str,
+    exec_id: str,
+    stdin: bytes | StdinSource,
+    *,
+    request: bytes | None = None,
 ) -> AsyncRawExecAttachment:
     """``attach`` on the event loop, on a new connection to ``endpoint``: the same request, the
-    head parsed by hand the same way, every byte after it the start of the stream."""
+    head parsed by hand the same way, every byte after it the start of the stream.
+    ``request``: another request whose answer is such a stream (``attach_request``: then
+    ``exec_id`` is the container's id)."""
     loop = asyncio.get_running_loop()
     sock = await endpoint.aconnect()
     with _closed_on_error(sock):
         try:
             async with asyncio.timeout(START_TIMEOUT):
-                await loop.sock_sendall(sock, start_request(api_version, exec_id))
+                await loop.sock_sendall(sock, request or start_request(api_version, exec_id))
                 status, head, rest = await _aread_head(sock)
         except TimeoutError as exc:
             raise _not_started(exec_id) from exc

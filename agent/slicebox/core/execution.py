@@ -47,6 +47,7 @@ from typing import Protocol, TypeVar
 
 from slicebox.backends.base import AsyncExecAttachment, ExecApi, ExecAttachment, StdinSource
 from slicebox.core.blocking import Blocking, inline
+from slicebox.core.launch import Launched, launch_line, new_nonce
 from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import (
     TIMEOUT_EXIT_CODE,
@@ -90,6 +91,10 @@ class SandboxHost(Protocol):
         """SIGKILL the processes of exec ``pid`` (begun at ``since``) inside ``cgroup``: its
         session and descendants, orphans included, until none is left, however fast they fork;
         return how many processes were killed."""
+
+    def kill_since(self, cgroup: Path, since: int) -> int:
+        """SIGKILL every process of ``cgroup`` started at ``since`` or later, until none is
+        left (a launched command's: the sandbox's init and waiter are older); how many."""
 
 
 class Capture(Protocol):
@@ -156,13 +161,16 @@ class _Run:
 @dataclass(frozen=True)
 class _Io:
     """How one exec's steps reach the world: its short blocking steps, its pauses, and its
-    three calls to the backend (create, start, inspect)."""
+    three calls to the backend (create, start, inspect). ``launched``: the command was handed
+    to the sandbox's waiter (``core.launch``), so every process of the sandbox started since
+    the run began is the run's, and a kill takes them all."""
 
     call: Blocking
     pause: Callable[[float], Awaitable[None]]
     create: Callable[[str, ExecRequest, bool], Awaitable[str]]
     start: Callable[[str, bytes | StdinSource], Awaitable[AsyncExecAttachment]]
     inspect: Callable[[str], Awaitable[ExecState]]
+    launched: bool = False
 
 
 class _InThread:
@@ -263,6 +271,30 @@ class ExecEngine:
         )
         return self._events(container_id, request, io, scope, stdin=stdin, capture=capture)
 
+    def alaunch(
+        self, container_id: str, request: ExecRequest, blocking: Blocking, scope: str | None = None
+    ) -> AsyncGenerator[ExecEvent, None]:
+        """``astream`` of a command handed to the sandbox's waiter (``core.launch``) instead of
+        a Docker exec: the same events, caps, timeout and kill. Only for a sandbox labelled
+        with the launcher whose waiter has had no line yet, and a request ``can_launch``."""
+        nonce = new_nonce()
+        launched: list[Launched] = []
+
+        async def create(container: str, request: ExecRequest, streamed: bool) -> str:
+            return container
+
+        async def start(container: str, stdin: bytes | StdinSource) -> AsyncExecAttachment:
+            assert isinstance(stdin, bytes)  # a run's stdin is in its request
+            line = launch_line(request, nonce)
+            launched.append(Launched(await self._api.launch_async(container, line + stdin), nonce))
+            return launched[0]
+
+        async def inspect(container: str) -> ExecState:
+            return launched[0].state()
+
+        io = _Io(blocking, self._asleep, create, start, inspect, launched=True)
+        return self._events(container_id, request, io, scope)
+
     async def _events(
         self,
         container_id: str,
@@ -336,6 +368,10 @@ class ExecEngine:
         run.deadline = self._clock() + KILL_GRACE
 
     async def _kill(self, run: _Run, why: str, io: _Io) -> None:
+        if io.launched:
+            killed = await io.call(functools.partial(self._host.kill_since, run.cgroup, run.since))
+            log.info("run %s killed (%s processes) because %s", run.exec_id, killed, why)
+            return
         pid = await self._exec_pid(run, io)
         kill = functools.partial(self._host.kill_exec, run.cgroup, pid, run.since)
         killed = await io.call(kill) if pid > 0 else 0

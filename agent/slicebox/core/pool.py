@@ -2,8 +2,9 @@
 
 A member is a sandbox made ahead of time for one ``[[pool]]`` table: in that table's project
 slice (a cgroup parent cannot change, so a member can only ever serve that project), with
-that key's image, limits, network and uid, running ``sleep infinity`` as every sandbox does,
-labelled ``slicebox.pool=true`` and ``slicebox.pool_key=<fingerprint>``. A create or one-shot
+that key's image, limits, network and uid, running the waiter a one-shot run hands its
+command to (``core.launch``; a ``reuse`` pool's runs ``sleep infinity``, as a created sandbox
+does: a waiter serves one command), labelled ``slicebox.pool=true`` and ``slicebox.pool_key=<fingerprint>``. A create or one-shot
 run whose key (:func:`key_of`, after the same admission a cold create has) equals a pool's
 takes one of its ready members: its lease, the lineage and deadline the request gives, is
 armed on its first deadline timer (one systemd call) and the member is the request's sandbox.

@@ -37,6 +37,7 @@ from slicebox.backends.base import (
 from slicebox.core.credentials import GIT_ENV, MOUNTED_AT, CredentialStore
 from slicebox.core.deadlines import Deadlines, Timer, latest
 from slicebox.core.gitclone import clone
+from slicebox.core.launch import LAUNCHER, WAITER_COMMAND
 from slicebox.core.policy import (
     Admitted,
     admit,
@@ -796,6 +797,7 @@ class SandboxManager:
             pool_key=pool_key,
             workspace_volume=_volume_name(spec, sandbox_id),
             credentials="git" if spec.credentials and spec.credentials.git else "",
+            launcher=LAUNCHER if _waits(spec, one_shot=one_shot, pool_key=pool_key) else "",
         )
 
     def _ancestry(self, spec: SandboxSpec, task_id: str) -> tuple[str, int]:
@@ -870,12 +872,26 @@ def _found(info: SandboxInfo | None, sandbox_id: str) -> Sandbox:
     return Sandbox.from_info(info)
 
 
+def _waits(spec: SandboxSpec, *, one_shot: bool, pool_key: str) -> bool:
+    """Whether the sandbox's main process is the waiter (``core.launch``): made for a one-shot
+    run, or as a member of a pool that does not reuse its members (a member a create takes
+    waits forever, as ``sleep infinity`` would); never with a command of the caller's."""
+    return spec.command is None and (one_shot or (bool(pool_key) and not spec.reuse))
+
+
+def _command(spec: SandboxSpec, lineage: Lineage) -> tuple[str, ...]:
+    if spec.command is not None:
+        return spec.command
+    return WAITER_COMMAND if lineage.launcher else KEEP_ALIVE
+
+
 def _request(admitted: Admitted, lineage: Lineage, store: CredentialStore) -> SandboxRequest:
     spec = admitted.spec
     return SandboxRequest(
         name=lineage.sandbox_id,
         image=admitted.image,
-        command=spec.command if spec.command is not None else KEEP_ALIVE,
+        command=_command(spec, lineage),
+        open_stdin=bool(lineage.launcher),
         labels=lineage.to_labels(),
         slice=admitted.placement.names.project,
         limits=admitted.limits,

@@ -23,6 +23,7 @@ from slicebox.core.budget import OutputBudget, Reservation
 from slicebox.core.execaudit import audited_aexec, audited_exec, refused, subject
 from slicebox.core.execution import ExecEngine, result_of
 from slicebox.core.files import Files
+from slicebox.core.launch import LAUNCHER, can_launch
 from slicebox.core.pool import WarmPool
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import Sandbox, SandboxManager
@@ -360,8 +361,10 @@ class Service:
         blocking: Blocking,
         *,
         known: Sandbox | None = None,
+        launch: bool = False,
     ) -> AsyncGenerator[ExecEvent, None]:
-        """``aexec_stream``; ``known`` as in ``_exec``."""
+        """``aexec_stream``; ``known`` as in ``_exec``; ``launch``: the command goes to the
+        sandbox's waiter (``core.launch``: a one-shot run's fresh sandbox), not a Docker exec."""
         async with (
             self._aholding(who, request.output_cap, held, blocking=blocking, sandbox_id=sandbox_id),
             audited_aexec(self._auditor, who, sandbox_id, blocking) as tally,
@@ -370,9 +373,8 @@ class Service:
             tally.found(sandbox)
             self._sandboxes.begin_operation(sandbox.id)
             try:
-                events = self._engine.astream(
-                    sandbox.container_id, request, blocking, sandbox.running_scope()
-                )
+                start = self._engine.alaunch if launch else self._engine.astream
+                events = start(sandbox.container_id, request, blocking, sandbox.running_scope())
                 async with contextlib.aclosing(events):
                     async for event in events:
                         yield tally.saw(event)
@@ -400,10 +402,11 @@ class Service:
         blocking: Blocking,
         *,
         known: Sandbox | None = None,
+        launch: bool = False,
     ) -> ExecResult:
-        """``aexec``; ``known`` as in ``_exec``."""
+        """``aexec``; ``known`` and ``launch`` as in ``_aexec_stream``."""
         return await result_of(
-            self._aexec_stream(who, sandbox_id, request, held, blocking, known=known)
+            self._aexec_stream(who, sandbox_id, request, held, blocking, known=known, launch=launch)
         )
 
     async def arun(
@@ -431,8 +434,9 @@ class Service:
             sandbox = await blocking(create)
             last_look: LastLook = self._final_usage
             try:
+                launch = sandbox.lineage.launcher == LAUNCHER and can_launch(request.exec)
                 result = await self._aexec(
-                    who, sandbox.id, request.exec, holding, blocking, known=sandbox
+                    who, sandbox.id, request.exec, holding, blocking, known=sandbox, launch=launch
                 )
                 usage = await blocking(functools.partial(self._final_usage, sandbox))
                 last_look = functools.partial(_read, usage)

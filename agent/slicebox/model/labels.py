@@ -53,6 +53,9 @@ class Lineage(Model):
     workspace_volume: str = ""
     # What credentials it was given ("git"), never their values ("" when none).
     credentials: str = ""
+    # Its main process is a waiter that runs one command written to its stdin ("sh"; ""
+    # when it runs ``sleep infinity`` or the command asked for): see ``core.launch``.
+    launcher: str = ""
 
     def to_labels(self) -> dict[str, str]:
         values = {
@@ -76,6 +79,7 @@ class Lineage(Model):
             "oneshot": "true" if self.oneshot else "false",
             "workspace_volume": self.workspace_volume,
             "credentials": self.credentials,
+            "launcher": self.launcher,
         }
         return {PREFIX + key: value for key, value in values.items()}
 

@@ -2,13 +2,14 @@
 
 A member is a sandbox made ahead of time for one ``[[pool]]`` table: in that table's project
 slice (a cgroup parent cannot change, so a member can only ever serve that project), with
-that key's image, limits, network and uid, running the waiter a one-shot run hands its
-command to (``core.launch``; a ``reuse`` pool's runs ``sleep infinity``, as a created sandbox
-does: a waiter serves one command), labelled ``slicebox.pool=true`` and ``slicebox.pool_key=<fingerprint>``. A create or one-shot
-run whose key (:func:`key_of`, after the same admission a cold create has) equals a pool's
-takes one of its ready members: its lease, the lineage and deadline the request gives, is
-armed on its first deadline timer (one systemd call) and the member is the request's sandbox.
-Anything else, and a key whose pool has nothing ready, is created cold.
+that key's image, limits, network and uid, running the waiter a one-shot run hands its command
+to (``core.launch``; a ``reuse`` pool's members run ``sleep infinity``, as a created sandbox
+does: a waiter serves one command), labelled ``slicebox.pool=true`` and
+``slicebox.pool_key=<fingerprint>``. A create or one-shot run whose key (:func:`key_of`, after
+the same admission a cold create has) equals a pool's takes one of its ready members: its
+lease, the lineage and deadline the request gives, is armed on its first deadline timer (one
+systemd call) and the member is the request's sandbox. Anything else, and a key whose pool
+has nothing ready, is created cold.
 
 Refills run on the pool's own threads, never on a request's: an acquire only asks for one.
 They make members up to each pool's size, and never past its project's headroom: what the

@@ -1,5 +1,6 @@
 """The warm pool on a real host, through the agent's socket: fresh members run after run, exact
-keys, reuse's reset, the project ceiling, and a ``kill -9`` with members idle and acquired.
+keys, reuse's reset, the project ceiling, a ``kill -9`` with members idle and acquired, and a
+pool learned from demand (whose member the module's end trims with the declared ones').
 
 Every container start costs 5-8 s of emulated guest time, so one agent serves every test, with
 four pools declared at once, and each test makes as few containers as its claim needs.
@@ -46,6 +47,12 @@ user = "{USER}"
 project = "tight"
 size = 3
 memory = "96MB"
+[pool_learning]
+enabled = true
+uses = 2
+window_seconds = 600
+size = 1
+max_pools = 2
 """
 # A pool fills in the background; under emulation a member takes 5-8 s, more while others start.
 FILL_SECONDS = 240.0
@@ -224,3 +231,22 @@ def test_members_killed_while_idle_are_replaced_never_handed_out(agent: None) ->
     _filled("kill", 2)
     wait_for(lambda: not set(_managed()) & set(killed.values()), timeout=120, step=1)
     assert not {s.id for s in _client().list_sandboxes()} & set(killed)
+
+
+def test_a_key_run_twice_gets_a_learned_pool_whose_member_serves_the_third_run(
+    agent: None,
+) -> None:
+    client = _client()
+    request = RunRequest(
+        sandbox=CreateSandbox(user=USER, project="learn", memory="64MB"),
+        exec=ExecRequest(argv=("sh", "-c", MARKER)),
+    )
+    first, second = client.run(request), client.run(request)
+    assert {first.result.stdout, second.result.stdout} == {b"fresh\n"}
+    wait_for(lambda: _pool("learn").learned, timeout=30)
+    _filled("learn", 1)
+    (member,) = [s for s in client.list_sandboxes() if s.project == "learn" and s.pool == "idle"]
+    third = client.run(request)
+    assert (third.sandbox_id, third.result.stdout) == (member.id, b"fresh\n")
+    learned = _pool("learn")
+    assert (learned.learned, learned.hits, learned.size) == (True, 1, 1)

@@ -79,5 +79,12 @@ def test_importing_the_agent_or_the_cli_builds_only_the_models_it_instantiates()
     assert eager == "[]", "every model derives from slicebox.model.base.Model"
     # Built at import: only those a module makes an instance of (defaults, the code table).
     assert built == str(
-        ["CeilingConfig", "ErrorCode", "ExecRequest", "ReaperConfig", "SandboxDefaults"]
+        [
+            "CeilingConfig",
+            "ErrorCode",
+            "ExecRequest",
+            "PoolLearning",
+            "ReaperConfig",
+            "SandboxDefaults",
+        ]
     )

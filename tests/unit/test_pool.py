@@ -92,6 +92,7 @@ class World:
         self.queue = Queue()
         self.reset = FakeReset()
         self.dead: set[str] = set()  # members whose processes are gone (their scope is empty)
+        self.mono = 0.0  # the pool's own clock (seconds)
         self.start("run-1")
 
     def start(self, instance_id: str) -> None:
@@ -111,6 +112,7 @@ class World:
             reset=self.reset,
             executor=self.queue,  # type: ignore[arg-type]
             now=self.clock,
+            clock=lambda: self.mono,
             alive=lambda member: member.container_id not in self.dead,
         )
         self.reaper = Reaper(
@@ -383,3 +385,111 @@ def test_an_idle_member_being_acquired_is_deferred_by_the_reaper(world: World) -
     outcome = world.reaper._carry_out(action)
     assert outcome.result == "deferred"
     assert member.id in {m.id for m in world.members()}
+
+
+LEARNING = """
+[projects."alice/web"]
+memory = "1GB"
+[pool_learning]
+enabled = true
+uses = 2
+window_seconds = 60
+size = 1
+max_pools = 1
+"""
+
+
+def cold_create(world: World, **fields: object) -> str:
+    body = {"project": "web", "memory": "128MB", **fields}
+    return world.service.create(ALICE, CreateSandbox.model_validate(body)).id
+
+
+def test_a_key_asked_for_enough_within_the_window_gets_a_pool_of_its_own(tmp_path: Path) -> None:
+    world = World(tmp_path, LEARNING)
+    cold_create(world)
+    world.mono += 30
+    world.fill()
+    assert world.pool.stats().pools == [], "asked for once: nothing learned yet"
+    cold_create(world)
+    world.fill()
+    [learned] = world.pool.stats().pools
+    assert (learned.learned, learned.size, learned.ready) == (True, 1, 1)
+    assert learned.key.limits.memory_bytes == 128 * MiB
+    member = next(m for m in world.members() if m.pool_state == "idle")
+    assert member.lineage.launcher == LAUNCHER
+    third = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB"))
+    assert (third.id, third.pool) == (member.id, "acquired"), "the next request takes it"
+    assert world.pool.stats().pools[0].hits == 1
+
+
+def test_requests_far_apart_or_of_other_keys_teach_nothing(tmp_path: Path) -> None:
+    world = World(tmp_path, LEARNING)
+    cold_create(world)
+    world.mono += 61  # past the window: the first one no longer counts
+    cold_create(world)
+    cold_create(world, memory="256MB")
+    cold_create(world, cap_add=["CHOWN"])
+    cold_create(world, cap_add=["CHOWN"])  # a key a [[pool]] table cannot say: never learned
+    world.fill()
+    assert world.pool.stats().pools == []
+    assert world.members() == []
+
+
+def test_learning_is_off_unless_enabled(tmp_path: Path) -> None:
+    world = World(tmp_path, LEARNING.replace("enabled = true", "enabled = false"))
+    for _ in range(3):
+        cold_create(world)
+    world.fill()
+    assert world.pool.stats().pools == []
+
+
+def test_a_learned_pool_nobody_asks_for_is_forgotten_and_its_member_trimmed(
+    tmp_path: Path,
+) -> None:
+    world = World(tmp_path, LEARNING)
+    cold_create(world)
+    cold_create(world)
+    world.fill()
+    [member] = [m for m in world.members() if m.pool_state == "idle"]
+    world.mono += 30
+    world.reaper.run()
+    assert member.id in {m.id for m in world.members()}, "asked for within the window: kept"
+    world.mono += 61
+    report = world.reaper.run()
+    assert {a.target for a in report.plan if a.rule is Rule.POOL_SURPLUS} == {member.id}
+    assert world.pool.stats().pools == []
+    assert member.id not in {m.id for m in world.members()}
+
+
+def test_learned_pools_stop_at_max_pools_and_never_past_the_project_ceiling(
+    tmp_path: Path,
+) -> None:
+    config = LEARNING.replace('memory = "1GB"', 'memory = "300MB"').replace("size = 1", "size = 3")
+    world = World(tmp_path, config)
+    for _ in range(2):
+        cold_create(world, memory="64MB")
+    for _ in range(2):
+        cold_create(world, memory="32MB")  # max_pools = 1: this key is not learned
+    world.fill()
+    [learned] = world.pool.stats().pools
+    assert learned.key.limits.memory_bytes == 64 * MiB
+    # 4 running sandboxes (192 MiB) leave 108 MiB: one 64 MiB member fits of the 3 asked.
+    assert (learned.size, learned.ready) == (3, 1)
+    assert "left under its ceiling" in learned.held_back
+
+
+def test_a_reload_keeps_what_was_learned_and_a_table_of_the_key_takes_it_over(
+    tmp_path: Path,
+) -> None:
+    world = World(tmp_path, LEARNING)
+    cold_create(world)
+    cold_create(world)
+    world.fill()
+    world.pool.configure(parse_config(LEARNING))
+    assert [p.learned for p in world.pool.stats().pools] == [True]
+    declared = LEARNING + '[[pool]]\nuser = "alice"\nproject = "web"\nsize = 2\nmemory = "128MB"\n'
+    world.pool.configure(parse_config(declared))
+    [pool] = world.pool.stats().pools
+    assert (pool.learned, pool.size, pool.ready) == (False, 2, 1), "its member kept"
+    world.pool.configure(parse_config(LEARNING.replace("enabled = true", "enabled = false")))
+    assert world.pool.stats().pools == []

@@ -42,6 +42,8 @@ def pools(found: PoolList) -> Iterator[str]:
             f"{'yes' if key.reuse else 'no':<5} {p.ready:>5} {p.busy:>4} {p.size:>4} {hit:>5} "
             f"{_seconds(p.refill_seconds_p50):>7} {_seconds(p.acquire_seconds_p50):>8}"
         )
+        if p.learned:
+            yield "  learned from demand ([pool_learning]): kept while its key is asked for"
         if p.held_back:
             yield f"  held back: {p.held_back}"
     yield f"cold creates and runs (no pool's key): {found.cold}"

@@ -11,6 +11,12 @@ lease, the lineage and deadline the request gives, is armed on its first deadlin
 systemd call) and the member is the request's sandbox. Anything else, and a key whose pool
 has nothing ready, is created cold.
 
+Pools are also learned from demand, when ``[pool_learning]`` is on: a key no table declares,
+asked for ``uses`` times within ``window_seconds``, gets a pool of ``size`` as if a table
+declared it, at most ``max_pools`` of them; one nobody asks for within the window is
+forgotten, and its idle members are the reaper's (``pool_surplus``). What was learned is
+memory only: a restarted agent learns again, and trims the members an earlier run learned.
+
 Refills run on the pool's own threads, never on a request's: an acquire only asks for one.
 They make members up to each pool's size, and never past its project's headroom: what the
 project's running sandboxes and the members being made are provisioned, against the project's
@@ -41,7 +47,7 @@ from typing import Protocol
 
 from slicebox.core.policy import Admitted, capability_name
 from slicebox.core.sandboxes import Sandbox, SandboxManager
-from slicebox.model.config import Config
+from slicebox.model.config import Config, PoolLearning
 from slicebox.model.errors import SliceboxError
 from slicebox.model.limits import human_bytes
 from slicebox.model.pool import PoolConfig, PoolKey, PoolList, PoolStats
@@ -106,6 +112,8 @@ class _Pool:
     held_back: str = ""
     refills: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
     acquires: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    learned: bool = False  # made for demand (``[pool_learning]``), not declared
+    last_asked: float = 0.0  # when a request of its key last came (the pool's clock)
 
 
 class WarmPool:
@@ -140,13 +148,17 @@ class WarmPool:
         # An acquired member of a reuse pool -> its acquire mark and itself as it was idle.
         self._reusable: dict[str, tuple[int, Sandbox]] = {}
         self._ready_since: dict[str, datetime] = {}  # member back from a reuse -> since when
+        self._learning = PoolLearning()
+        # A key no pool serves -> when it was asked for, within the learning window.
+        self._demand: dict[PoolKey, deque[float]] = {}
         self.configure(manager.config)
 
     # --- configuration and start-up -----------------------------------------------------------
 
     def configure(self, config: Config) -> None:
         """Take the ``[[pool]]`` tables of ``config`` (at start and on reload). A pool kept
-        keeps its members; a removed one's are the reaper's (``pool_surplus``)."""
+        keeps its members; a removed one's are the reaper's (``pool_surplus``). Pools learned
+        from demand stay while learning is on (a table declaring the same key takes over)."""
         pools: dict[PoolKey, _Pool] = {}
         for table in config.pool:
             made = self._pool_of(table)
@@ -155,7 +167,14 @@ class WarmPool:
                     kept = self._pools.get(made.key)
                 pools[made.key] = _Pool(table, made.key, made.admitted) if kept is None else kept
                 pools[made.key].config = table
+                pools[made.key].learned = False
         with self._lock:
+            self._learning = config.pool_learning
+            if self._learning.enabled:
+                learned = {k: p for k, p in self._pools.items() if p.learned and k not in pools}
+                pools |= learned
+            else:
+                self._demand.clear()
             self._pools = pools
 
     def _pool_of(self, table: PoolConfig) -> _Pool | None:
@@ -193,7 +212,7 @@ class WarmPool:
     ) -> Sandbox | None:
         """A ready member of ``spec``'s key, leased to it; None: create it cold. One-shot, the
         member comes with an operation held, as ``SandboxManager.create`` returns one."""
-        if not self._pools:
+        if not self._pools and not self._learning.enabled:
             return None
         started = self._clock()
         pool = self._pool_for(spec, owner)
@@ -212,12 +231,94 @@ class WarmPool:
         """The pool of the spec's exact key, counted as a miss when it has nothing ready."""
         ttl = spec.ttl_seconds or self._manager.config.default_ttl_seconds
         key = key_of(self._manager.admitted(spec, owner))
+        poolable = key is not None and ttl is not None and self._manager.deadlines is not None
         with self._lock:
+            self._forget_unasked()
             pool = self._pools.get(key) if key is not None else None
-            if pool is None or ttl is None or self._manager.deadlines is None:
-                self._cold += 1
-                return None
-            return pool
+            if pool is not None:
+                pool.last_asked = self._clock()
+            if pool is not None and poolable:
+                return pool
+            self._cold += 1
+            learn = key is not None and pool is None and poolable and self._asked_enough(key)
+        if learn and key is not None:
+            self._learn(key)
+        return None
+
+    # --- pools learned from demand -------------------------------------------------------------
+
+    def _asked_enough(self, key: PoolKey) -> bool:
+        """Count a request of ``key``, which no pool serves; whether it now deserves one:
+        asked for ``uses`` times within the window, and room for another learned pool. Under
+        the lock."""
+        learning, now = self._learning, self._clock()
+        if not learning.enabled or key.cap_add or key.mounts or key.reuse:
+            return False  # a [[pool]] table could not say them: such keys are declared only
+        asked = self._demand.setdefault(key, deque())
+        asked.append(now)
+        for times in self._demand.values():
+            while times and times[0] < now - learning.window_seconds:
+                times.popleft()
+        self._demand = {k: times for k, times in self._demand.items() if times}
+        if len(asked) < learning.uses:
+            return False
+        if sum(p.learned for p in self._pools.values()) >= learning.max_pools:
+            log.info(
+                "pool for %s/%s not learned: %s learned pools already (max_pools)",
+                key.user,
+                key.project,
+                learning.max_pools,
+            )
+            return False
+        del self._demand[key]
+        return True
+
+    def _learn(self, key: PoolKey) -> None:
+        """Make ``key`` a pool of its own, as a ``[[pool]]`` table would (its members are
+        made by the next refill); nothing when the table would not give back the same key."""
+        learning = self._learning
+        table = PoolConfig(
+            user=key.user,
+            project=key.project,
+            size=learning.size,
+            image=key.image,
+            memory=key.limits.memory_bytes,
+            cpus=key.limits.cpus,
+            pids=key.limits.pids,
+            network=key.network,
+            run_as=key.run_as or None,
+            idle_timeout_seconds=learning.window_seconds,
+        )
+        made = self._pool_of(table)
+        if made is None or made.key != key:
+            log.info(
+                "pool for %s/%s not learned: its key cannot be declared", key.user, key.project
+            )
+            return
+        with self._lock:
+            if key in self._pools:
+                return
+            made.learned, made.last_asked = True, self._clock()
+            self._pools[key] = made
+        log.info(
+            "learned a pool of %s for %s/%s (image %s, %s memory): asked for %s times in %ss",
+            learning.size,
+            key.user,
+            key.project,
+            key.image,
+            human_bytes(key.limits.memory_bytes),
+            learning.uses,
+            learning.window_seconds,
+        )
+
+    def _forget_unasked(self) -> None:
+        """Drop the learned pools nobody asked for within the window: their idle members are
+        the reaper's (``pool_surplus``). Under the lock."""
+        since = self._clock() - self._learning.window_seconds
+        for key, pool in list(self._pools.items()):
+            if pool.learned and pool.last_asked < since:
+                del self._pools[key]
+                log.info("forgot the learned pool of %s/%s: not asked for", key.user, key.project)
 
     def _take(self, pool: _Pool) -> Sandbox | None:
         """The oldest ready member that is still alive (the idle timeout takes the fewest);
@@ -316,6 +417,7 @@ class WarmPool:
     def trims(self) -> dict[str, tuple[int, float]]:
         """Fingerprint -> (size, idle timeout in seconds) of every pool: the reaper's rules."""
         with self._lock:
+            self._forget_unasked()
             return {
                 p.key.fingerprint(): (p.config.size, p.config.idle_timeout_seconds)
                 for p in self._pools.values()
@@ -425,6 +527,7 @@ class WarmPool:
             refill_seconds_p50=_median(pool.refills),
             acquire_seconds_p50=_median(pool.acquires),
             held_back=pool.held_back,
+            learned=pool.learned,
         )
 
     def shutdown(self) -> None:

@@ -32,6 +32,12 @@ when the file is loaded, so a bad value is refused at load time, naming its fiel
     memory = "256MB"         # image, memory, cpus, pids, network, run_as: the defaults if unset
     idle_timeout_seconds = 1800
     reuse = false            # true: a release resets the member for the next reuse request
+    [pool_learning]          # pools learned from demand, for keys no [[pool]] declares
+    enabled = false          # on: a key asked for `uses` times in `window_seconds` gets a pool
+    uses = 3
+    window_seconds = 600     # kept while asked for within it; then its members are trimmed
+    size = 1                 # members per learned key
+    max_pools = 8            # learned pools at once, all users
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ from slicebox.model.limits import (
     parse_size,
 )
 from slicebox.model.paths import CONFIG_PATH
-from slicebox.model.pool import PoolConfig
+from slicebox.model.pool import MAX_POOL_SIZE, PoolConfig
 from slicebox.model.validation import checked, describe, problems
 
 log = logging.getLogger(__name__)
@@ -136,6 +142,19 @@ class ReaperConfig(_Strict):
     state_dir: Path = Path("/run/slicebox/sandboxes")
 
 
+class PoolLearning(_Strict):
+    """Pools learned from demand (core.pool): a key that no ``[[pool]]`` declares, asked for
+    ``uses`` times within ``window_seconds``, gets a pool of ``size`` of its own, kept while it
+    is asked for within the window; off unless enabled (its members are running containers in
+    the project's slice, and count against its ceilings)."""
+
+    enabled: bool = False
+    uses: int = Field(default=3, ge=1)
+    window_seconds: float = Field(default=600.0, gt=0)
+    size: int = Field(default=1, ge=1, le=MAX_POOL_SIZE)
+    max_pools: int = Field(default=8, ge=1)  # learned pools at once, all users
+
+
 class Config(_Strict):
     default_image: str = "alpine:3.19"
     max_ttl_seconds: int = Field(default=24 * 3600, gt=0, le=TTL_CEILING_SECONDS)
@@ -168,6 +187,7 @@ class Config(_Strict):
     files_max_bytes: RawSize = "1GB"
     # Warm pools, one ``[[pool]]`` table each (model.pool.PoolConfig; core.pool keeps them).
     pool: tuple[PoolConfig, ...] = ()
+    pool_learning: PoolLearning = PoolLearning()
 
     @field_validator("pool")
     @classmethod

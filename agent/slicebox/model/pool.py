@@ -148,6 +148,7 @@ class PoolStats(Model):
     refill_seconds_p50: float | None
     acquire_seconds_p50: float | None
     held_back: str = ""  # why the refill stops short of ``size`` (the project's headroom)
+    learned: bool = False  # learned from demand (``[pool_learning]``), not a ``[[pool]]`` table
 
 
 class PoolList(Model):

@@ -11,14 +11,20 @@ before it is timed (the refill is in the background; a run that found none would
 run, which the cold side measures). Reported: p50 and p99 of each side, the ratios of the
 medians, and the pool's own acquire p50 and hit rate. Absolute times under emulation say
 little about real hosts.
+
+Then what an idle member costs, to decide whether freezing idle members is worth it (issue
+15): with the pool full and nothing asked, the CPU its members' scopes use over ``--idle``
+seconds (what a frozen scope would not use), beside the whole guest's.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import docker
 from tests.host.agentunits import CONFIG, SOCKET, agent_config, installed_agent
@@ -37,6 +43,7 @@ IMAGE = "slicebox-test/busybox:latest"
 USER, PROJECT = "bench", "pool"
 POOL = f'[[pool]]\nuser = "{USER}"\nproject = "{PROJECT}"\nsize = 2\nmemory = "64MB"\n'
 ECHO = ExecRequest(argv=("echo", "hi"))
+CGROUP = Path("/sys/fs/cgroup")
 
 
 def run_request(memory: str) -> RunRequest:
@@ -115,9 +122,38 @@ def report(sides: Sides) -> None:
     )
 
 
+def idle_cost(client: Client, seconds: float) -> None:
+    """CPU seconds per second of the idle members' scopes, and of the whole guest."""
+    wait_for(lambda: client.pools().pools[0].ready == 2, timeout=300, step=0.5)
+    idle = [s for s in client.list_sandboxes() if s.user == USER and s.pool == "idle"]
+    project = (
+        CGROUP / "slicebox.slice" / f"slicebox-{USER}.slice" / slice_names(USER, PROJECT).project
+    )
+    scopes = [project / f"docker-{s.container_id}.scope" for s in idle]
+    before, all_before = [usage(scope) for scope in scopes], busy()
+    time.sleep(seconds)
+    after, all_after = [usage(scope) for scope in scopes], busy()
+    for member, start, end in zip(idle, before, after, strict=True):
+        print(f"idle member {member.id}: {(end - start) / seconds * 1e6:.0f} us of CPU a second")
+    print(f"the whole guest meanwhile: {(all_after - all_before) / seconds:.2f} CPU-s a second")
+
+
+def usage(cgroup: Path) -> float:
+    for line in (cgroup / "cpu.stat").read_text().splitlines():
+        if line.startswith("usage_usec "):
+            return int(line.split()[1]) / 1e6
+    raise AssertionError(f"no usage_usec in {cgroup}")
+
+
+def busy() -> float:
+    stat = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    return sum(int(v) for i, v in enumerate(stat) if i not in (3, 4)) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--idle", type=float, default=60.0, help="seconds of the idle reading")
     args = parser.parse_args()
     with installed_agent(agent_config() + POOL):
         sh("systemctl", "start", "slicebox.socket")
@@ -131,6 +167,7 @@ def main() -> None:
             for _ in range(args.rounds):
                 sides.round()
             report(sides)
+            idle_cost(client, args.idle)
         finally:
             empty_pool(client)
             sides.api.close()

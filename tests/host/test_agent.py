@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,40 +149,35 @@ def test_a_one_shot_run_goes_to_its_sandbox_s_waiter_not_a_docker_exec(agent: No
     the command through the busybox waiter's one line; Docker saw an attach and no exec; the
     final usage is read before the removal (the sandbox still runs after the command); a fork
     bomb past its timeout answers 124 and its sandbox goes."""
-    events = subprocess.Popen(
-        ["docker", "events", "--format", "{{.Action}} {{.Actor.ID}}", "--filter", "type=container"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        script = 'printf "%s|" "$@"; echo "$GREETING"; cat; echo err >&2; exit 5'
-        words = ["a b", "it's", "x\ny", "back\\slash \\n %b", "$HOME"]
-        run = {
-            "sandbox": {"project": "launch"},
-            "exec": {
-                "argv": ["sh", "-c", script, "sh", *words],
-                "env": {"GREETING": "hello 'you'"},
-                "stdin": base64.b64encode(b"from stdin").decode(),
-            },
-        }
-        ran = as_curl("sbxbob", "POST", "/v1/run", run)
-        result = dict(ran["result"])  # type: ignore[call-overload]
-        printed = "a b|it's|x\ny|back\\slash \\n %b|$HOME|hello 'you'\nfrom stdin"
-        assert base64.b64decode(result["stdout"]).decode() == printed
-        assert (base64.b64decode(result["stderr"]), result["exit_code"]) == (b"err\n", 5)
-        usage = dict(ran["usage"])  # type: ignore[call-overload]
-        assert float(usage["cpu_seconds"]) > 0, usage
+    since = f"{time.time() - 1:.3f}"  # Docker's events are read back from here at the end
+    script = 'printf "%s|" "$@"; echo "$GREETING"; cat; echo err >&2; exit 5'
+    words = ["a b", "it's", "x\ny", "back\\slash \\n %b", "$HOME"]
+    run = {
+        "sandbox": {"project": "launch"},
+        "exec": {
+            "argv": ["sh", "-c", script, "sh", *words],
+            "env": {"GREETING": "hello 'you'"},
+            "stdin": base64.b64encode(b"from stdin").decode(),
+        },
+    }
+    ran = as_curl("sbxbob", "POST", "/v1/run", run)
+    result = dict(ran["result"])  # type: ignore[call-overload]
+    printed = "a b|it's|x\ny|back\\slash \\n %b|$HOME|hello 'you'\nfrom stdin"
+    assert base64.b64decode(result["stdout"]).decode() == printed
+    assert (base64.b64decode(result["stderr"]), result["exit_code"]) == (b"err\n", 5)
+    usage = dict(ran["usage"])  # type: ignore[call-overload]
+    assert float(usage["cpu_seconds"]) > 0, usage
 
-        bomb = {
-            "sandbox": {"project": "launch"},
-            "exec": {"argv": ["sh", "-c", "f() { f | f & }; f; sleep 60"], "timeout": 3},
-        }
-        timed = dict(as_curl("sbxbob", "POST", "/v1/run", bomb)["result"])  # type: ignore[call-overload]
-        assert (timed["exit_code"], timed["timed_out"]) == (124, True)
-        wait_for(lambda: json.loads(as_user("sbxbob", "--json", "ps").stdout) == [], timeout=60)
-    finally:
-        events.terminate()
-        seen, _ = events.communicate(timeout=30)
+    bomb = {
+        "sandbox": {"project": "launch"},
+        "exec": {"argv": ["sh", "-c", "f() { f | f & }; f; sleep 60"], "timeout": 3},
+    }
+    timed = dict(as_curl("sbxbob", "POST", "/v1/run", bomb)["result"])  # type: ignore[call-overload]
+    assert (timed["exit_code"], timed["timed_out"]) == (124, True)
+    wait_for(lambda: json.loads(as_user("sbxbob", "--json", "ps").stdout) == [], timeout=60)
+    until = f"{time.time() + 1:.3f}"
+    format_ = "{{.Action}} {{.Actor.ID}}"
+    seen = sh("docker", "events", "--since", since, "--until", until, "--format", format_).stdout
     container = next(line.split()[1] for line in seen.splitlines() if line.startswith("attach"))
     mine = [line.split()[0] for line in seen.splitlines() if line.endswith(container)]
     assert "exec_create" not in " ".join(mine), mine

@@ -114,7 +114,8 @@ def test_users_see_only_their_own_and_outsiders_cannot_connect(agent: None) -> N
 def test_one_shot_run_and_streaming(agent: None) -> None:
     ran = as_user("sbxbob", "run", "--project", "oneshot", "--", "sh", "-c", "echo hi; exit 3")
     assert (ran.returncode, ran.stdout) == (3, "hi\n")
-    assert json.loads(as_user("sbxbob", "--json", "ps").stdout) == []
+    # The streamed one-shot answers first and the agent removes its sandbox after.
+    wait_for(lambda: json.loads(as_user("sbxbob", "--json", "ps").stdout) == [], timeout=60)
 
     box = json.loads(as_user("sbxbob", "--json", "create", "--project", "stream").stdout)
     body = json.dumps({"argv": ["sh", "-c", "echo one; echo two >&2; echo three"]})

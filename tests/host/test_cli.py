@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.host.agentunits import installed_agent
-from tests.host.helpers import ordinary_user, sh
+from tests.host.helpers import ordinary_user, sh, wait_for
 
 pytestmark = pytest.mark.host
 
@@ -72,8 +72,8 @@ def test_each_stream_on_its_own_descriptor_and_the_exit_code_passes(box: str) ->
 def test_a_one_shot_run_streams_and_leaves_nothing(box: str) -> None:
     ran = as_user("run", "--project", "cli-run", "--", "sh", "-c", "echo hi; echo oh >&2; exit 3")
     assert (ran.returncode, ran.stdout, ran.stderr) == (3, b"hi\n", b"oh\n")
-    mine = json.loads(as_user("--json", "ps").stdout)
-    assert [sandbox["id"] for sandbox in mine] == [box]
+    # The streamed one-shot answers first and the agent removes its sandbox after.
+    wait_for(lambda: [s["id"] for s in json.loads(as_user("--json", "ps").stdout)] == [box])
 
 
 def test_doctor_as_an_ordinary_user_skips_what_it_cannot_check(box: str) -> None:

@@ -26,7 +26,7 @@ from slicebox.core.telemetry import TreeReader, UsageReader, scope_pid
 from slicebox.host.cgroupfs import CgroupFS
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
-from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest
+from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest, RunResult
 from slicebox.model.config import DEFAULT_EXEC_OUTPUT_BUDGET, ReaperConfig, parse_config
 from slicebox.model.errors import Forbidden, NotFound, SandboxNotRunning
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, OutputStream, StreamChunk
@@ -602,6 +602,41 @@ def test_a_run_whose_caller_goes_away_mid_exec_still_removes_its_sandbox(world: 
     later.finish()
     assert world.docker.containers == {}
     assert world.journal.events() == [
+        ("sandbox_created", "ok"),
+        ("exec", "abandoned"),
+        ("sandbox_destroyed", "ok"),
+    ]
+    assert world.budget.in_use == 0
+    assert world.sandboxes.busy() == frozenset()
+
+
+def test_a_streamed_run_yields_its_output_then_its_result_and_a_closed_one_still_removes(
+    world: World,
+) -> None:
+    """Chunks as the command prints them, then the RunResult; a reader that leaves after the
+    first chunk has the command killed (audited abandoned) and its sandbox removed."""
+
+    async def read_all() -> list[StreamChunk | RunResult]:
+        return [e async for e in world.service.arun_stream(ALICE, RUN, None, inline)]
+
+    first, last = on_loop(read_all())
+    assert first == StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")
+    assert isinstance(last, RunResult)
+    assert (last.result.stdout, last.result.exit_code) == (b"hi\n", 0)
+    assert world.docker.containers == {}
+    endless(world)
+
+    async def leave_early() -> StreamChunk | RunResult:
+        events = world.service.arun_stream(ALICE, RUN, None, inline)
+        try:
+            return await anext(events)
+        finally:
+            await events.aclose()
+
+    assert isinstance(on_loop(leave_early()), StreamChunk)
+    assert world.host.kill_calls, "the command is killed"
+    assert world.docker.containers == {}
+    assert world.journal.events()[-3:] == [
         ("sandbox_created", "ok"),
         ("exec", "abandoned"),
         ("sandbox_destroyed", "ok"),

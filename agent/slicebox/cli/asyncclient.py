@@ -221,6 +221,7 @@ class AsyncClient:
             try:
                 async for data in response.iter_any():
                     for event in decoder.feed(data):
+                        assert not isinstance(event, RunResult)  # an exec's stream, not a run's
                         yield event
                 decoder.end()
             finally:

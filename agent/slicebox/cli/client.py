@@ -42,7 +42,7 @@ from slicebox.model.api import (
     SandboxView,
 )
 from slicebox.model.errors import SliceboxError
-from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult
+from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
 from slicebox.model.files import FileFormat, FilesQuery, FileStat, Transferred
 from slicebox.model.paths import AGENT_SOCKET
 from slicebox.model.pool import PoolList
@@ -110,7 +110,9 @@ class Client:
         self, sandbox_id: str, request: ExecRequest
     ) -> Generator[ExecEvent, None, None]:
         """Output chunks as the command produces them, then its ``ExecResult``."""
-        return self._stream(wire.exec_stream(sandbox_id, request))
+        for event in self._stream(wire.exec_stream(sandbox_id, request)):
+            assert not isinstance(event, RunResult)  # an exec's stream ends with an ExecResult
+            yield event
 
     def usage(self, sandbox_id: str) -> ResourceUsage:
         return self._call(wire.usage(sandbox_id)).usage
@@ -123,6 +125,13 @@ class Client:
 
     def run(self, request: RunRequest) -> RunResult:
         return self._call(wire.run(request))
+
+    def run_stream(self, request: RunRequest) -> Generator[StreamChunk | RunResult, None, None]:
+        """A one-shot run's output chunks as the command produces them, then its ``RunResult``;
+        closing it early kills the command, and its sandbox is removed all the same."""
+        for event in self._stream(wire.run_stream(request)):
+            assert not isinstance(event, ExecResult)  # a run's stream ends with a RunResult
+            yield event
 
     def pools(self) -> PoolList:
         """The warm pools: key, ready and busy members, hit rate, refill time."""
@@ -220,7 +229,7 @@ class Client:
         finally:
             conn.close()
 
-    def _stream(self, call: wire.Call[ExecResult]) -> Generator[ExecEvent, None, None]:
+    def _stream(self, call: wire.Call[T]) -> Generator[ExecEvent | RunResult, None, None]:
         timeout = max(self.timeout, call.min_timeout)
         conn = _UnixConnection(self.path, timeout)
         decoder = wire.EventDecoder(f"{call.method} {call.target}")

@@ -21,7 +21,14 @@ from pydantic import BaseModel, ValidationError
 from slicebox import VersionAction
 from slicebox.cli import copying, doctor, tables
 from slicebox.cli.client import DEFAULT_SOCKET, Client
-from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest, SandboxList
+from slicebox.model.api import (
+    CreateSandbox,
+    Extend,
+    ReapRequest,
+    RunRequest,
+    RunResult,
+    SandboxList,
+)
 from slicebox.model.errors import InvalidRequest, SliceboxError
 from slicebox.model.exec import MAX_OUTPUT_CAP, ExecRequest, ExecResult, OutputStream
 from slicebox.model.validation import refusal
@@ -279,13 +286,18 @@ def cmd_run(options: argparse.Namespace, client: Client) -> int:
     if options.json:  # one answer to print: the agent's one-shot route
         _json(client.run(RunRequest(sandbox=spec, exec=request)))
         return 0
-    # A person wants output as it is produced, and /run answers only at the end: the same
-    # create, exec, destroy, streamed. The client's context destroys the sandbox on Ctrl-C too.
-    with client:
-        box = client.create(spec)
-        result = _stream(client, box.id, request)
-        client.destroy(box.id)
-    return _finish(result)
+    # A person wants output as it is produced: the streamed one-shot, the same run as /run
+    # (a pool's member or a cold one-shot sandbox, the command to its waiter, removed by the
+    # agent however it ends; Ctrl-C closes the stream, and the agent kills the command).
+    events = client.run_stream(RunRequest(sandbox=spec, exec=request))
+    try:
+        for event in events:
+            if isinstance(event, RunResult):
+                return _finish(event.result)
+            _write(event.stream, event.data)
+    finally:
+        events.close()
+    raise AssertionError("the run's stream ends with its result")  # EventDecoder guarantees it
 
 
 def cmd_create(options: argparse.Namespace, client: Client) -> int:

@@ -145,6 +145,12 @@ def run(request: RunRequest) -> Call[RunResult]:
     return Call("POST", "/run", RunResult, _run_body(request), grace)
 
 
+def run_stream(request: RunRequest) -> Call[RunResult]:
+    """The streaming one-shot: NDJSON chunks, then the ``RunResult`` (see ``EventDecoder``)."""
+    grace = request.exec.timeout + EXEC_GRACE
+    return Call("POST", "/run/stream", RunResult, _run_body(request), grace)
+
+
 def pools() -> Call[PoolList]:
     return Call("GET", "/pool", PoolList)
 
@@ -263,19 +269,26 @@ class _ResultLine(Model):
     result: ExecResult
 
 
+class _RunLine(Model):
+    model_config = ConfigDict(extra="forbid")
+
+    run: RunResult
+
+
 class _ErrorLine(Model):
     model_config = ConfigDict(extra="forbid")
 
     error: ErrorBody
 
 
-_LINE: TypeAdapter[StreamChunk | _ResultLine | _ErrorLine] = TypeAdapter(
-    StreamChunk | _ResultLine | _ErrorLine
+_LINE: TypeAdapter[StreamChunk | _ResultLine | _RunLine | _ErrorLine] = TypeAdapter(
+    StreamChunk | _ResultLine | _RunLine | _ErrorLine
 )
 
 
 class EventDecoder:
-    """Bytes of the NDJSON exec stream, in pieces of any size, to chunks and the result.
+    """Bytes of the NDJSON exec stream, in pieces of any size, to chunks and the result (an
+    exec's ``ExecResult``, a streamed run's ``RunResult``).
 
     A line can be megabytes (the result repeats the kept output), so the buffer is scanned
     only once per byte rather than re-joined per piece.
@@ -287,9 +300,9 @@ class EventDecoder:
         self._buffer = bytearray()
         self._scanned = 0
 
-    def feed(self, data: bytes) -> list[ExecEvent]:
+    def feed(self, data: bytes) -> list[ExecEvent | RunResult]:
         self._buffer += data
-        events: list[ExecEvent] = []
+        events: list[ExecEvent | RunResult] = []
         while (end := self._buffer.find(b"\n", self._scanned)) >= 0:
             line = bytes(self._buffer[:end])
             del self._buffer[: end + 1]
@@ -308,7 +321,7 @@ class EventDecoder:
                 code="agent_no_answer",
             )
 
-    def _event(self, line: bytes) -> ExecEvent:
+    def _event(self, line: bytes) -> ExecEvent | RunResult:
         try:
             item = _LINE.validate_json(line)
         except ValidationError as exc:
@@ -318,6 +331,9 @@ class EventDecoder:
         if isinstance(item, _ResultLine):
             self.finished = True
             return item.result
+        if isinstance(item, _RunLine):
+            self.finished = True
+            return item.run
         return item
 
 

@@ -417,15 +417,48 @@ class Service:
         blocking: Blocking,
         aside: Aside | None = None,
     ) -> RunResult:
-        """``run`` on the event loop: the create through ``blocking``, the exec as ``aexec``.
-        The exec and the removal act on the sandbox the create returned: neither looks it up.
+        """``run`` on the event loop: the create through ``blocking``, the command handed to the
+        sandbox's waiter (``core.launch``) or run as ``aexec``. The command and the removal act
+        on the sandbox the create returned: neither looks it up.
 
-        Once the exec has its result, the final usage is read and the run answers: the removal
-        (Docker's, the scope's stop, which stops its deadline timer, the ``sandbox_destroyed``
-        record) goes on after the answer through ``aside`` when it takes it, else before the
-        answer through ``blocking``. It holds the sandbox's operation until it is over (the reaper
-        leaves the sandbox alone), it is handed over or run even when the caller is cancelled
-        meanwhile, and a failed one is logged and audited for the reaper to finish."""
+        Once the command has its result, the final usage is read and the run answers: the
+        removal (Docker's, the scope's stop, which stops its deadline timer, the
+        ``sandbox_destroyed`` record) goes on after the answer through ``aside`` when it takes
+        it, else before the answer through ``blocking``. It holds the sandbox's operation until
+        it is over (the reaper leaves the sandbox alone), it is handed over or run even when the
+        caller is cancelled meanwhile, and a failed one is logged and audited for the reaper to
+        finish."""
+        ran: RunResult | None = None
+        events = self._arun_events(who, request, held, blocking, aside)
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if isinstance(event, RunResult):
+                    ran = event
+        if ran is None:  # pragma: no cover - the run's events end with its result
+            raise SliceboxError("the run ended without a result")
+        return ran
+
+    def arun_stream(
+        self,
+        who: Identity,
+        request: RunRequest,
+        held: Reservation | None,
+        blocking: Blocking,
+        aside: Aside | None = None,
+    ) -> AsyncGenerator[StreamChunk | RunResult, None]:
+        """``arun`` with the command's output as it comes: its kept chunks, then the
+        ``RunResult`` (whose result keeps the same heads). Closing it early kills the command
+        (audited ``abandoned``), and the sandbox is removed all the same."""
+        return self._arun_events(who, request, held, blocking, aside)
+
+    async def _arun_events(
+        self,
+        who: Identity,
+        request: RunRequest,
+        held: Reservation | None,
+        blocking: Blocking,
+        aside: Aside | None,
+    ) -> AsyncGenerator[StreamChunk | RunResult, None]:
         output_cap = request.exec.output_cap
         async with self._aholding(
             who, output_cap, held, blocking=blocking, action="run"
@@ -435,16 +468,25 @@ class Service:
             last_look: LastLook = self._final_usage
             try:
                 launch = sandbox.lineage.launcher == LAUNCHER and can_launch(request.exec)
-                result = await self._aexec(
+                events = self._aexec_stream(
                     who, sandbox.id, request.exec, holding, blocking, known=sandbox, launch=launch
                 )
+                result: ExecResult | None = None
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        if isinstance(event, ExecResult):
+                            result = event
+                        else:
+                            yield event
+                if result is None:  # pragma: no cover - the engine always ends with its result
+                    raise SliceboxError("the exec stream ended without a result")
                 usage = await blocking(functools.partial(self._final_usage, sandbox))
                 last_look = functools.partial(_read, usage)
             finally:
                 removal = functools.partial(self._finish_run, who, sandbox, last_look)
                 if aside is None or not aside(removal):
                     await settle(blocking, removal)
-        return RunResult(sandbox_id=sandbox.id, result=result, usage=usage)
+        yield RunResult(sandbox_id=sandbox.id, result=result, usage=usage)
 
     @contextlib.asynccontextmanager
     async def _aholding(

@@ -130,6 +130,13 @@ def _routes() -> list[Route]:
             ran = await service.arun(who, body, held, pools.call, pools.aside)
             return await _sent(request, json_ok(ran))
 
+    async def run_stream(request: Request) -> StreamResponse:
+        body = await parse_body(request, RunRequest, MAX_EXEC_BODY_BYTES)
+        service, who, pools = _service(request), identity_of(request), pools_of(request)
+        with await _call(request, service.reserve, who, body.exec.output_cap, "run") as held:
+            events = service.arun_stream(who, body, held, pools.call, pools.aside)
+            return await _stream(request, events)
+
     async def usage(request: Request) -> StreamResponse:
         found = await _call(request, _service(request).usage, identity_of(request), _id(request))
         return json_ok(UsageAnswer(usage=found))
@@ -185,6 +192,14 @@ def _routes() -> list[Route]:
         ),
         Route("POST", "/run", run, "One-shot: create, exec, destroy", RunRequest, RunResult),
         Route(
+            "POST",
+            "/run/stream",
+            run_stream,
+            "One-shot, its output as NDJSON chunks, then the run's result",
+            RunRequest,
+            StreamChunk,
+        ),
+        Route(
             "GET", "/usage/tree", tree, "The level tree with OOM/throttle blame", None, LevelNode
         ),
         Route(
@@ -224,7 +239,9 @@ async def _sent(request: Request, response: StreamResponse) -> StreamResponse:
     return response
 
 
-async def _stream(request: Request, events: AsyncGenerator[ExecEvent, None]) -> StreamResponse:
+async def _stream(
+    request: Request, events: AsyncGenerator[ExecEvent | RunResult, None]
+) -> StreamResponse:
     """Write ``events`` as NDJSON lines as they come; leaving early closes ``events``, which
     kills the exec."""
     async with contextlib.aclosing(events):
@@ -244,7 +261,7 @@ async def _stream(request: Request, events: AsyncGenerator[ExecEvent, None]) -> 
     return response
 
 
-async def _next_or_error(events: AsyncGenerator[ExecEvent, None]) -> object:
+async def _next_or_error(events: AsyncGenerator[ExecEvent | RunResult, None]) -> object:
     """The next event, None at the end; an error of the exec becomes the stream's last line."""
     try:
         return await anext(events, None)
@@ -258,6 +275,8 @@ async def _next_or_error(events: AsyncGenerator[ExecEvent, None]) -> object:
 def _line(event: object) -> bytes:
     if isinstance(event, ExecResult):
         return b'{"result": ' + event.model_dump_json().encode() + b"}\n"
+    if isinstance(event, RunResult):
+        return b'{"run": ' + event.model_dump_json().encode() + b"}\n"
     if isinstance(event, ErrorBody):
         return b'{"error": ' + event.model_dump_json().encode() + b"}\n"
     assert isinstance(event, BaseModel)

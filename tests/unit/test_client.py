@@ -18,7 +18,7 @@ from slicebox.cli.client import Client
 from slicebox.core.budget import OutputBudget, exec_reservation
 from slicebox.host.listen import bind_unix
 from slicebox.model import errors
-from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest
+from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest, RunResult
 from slicebox.model.exec import MAX_OUTPUT_CAP, ExecRequest, ExecResult, OutputStream, StreamChunk
 from tests.unit.agentserver import Agent, served, wait_for
 from tests.unit.test_service import World
@@ -239,6 +239,30 @@ def test_a_stream_gives_chunks_as_produced_then_the_result(agent: Agent) -> None
     with pytest.raises(errors.NotFound):
         next(client.exec_stream("sbx-nothing", ExecRequest(argv=("x",))))
     client.destroy(box.id)
+
+
+def test_a_streamed_run_gives_chunks_then_its_run_result_both_clients(agent: Agent) -> None:
+    run = RunRequest(sandbox=WEB, exec=ExecRequest(argv=("x",)))
+    agent.script((OUT, b"one\n"), (ERR, b"two\n"), exit_code=5)
+    events = list(Client(agent.socket).run_stream(run))
+    assert events[:-1] == [
+        StreamChunk(stream=OUT, data=b"one\n"),
+        StreamChunk(stream=ERR, data=b"two\n"),
+    ]
+    last = events[-1]
+    assert isinstance(last, RunResult)
+    assert (last.result.exit_code, last.result.stdout) == (5, b"one\n")
+    assert last.usage is not None
+
+    async def streamed() -> list[StreamChunk | RunResult]:
+        async with AsyncClient(agent.socket) as client:
+            return [e async for e in client.run_stream(run)]
+
+    agent.script((OUT, b"a"), exit_code=0)
+    got = asyncio.run(streamed())
+    assert got[0] == StreamChunk(stream=OUT, data=b"a")
+    assert isinstance(got[-1], RunResult)
+    wait_for(lambda: Client(agent.socket).list_sandboxes() == [])
 
 
 def _endless(agent: Agent) -> None:

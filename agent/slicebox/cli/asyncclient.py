@@ -33,7 +33,7 @@ from slicebox.model.api import (
     SandboxView,
 )
 from slicebox.model.errors import SliceboxError
-from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult
+from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
 from slicebox.model.files import FileFormat, FilesQuery, FileStat, Transferred
 from slicebox.model.paths import AGENT_SOCKET
 from slicebox.model.reaper import Report
@@ -85,9 +85,23 @@ class AsyncClient:
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
         return await self._call(wire.exec_(sandbox_id, request))
 
-    def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncGenerator[ExecEvent, None]:
+    async def exec_stream(
+        self, sandbox_id: str, request: ExecRequest
+    ) -> AsyncGenerator[ExecEvent, None]:
         """Output chunks as the command produces them, then its ``ExecResult``."""
-        return self._stream(wire.exec_stream(sandbox_id, request))
+        async with contextlib.aclosing(self._stream(wire.exec_stream(sandbox_id, request))) as got:
+            async for event in got:
+                assert not isinstance(event, RunResult)  # an exec's stream ends with its result
+                yield event
+
+    async def run_stream(
+        self, request: RunRequest
+    ) -> AsyncGenerator[StreamChunk | RunResult, None]:
+        """``Client.run_stream``: a one-shot's output chunks, then its ``RunResult``."""
+        async with contextlib.aclosing(self._stream(wire.run_stream(request))) as got:
+            async for event in got:
+                assert not isinstance(event, ExecResult)  # a run's stream ends with a RunResult
+                yield event
 
     async def usage(self, sandbox_id: str) -> ResourceUsage:
         return (await self._call(wire.usage(sandbox_id))).usage
@@ -212,7 +226,7 @@ class AsyncClient:
             response = await self._send(call)
             return wire.answer(call, response.status, await response.read())
 
-    async def _stream(self, call: wire.Call[ExecResult]) -> AsyncGenerator[ExecEvent, None]:
+    async def _stream(self, call: wire.Call[T]) -> AsyncGenerator[ExecEvent | RunResult, None]:
         decoder = wire.EventDecoder(f"{call.method} {call.target}")
         async with self._failures(call):
             response = await self._send(call)
@@ -221,7 +235,6 @@ class AsyncClient:
             try:
                 async for data in response.iter_any():
                     for event in decoder.feed(data):
-                        assert not isinstance(event, RunResult)  # an exec's stream, not a run's
                         yield event
                 decoder.end()
             finally:

@@ -391,23 +391,7 @@ class Service:
     ) -> ExecResult:
         """``exec`` on the event loop: ``aexec_stream`` read to its end (so it is audited as run,
         not abandoned at its result)."""
-        return await self._aexec(who, sandbox_id, request, held, blocking)
-
-    async def _aexec(
-        self,
-        who: Identity,
-        sandbox_id: str,
-        request: ExecRequest,
-        held: Reservation | None,
-        blocking: Blocking,
-        *,
-        known: Sandbox | None = None,
-        launch: bool = False,
-    ) -> ExecResult:
-        """``aexec``; ``known`` and ``launch`` as in ``_aexec_stream``."""
-        return await result_of(
-            self._aexec_stream(who, sandbox_id, request, held, blocking, known=known, launch=launch)
-        )
+        return await result_of(self._aexec_stream(who, sandbox_id, request, held, blocking))
 
     async def arun(
         self,

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -30,11 +30,12 @@ from slicebox.model.api import (
     SandboxList,
 )
 from slicebox.model.errors import InvalidRequest, SliceboxError
-from slicebox.model.exec import MAX_OUTPUT_CAP, ExecRequest, ExecResult, OutputStream
+from slicebox.model.exec import MAX_OUTPUT_CAP, ExecRequest, ExecResult, OutputStream, StreamChunk
 from slicebox.model.validation import refusal
 
 Command = Callable[[argparse.Namespace, Client], int]
 M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R", ExecResult, RunResult)
 BROKEN_PIPE_EXIT = 141  # what a shell reports for a writer killed by SIGPIPE
 
 
@@ -255,17 +256,17 @@ def _finish(result: ExecResult) -> int:
     return result.exit_code
 
 
-def _stream(client: Client, sandbox_id: str, request: ExecRequest) -> ExecResult:
-    """Run ``request`` with its output written as it comes; its result at the end."""
-    events = client.exec_stream(sandbox_id, request)
+def _written(events: Generator[StreamChunk | R, None, None]) -> R:
+    """Write a stream's chunks as they come, to stdout and stderr; its result at the end (an
+    exec's ``ExecResult``, a run's ``RunResult``)."""
     try:
         for event in events:
-            if isinstance(event, ExecResult):
+            if not isinstance(event, StreamChunk):
                 return event
             _write(event.stream, event.data)
     finally:
         events.close()  # an interrupted CLI closes the stream: the agent kills the command
-    raise AssertionError("the exec stream ends with its result")  # EventDecoder guarantees it
+    raise AssertionError("the stream ends with its result")  # EventDecoder guarantees it
 
 
 # --- commands -------------------------------------------------------------------------------
@@ -289,15 +290,7 @@ def cmd_run(options: argparse.Namespace, client: Client) -> int:
     # A person wants output as it is produced: the streamed one-shot, the same run as /run
     # (a pool's member or a cold one-shot sandbox, the command to its waiter, removed by the
     # agent however it ends; Ctrl-C closes the stream, and the agent kills the command).
-    events = client.run_stream(RunRequest(sandbox=spec, exec=request))
-    try:
-        for event in events:
-            if isinstance(event, RunResult):
-                return _finish(event.result)
-            _write(event.stream, event.data)
-    finally:
-        events.close()
-    raise AssertionError("the run's stream ends with its result")  # EventDecoder guarantees it
+    return _finish(_written(client.run_stream(RunRequest(sandbox=spec, exec=request))).result)
 
 
 def cmd_create(options: argparse.Namespace, client: Client) -> int:
@@ -324,7 +317,7 @@ def cmd_exec(options: argparse.Namespace, client: Client) -> int:
         result = client.exec(options.sandbox, request)
         _json(result)
         return result.exit_code
-    return _finish(_stream(client, options.sandbox, request))
+    return _finish(_written(client.exec_stream(options.sandbox, request)))
 
 
 def cmd_rm(options: argparse.Namespace, client: Client) -> int:

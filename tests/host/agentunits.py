@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,13 +34,19 @@ def agent_config(reaper: str = "") -> str:
 TEST_CONFIG = agent_config()
 
 
-def drop_in(watchdog_sec: int, start_limit: bool = True) -> str:
+def drop_in(
+    watchdog_sec: int,
+    start_limit: bool = True,
+    environment: Mapping[str, str] | None = None,
+    service: str = "",
+) -> str:
     # The guest runs the checkout's console script; a short watchdog keeps tests quick.
     unit, restart = (
         ("", "") if start_limit else ("[Unit]\nStartLimitIntervalSec=0\n", "RestartSec=0\n")
     )
+    env = "".join(f'Environment="{name}={value}"\n' for name, value in (environment or {}).items())
     return unit + (
-        f"[Service]\n{restart}ExecStart=\n"
+        f"[Service]\n{restart}{env}{service}ExecStart=\n"
         f"ExecStart=/usr/local/bin/sliceboxd --config {CONFIG}\nWatchdogSec={watchdog_sec}\n"
     )
 
@@ -51,8 +57,15 @@ def prop(unit: str, name: str) -> str:
 
 @contextmanager
 def installed_agent(
-    config: str = TEST_CONFIG, watchdog_sec: int = 20, *, start_limit: bool = True
+    config: str = TEST_CONFIG,
+    watchdog_sec: int = 20,
+    *,
+    start_limit: bool = True,
+    environment: Mapping[str, str] | None = None,
+    service: str = "",
 ) -> Iterator[None]:
+    """The checkout's agent as a system service; ``environment`` and ``service`` (lines of
+    [Service]) go into its test drop-in."""
     created_group = sh("getent", "group", "slicebox", check=False).returncode != 0
     if created_group:
         sh("groupadd", "--system", "slicebox")
@@ -67,7 +80,7 @@ def installed_agent(
         shutil.copy(UNITS / unit, RUNTIME / unit)
     directory = RUNTIME / "slicebox.service.d"
     directory.mkdir(exist_ok=True)
-    (directory / "test.conf").write_text(drop_in(watchdog_sec, start_limit))
+    (directory / "test.conf").write_text(drop_in(watchdog_sec, start_limit, environment, service))
     sh("systemctl", "daemon-reload")
     try:
         yield
@@ -90,5 +103,7 @@ def installed_agent(
 
 
 def curl_health() -> dict[str, object]:
-    out = sh("curl", "-sf", "--unix-socket", str(SOCKET), "http://localhost/v1/health").stdout
+    out = sh(
+        "curl", "-sf", "-m", "180", "--unix-socket", str(SOCKET), "http://localhost/v1/health"
+    ).stdout
     return dict(json.loads(out))

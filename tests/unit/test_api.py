@@ -19,7 +19,7 @@ from slicebox.host.identity import SystemUsers
 from slicebox.host.listen import activated_sockets, bind_unix
 from slicebox.model import errors
 from slicebox.model.api import RunRequest
-from slicebox.server.api import Route, base_routes, build_app, json_ok, parse_body
+from slicebox.server.api import ENGINE, Route, base_routes, build_app, json_ok, parse_body
 from slicebox.web.server import Request, StreamResponse, serve
 
 
@@ -55,12 +55,16 @@ ROUTES = [
 ]
 
 
+ENGINE_FOUND = "unix:///run/docker.sock (the system's Docker socket)"
+
+
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Path]:
     path = tmp_path / "agent.sock"
     sock = bind_unix(path, group=None)
     loop = asyncio.new_event_loop()
-    serving = loop.run_until_complete(serve(build_app(ROUTES, SystemUsers()), sock))
+    app = build_app(ROUTES, SystemUsers(), {ENGINE: ENGINE_FOUND})
+    serving = loop.run_until_complete(serve(app, sock))
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     yield path
@@ -90,6 +94,7 @@ def test_health_names_the_kernel_identified_caller(server: Path) -> None:
     assert health["status"] == "ok"
     assert health["user"] == "root"
     assert health["admin"] is True
+    assert health["engine"] == ENGINE_FOUND  # which engine the agent uses, and how it found it
 
 
 def test_valid_body_round_trips(server: Path) -> None:

@@ -7,6 +7,7 @@ image pull raises now, are mapped by ``map_error``.
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 from collections.abc import Iterator
@@ -200,6 +201,15 @@ def test_unsupported_docker_hosts_are_refused_with_their_code(
         endpoint_from_env(env)
     assert refused.value.code == code
     assert "DOCKER_HOST" in refused.value.message
+
+
+def test_tcp_the_agent_s_unit_does_not_allow_says_how_to_allow_it() -> None:
+    tcp = parse_docker_host("tcp://127.0.0.1:2400")
+    refused = OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+    said = tcp.unreachable(refused).message
+    assert "RestrictAddressFamilies=AF_INET AF_INET6" in said
+    assert "tcp://127.0.0.1:2400" in said
+    assert "RestrictAddressFamilies" not in tcp.unreachable(ConnectionRefusedError()).message
 
 
 # --- the adapter against a daemon stand-in ------------------------------------------------

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from slicebox.backends.dockerstream import parse_docker_host
+from slicebox.backends.engines import CONTEXT_CODE, FoundEngine
 from slicebox.cli import main as cli
 from slicebox.cli.doctor import (
     Host,
@@ -18,6 +21,7 @@ from slicebox.cli.doctor import (
     failed,
     lines,
 )
+from slicebox.model.errors import Unavailable
 
 
 def fake_host(tmp_path: Path, pid1: str, controllers: str | None) -> Host:
@@ -64,13 +68,17 @@ def test_cli_doctor_exits_nonzero_and_prints_fixes(
     assert "fix: systemctl start slicebox.socket" in out
 
 
+def found_at(url: str, source: str = "DOCKER_HOST") -> Callable[[], FoundEngine]:
+    return lambda: FoundEngine(endpoint=parse_docker_host(url), source=source)
+
+
 def test_a_docker_socket_not_ours_is_skipped_not_passed_nor_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sock = tmp_path / "docker.sock"
     sock.touch(mode=0o600)
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # as an ordinary user sees it
-    check = check_docker(Host(docker_socket=str(sock), docker_host=None))
+    check = check_docker(Host(engine=found_at(f"unix://{sock}", "the system's Docker socket")))
     assert check.state is State.SKIP
     assert not check.ok
     assert "sudo slicebox doctor" in check.fix
@@ -81,14 +89,22 @@ def test_a_docker_socket_not_ours_is_skipped_not_passed_nor_failed(
     ]
 
 
-def test_docker_host_names_the_engine_as_dockers_own_tools_read_it(tmp_path: Path) -> None:
-    assert Host(docker_socket="/a.sock", docker_host=None).docker_path == Path("/a.sock")
-    assert Host(docker_host="unix:///b.sock").docker_path == Path("/b.sock")
-    assert Host(docker_host="tcp://10.0.0.1:2375").docker_path is None
-    unreachable = check_docker(Host(docker_host=f"unix://{tmp_path / 'none.sock'}"))
+def test_the_docker_check_names_the_engine_and_how_it_was_found(tmp_path: Path) -> None:
+    none = tmp_path / "none.sock"
+    unreachable = check_docker(Host(engine=found_at(f"unix://{none}", "the rootless socket")))
     assert unreachable.state is State.FAIL
-    assert "none.sock" in unreachable.detail
+    assert f"unix://{none} (the rootless socket)" in unreachable.detail
     assert "DOCKER_HOST" in unreachable.fix
+
+
+def test_an_engine_that_cannot_be_found_fails_the_docker_check_with_why() -> None:
+    def refused() -> FoundEngine:
+        raise Unavailable("the Docker context 'gone' has no endpoint", code=CONTEXT_CODE)
+
+    check = check_docker(Host(engine=refused))
+    assert check.state is State.FAIL
+    assert "'gone'" in check.detail
+    assert "DOCKER_HOST" in check.fix
 
 
 def roots_host(tmp_path: Path, roots: str) -> Host:

@@ -733,13 +733,11 @@ def test_arm_disarm_and_a_deadline_read_ask_systemd_for_the_sandbox_s_own_timers
     assert {t.sandbox_id for t in Deadlines(world.systemd).timers()} == set(others)
 
 
-def test_the_timer_passes_the_agent_s_docker_host_to_the_expiry() -> None:
+def test_the_timer_passes_the_agent_s_engine_to_the_expiry() -> None:
     at = NOW + timedelta(seconds=60)
-    plain = expire_command("/usr/bin/sliceboxd", "sbx-a", "c1", at, env={})
+    plain = expire_command("/usr/bin/sliceboxd", "sbx-a", "c1", at)
     assert plain[:2] == ["/usr/bin/sliceboxd", "expire"]
-    remote = expire_command(
-        "/usr/bin/sliceboxd", "sbx-a", "c1", at, env={"DOCKER_HOST": "tcp://d:2375"}
-    )
+    remote = expire_command("/usr/bin/sliceboxd", "sbx-a", "c1", at, "tcp://d:2375")
     assert remote[:4] == [
         "/usr/bin/env",
         "DOCKER_HOST=tcp://d:2375",

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -52,8 +51,8 @@ from slicebox.backends.dockerstream import (
     attach,
     attach_async,
     attach_request,
-    endpoint_from_env,
 )
+from slicebox.backends.engines import FoundEngine, discover
 from slicebox.model.errors import (
     HostError,
     ImageUnavailable,
@@ -219,8 +218,14 @@ class DockerBackend:
 
     kind = Backend.DOCKER
 
-    def __init__(self, endpoint: DockerEndpoint, version: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: DockerEndpoint,
+        version: str | None = None,
+        found: FoundEngine | None = None,
+    ) -> None:
         self._endpoint = endpoint
+        self._found = found or FoundEngine(endpoint=endpoint, source="given")
         self._engine = EngineApi(endpoint, map_status, DOCKER_TIMEOUT, version)
         self._json = DockerJsonApi(endpoint, map_status)  # an exec's calls, on the event loop
         self._heavy = threading.BoundedSemaphore(HEAVY_CALLS)
@@ -228,20 +233,29 @@ class DockerBackend:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> DockerBackend:
-        """The daemon DOCKER_HOST names, else the default socket; TLS is refused."""
-        return cls(endpoint_from_env(os.environ if env is None else env))
+        """The engine :func:`~slicebox.backends.engines.discover` finds: DOCKER_HOST, the
+        Docker context, else the first known socket that answers; TLS is refused."""
+        found = discover(env)
+        return cls(found.endpoint, found=found)
 
     @property
     def endpoint(self) -> DockerEndpoint:
         return self._endpoint
 
+    @property
+    def found(self) -> FoundEngine:
+        """The engine in use and how it was found."""
+        return self._found
+
     def availability(self) -> Availability:
         try:
             version = self._engine.daemon_version()
         except SliceboxError as exc:
-            return Availability(kind=self.kind, available=False, detail=exc.message)
+            detail = f"{exc.message} (the engine: {self._found.describe()})"
+            return Availability(kind=self.kind, available=False, detail=detail)
         detail = f"Docker {version.get('Version')} (API {version.get('ApiVersion')})"
-        return Availability(kind=self.kind, available=True, detail=f"{detail} at {self._url}")
+        where = self._found.describe()
+        return Availability(kind=self.kind, available=True, detail=f"{detail} at {where}")
 
     def prepare(self, image: str) -> None:
         if self._has_image(image):

@@ -181,6 +181,8 @@ def call_failed(endpoint: DockerEndpoint, exc: BaseException, timeout: float) ->
     ``timeout``, else Unavailable (nothing listens, or the connection broke)."""
     if isinstance(exc, TimeoutError):
         return HostError(f"Docker did not answer within {timeout:.0f}s; is it busy?")
+    if isinstance(exc, OSError):  # its errno says why (refused, no such file, no TCP)
+        return endpoint.unreachable(exc)
     return endpoint.unreachable(OSError(str(exc) or type(exc).__name__))
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import select
@@ -107,6 +108,14 @@ class DockerEndpoint(Model):
             raise self.unreachable(exc) from exc
 
     def unreachable(self, exc: OSError) -> Unavailable:
+        if exc.errno == errno.EAFNOSUPPORT and self.scheme == "tcp":
+            # The agent's unit allows it unix and netlink sockets only (RestrictAddressFamilies).
+            return Unavailable(
+                f"the Docker daemon at {self.base_url} cannot be reached over TCP: this process "
+                f"may not open TCP sockets ({exc}); for a tcp:// DOCKER_HOST give slicebox.service "
+                "a drop-in with RestrictAddressFamilies=AF_INET AF_INET6, or point DOCKER_HOST "
+                "at the daemon's unix socket"
+            )
         return Unavailable(
             f"the Docker daemon at {self.base_url} is not reachable ({exc}); "
             "is docker.service running, and is DOCKER_HOST right?"

@@ -13,19 +13,22 @@ import itertools
 import os
 import stat
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ConfigDict, RootModel, computed_field
 
 from slicebox.cli.client import Client
 from slicebox.model.base import Model
 from slicebox.model.errors import SliceboxError
-from slicebox.model.paths import AGENT_SOCKET, CGROUP_MOUNT, CONFIG_PATH, DOCKER_SOCKET
+from slicebox.model.paths import AGENT_SOCKET, CGROUP_MOUNT, CONFIG_PATH
+
+if TYPE_CHECKING:
+    from slicebox.backends.engines import FoundEngine
 
 REQUIRED_CONTROLLERS = ("cpu", "memory", "pids", "io")
-UNIX_SCHEME = "unix://"
 
 
 class State(StrEnum):
@@ -61,8 +64,12 @@ def verdict(name: str, ok: bool, detail: str, fix: str) -> Check:
     return Check(name=name, state=State.OK if ok else State.FAIL, detail=detail, fix=fix)
 
 
-def _docker_host() -> str | None:
-    return os.environ.get("DOCKER_HOST") or None
+def _discover() -> FoundEngine:
+    # Imported when doctor runs, not with every CLI command: the Docker stream module it sits
+    # beside costs a command's start-up under emulation.
+    from slicebox.backends.engines import discover
+
+    return discover()
 
 
 @dataclass(frozen=True)
@@ -70,21 +77,11 @@ class Host:
     proc: Path = Path("/proc")
     cgroup: Path = CGROUP_MOUNT
     agent_socket: str = AGENT_SOCKET
-    docker_socket: str = DOCKER_SOCKET
-    docker_host: str | None = field(default_factory=_docker_host)  # as Docker's own tools read it
+    # The container engine as the agent finds it, in this command's environment.
+    engine: Callable[[], FoundEngine] = _discover
     config: Path = CONFIG_PATH
     top: Path = Path("/")  # where the walk above a bind root starts (tests: their own tree)
     owner: int = 0  # who may own a bind root and what is above it
-
-    @property
-    def docker_url(self) -> str:
-        return self.docker_host or UNIX_SCHEME + self.docker_socket
-
-    @property
-    def docker_path(self) -> Path | None:
-        """The engine's socket file, when it is one (not for tcp:// or ssh://)."""
-        url = self.docker_url
-        return Path(url.removeprefix(UNIX_SCHEME)) if url.startswith(UNIX_SCHEME) else None
 
 
 def check_systemd(host: Host) -> Check:
@@ -122,7 +119,12 @@ def check_controllers(host: Host) -> Check:
 
 
 def check_docker(host: Host) -> Check:
-    sock = host.docker_path
+    try:
+        found = host.engine()
+    except SliceboxError as exc:
+        return verdict("docker", False, exc.message, "set DOCKER_HOST, or mend the Docker context")
+    endpoint, where = found.endpoint, found.describe()
+    sock = Path(endpoint.address) if endpoint.scheme == "unix" else None
     if sock is not None and sock.exists() and not os.access(sock, os.R_OK | os.W_OK):
         return Check(
             name="docker",
@@ -133,13 +135,13 @@ def check_docker(host: Host) -> Check:
     try:
         import docker
 
-        with docker.APIClient(base_url=host.docker_url, timeout=10) as api:
+        with docker.APIClient(base_url=endpoint.base_url, timeout=10) as api:
             info = api.info()
     except Exception as exc:
         return verdict(
             "docker",
             False,
-            f"cannot reach the Docker engine at {host.docker_url} ({exc.__class__.__name__})",
+            f"cannot reach the Docker engine at {where} ({exc.__class__.__name__})",
             "start docker.service, or set DOCKER_HOST; slicebox falls back to native "
             "sandboxes only when allow_native_fallback is on",
         )
@@ -147,7 +149,7 @@ def check_docker(host: Host) -> Check:
     return verdict(
         "docker",
         driver == "systemd" and version == "2",
-        f"Docker {info.get('ServerVersion')}, cgroup driver {driver}, cgroup v{version}",
+        f"Docker {info.get('ServerVersion')} at {where}, cgroup driver {driver}, cgroup v{version}",
         'set "exec-opts": ["native.cgroupdriver=systemd"] in /etc/docker/daemon.json '
         "and restart docker",
     )
@@ -160,7 +162,9 @@ def check_agent(host: Host) -> Check:
     except SliceboxError as exc:
         return verdict("agent", False, exc.message, "systemctl start slicebox.socket")
     admin = " (admin)" if health.admin else ""
-    return passed("agent", f"sliceboxd {health.version} answers; you are {health.user}{admin}")
+    engine = f"; its engine: {health.engine}" if health.engine else ""
+    said = f"sliceboxd {health.version} answers; you are {health.user}{admin}{engine}"
+    return passed("agent", said)
 
 
 BIND_ROOTS_FIX = (

@@ -30,7 +30,7 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 
 from pydantic import ConfigDict
@@ -107,12 +107,12 @@ def expire_command(
     sandbox_id: str,
     container_id: str,
     at: datetime,
-    env: Mapping[str, str] | None = None,
+    docker_host: str | None = None,
 ) -> list[str]:
     """What the timer runs: ``sliceboxd expire``, told which deadline it enforces. The timer's
-    service does not inherit the agent's environment: a ``DOCKER_HOST`` the agent uses is
-    passed on (through ``env``), so the command finds the same daemon."""
-    docker_host = (os.environ if env is None else env).get("DOCKER_HOST")
+    service does not inherit the agent's environment: the engine the agent found (its
+    ``docker_host``) is passed on as DOCKER_HOST, so the command removes from the same daemon
+    without finding it again."""
     prefix = [ENV_PROGRAM, f"DOCKER_HOST={docker_host}"] if docker_host else []
     deadline = str(int(at.timestamp()))
     return [*prefix, program, "expire", sandbox_id, container_id, "--deadline", deadline]
@@ -153,8 +153,10 @@ class Deadlines:
         systemd: Systemd,
         systemctl: str | None = None,
         program: Callable[[], str | None] = lambda: None,
+        docker_host: str | None = None,
     ) -> None:
         self._systemd = systemd
+        self._docker_host = docker_host  # the agent's engine, for the expiry command
         self._systemctl = systemctl or shutil.which("systemctl") or "/usr/bin/systemctl"
         self._program = program
         self._warned = False
@@ -229,7 +231,7 @@ class Deadlines:
     def _command(self, sandbox_id: str, container_id: str, at: datetime) -> list[str]:
         program = self._program()
         if program is not None:
-            return expire_command(program, sandbox_id, container_id, at)
+            return expire_command(program, sandbox_id, container_id, at, self._docker_host)
         if not self._warned:
             self._warned = True
             log.warning(

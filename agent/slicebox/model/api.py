@@ -35,6 +35,7 @@ class Health(Model):
     version: str
     user: str
     admin: bool
+    engine: str = ""  # the container engine the agent uses and how it found it
 
 
 class CreateSandbox(SandboxSpec):

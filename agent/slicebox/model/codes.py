@@ -333,6 +333,20 @@ CODES: tuple[ErrorCode, ...] = (
         "An operator points DOCKER_HOST at the daemon's unix socket or a local plain tcp port.",
     ),
     _c(
+        "docker_context_unknown",
+        503,
+        "The Docker context the agent's user chose (DOCKER_CONTEXT, or currentContext in the "
+        "Docker config) has no Docker endpoint.",
+        "An operator creates that context, chooses another, or sets DOCKER_HOST.",
+    ),
+    _c(
+        "docker_config_invalid",
+        503,
+        "The Docker config of the agent's user (config.json, or a context's meta.json) cannot "
+        "be read as JSON.",
+        "An operator mends the file, or sets DOCKER_HOST to choose the engine.",
+    ),
+    _c(
         "sandbox_name_conflict",
         500,
         "Docker already has a container with the new sandbox's name.",

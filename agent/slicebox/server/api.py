@@ -158,6 +158,10 @@ def http_error(status: int, reason: str) -> Response:
     return error_response(status, code, _HTTP_HINTS.get(status, reason))
 
 
+# The container engine the agent uses, as found (``FoundEngine.describe``), for the health.
+ENGINE = AppKey("slicebox.engine", str)
+
+
 async def health(request: Request) -> StreamResponse:
     identity = identity_of(request)
     return json_ok(
@@ -166,6 +170,7 @@ async def health(request: Request) -> StreamResponse:
             version=slicebox.__version__,
             user=identity.user_name,
             admin=identity.is_admin,
+            engine=request.app.get(ENGINE, ""),
         )
     )
 

@@ -32,7 +32,7 @@ from slicebox.model.audit import AuditEvent, AuditRecord
 from slicebox.model.config import DEFAULT_PATH as DEFAULT_CONFIG
 from slicebox.model.errors import SliceboxError
 from slicebox.model.paths import AGENT_SOCKET
-from slicebox.server.api import Route, build_app
+from slicebox.server.api import ENGINE, Route, build_app
 from slicebox.server.pools import POOLS, run_in
 from slicebox.server.routes import ROUTES, SERVICE
 from slicebox.server.runtime import assemble, assemble_expiry
@@ -243,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             (runtime.config.reaper.interval_seconds, runtime.reaper.run),
             (POOL_KICK_SECONDS, runtime.pool.kick),
         ],
-        state={SERVICE: runtime.service},
+        state={SERVICE: runtime.service, ENGINE: runtime.backend.found.describe()},
         closing=[runtime.backend.aclose],
     )
     asyncio.run(agent.run(options.socket))

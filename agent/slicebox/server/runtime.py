@@ -111,6 +111,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
     systemd = PystemdSystemd()
     slices = SliceManager(systemd)
     backend = DockerBackend.from_env()
+    docker_host = backend.endpoint.base_url
     available = backend.availability()
     if not available.available:  # systemd restarts the agent until the daemon answers
         raise Unavailable(available.detail)
@@ -121,7 +122,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         config=config,
         host_memory=host_memory,
         instance_id="run-" + uuid.uuid4().hex[:12],
-        deadlines=Deadlines(systemd, program=find_program),
+        deadlines=Deadlines(systemd, program=find_program, docker_host=docker_host),
     )
     integrator = MemoryIntegrator(time.monotonic)
     files = CgroupFS()
@@ -190,7 +191,7 @@ def assemble_expiry(auditor: Auditor) -> Expiry:
         config=Config(),
         host_memory=read_host_memory(),
         instance_id="expire",
-        deadlines=Deadlines(systemd, program=find_program),
+        deadlines=Deadlines(systemd, program=find_program, docker_host=backend.endpoint.base_url),
     )
     usage = UsageReader(CgroupFS(), NetnsCounters())
     return Expiry(sandboxes, backend, systemd, usage=usage, auditor=auditor)

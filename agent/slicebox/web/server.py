@@ -148,6 +148,9 @@ class Application:
     def __contains__(self, key: object) -> bool:
         return key in self._state
 
+    def get(self, key: AppKey[T], default: T) -> T:
+        return cast(T, self._state.get(key, default))
+
     async def handle(self, request: Request) -> StreamResponse:
         """``request`` through the middlewares (the first outermost) to its route."""
         if self._chain is None:

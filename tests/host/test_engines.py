@@ -1,0 +1,117 @@
+"""Finding the container engine on a real host: the agent through a tcp:// DOCKER_HOST (its
+calls, its exec streams and its deadline timer's expiry all going there), and ``slicebox
+doctor`` through a Docker context and through a user's rootless socket. Each other daemon is a
+relay inside the guest to the guest's own Docker. One container in all."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pwd
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from slicebox.core.deadlines import Deadlines
+from slicebox.host.systemd import PystemdSystemd
+from tests.host.agentunits import curl_health, installed_agent
+from tests.host.helpers import ordinary_user, sh, unique
+from tests.host.relay import Relay
+
+pytestmark = pytest.mark.host
+
+USER = "sbxengine"  # an ordinary user: the system's socket is not theirs to open
+
+
+def doctor_checks(argv: list[str], env: dict[str, str]) -> dict[str, dict[str, object]]:
+    done = subprocess.run(
+        [*argv, "slicebox", "--json", "doctor"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        timeout=300,
+    )
+    return {check["name"]: check for check in json.loads(done.stdout)}
+
+
+def test_the_agent_uses_a_tcp_docker_host_for_everything() -> None:
+    with Relay.tcp() as relay:
+        url = f"tcp://127.0.0.1:{relay.port}"
+        # The shipped unit allows the agent no TCP socket: it says so, and how to allow one.
+        with installed_agent(environment={"DOCKER_HOST": url}):
+            since = f"@{int(time.time())}"
+            started = sh("systemctl", "start", "slicebox.service", check=False)
+            assert started.returncode != 0
+            journal = ("journalctl", "--no-pager", "-o", "cat", "--since", since)
+            said = sh(*journal, "-u", "slicebox.service").stdout
+            assert "RestrictAddressFamilies=AF_INET AF_INET6" in said
+        tcp = "RestrictAddressFamilies=AF_INET AF_INET6\n"
+        with installed_agent(environment={"DOCKER_HOST": url}, service=tcp):
+            sh("systemctl", "start", "slicebox.socket")
+            assert curl_health()["engine"] == f"{url} (DOCKER_HOST)"
+            project = unique("eng")
+            box = json.loads(
+                sh("slicebox", "--json", "create", "--project", project, "--ttl", "600").stdout
+            )
+            try:
+                before = relay.relayed
+                ran = sh("slicebox", "exec", box["id"], "--", "sh", "-c", "echo via tcp")
+                assert ran.stdout == "via tcp\n"
+                assert relay.relayed > before  # the exec's stream went through the relay
+                # The deadline timer's expiry runs outside the agent, on the agent's engine.
+                (timer,) = Deadlines(PystemdSystemd()).timers_of(box["id"])
+                service = timer.unit.removesuffix(".timer") + ".service"
+                command = sh("systemctl", "show", "-P", "ExecStart", service).stdout
+                assert f"DOCKER_HOST={url}" in command, command
+                checks = doctor_checks([], dict(os.environ))
+                assert f"its engine: {url} (DOCKER_HOST)" in str(checks["agent"]["detail"])
+            finally:
+                sh("slicebox", "rm", box["id"])
+            assert relay.accepted > 0
+            gone = sh("docker", "ps", "-aq", "--filter", f"label=slicebox.sandbox={box['id']}")
+            assert gone.stdout.strip() == ""
+
+
+def test_doctor_follows_the_docker_context_the_config_names(tmp_path: Path) -> None:
+    config = tmp_path / "docker"
+    digest = hashlib.sha256(b"relayed").hexdigest()
+    meta = config / "contexts" / "meta" / digest
+    meta.mkdir(parents=True)
+    sock = tmp_path / "relayed.sock"
+    endpoints = {"docker": {"Host": f"unix://{sock}", "SkipTLSVerify": False}}
+    (meta / "meta.json").write_text(json.dumps({"Name": "relayed", "Endpoints": endpoints}))
+    (config / "config.json").write_text(json.dumps({"currentContext": "relayed"}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DOCKER_")}
+    with Relay.unix(sock) as relay:
+        checks = doctor_checks([], {**env, "DOCKER_CONFIG": str(config)})
+        docker = checks["docker"]
+        assert docker["state"] == "ok", docker
+        assert f"unix://{sock} (the Docker context 'relayed')" in str(docker["detail"])
+        assert relay.accepted > 0
+        # A context the config names but nobody made: refused with its code, not passed over.
+        (config / "config.json").write_text(json.dumps({"currentContext": "nobody-made"}))
+        refused = doctor_checks([], {**env, "DOCKER_CONFIG": str(config)})["docker"]
+        assert refused["state"] == "fail"
+        assert "'nobody-made'" in str(refused["detail"])
+
+
+def test_doctor_finds_a_user_s_rootless_socket_past_the_system_s() -> None:
+    with ordinary_user(USER):
+        uid = pwd.getpwnam(USER).pw_uid
+        runtime = Path(f"/run/user/{uid}")  # as logind makes it for the user's session
+        runtime.mkdir(mode=0o700)
+        os.chown(runtime, uid, -1)
+        try:
+            with Relay.unix(runtime / "docker.sock", owner=uid) as relay:
+                env = {"PATH": os.environ["PATH"], "XDG_RUNTIME_DIR": str(runtime)}
+                docker = doctor_checks(["runuser", "-u", USER, "--"], env)["docker"]
+                assert docker["state"] == "ok", docker
+                detail = str(docker["detail"])
+                assert f"unix://{runtime}/docker.sock (the rootless Docker socket)" in detail
+                assert relay.accepted > 0
+        finally:
+            sh("rm", "-rf", str(runtime))

@@ -208,6 +208,32 @@ def test_start_failures_are_moved_to_stderr(
         assert result.stderr == stdout.replace(b"\r\n", b"\n")
 
 
+PODMAN = b"Error: runc: exec failed: unable to start container process: "
+PODMAN_TAIL = b": OCI runtime attempted to invoke a command that was not found\n"
+
+
+@pytest.mark.parametrize(
+    ("stderr", "explained"),
+    [
+        # Podman says 127 for both; a cwd that is not there is 126 as under Docker.
+        (
+            PODMAN + b'chdir to cwd ("/x") set in config.json failed: no such file' + PODMAN_TAIL,
+            126,
+        ),
+        (b"Error: crun: chdir to `/x`: No such file or directory" + PODMAN_TAIL, 126),
+        (PODMAN + b'exec: "nope": executable file not found in $PATH' + PODMAN_TAIL, 127),
+        (b"Error: chdir to my dir failed, says my program\n", 127),
+    ],
+)
+def test_podman_s_start_failures_answer_as_docker_s(
+    way: Way, stderr: bytes, explained: int
+) -> None:
+    run = FakeExec([[chunk(ERR, stderr)], None], exit_code=127)
+    engine, _ = make(run)
+    result = result_of(way(engine, request()))
+    assert (result.stdout, result.stderr, result.exit_code) == (b"", stderr, explained)
+
+
 def test_unknown_sandbox_is_not_found(way: Way) -> None:
     engine, _ = make(FakeExec([None]))
     with pytest.raises(SandboxNotFound):

@@ -70,6 +70,7 @@ EXIT_POLL = 0.02
 START_FAILED = 126
 NOT_FOUND_EXIT_CODE = 127
 OCI_START_FAILURE = b"OCI runtime exec failed"
+PODMAN_START_FAILURE = b"OCI runtime attempted to invoke a command that was not found"
 
 
 class SandboxHost(Protocol):
@@ -438,7 +439,10 @@ async def result_of(events: AsyncGenerator[ExecEvent, None]) -> ExecResult:
 def explain_start_failure(result: ExecResult) -> ExecResult:
     """Docker reports a command that could not start (no such program, no such cwd) as exit
     code 126 with runc's message on stdout; move the message to stderr, and answer 127 for a
-    missing program, as a shell would."""
+    missing program, as a shell would. Podman says either with 127 and its message on stderr:
+    a cwd that is not there is 126 there too."""
+    if result.exit_code == NOT_FOUND_EXIT_CODE and _podman_no_cwd(result.stderr):
+        return result.model_copy(update={"exit_code": START_FAILED})
     if result.exit_code != START_FAILED or not result.stdout.startswith(OCI_START_FAILURE):
         return result
     missing = b"executable file not found" in result.stdout
@@ -449,6 +453,12 @@ def explain_start_failure(result: ExecResult) -> ExecResult:
             "exit_code": NOT_FOUND_EXIT_CODE if missing else START_FAILED,
         }
     )
+
+
+def _podman_no_cwd(stderr: bytes) -> bool:
+    """Podman's words for an exec whose cwd is not there (runc's or crun's, after "Error: ")."""
+    head = stderr[:4096]
+    return head.startswith(b"Error: ") and PODMAN_START_FAILURE in head and (b"chdir to" in head)
 
 
 def _grew(before: int | None, after: int | None) -> bool:

@@ -29,6 +29,8 @@ class FakeEngine:
 
     def __init__(self, images: tuple[str, ...] = ("alpine:3.19",)) -> None:
         self.images = set(images)
+        # What /version answers; Podman's compatible API adds its Components (as 5.4 does).
+        self.version: dict[str, Any] = {"ApiVersion": "1.45", "Version": "27.5.1"}
         self.containers: dict[str, dict[str, Any]] = {}
         self.volumes: dict[str, dict[str, Any]] = {}
         self.asked: list[tuple[str, str, dict[str, list[str]], Any]] = []
@@ -61,7 +63,7 @@ class FakeEngine:
         with self.lock:
             self.asked.append((method, path, query, body))
         if path == "/version":
-            return 200, {"ApiVersion": "1.45", "Version": "27.5.1"}
+            return 200, self.version
         if not path.startswith(API + "/"):
             return 400, {"message": f"client version not supported: {path}"}
         parts = [unquote(p) for p in path[len(API) + 1 :].split("/")]

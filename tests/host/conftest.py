@@ -7,6 +7,9 @@ from collections.abc import Iterator
 import docker
 import pytest
 
+from slicebox.backends.docker import DockerBackend
+from slicebox.model.names import DOCKER_SCOPES, use_scope_prefix
+
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[docker.DockerClient]:
@@ -14,3 +17,14 @@ def client() -> Iterator[docker.DockerClient]:
     c = docker.from_env()
     yield c
     c.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_scopes() -> Iterator[None]:
+    """Name containers' scopes as the engine the tests talk to does (DOCKER_HOST may point at
+    Podman's socket), as the agent's start-up does."""
+    backend = DockerBackend.from_env()
+    if backend.availability().available:
+        use_scope_prefix(backend.scope_prefix)
+    yield
+    use_scope_prefix(DOCKER_SCOPES)

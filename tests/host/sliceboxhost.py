@@ -7,9 +7,9 @@ from pathlib import Path
 
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.model.errors import SliceboxError
-from slicebox.model.names import parse_slice
+from slicebox.model.names import PODMAN_MONITOR, parse_slice
 from slicebox.model.paths import CGROUP_ROOT as PURE_ROOT
-from tests.host.helpers import CGROUP_ROOT, sh, stop_unit
+from tests.host.helpers import CGROUP_ROOT, sh, stop_unit, wait_for
 
 CONTROL_DIRS = (Path("/run/systemd/system.control"), Path("/run/systemd/transient"))
 
@@ -42,10 +42,23 @@ def cleanup_slices(*units: str) -> None:
 def reap_empty_slices(manager: SandboxManager, user: str) -> None:
     """What a reaper pass without a grace does to the user's slices once their sandboxes are
     gone (a destroy leaves them): stop each that holds nothing, projects first. A slice that
-    still holds something stays, for the test's leftovers check to find."""
+    still holds something stays, for the test's leftovers check to find. Under Podman, first
+    until the user's container monitors are gone: after an exec session one outlives its
+    container by up to a minute (and the reaper's pass then takes the slice)."""
+    wait_for(lambda: not _orphan_monitors(), timeout=180, step=1)
     units = [unit for unit in slicebox_units("slicebox-*.slice") if _owner(unit) == user]
     for unit in sorted(units, key=lambda u: -u.count("-")):
         manager.stop_slice_if_idle(unit)
+
+
+def _orphan_monitors() -> list[Path]:
+    """Podman's container monitors whose container's scope is gone (none under Docker)."""
+    monitors = CGROUP_ROOT.glob(f"slicebox.slice/*/*/{PODMAN_MONITOR}*.scope")
+    return [
+        monitor
+        for monitor in monitors
+        if not (monitor.parent / monitor.name.replace(PODMAN_MONITOR, "libpod-", 1)).exists()
+    ]
 
 
 def _owner(unit: str) -> str | None:

@@ -379,3 +379,21 @@ def test_the_create_body_is_docker_py_s_for_the_same_call(request_: SandboxReque
     )
     theirs = {key: value for key, value in sent[0].items() if value is not None}
     assert json.loads(json.dumps(create_body(request_))) == json.loads(json.dumps(theirs))
+
+
+def test_the_engine_says_whether_it_is_podman_and_so_how_it_names_scopes(
+    engine: FakeEngine,
+) -> None:
+    docker_engine = backend(engine)
+    said = docker_engine.availability()
+    assert said.available
+    assert said.detail.startswith("Docker 27.5.1 (API 1.45) at ")
+    assert docker_engine.scope_prefix == "docker"
+    engine.version = {
+        "ApiVersion": "1.41",
+        "Version": "5.4.2",
+        "Components": [{"Name": "Podman Engine", "Version": "5.4.2"}, {"Name": "Conmon"}],
+    }
+    podman = backend(engine)
+    assert podman.availability().detail.startswith("Podman 5.4.2 (API 1.41) at ")
+    assert podman.scope_prefix == "libpod"

@@ -5,7 +5,18 @@ from pathlib import PurePosixPath
 import pytest
 
 from slicebox.model.errors import InvalidName
-from slicebox.model.names import parse_slice, project_slice, scope_cgroup, slice_names, user_slice
+from slicebox.model.names import (
+    DOCKER_SCOPES,
+    PODMAN_SCOPES,
+    is_container_scope,
+    parse_slice,
+    project_slice,
+    scope_cgroup,
+    scope_name,
+    slice_names,
+    use_scope_prefix,
+    user_slice,
+)
 
 
 @pytest.mark.parametrize(
@@ -56,3 +67,19 @@ def test_cgroup_paths_follow_the_nesting() -> None:
     assert cgroups.user == cgroups.project.parent
     assert cgroups.managed == PurePosixPath("/sys/fs/cgroup/slicebox.slice")
     assert scope_cgroup("a-b", "c", "f00") == cgroups.project / "docker-f00.scope"
+
+
+def test_podman_names_a_container_s_scope_libpod_and_its_monitor_is_not_one() -> None:
+    assert scope_name("f00") == "docker-f00.scope"
+    assert is_container_scope("docker-f00.scope")
+    try:
+        use_scope_prefix(PODMAN_SCOPES)
+        assert scope_name("f00") == "libpod-f00.scope"
+        assert scope_cgroup("a", "c", "f00").name == "libpod-f00.scope"
+        assert is_container_scope("libpod-f00.scope")
+        assert not is_container_scope("libpod-conmon-f00.scope")
+        assert not is_container_scope("docker-f00.scope")
+    finally:
+        use_scope_prefix(DOCKER_SCOPES)
+    with pytest.raises(ValueError, match="unknown scope prefix"):
+        use_scope_prefix("lxc")

@@ -23,6 +23,7 @@ from slicebox.model.audit import AuditEvent
 from slicebox.model.config import OrphanPolicy, ReaperConfig, parse_config
 from slicebox.model.errors import HostError, SandboxNotRunning
 from slicebox.model.labels import MANAGED, Lineage, decode
+from slicebox.model.names import DOCKER_SCOPES, PODMAN_SCOPES, SCOPE_PREFIX_ENV, use_scope_prefix
 from slicebox.model.reaper import Action, Kind, Rule
 from slicebox.model.spec import SandboxSpec
 from tests.fakes.docker import FakeDocker, volume_labels
@@ -737,6 +738,12 @@ def test_the_timer_passes_the_agent_s_engine_to_the_expiry() -> None:
     at = NOW + timedelta(seconds=60)
     plain = expire_command("/usr/bin/sliceboxd", "sbx-a", "c1", at)
     assert plain[:2] == ["/usr/bin/sliceboxd", "expire"]
+    try:  # an engine that names its scopes otherwise (Podman) says so to the expiry
+        use_scope_prefix(PODMAN_SCOPES)
+        podman = expire_command("/usr/bin/sliceboxd", "sbx-a", "c1", at)
+    finally:
+        use_scope_prefix(DOCKER_SCOPES)
+    assert podman[:3] == ["/usr/bin/env", f"{SCOPE_PREFIX_ENV}=libpod", "/usr/bin/sliceboxd"]
     remote = expire_command("/usr/bin/sliceboxd", "sbx-a", "c1", at, "tcp://d:2375")
     assert remote[:4] == [
         "/usr/bin/env",

@@ -370,3 +370,11 @@ def test_link_counters_take_link_1_for_loopback_and_sum_the_rest() -> None:
 
 def test_netns_of_a_gone_pid_reads_none(tmp_path: Path) -> None:
     assert NetnsCounters(proc=str(tmp_path)).bytes_for_pid(4242) is None
+
+
+def test_podman_s_monitor_beside_a_container_is_not_a_sandbox(tree_root: Path) -> None:
+    cgroup(tree_root, f"{PROJECT}/libpod-ccc.scope", 10, usage=1)
+    cgroup(tree_root, f"{PROJECT}/libpod-conmon-ccc.scope", 1, usage=1)
+    tree = TreeReader(CgroupFS(tree_root)).tree()
+    sandboxes = [n.unit for n in tree.walk() if n.level is Level.SANDBOX]
+    assert sandboxes == ["docker-aaa.scope", "docker-bbb.scope", "libpod-ccc.scope"]

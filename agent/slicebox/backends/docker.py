@@ -64,6 +64,7 @@ from slicebox.model.errors import (
 )
 from slicebox.model.exec import ExecRequest, ExecState
 from slicebox.model.limits import nano_cpus
+from slicebox.model.names import DOCKER_SCOPES, PODMAN_SCOPES
 from slicebox.model.spec import Backend, Mount, MountKind
 
 log = logging.getLogger(__name__)
@@ -226,6 +227,7 @@ class DockerBackend:
     ) -> None:
         self._endpoint = endpoint
         self._found = found or FoundEngine(endpoint=endpoint, source="given")
+        self._podman = False  # Podman's Docker-compatible API, as its /version says
         self._engine = EngineApi(endpoint, map_status, DOCKER_TIMEOUT, version)
         self._json = DockerJsonApi(endpoint, map_status)  # an exec's calls, on the event loop
         self._heavy = threading.BoundedSemaphore(HEAVY_CALLS)
@@ -243,6 +245,12 @@ class DockerBackend:
         return self._endpoint
 
     @property
+    def scope_prefix(self) -> str:
+        """How the engine names a container's scope: Docker's ``docker``, Podman's ``libpod``
+        (known once ``availability`` has asked the daemon)."""
+        return PODMAN_SCOPES if self._podman else DOCKER_SCOPES
+
+    @property
     def found(self) -> FoundEngine:
         """The engine in use and how it was found."""
         return self._found
@@ -253,7 +261,10 @@ class DockerBackend:
         except SliceboxError as exc:
             detail = f"{exc.message} (the engine: {self._found.describe()})"
             return Availability(kind=self.kind, available=False, detail=detail)
-        detail = f"Docker {version.get('Version')} (API {version.get('ApiVersion')})"
+        components = version.get("Components") or []
+        self._podman = any(str(part.get("Name", "")).startswith("Podman") for part in components)
+        engine = "Podman" if self._podman else "Docker"
+        detail = f"{engine} {version.get('Version')} (API {version.get('ApiVersion')})"
         where = self._found.describe()
         return Availability(kind=self.kind, available=True, detail=f"{detail} at {where}")
 

@@ -38,7 +38,7 @@ from pydantic import ConfigDict
 from slicebox.host.systemd import Systemd
 from slicebox.model.base import Model
 from slicebox.model.errors import HostError, SandboxNotRunning
-from slicebox.model.names import scope_name
+from slicebox.model.names import DOCKER_SCOPES, SCOPE_PREFIX_ENV, scope_name, scope_prefix
 from slicebox.model.pool import Lease, parse_lease
 
 log = logging.getLogger(__name__)
@@ -112,8 +112,12 @@ def expire_command(
     """What the timer runs: ``sliceboxd expire``, told which deadline it enforces. The timer's
     service does not inherit the agent's environment: the engine the agent found (its
     ``docker_host``) is passed on as DOCKER_HOST, so the command removes from the same daemon
-    without finding it again."""
-    prefix = [ENV_PROGRAM, f"DOCKER_HOST={docker_host}"] if docker_host else []
+    without finding it again, and a scope prefix other than Docker's (Podman's), so it can
+    kill the scope while the engine is down."""
+    env = [f"DOCKER_HOST={docker_host}"] if docker_host else []
+    if scope_prefix() != DOCKER_SCOPES:  # the expiry kills the scope when the engine is down
+        env.append(f"{SCOPE_PREFIX_ENV}={scope_prefix()}")
+    prefix = [ENV_PROGRAM, *env] if env else []
     deadline = str(int(at.timestamp()))
     return [*prefix, program, "expire", sandbox_id, container_id, "--deadline", deadline]
 

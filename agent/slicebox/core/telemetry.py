@@ -22,7 +22,7 @@ from typing import Any
 
 from slicebox.host.cgroupfs import CgroupFiles, CgroupReader
 from slicebox.host.netstats import NetCounters
-from slicebox.model.names import scope_name
+from slicebox.model.names import PODMAN_MONITOR, scope_name
 from slicebox.model.usage import (
     Level,
     LevelNode,
@@ -239,7 +239,12 @@ def _is_child(level: Level, name: str) -> bool:
         return name.startswith("slicebox-") and name.endswith(".slice")
     if level is Level.USER:
         return name.endswith(".slice")
-    return level is Level.PROJECT and name.endswith((".scope", ".service"))
+    # Podman's monitor of a container (``libpod-conmon-<id>.scope``) lives beside it: not one.
+    return (
+        level is Level.PROJECT
+        and name.endswith((".scope", ".service"))
+        and not name.startswith(PODMAN_MONITOR)
+    )
 
 
 class TreeReader:

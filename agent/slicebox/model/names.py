@@ -102,9 +102,40 @@ def parse_slice(unit: str) -> tuple[str, str | None]:
     return user, project
 
 
+# A container's scope as its engine's systemd cgroup manager names it: Docker's
+# ``docker-<full id>.scope``, Podman's ``libpod-<full id>.scope`` (beside which Podman puts the
+# container's monitor in ``libpod-conmon-<id>.scope``, not a sandbox). An agent talks to one
+# engine: its start-up sets the prefix once, from what the engine says it is.
+DOCKER_SCOPES = "docker"
+PODMAN_SCOPES = "libpod"
+PODMAN_MONITOR = "libpod-conmon-"
+SCOPE_PREFIX_ENV = "SLICEBOX_SCOPE_PREFIX"  # how the expiry command, run by a timer, learns it
+_scopes = {"prefix": DOCKER_SCOPES}
+
+
+def use_scope_prefix(prefix: str) -> None:
+    """Name containers' scopes ``<prefix>-<id>.scope`` from now on (the engine's way)."""
+    if prefix not in (DOCKER_SCOPES, PODMAN_SCOPES):
+        raise ValueError(f"unknown scope prefix {prefix!r}")
+    _scopes["prefix"] = prefix
+
+
+def scope_prefix() -> str:
+    return _scopes["prefix"]
+
+
 def scope_name(container_id: str) -> str:
-    """Docker's systemd driver names a container's scope ``docker-<full id>.scope``."""
-    return f"docker-{container_id}.scope"
+    """The container's scope unit: ``docker-<full id>.scope`` under Docker."""
+    return f"{_scopes['prefix']}-{container_id}.scope"
+
+
+def is_container_scope(unit: str) -> bool:
+    """Whether ``unit`` (in a project slice) is a container's own scope, not its monitor's."""
+    return (
+        unit.startswith(f"{_scopes['prefix']}-")
+        and unit.endswith(".scope")
+        and not unit.startswith(PODMAN_MONITOR)
+    )
 
 
 def scope_cgroup(

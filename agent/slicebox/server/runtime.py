@@ -7,6 +7,7 @@ which concrete implementation stands behind each interface.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -33,13 +34,19 @@ from slicebox.host.systemd import PystemdSystemd
 from slicebox.model.audit import AuditEvent, AuditRecord
 from slicebox.model.config import Config, load_config, read_host_memory
 from slicebox.model.errors import SliceboxError, Unavailable
-from slicebox.model.names import parse_slice
+from slicebox.model.names import (
+    DOCKER_SCOPES,
+    SCOPE_PREFIX_ENV,
+    is_container_scope,
+    parse_slice,
+    use_scope_prefix,
+)
 from slicebox.model.paths import CGROUP_MOUNT
 from slicebox.model.reaper import Kind
 from slicebox.model.usage import Level
 
 log = logging.getLogger(__name__)
-SCOPES_GLOB = "slicebox.slice/*/*/docker-*.scope"
+SCOPES_GLOB = "slicebox.slice/*/*/*.scope"
 
 
 def decode_unit(level: Level, unit: str) -> str | None:
@@ -101,7 +108,11 @@ class Runtime:
     def sample_memory(self) -> None:
         """One memory_seconds sample of every sandbox scope (cgroupfs only, no Docker call)."""
         root = CGROUP_MOUNT
-        scopes = [str(path.relative_to(root)) for path in root.glob(SCOPES_GLOB)]
+        scopes = [
+            str(path.relative_to(root))
+            for path in root.glob(SCOPES_GLOB)
+            if is_container_scope(path.name)
+        ]
         self.integrator.sample_all(self.usage.cgroups, scopes)
 
 
@@ -115,6 +126,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
     available = backend.availability()
     if not available.available:  # systemd restarts the agent until the daemon answers
         raise Unavailable(available.detail)
+    use_scope_prefix(backend.scope_prefix)
     log.info("backend %s: %s", backend.kind.value, available.detail)
     sandboxes = SandboxManager(
         backend,
@@ -185,6 +197,8 @@ def assemble_expiry(auditor: Auditor) -> Expiry:
     run id, no reaper. Docker may be down; the expiry copes with that itself."""
     systemd = PystemdSystemd()
     backend = DockerBackend.from_env()
+    # Docker may be down: the agent that armed the timer said how its engine names scopes.
+    use_scope_prefix(os.environ.get(SCOPE_PREFIX_ENV) or DOCKER_SCOPES)
     sandboxes = SandboxManager(
         backend,
         SliceManager(systemd),

@@ -27,6 +27,10 @@ echo "$KEY_PUB" > "$root/root/.ssh/authorized_keys"
 chmod 600 "$root/root/.ssh/authorized_keys"
 printf 'UseDNS no\nPermitRootLogin prohibit-password\n' > "$root/etc/ssh/sshd_config.d/guest.conf"
 
+# Podman's API socket only when a test starts it: nothing of Podman runs at boot.
+chroot "$root" systemctl disable podman.socket podman.service podman-restart.service \
+    podman-auto-update.timer podman-clean-transient.service 2>/dev/null || true
+
 # Docker with the systemd cgroup driver (the product's requirement), no userland proxy.
 install -d "$root/etc/docker"
 cat > "$root/etc/docker/daemon.json" <<JSON

@@ -41,4 +41,7 @@ done
 tar -C "$work" -c . | docker import \
     -c 'ENV PATH=/bin:/usr/bin' -c 'CMD ["/bin/sh"]' - slicebox-test/git:latest
 rm -rf "$work"
+# The same test images in Podman's store, for the backend's run against Podman's API.
+docker save slicebox-test/busybox:latest slicebox-test/stock:latest | podman load -q
 docker image ls
+podman image ls

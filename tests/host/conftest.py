@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import docker
@@ -24,7 +25,10 @@ def engine_scopes() -> Iterator[None]:
     """Name containers' scopes as the engine the tests talk to does (DOCKER_HOST may point at
     Podman's socket), as the agent's start-up does."""
     backend = DockerBackend.from_env()
-    if backend.availability().available:
-        use_scope_prefix(backend.scope_prefix)
+    try:
+        if backend.availability().available:
+            use_scope_prefix(backend.scope_prefix)
+    finally:
+        asyncio.run(backend.aclose())  # its connection, or a later test reports it unclosed
     yield
     use_scope_prefix(DOCKER_SCOPES)

@@ -10,7 +10,10 @@ import json
 import os
 import pwd
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,7 @@ import pytest
 from slicebox.core.deadlines import Deadlines
 from slicebox.host.systemd import PystemdSystemd
 from tests.host.agentunits import curl_health, installed_agent
-from tests.host.helpers import ordinary_user, sh, unique
+from tests.host.helpers import sh, unique
 from tests.host.relay import Relay
 
 pytestmark = pytest.mark.host
@@ -99,11 +102,23 @@ def test_doctor_follows_the_docker_context_the_config_names(tmp_path: Path) -> N
         assert "'nobody-made'" in str(refused["detail"])
 
 
+@contextmanager
+def user_without_docker(name: str) -> Iterator[None]:
+    """A user in no group: the system's Docker socket (root:docker 0660) is not theirs."""
+    sh("userdel", name, check=False)
+    sh("useradd", "--no-create-home", "--shell", "/bin/sh", name)
+    try:
+        yield
+    finally:
+        sh("userdel", name, check=False)
+
+
 def test_doctor_finds_a_user_s_rootless_socket_past_the_system_s() -> None:
-    with ordinary_user(USER):
+    with user_without_docker(USER):
         uid = pwd.getpwnam(USER).pw_uid
-        runtime = Path(f"/run/user/{uid}")  # as logind makes it for the user's session
-        runtime.mkdir(mode=0o700)
+        # The user's runtime directory, as XDG_RUNTIME_DIR names it (not /run/user/<uid>:
+        # logind owns that one, and may still hold it for an earlier test's user of this uid).
+        runtime = Path(tempfile.mkdtemp(prefix="sbx-xdg-"))
         os.chown(runtime, uid, -1)
         try:
             with Relay.unix(runtime / "docker.sock", owner=uid) as relay:

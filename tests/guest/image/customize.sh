@@ -27,6 +27,14 @@ echo "$KEY_PUB" > "$root/root/.ssh/authorized_keys"
 chmod 600 "$root/root/.ssh/authorized_keys"
 printf 'UseDNS no\nPermitRootLogin prohibit-password\n' > "$root/etc/ssh/sshd_config.d/guest.conf"
 
+# As the README advises a Podman host: an exec session started through Podman's API keeps its
+# monitor (conmon) for exit_command_delay after the command ends (300 s by default, so that a
+# client can still inspect it, as Docker allows), in the sandbox's project slice, which then
+# cannot be collected. slicebox inspects an exec at once.
+install -d "$root/etc/containers/containers.conf.d"
+printf '[engine]\nexit_command_delay = 10\n' \
+    > "$root/etc/containers/containers.conf.d/50-slicebox.conf"
+
 # Podman's API socket only when a test starts it: nothing of Podman runs at boot.
 chroot "$root" systemctl disable podman.socket podman.service podman-restart.service \
     podman-auto-update.timer podman-clean-transient.service 2>/dev/null || true

@@ -43,8 +43,9 @@ def reap_empty_slices(manager: SandboxManager, user: str) -> None:
     """What a reaper pass without a grace does to the user's slices once their sandboxes are
     gone (a destroy leaves them): stop each that holds nothing, projects first. A slice that
     still holds something stays, for the test's leftovers check to find. Under Podman, first
-    until the user's container monitors are gone: after an exec session one outlives its
-    container by up to a minute (and the reaper's pass then takes the slice)."""
+    until the container monitors whose container is gone have left: after an exec session one
+    stays for Podman's exit_command_delay (10 s in the guest; the reaper's pass then takes the
+    slice)."""
     wait_for(lambda: not _orphan_monitors(), timeout=180, step=1)
     units = [unit for unit in slicebox_units("slicebox-*.slice") if _owner(unit) == user]
     for unit in sorted(units, key=lambda u: -u.count("-")):

@@ -64,12 +64,7 @@ from slicebox.model.errors import (
 )
 from slicebox.model.labels import Lineage, VolumeLineage, decode, decode_volume, selector
 from slicebox.model.limits import Limits
-from slicebox.model.names import (
-    SliceCgroups,
-    SliceNames,
-    scope_name,
-    slice_names,
-)
+from slicebox.model.names import SliceCgroups, SliceNames, scope_name, slice_names
 from slicebox.model.paths import CGROUP_ROOT
 from slicebox.model.pool import Lease
 from slicebox.model.spec import Mount, MountKind, SandboxSpec, WorkspaceKind
@@ -640,7 +635,9 @@ class SandboxManager:
         with self.operation(sandbox.id):
             seen = last_look(sandbox)
             gone = self._backend.remove(sandbox.container_id)
-            self._wait_gone(sandbox.container_id)
+            # The container's scope only, not Podman's monitor beside it: after an exec that
+            # stays for Podman's exit_command_delay, and the emptied slice is the reaper's.
+            self._slices.wait_stopped(scope_name(sandbox.container_id))
         self._vacate(sandbox)
         self._known.pop(sandbox.id)
         if gone:
@@ -672,14 +669,8 @@ class SandboxManager:
     def remove_container(self, container_id: str) -> bool:
         """Remove a container whatever its labels say (the reaper's last resort)."""
         gone = self._backend.remove(container_id)
-        self._wait_gone(container_id)
-        return gone
-
-    def _wait_gone(self, container_id: str) -> None:
-        """Until the removed container's scope is gone from its project slice. Not Podman's
-        monitor beside it: after an exec session it can outlive the container by a minute
-        (measured in the guest); the slice, empty once it has gone, is the reaper's then."""
         self._slices.wait_stopped(scope_name(container_id))
+        return gone
 
     def stop_slice_if_idle(self, unit: str, *, creating: str | None = None) -> bool:
         """Stop a user or project slice that holds nothing and that no create (other than

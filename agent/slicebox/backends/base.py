@@ -61,6 +61,7 @@ class SandboxRequest(Model):
     # The main process's stdin stays open for one attach, closed when that attach closes its
     # side (a waiter's, ``core.launch``).
     open_stdin: bool = False
+    backend: Backend = Backend.DOCKER  # the kind that runs it (backends.router)
 
 
 class SandboxState(StrEnum):

@@ -47,6 +47,12 @@ def _sandbox_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpus", type=float, help="CPU limit, e.g. 0.5")
     parser.add_argument("--pids", type=int, help="process limit")
     parser.add_argument("--network", help="none (default) or bridge")
+    parser.add_argument(
+        "--backend",
+        choices=("docker", "native"),
+        help="docker (default; native when Docker is unavailable and the agent allows it) or "
+        "native (systemd units on the host, no image)",
+    )
     parser.add_argument("--ttl", type=int, help="seconds until the reaper destroys it")
     parser.add_argument("--root-task", help="root task id (lineage)")
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE, repeatable")
@@ -203,6 +209,7 @@ def _spec(options: argparse.Namespace) -> CreateSandbox:
         "cpus": options.cpus,
         "pids": options.pids,
         "network": options.network,
+        "backend": options.backend,
         "ttl_seconds": options.ttl,
         "root_task_id": options.root_task,
         "env": _env(options.env) or None,

@@ -172,6 +172,9 @@ class _Io:
     start: Callable[[str, bytes | StdinSource], Awaitable[AsyncExecAttachment]]
     inspect: Callable[[str], Awaitable[ExecState]]
     launched: bool = False
+    # The backend's own kill of an exec, where it has one (the native backend's: its unit's
+    # stop); None: the engine kills the exec's processes through the host.
+    kill: Callable[[str], Awaitable[bool]] | None = None
 
 
 class _InThread:
@@ -242,7 +245,12 @@ class ExecEngine:
         async def inspect(exec_id: str) -> ExecState:
             return self._api.exec_inspect(exec_id)
 
-        io = _Io(inline, pause, create, start, inspect)
+        own_kill = getattr(self._api, "exec_kill", None)
+
+        async def kill(exec_id: str) -> bool:
+            return bool(own_kill(exec_id)) if own_kill is not None else False
+
+        io = _Io(inline, pause, create, start, inspect, kill=kill if own_kill else None)
         return _in_thread(self._events(container_id, request, io, scope))
 
     def astream(
@@ -269,6 +277,7 @@ class ExecEngine:
             api.exec_create_async,
             api.exec_start_async,
             api.exec_inspect_async,
+            kill=getattr(api, "exec_kill_async", None),
         )
         return self._events(container_id, request, io, scope, stdin=stdin, capture=capture)
 
@@ -372,6 +381,9 @@ class ExecEngine:
         if io.launched:
             killed = await io.call(functools.partial(self._host.kill_since, run.cgroup, run.since))
             log.info("run %s killed (%s processes) because %s", run.exec_id, killed, why)
+            return
+        if io.kill is not None and await io.kill(run.exec_id):
+            log.info("exec %s stopped because %s", run.exec_id, why)
             return
         pid = await self._exec_pid(run, io)
         kill = functools.partial(self._host.kill_exec, run.cgroup, pid, run.since)

@@ -34,6 +34,7 @@ from slicebox.backends.base import (
     SandboxState,
     VolumeInfo,
 )
+from slicebox.backends.router import Backends
 from slicebox.core.credentials import GIT_ENV, MOUNTED_AT, CredentialStore
 from slicebox.core.deadlines import Deadlines, Timer, latest
 from slicebox.core.gitclone import clone
@@ -67,7 +68,7 @@ from slicebox.model.limits import Limits
 from slicebox.model.names import SliceCgroups, SliceNames, scope_name, slice_names
 from slicebox.model.paths import CGROUP_ROOT
 from slicebox.model.pool import Lease
-from slicebox.model.spec import Mount, MountKind, SandboxSpec, WorkspaceKind
+from slicebox.model.spec import Backend, Mount, MountKind, SandboxSpec, WorkspaceKind
 
 log = logging.getLogger(__name__)
 
@@ -325,12 +326,13 @@ class SandboxManager:
         (the caller's own); left out, it is looked up by name. A host workspace runs as it.
         ``pool_key``: a warm pool's member of that key (core.pool), labelled so, with no
         deadline until it is acquired, and returned held as a one-shot's is."""
+        spec = self._check_backend(spec, pool_key=pool_key)
         admitted = self.admitted(spec, owner)
-        self._check_backend(spec)
         self._check_volume_mounts(admitted.spec)
         admitted, pinned = self._pin_binds(admitted)
         lineage = self._lineage(admitted, one_shot=one_shot, pool_key=pool_key)
-        known = self._image_known(admitted.image)
+        # A native sandbox runs the host's programs: it has no image to look for.
+        known = spec.backend is Backend.NATIVE or self._image_known(admitted.image)
         if not known:  # an image that cannot be had is refused before anything exists
             self._backend.prepare(admitted.image)
         with self._creating(lineage, hold=one_shot or bool(pool_key)):
@@ -513,6 +515,8 @@ class SandboxManager:
         (host.beneath.verify), its uid is not 0 unless allowed (a user name can map to 0 in
         the image's passwd), and a volume made for it and its credentials belong to that
         uid."""
+        if spec.backend is Backend.NATIVE:
+            return  # its own dynamic user, no bind, no volume, no credentials: nothing to check
         ids = _numeric_ids(spec.run_as)
         needs_pid = bool(pinned) or ids is None or fresh is not None
         pid = self._backend.sandbox_pid(container_id) if needs_pid else 0
@@ -817,13 +821,25 @@ class SandboxManager:
             )
         return root, parent.lineage.depth + 1
 
-    def _check_backend(self, spec: SandboxSpec) -> None:
-        if spec.backend != self._backend.kind:
-            raise Unavailable(
-                f"backend {spec.backend.value!r} is not available on this host; "
-                f"use {self._backend.kind.value!r}",
-                code="backend_unavailable",
-            )
+    def _check_backend(self, spec: SandboxSpec, *, pool_key: str = "") -> SandboxSpec:
+        """The spec with the backend that runs it: the one it names, or native in Docker's
+        place when Docker is unavailable and the configuration allows the fallback (never
+        for a pool member); refused ``backend_unavailable`` when none can run it, and
+        ``backend_unsupported`` when the native backend cannot give what it asks."""
+        backend = self._backend
+        if not isinstance(backend, Backends):
+            if spec.backend != backend.kind:
+                raise Unavailable(
+                    f"backend {spec.backend.value!r} is not available on this host; "
+                    f"use {backend.kind.value!r}",
+                    code="backend_unavailable",
+                )
+            return spec
+        fallback = self._config.allow_native_fallback and not pool_key
+        kind = backend.resolve(spec.backend, fallback=fallback)
+        if kind is Backend.NATIVE:
+            _check_native(spec, pool_key)
+        return spec if kind is spec.backend else spec.model_copy(update={"backend": kind})
 
     def _ensure_slices(self, admitted: Admitted, sandbox_id: str) -> list[str]:
         """Ensure the three slices top down; the ones this call created."""
@@ -877,8 +893,35 @@ def _found(info: SandboxInfo | None, sandbox_id: str) -> Sandbox:
 def _waits(spec: SandboxSpec, *, one_shot: bool, pool_key: str) -> bool:
     """Whether the sandbox's main process is the waiter (``core.launch``): made for a one-shot
     run, or as a member of a pool that does not reuse its members (a member a create takes
-    waits forever, as ``sleep infinity`` would); never with a command of the caller's."""
+    waits forever, as ``sleep infinity`` would); never with a command of the caller's, nor in
+    a native sandbox (whose execs are units of their own: it has no waiter)."""
+    if spec.backend is not Backend.DOCKER:
+        return False
     return spec.command is None and (one_shot or (bool(pool_key) and not spec.reuse))
+
+
+def _check_native(spec: SandboxSpec, pool_key: str) -> None:
+    """Refuse, before anything is made, what a native sandbox cannot give."""
+    asked = [
+        ("network", spec.network != "none"),
+        ("mounts", bool(spec.mounts)),
+        ("workspace", spec.workspace is not None),
+        ("credentials", spec.credentials is not None),
+        ("cap_add", bool(spec.cap_add)),
+        ("privileged", spec.privileged),
+        ("pid_mode", spec.pid_mode is not None),
+        ("ipc_mode", spec.ipc_mode is not None),
+        ("pool", bool(pool_key)),
+    ]
+    refused = [name for name, wanted in asked if wanted]
+    if refused:
+        raise InvalidRequest(
+            f"a native sandbox cannot give {', '.join(refused)}: it runs the host's own "
+            "programs with no network, no mount and no capability; leave these out or ask for "
+            "backend docker",
+            code="backend_unsupported",
+            field=refused[0],
+        )
 
 
 def _command(spec: SandboxSpec, lineage: Lineage) -> tuple[str, ...]:
@@ -903,6 +946,7 @@ def _request(admitted: Admitted, lineage: Lineage, store: CredentialStore) -> Sa
         workdir=spec.workdir,
         mounts=spec.mounts + _volume_mount(spec, lineage) + _credentials_mount(store, lineage),
         cap_add=tuple(capability_name(cap) for cap in spec.cap_add),
+        backend=spec.backend,
     )
 
 

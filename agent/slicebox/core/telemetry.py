@@ -79,6 +79,11 @@ def scope_pid(files: CgroupFiles, scope: str) -> int | None:
     (every process in the scope shares the container's network namespace): no Docker call.
     None when the scope is empty or gone."""
     procs = (files.read(scope, "cgroup.procs") or "").split()
+    if not procs and scope.endswith(".slice"):  # a native sandbox: its units hold them
+        for unit in sorted(files.children(scope)):
+            procs = (files.read(f"{scope}/{unit}", "cgroup.procs") or "").split()
+            if procs:
+                break
     return int(procs[0]) if procs else None
 
 
@@ -240,9 +245,10 @@ def _is_child(level: Level, name: str) -> bool:
     if level is Level.USER:
         return name.endswith(".slice")
     # Podman's monitor of a container (``libpod-conmon-<id>.scope``) lives beside it: not one.
+    # A native sandbox is a slice of its own (backends.native).
     return (
         level is Level.PROJECT
-        and name.endswith((".scope", ".service"))
+        and name.endswith((".scope", ".service", ".slice"))
         and not name.startswith(PODMAN_MONITOR)
     )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -34,6 +34,7 @@ MANAGER_INTERFACE = b"org.freedesktop.systemd1.Manager"
 UNIT_PATH = b"/org/freedesktop/systemd1/unit"
 UNIT_INTERFACE = b"org.freedesktop.systemd1.Unit"
 SLICE_INTERFACE = b"org.freedesktop.systemd1.Slice"
+SERVICE_INTERFACE = b"org.freedesktop.systemd1.Service"
 TIMER_ACCURACY_USEC = 1_000_000  # systemd coalesces timers by a minute unless told otherwise
 
 
@@ -51,6 +52,32 @@ class UnitStatus(Model):
     @property
     def active(self) -> bool:
         return self.active_state in ACTIVE
+
+
+class ServiceStatus(Model):
+    """A transient service's run as systemd tells it: its state, main process and how it
+    ended (``exited``: the main process is gone and ``code``/``status`` say how)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    active_state: str
+    sub_state: str
+    result: str  # success, exit-code, signal, oom-kill, timeout, resources...
+    main_pid: int
+    exited: bool
+    code: int  # ExecMainCode: CLD_EXITED (1), CLD_KILLED (2), CLD_DUMPED (3); 0 before exit
+    status: int  # ExecMainStatus: the exit status, or the signal that ended it
+
+
+class ListedUnit(Model):
+    """One loaded unit as ``ListUnitsByPatterns`` lists it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    description: str
+    active_state: str
+    sub_state: str
 
 
 class Systemd(Protocol):
@@ -251,6 +278,74 @@ class PystemdSystemd:
         if _state(timer) not in ACTIVE:
             raise HostError(f"systemd did not start {timer}; see `systemctl status {timer}`")
 
+    def start_service(self, unit: str, properties: Mapping[str, Any], *, wait: bool) -> None:
+        """Start a transient unit with ``properties`` typed by systemd's property table (file
+        descriptors as ints, passed on to systemd); ``wait``: until its start job is done."""
+        _known_signatures()
+        props = {name.encode(): value for name, value in properties.items()}
+
+        def args() -> list[Any]:
+            return _typed(b"ss", unit.encode(), b"fail") + _array(props) + _aux([])
+
+        if wait:
+            self._run(unit, b"StartTransientUnit", args)
+        else:
+            _call(unit, lambda: _method(b"StartTransientUnit", args()))
+
+    def service_status(self, unit: str) -> ServiceStatus | None:
+        """The service's run; None when systemd has no such unit loaded (asking does not load
+        it)."""
+        from pystemd.dbusexc import DBusNoSuchUnitError
+
+        def read() -> ServiceStatus | None:
+            try:
+                path = _method(b"GetUnit", _typed(b"s", unit.encode()))
+            except DBusNoSuchUnitError:
+                return None
+            bus = _bus()
+
+            def get(interface: bytes, name: bytes, signature: bytes) -> Any:
+                return bus.get_property(SYSTEMD, path, interface, name, signature)
+
+            exit_at = get(SERVICE_INTERFACE, b"ExecMainExitTimestampMonotonic", b"t")
+            return ServiceStatus(
+                active_state=bytes(get(UNIT_INTERFACE, b"ActiveState", b"s")).decode(),
+                sub_state=bytes(get(UNIT_INTERFACE, b"SubState", b"s")).decode(),
+                result=bytes(get(SERVICE_INTERFACE, b"Result", b"s")).decode(),
+                main_pid=int(get(SERVICE_INTERFACE, b"ExecMainPID", b"u")),
+                exited=int(exit_at) > 0,
+                code=int(get(SERVICE_INTERFACE, b"ExecMainCode", b"i")),
+                status=int(get(SERVICE_INTERFACE, b"ExecMainStatus", b"i")),
+            )
+
+        return _call(unit, read)
+
+    def listed(self, patterns: Sequence[str]) -> list[ListedUnit]:
+        """Every loaded unit matching any of ``patterns``, in one call."""
+        globs = [pattern.encode() for pattern in patterns]
+        entries = _call(
+            " ".join(patterns),
+            lambda: _method(b"ListUnitsByPatterns", _typed(b"asas", [], globs)),
+        )
+        return [
+            ListedUnit(
+                name=entry[0].decode(),
+                description=entry[1].decode(),
+                active_state=entry[3].decode(),
+                sub_state=entry[4].decode(),
+            )
+            for entry in entries
+        ]
+
+    def reset_failed(self, unit: str) -> None:
+        """Forget a failed unit (systemd keeps one until told); one that is not is fine."""
+        from pystemd.dbusexc import DBusBaseError
+
+        try:
+            _method(b"ResetFailedUnit", _typed(b"s", unit.encode()))
+        except DBusBaseError:  # not loaded or not failed: nothing to forget
+            return
+
     def _run_retrying(self, unit: str, method: bytes, args: Callable[[], list[Any]]) -> None:
         self._run(unit, method, args)
         if _state(unit) != "failed":
@@ -278,7 +373,51 @@ def _known_signatures() -> None:
     """Teach pystemd the D-Bus types of the timer properties its table lacks."""
     from pystemd.systemd1.unit_signatures import KNOWN_UNIT_SIGNATURES
 
-    KNOWN_UNIT_SIGNATURES.setdefault(b"AccuracyUSec", b"t")
+    for name, signature in _SIGNATURES.items():
+        KNOWN_UNIT_SIGNATURES.setdefault(name, signature)
+
+
+# The D-Bus types of the unit properties slicebox sets that pystemd's table lacks (systemd's
+# own, from org.freedesktop.systemd1(5)).
+_SIGNATURES = {
+    b"AccuracyUSec": b"t",
+    b"CapabilityBoundingSet": b"t",
+    b"AmbientCapabilities": b"t",
+    b"RestrictNamespaces": b"t",
+    b"RestrictAddressFamilies": b"(bas)",
+    b"SystemCallArchitectures": b"as",
+    b"SystemCallErrorNumber": b"i",
+    b"ProtectHome": b"s",
+    b"ProtectProc": b"s",
+    b"ProcSubset": b"s",
+    b"PrivateTmp": b"b",
+    b"PrivateDevices": b"b",
+    b"PrivateIPC": b"b",
+    b"PrivateUsers": b"b",
+    b"NoNewPrivileges": b"b",
+    b"LockPersonality": b"b",
+    b"ProtectKernelTunables": b"b",
+    b"ProtectKernelModules": b"b",
+    b"ProtectKernelLogs": b"b",
+    b"ProtectControlGroups": b"b",
+    b"ProtectClock": b"b",
+    b"ProtectHostname": b"b",
+    b"RestrictRealtime": b"b",
+    b"RestrictSUIDSGID": b"b",
+    b"RemoveIPC": b"b",
+    b"RemainAfterExit": b"b",
+    b"KillMode": b"s",
+    b"KillSignal": b"i",
+    b"OOMPolicy": b"s",
+    b"DevicePolicy": b"s",
+    b"KeyringMode": b"s",
+    b"UMask": b"u",
+    b"RuntimeDirectoryMode": b"u",
+    b"RuntimeDirectoryPreserve": b"s",
+    b"IPAddressDeny": b"a(iayu)",
+    b"MemorySwapMax": b"t",
+    b"Type": b"s",
+}
 
 
 def _props(properties: Sequence[Property]) -> dict[bytes, Any]:

@@ -321,6 +321,13 @@ CODES: tuple[ErrorCode, ...] = (
         "doctor` reports as available.",
     ),
     _c(
+        "backend_unsupported",
+        400,
+        "The backend the sandbox runs on cannot give what the request asks for (the native "
+        "backend has no image, mounts, volumes, credentials, added capabilities or network).",
+        "Leave the field the message names out, or ask for `backend: docker`.",
+    ),
+    _c(
         "docker_host_unsupported",
         503,
         "The agent's DOCKER_HOST is neither unix:///path nor tcp://host:port.",

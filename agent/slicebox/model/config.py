@@ -177,6 +177,9 @@ class Config(_Strict):
     git_clone_timeout_seconds: float = Field(default=600.0, gt=0)
     allowed_capabilities: frozenset[str] = DEFAULT_CAPABILITIES
     allowed_networks: frozenset[str] = frozenset({"none", "bridge"})
+    # A create for Docker while Docker does not answer runs on the native backend instead
+    # (its answer says so); false: it is refused ``backend_unavailable``.
+    allow_native_fallback: bool = True
     reaper: ReaperConfig = ReaperConfig()
     # Memory for the output of every exec in flight (core/budget.py); unset: half the agent's
     # own MemoryMax, or DEFAULT_EXEC_OUTPUT_BUDGET when the agent runs without one.

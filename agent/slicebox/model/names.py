@@ -125,12 +125,18 @@ def scope_prefix() -> str:
 
 
 def scope_name(container_id: str) -> str:
-    """The container's scope unit: ``docker-<full id>.scope`` under Docker."""
+    """The unit whose cgroup holds the sandbox: a container's scope, ``docker-<full id>.scope``
+    under Docker; a native sandbox's backend id is its own slice unit already."""
+    if container_id.endswith(".slice"):
+        return container_id
     return f"{_scopes['prefix']}-{container_id}.scope"
 
 
 def is_container_scope(unit: str) -> bool:
-    """Whether ``unit`` (in a project slice) is a container's own scope, not its monitor's."""
+    """Whether ``unit`` (in a project slice) holds a sandbox: a container's own scope, not its
+    monitor's, or a native sandbox's slice (the only slices a project slice holds)."""
+    if unit.endswith(".slice"):
+        return True
     return (
         unit.startswith(f"{_scopes['prefix']}-")
         and unit.endswith(".scope")

@@ -43,6 +43,7 @@ VolumeName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.]{0,63}$")]
 
 class Backend(StrEnum):
     DOCKER = "docker"
+    NATIVE = "native"  # a systemd slice of transient services on the host (backends.native)
 
 
 class MountKind(StrEnum):

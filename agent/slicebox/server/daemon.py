@@ -243,8 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             (runtime.config.reaper.interval_seconds, runtime.reaper.run),
             (POOL_KICK_SECONDS, runtime.pool.kick),
         ],
-        state={SERVICE: runtime.service, ENGINE: runtime.backend.found.describe()},
-        closing=[runtime.backend.aclose],
+        state={SERVICE: runtime.service, ENGINE: runtime.docker.found.describe()},
+        closing=[runtime.docker.aclose],
     )
     asyncio.run(agent.run(options.socket))
     return 0

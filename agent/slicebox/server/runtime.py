@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slicebox.backends.docker import DockerBackend
+from slicebox.backends.native import NativeBackend
+from slicebox.backends.router import Backends
 from slicebox.core.budget import OutputBudget
 from slicebox.core.deadlines import Deadlines, find_program
 from slicebox.core.execution import ExecEngine
@@ -47,6 +49,7 @@ from slicebox.model.usage import Level
 
 log = logging.getLogger(__name__)
 SCOPES_GLOB = "slicebox.slice/*/*/*.scope"
+NATIVE_GLOB = "slicebox.slice/*/*/*.slice"  # native sandboxes' own slices
 
 
 def decode_unit(level: Level, unit: str) -> str | None:
@@ -73,7 +76,8 @@ class Runtime:
     auditor: Auditor
     reaper: Reaper
     pool: WarmPool
-    backend: DockerBackend
+    backend: Backends
+    docker: DockerBackend
 
     def reconcile(self) -> str:
         """The start-up pass: rebuild the view from labels and systemd before answering, then
@@ -110,7 +114,8 @@ class Runtime:
         root = CGROUP_MOUNT
         scopes = [
             str(path.relative_to(root))
-            for path in root.glob(SCOPES_GLOB)
+            for glob in (SCOPES_GLOB, NATIVE_GLOB)
+            for path in root.glob(glob)
             if is_container_scope(path.name)
         ]
         self.integrator.sample_all(self.usage.cgroups, scopes)
@@ -121,13 +126,18 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
     host_memory = read_host_memory()
     systemd = PystemdSystemd()
     slices = SliceManager(systemd)
-    backend = DockerBackend.from_env()
-    docker_host = backend.endpoint.base_url
-    available = backend.availability()
-    if not available.available:  # systemd restarts the agent until the daemon answers
-        raise Unavailable(available.detail)
-    use_scope_prefix(backend.scope_prefix)
-    log.info("backend %s: %s", backend.kind.value, available.detail)
+    docker = DockerBackend.from_env()
+    docker_host = docker.endpoint.base_url
+    native = NativeBackend(systemd)
+    backend = Backends(docker, native)
+    available = docker.availability()
+    if not available.available:
+        if not config.allow_native_fallback:  # systemd restarts the agent until Docker answers
+            raise Unavailable(available.detail)
+        log.warning("Docker is unavailable, sandboxes run native until it answers: %s", available)
+    use_scope_prefix(docker.scope_prefix)
+    for each in backend.availabilities():
+        log.info("backend %s: %s", each.kind.value, each.detail)
     sandboxes = SandboxManager(
         backend,
         slices,
@@ -189,6 +199,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         reaper,
         pool,
         backend,
+        docker,
     )
 
 
@@ -196,7 +207,8 @@ def assemble_expiry(auditor: Auditor) -> Expiry:
     """What ``sliceboxd expire`` needs, and no more: no config (a removal uses none), no agent
     run id, no reaper. Docker may be down; the expiry copes with that itself."""
     systemd = PystemdSystemd()
-    backend = DockerBackend.from_env()
+    docker = DockerBackend.from_env()
+    backend = Backends(docker, NativeBackend(systemd))
     # Docker may be down: the agent that armed the timer said how its engine names scopes.
     use_scope_prefix(os.environ.get(SCOPE_PREFIX_ENV) or DOCKER_SCOPES)
     sandboxes = SandboxManager(
@@ -205,7 +217,7 @@ def assemble_expiry(auditor: Auditor) -> Expiry:
         config=Config(),
         host_memory=read_host_memory(),
         instance_id="expire",
-        deadlines=Deadlines(systemd, program=find_program, docker_host=backend.endpoint.base_url),
+        deadlines=Deadlines(systemd, program=find_program, docker_host=docker.endpoint.base_url),
     )
     usage = UsageReader(CgroupFS(), NetnsCounters())
     return Expiry(sandboxes, backend, systemd, usage=usage, auditor=auditor)

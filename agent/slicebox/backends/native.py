@@ -1,0 +1,698 @@
+"""The native backend: a sandbox that systemd isolates on the host itself, no engine, no image.
+
+A native sandbox is a slice of its own under its project slice, ``<project>-<id>.slice``
+(``slicebox-alice-p-sbx\\x2d0a1b2c3d4e5f.slice``), carrying the sandbox's memory, cpu and pids
+limits, so the kernel enforces them exactly as for a container's scope, and the level tree,
+telemetry and the reaper read it the same way. In it:
+
+- **its anchor**, ``slicebox-native-<id>.service``: the sandbox's main command (``sleep
+  infinity`` unless the request names one), the holder of its dynamic user, its network and
+  /tmp namespaces and its workspace while it runs;
+- **one transient service per exec**, ``slicebox-exec-<id>-<n>.service``, that joins the
+  anchor's namespaces (``JoinsNamespaceOf=``) and runs as the same dynamic user, its stdin,
+  stdout and stderr pipes handed to systemd as file descriptors (what ``systemd-run --pipe``
+  does), read on the agent's event loop with the Docker exec's caps, timeout and OOM verdict.
+
+Every unit of a sandbox runs with ``DynamicUser=yes`` (a uid of its own, allocated while the
+anchor runs), no capabilities, no new privileges, a private network with only AF_UNIX sockets,
+``ProtectSystem=strict``, no /home, private /tmp and /dev, ``@system-service`` system calls,
+and its workspace (``/run/slicebox/native/<id>``, a runtime directory the anchor's stop
+removes) bound at ``/workspace`` as the only writable place besides /tmp.
+
+**Where lineage and TTL live without a state file**: in systemd. The sandbox slice's
+``Description`` is ``slicebox-native `` followed by its labels as JSON, the same labels a
+container carries; a listing of units (one ``ListUnitsByPatterns``) gives every native sandbox
+with its labels and, from its anchor, its state. The deadline timer is bound to the sandbox
+slice as a container's is to its scope. The sandbox's environment, which may hold secrets, is
+not a unit property (any local user can read those): it is a root-only file,
+``/run/slicebox/native-env/<id>.env``, each exec's ``EnvironmentFile``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import errno
+import json
+import logging
+import os
+import re
+import secrets
+import select
+import shutil
+import socket
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from slicebox.backends.base import (
+    AsyncExecAttachment,
+    Availability,
+    ExecAttachment,
+    SandboxInfo,
+    SandboxRequest,
+    SandboxState,
+    StdinSource,
+    VolumeInfo,
+)
+from slicebox.host.systemd import ListedUnit, ServiceStatus
+from slicebox.model.errors import (
+    HostError,
+    InvalidRequest,
+    SandboxNotFound,
+    SandboxNotRunning,
+    SliceboxError,
+)
+from slicebox.model.exec import ExecRequest, ExecState, OutputStream, StreamChunk
+from slicebox.model.limits import INFINITY, Property, cpu_quota_usec
+from slicebox.model.names import escape, unescape
+from slicebox.model.spec import Backend
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MARK = "slicebox-native "  # a native sandbox slice's Description: this, then its labels
+ANCHOR_PREFIX = "slicebox-native-"
+EXEC_PREFIX = "slicebox-exec-"
+WORKSPACE = "/workspace"
+WORKSPACES = "slicebox/native"  # below /run: the anchor's RuntimeDirectory
+ENV_DIR = Path("/run/slicebox/native-env")
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+START_FAILED_CODE = "container_start_failed"
+UNSUPPORTED = "backend_unsupported"
+# The exec's program is found, and its cwd entered, by a shell: a missing program answers 127
+# and a missing cwd 126 with the shell's words on stderr, as a Docker exec does.
+SHELL = "/bin/sh"
+EXEC_WRAPPER = 'cd -- "$1" || exit 126; shift; exec "$@"'
+# A backstop past the engine's own timeout: an exec the agent lost (killed with it) still ends.
+RUNTIME_BACKSTOP = 60.0
+READ_SIZE = 65536
+MS_REC = 16384
+CLD_EXITED = 1
+_USER = re.compile(r"[a-z_][a-z0-9_-]{0,30}")
+
+
+class NativeSystemd(Protocol):
+    """What the native backend asks of systemd (``host.systemd.PystemdSystemd``)."""
+
+    def start_transient(
+        self, unit: str, properties: Sequence[Property], description: str
+    ) -> None: ...
+
+    def start_service(self, unit: str, properties: Mapping[str, Any], *, wait: bool) -> None: ...
+
+    def service_status(self, unit: str) -> ServiceStatus | None: ...
+
+    def listed(self, patterns: Sequence[str]) -> list[ListedUnit]: ...
+
+    def stop(self, unit: str) -> None: ...
+
+    def reset_failed(self, unit: str) -> None: ...
+
+    def is_active(self, unit: str) -> bool: ...
+
+
+def anchor_unit(name: str) -> str:
+    return f"{ANCHOR_PREFIX}{name}.service"
+
+
+def sandbox_slice(project_slice: str, name: str) -> str:
+    """The sandbox's own slice, nested in its project's (a dash in ``name`` escaped)."""
+    return f"{project_slice.removesuffix('.slice')}-{escape(name)}.slice"
+
+
+def name_of(slice_unit: str) -> str:
+    """The sandbox name a native sandbox slice was made for (``sandbox_slice`` inverted)."""
+    return unescape(slice_unit.removesuffix(".slice").rsplit("-", 1)[-1])
+
+
+def is_native_id(backend_id: str) -> bool:
+    """Whether a backend id is a native sandbox's (its slice), not a container id."""
+    return backend_id.endswith(".slice")
+
+
+def is_native_exec(exec_id: str) -> bool:
+    return exec_id.startswith(EXEC_PREFIX)
+
+
+def dynamic_user(name: str) -> str:
+    """The dynamic user's name: one per sandbox, so its units share one uid."""
+    user = f"slicebox-{name}".lower()
+    return user if _USER.fullmatch(user) else "slicebox-" + secrets.token_hex(8)
+
+
+def describe(labels: Mapping[str, str]) -> str:
+    return MARK + json.dumps(dict(labels), sort_keys=True, separators=(",", ":"))
+
+
+def labels_of(description: str) -> dict[str, str] | None:
+    """The labels a native sandbox slice's Description holds; None for any other slice."""
+    if not description.startswith(MARK):
+        return None
+    try:
+        data = json.loads(description[len(MARK) :])
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    return {str(key): str(value) for key, value in data.items()}
+
+
+def glob_literal(text: str) -> str:
+    """``text`` as a glob that matches only itself. systemd matches unit patterns with
+    ``FNM_NOESCAPE``: a backslash (``\\x2d``) is itself, a special is put in brackets."""
+    return re.sub(r"([*?\[])", r"[\1]", text)
+
+
+def slice_properties(request: SandboxRequest) -> list[Property]:
+    """The sandbox slice's limits: what ``--memory``, ``--memory-swap``, ``--pids-limit`` and
+    ``--cpus`` give a container, as systemd properties."""
+    limits = request.limits
+    return [
+        ("MemoryMax", limits.memory_bytes),
+        ("MemorySwapMax", 0),
+        ("TasksMax", limits.pids),
+        ("CPUQuotaPerSecUSec", cpu_quota_usec(limits.cpus) if limits.cpus else INFINITY),
+        ("IOAccounting", 1),  # io.stat, for disk_bytes_written
+    ]
+
+
+def hardening(name: str) -> dict[str, Any]:
+    """What every unit of the sandbox runs with (``systemd-analyze security``: 0.4, "SAFE",
+    for an exec unit in the guest)."""
+    return {
+        "DynamicUser": True,
+        "User": dynamic_user(name),
+        "RuntimeDirectory": [f"{WORKSPACES}/{name}"],
+        "RuntimeDirectoryMode": 0o700,
+        "BindPaths": [(f"/run/{WORKSPACES}/{name}", WORKSPACE, False, MS_REC)],
+        "PrivateNetwork": True,
+        "IPAddressDeny": [(socket.AF_INET, [0] * 4, 0), (socket.AF_INET6, [0] * 16, 0)],
+        "RestrictAddressFamilies": (True, ["AF_UNIX"]),
+        "PrivateTmp": True,
+        "PrivateDevices": True,
+        "PrivateIPC": True,
+        "PrivateUsers": True,
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "ProtectProc": "invisible",
+        "ProcSubset": "pid",
+        "NoNewPrivileges": True,
+        "CapabilityBoundingSet": 0,
+        "AmbientCapabilities": 0,
+        "RestrictNamespaces": 0,
+        "SystemCallFilter": (True, ["@system-service"]),
+        "SystemCallErrorNumber": errno.EPERM,
+        "SystemCallArchitectures": ["native"],
+        "LockPersonality": True,
+        "MemoryDenyWriteExecute": True,
+        "ProtectKernelTunables": True,
+        "ProtectKernelModules": True,
+        "ProtectKernelLogs": True,
+        "ProtectControlGroups": True,
+        "ProtectClock": True,
+        "ProtectHostname": True,
+        "RestrictRealtime": True,
+        "RestrictSUIDSGID": True,
+        "RemoveIPC": True,
+        "DevicePolicy": "closed",
+        "KeyringMode": "private",
+        "UMask": 0o077,
+        # The kernel's OOM killer takes what it takes, as in a container; the unit goes on.
+        "OOMPolicy": "continue",
+        "KillMode": "control-group",
+        "KillSignal": 9,
+    }
+
+
+def env_line(key: str, value: str) -> str:
+    """One ``EnvironmentFile`` line: the value double-quoted, its specials escaped."""
+    quoted = re.sub(r'(["\\`$])', r"\\\1", value)
+    return f'{key}="{quoted}"\n'
+
+
+def exit_code_of(status: ServiceStatus) -> int:
+    """A finished main process's exit code as a shell reports it (128+signal if killed)."""
+    return status.status if status.code == CLD_EXITED else 128 + status.status
+
+
+def refusal(request: SandboxRequest) -> str | None:
+    """What a native sandbox cannot give that ``request`` asks for; None when nothing."""
+    if request.network != "none":
+        return f"network {request.network!r} (a native sandbox has no network)"
+    if request.mounts:
+        return "mounts, workspace volumes and credentials"
+    if request.cap_add:
+        return "cap_add (a native sandbox has no capability)"
+    if request.open_stdin:
+        return "a launched one-shot (its waiter)"
+    return None
+
+
+class NativeBackend:
+    """:class:`~slicebox.backends.base.SandboxBackend` on systemd alone."""
+
+    def __init__(
+        self,
+        systemd: NativeSystemd,
+        *,
+        env_dir: Path = ENV_DIR,
+        which: Callable[[str], str | None] = shutil.which,
+        workers: int = 4,
+    ) -> None:
+        self._systemd = systemd
+        self._env_dir = env_dir
+        self._which = which
+        self._pending: dict[str, tuple[str, ExecRequest, bool]] = {}
+        self._ended: dict[str, ExecState] = {}
+        self._lock = threading.Lock()
+        # D-Bus calls block (briefly): on threads of the backend's own, each with its bus.
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "native")
+
+    @property
+    def kind(self) -> Backend:
+        return Backend.NATIVE
+
+    def availability(self) -> Availability:
+        if self._which("sleep") is None or not Path(SHELL).exists():
+            detail = f"no `sleep` on PATH or no {SHELL}: a native sandbox runs the host's own"
+            return Availability(kind=self.kind, available=False, detail=detail)
+        try:
+            self._systemd.is_active("slicebox.slice")
+        except (SliceboxError, OSError) as exc:
+            detail = f"systemd does not answer on the system bus: {exc}"
+            return Availability(kind=self.kind, available=False, detail=detail)
+        return Availability(
+            kind=self.kind,
+            available=True,
+            detail="systemd transient units (DynamicUser, no network, ProtectSystem=strict)",
+        )
+
+    def prepare(self, image: str) -> None:
+        """Nothing to prepare: a native sandbox runs the host's own programs, read-only."""
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def create(self, request: SandboxRequest) -> SandboxInfo:
+        refused = refusal(request)
+        if refused is not None:
+            raise InvalidRequest(f"the native backend cannot give {refused}", code=UNSUPPORTED)
+        name, unit = request.name, sandbox_slice(request.slice, request.name)
+        anchor = anchor_unit(name)
+        self._write_env(name, request.env)
+        try:
+            self._systemd.start_transient(unit, slice_properties(request), describe(request.labels))
+            self._systemd.start_service(anchor, self._anchor(request, unit), wait=True)
+            status = self._systemd.service_status(anchor)
+            if status is None or status.active_state not in ("active", "activating"):
+                raise InvalidRequest(
+                    f"the sandbox could not start: its command ended at once "
+                    f"({status.result if status else 'gone'}); see `journalctl -u {anchor}`",
+                    code=START_FAILED_CODE,
+                )
+        except BaseException:
+            self._discard(unit, name)
+            raise
+        return SandboxInfo(id=unit, name=name, labels=request.labels, state=SandboxState.RUNNING)
+
+    def _anchor(self, request: SandboxRequest, unit: str) -> dict[str, Any]:
+        argv = (SHELL, "-c", EXEC_WRAPPER, "sh", request.workdir or WORKSPACE, *request.command)
+        return {
+            **hardening(request.name),
+            "Description": f"slicebox native sandbox {request.name}",
+            "Slice": unit,
+            "Type": "exec",
+            "ExecStart": [(argv[0], list(argv), False)],
+            "EnvironmentFiles": [(str(self._env_file(request.name)), True)],
+            "Environment": [f"PATH={DEFAULT_PATH}", f"HOME={WORKSPACE}"],
+            "StandardInput": "null",
+            "StandardOutput": "journal",
+            "StandardError": "journal",
+        }
+
+    def inspect(self, backend_id: str) -> SandboxInfo | None:
+        if is_native_id(backend_id):
+            patterns = [glob_literal(backend_id), glob_literal(anchor_unit(name_of(backend_id)))]
+            name = name_of(backend_id)
+        else:
+            name = backend_id
+            patterns = [f"slicebox-*-{glob_literal(escape(name))}.slice"]
+            patterns.append(glob_literal(anchor_unit(name)))
+        found = [info for info in self._listed(patterns) if info.name == name]
+        return found[0] if found else None
+
+    async def inspect_async(self, backend_id: str) -> SandboxInfo | None:
+        return await self._off_loop(self.inspect, backend_id)
+
+    def find(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
+        found = self._listed(["slicebox-*.slice", f"{ANCHOR_PREFIX}*.service"])
+        return [
+            info
+            for info in found
+            if all(info.labels.get(key) == value for key, value in labels.items())
+        ]
+
+    def _listed(self, patterns: Sequence[str]) -> list[SandboxInfo]:
+        units = self._systemd.listed(patterns)
+        anchors = {unit.name: unit for unit in units if unit.name.startswith(ANCHOR_PREFIX)}
+        found = []
+        for unit in units:
+            labels = labels_of(unit.description) if unit.name.endswith(".slice") else None
+            if labels is None or unit.active_state not in ("active", "activating"):
+                continue
+            name = name_of(unit.name)
+            anchor = anchors.get(anchor_unit(name))
+            running = anchor is not None and anchor.active_state in ("active", "activating")
+            state = SandboxState.RUNNING if running else SandboxState.EXITED
+            found.append(SandboxInfo(id=unit.name, name=name, labels=labels, state=state))
+        return found
+
+    def remove(self, backend_id: str) -> bool:
+        if not is_native_id(backend_id):
+            return False
+        name = name_of(backend_id)
+        there = self._systemd.is_active(backend_id)
+        self._discard(backend_id, name)
+        return there
+
+    def _discard(self, unit: str, name: str) -> None:
+        """Stop the sandbox slice (every unit in it, its anchor's workspace with it) and forget
+        what failed in it; nothing of the sandbox is left, whatever was made of it."""
+        try:
+            self._systemd.stop(unit)
+        except HostError as exc:
+            if exc.code != "no_such_unit":
+                raise
+        leftovers = self._systemd.listed(
+            [glob_literal(anchor_unit(name)), f"{EXEC_PREFIX}{glob_literal(name)}-*.service"]
+        )
+        for listed in leftovers:
+            self._systemd.reset_failed(listed.name)
+        self._systemd.reset_failed(anchor_unit(name))
+        self._env_file(name).unlink(missing_ok=True)
+        for path in self._env_dir.glob(f"{EXEC_PREFIX}{name}-*.env"):
+            path.unlink(missing_ok=True)
+
+    def _env_file(self, name: str) -> Path:
+        return self._env_dir / f"{name}.env"
+
+    def _write_env(self, name: str, env: Mapping[str, str]) -> None:
+        """The sandbox's environment, for root alone: unit properties are anyone's to read."""
+        self._write_env_file(self._env_file(name), env)
+
+    def _write_env_file(self, path: Path, env: Mapping[str, str]) -> None:
+        self._env_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as out:
+            out.writelines(env_line(key, value) for key, value in env.items())
+
+    # --- volumes: none -------------------------------------------------------------------------
+
+    def volume(self, name: str) -> VolumeInfo | None:
+        return None
+
+    def create_volume(self, name: str, labels: Mapping[str, str]) -> VolumeInfo:
+        raise InvalidRequest("the native backend has no volumes", code=UNSUPPORTED)
+
+    def remove_volume(self, name: str) -> bool:
+        return False
+
+    def volumes(self, labels: Mapping[str, str]) -> list[VolumeInfo]:
+        return []
+
+    # --- exec ----------------------------------------------------------------------------------
+
+    def sandbox_pid(self, backend_id: str) -> int:
+        name = name_of(backend_id) if is_native_id(backend_id) else backend_id
+        status = self._systemd.service_status(anchor_unit(name))
+        if status is None:
+            raise SandboxNotFound(f"no native sandbox {name}")
+        if status.active_state != "active" or status.main_pid <= 0:
+            raise SandboxNotRunning(f"native sandbox {name} is not running")
+        return status.main_pid
+
+    def exec_create(
+        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
+    ) -> str:
+        self.sandbox_pid(backend_id)  # SandboxNotFound / SandboxNotRunning, as Docker's
+        name = name_of(backend_id) if is_native_id(backend_id) else backend_id
+        exec_id = f"{EXEC_PREFIX}{name}-{secrets.token_hex(6)}.service"
+        with self._lock:
+            self._pending[exec_id] = (backend_id, request, streamed_stdin)
+        return exec_id
+
+    async def exec_create_async(
+        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
+    ) -> str:
+        return await self._off_loop(self.exec_create, backend_id, request, streamed_stdin)
+
+    def _start(self, exec_id: str, stdin: bool) -> tuple[int | None, int, int]:
+        """Start the exec's unit with fresh pipes; (stdin's write end, stdout's and stderr's
+        read ends). systemd keeps its copies of the far ends until the unit is done, so the
+        output ends when the exec has ended, processes left behind included."""
+        with self._lock:
+            backend_id, request, _ = self._pending.pop(exec_id)
+        name = name_of(backend_id) if is_native_id(backend_id) else backend_id
+        ours: list[int] = []
+        theirs: list[int] = []
+        try:
+            stdin_read, stdin_write = os.pipe() if stdin else (-1, -1)
+            out_read, out_write = os.pipe()
+            err_read, err_write = os.pipe()
+            ours += [fd for fd in (stdin_write, out_read, err_read) if fd >= 0]
+            theirs += [fd for fd in (stdin_read, out_write, err_write) if fd >= 0]
+            properties = self._exec_properties(exec_id, backend_id, name, request)
+            if stdin:
+                properties["StandardInputFileDescriptor"] = stdin_read
+            else:
+                properties["StandardInput"] = "null"
+            properties["StandardOutputFileDescriptor"] = out_write
+            properties["StandardErrorFileDescriptor"] = err_write
+            self._write_exec_env(exec_id, request.env)
+            self._systemd.start_service(exec_id, properties, wait=False)
+        except BaseException:
+            for fd in ours:
+                os.close(fd)
+            self._exec_env_file(exec_id).unlink(missing_ok=True)
+            raise
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        return (stdin_write if stdin else None), out_read, err_read
+
+    def _exec_properties(
+        self, exec_id: str, backend_id: str, name: str, request: ExecRequest
+    ) -> dict[str, Any]:
+        argv = (SHELL, "-c", EXEC_WRAPPER, "sh", request.cwd, *request.argv)
+        return {
+            **hardening(name),
+            "Description": f"slicebox exec in {name}",
+            "Slice": backend_id,
+            "Type": "exec",
+            "JoinsNamespaceOf": [anchor_unit(name)],
+            "RuntimeDirectoryPreserve": "yes",  # the workspace is the anchor's to remove
+            "ExecStart": [(argv[0], list(argv), False)],
+            "Environment": [f"PATH={DEFAULT_PATH}", f"HOME={WORKSPACE}"],
+            "EnvironmentFiles": [
+                (str(self._env_file(name)), True),
+                (str(self._exec_env_file(exec_id)), True),
+            ],
+            "RuntimeMaxUSec": int((request.timeout + RUNTIME_BACKSTOP) * 1_000_000),
+        }
+
+    def _exec_env_file(self, exec_id: str) -> Path:
+        return self._env_dir / f"{exec_id}.env"
+
+    def _write_exec_env(self, exec_id: str, env: Mapping[str, str]) -> None:
+        self._write_env_file(self._exec_env_file(exec_id), env)
+
+    def exec_start(self, exec_id: str, stdin: bytes) -> ExecAttachment:
+        stdin_fd, out_fd, err_fd = self._start(exec_id, bool(stdin))
+        if stdin_fd is not None:
+            threading.Thread(
+                target=_write_all, args=(stdin_fd, stdin), name="native-stdin", daemon=True
+            ).start()
+        return _BlockingPipes(out_fd, err_fd)
+
+    async def exec_start_async(
+        self, exec_id: str, stdin: bytes | StdinSource
+    ) -> AsyncExecAttachment:
+        wants_stdin = not isinstance(stdin, bytes) or bool(stdin)
+        stdin_fd, out_fd, err_fd = await self._off_loop(self._start, exec_id, wants_stdin)
+        pipes = _AsyncPipes(asyncio.get_running_loop(), out_fd, err_fd)
+        if stdin_fd is not None:
+            pipes.feed(stdin_fd, stdin)
+        return pipes
+
+    def exec_inspect(self, exec_id: str) -> ExecState:
+        with self._lock:
+            ended = self._ended.get(exec_id)
+        if ended is not None:
+            return ended
+        status = self._systemd.service_status(exec_id)
+        if status is None:
+            # A unit whose start was asked is loaded until it ends; an inactive one that ended
+            # well is collected at once (a failed one stays): gone means exit code 0.
+            return self._end(exec_id, ExecState(pid=0, running=False, exit_code=0))
+        if not status.exited:
+            return ExecState(pid=status.main_pid, running=True, exit_code=None)
+        state = ExecState(pid=0, running=False, exit_code=exit_code_of(status))
+        self._systemd.reset_failed(exec_id)
+        return self._end(exec_id, state)
+
+    async def exec_inspect_async(self, exec_id: str) -> ExecState:
+        return await self._off_loop(self.exec_inspect, exec_id)
+
+    def exec_kill(self, exec_id: str) -> bool:
+        """Stop the exec's unit: systemd kills every process in its cgroup (a fork bomb's
+        included, ``KillMode=control-group`` with SIGKILL) and returns once they are gone."""
+        try:
+            self._systemd.stop(exec_id)
+        except HostError as exc:
+            if exc.code != "no_such_unit":
+                raise
+        self._systemd.reset_failed(exec_id)
+        self._end(exec_id, ExecState(pid=0, running=False, exit_code=137))
+        return True
+
+    async def exec_kill_async(self, exec_id: str) -> bool:
+        return await self._off_loop(self.exec_kill, exec_id)
+
+    def _end(self, exec_id: str, state: ExecState) -> ExecState:
+        self._exec_env_file(exec_id).unlink(missing_ok=True)
+        with self._lock:
+            self._ended[exec_id] = state
+            while len(self._ended) > 1024:  # what an inspect soon after the end asks
+                del self._ended[next(iter(self._ended))]
+        return state
+
+    async def launch_async(self, backend_id: str, stdin: bytes) -> AsyncExecAttachment:
+        raise InvalidRequest("a native sandbox has no waiter to launch into", code=UNSUPPORTED)
+
+    async def _off_loop(self, call: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except BrokenPipeError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _BlockingPipes:
+    """An exec's output pipes read in the calling thread (``ExecAttachment``)."""
+
+    def __init__(self, out_fd: int, err_fd: int) -> None:
+        self._open = {out_fd: OutputStream.STDOUT, err_fd: OutputStream.STDERR}
+
+    def read(self, timeout: float) -> list[StreamChunk] | None:
+        if not self._open:
+            return None
+        ready, _, _ = select.select(list(self._open), [], [], timeout)
+        chunks = []
+        for fd in ready:
+            data = os.read(fd, READ_SIZE)
+            if data:
+                chunks.append(StreamChunk(stream=self._open[fd], data=data))
+            else:
+                os.close(fd)
+                del self._open[fd]
+        return chunks if chunks or self._open else None
+
+    def close(self) -> None:
+        for fd in self._open:
+            os.close(fd)
+        self._open.clear()
+
+
+class _AsyncPipes:
+    """An exec's output pipes read on the event loop (``AsyncExecAttachment``): each read end
+    is watched by the loop, so no thread waits while the command runs."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, out_fd: int, err_fd: int) -> None:
+        self._loop = loop
+        self._open = {out_fd: OutputStream.STDOUT, err_fd: OutputStream.STDERR}
+        self._chunks: list[StreamChunk] = []
+        self._ready = asyncio.Event()
+        self._error: BaseException | None = None
+        self._feeder: asyncio.Task[None] | None = None
+        for fd in self._open:
+            os.set_blocking(fd, False)
+            loop.add_reader(fd, self._readable, fd)
+
+    def _readable(self, fd: int) -> None:
+        try:
+            data = os.read(fd, READ_SIZE)
+        except BlockingIOError:
+            return
+        if data:
+            self._chunks.append(StreamChunk(stream=self._open[fd], data=data))
+        else:
+            self._drop(fd)
+        self._ready.set()
+
+    def _drop(self, fd: int) -> None:
+        self._loop.remove_reader(fd)
+        os.close(fd)
+        del self._open[fd]
+
+    async def read(self, timeout: float) -> list[StreamChunk] | None:
+        if not self._chunks and self._open and self._error is None:
+            self._ready.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), timeout)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        if self._chunks:
+            chunks, self._chunks = self._chunks, []
+            return chunks
+        return [] if self._open else None
+
+    def feed(self, fd: int, stdin: bytes | StdinSource) -> None:
+        self._feeder = self._loop.create_task(self._feed(fd, stdin))
+
+    async def _feed(self, fd: int, stdin: bytes | StdinSource) -> None:
+        os.set_blocking(fd, False)
+        try:
+            if isinstance(stdin, bytes):
+                await self._write(fd, stdin)
+                return
+            while chunk := await stdin.read():
+                await self._write(fd, chunk)
+        except BrokenPipeError:
+            return  # the command closed its stdin: what it did not read is not wanted
+        except Exception as exc:  # the source failed: the next read says so
+            self._error = exc
+            self._ready.set()
+        finally:
+            os.close(fd)
+
+    async def _write(self, fd: int, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(fd, view) :]
+            except BlockingIOError:
+                writable = self._loop.create_future()
+                self._loop.add_writer(fd, writable.set_result, None)
+                try:
+                    await writable
+                finally:
+                    self._loop.remove_writer(fd)
+
+    def close(self) -> None:
+        for fd in list(self._open):
+            self._drop(fd)
+        if self._feeder is not None and not self._feeder.done():
+            self._feeder.cancel()

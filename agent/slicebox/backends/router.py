@@ -1,0 +1,233 @@
+"""The backends of one agent behind the one interface the core asks of a backend.
+
+The core (placement, lineage, the reaper, telemetry, exec) talks to one
+:class:`~slicebox.backends.base.SandboxBackend`; :class:`Backends` is that, in front of Docker
+and the native backend. What a call is for tells where it goes: a create by the kind its
+request names, anything else by the id it carries (a native sandbox's id is its slice unit,
+``….slice``, a native exec's its service, ``slicebox-exec-….service``; a Docker container's
+and exec's are hex). A look-up by name asks Docker first, then systemd. A listing is both.
+
+**Fallback, as the seeds do it**: a create for Docker while Docker does not answer runs on the
+native backend instead, unless the configuration says ``allow_native_fallback = false``, in
+which case it is refused ``backend_unavailable``. Docker's answer is remembered for a few
+seconds, so a host without Docker does not pay a failed connection per create.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from slicebox.backends.base import (
+    AsyncExecAttachment,
+    Availability,
+    ExecAttachment,
+    SandboxBackend,
+    SandboxInfo,
+    SandboxRequest,
+    StdinSource,
+    VolumeInfo,
+)
+from slicebox.backends.native import NativeBackend, is_native_exec, is_native_id
+from slicebox.model.errors import Unavailable
+from slicebox.model.exec import ExecRequest, ExecState
+from slicebox.model.spec import Backend
+
+log = logging.getLogger(__name__)
+
+AVAILABILITY_TTL = 5.0  # seconds an availability answer is kept
+
+
+class Backends:
+    """Docker and the native backend as one :class:`SandboxBackend`."""
+
+    def __init__(
+        self,
+        docker: SandboxBackend,
+        native: NativeBackend | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.docker = docker
+        self.native = native
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._known: dict[Backend, tuple[float, Availability]] = {}
+
+    @property
+    def kind(self) -> Backend:
+        return self.docker.kind
+
+    # --- which backend runs a create -----------------------------------------------------------
+
+    def availabilities(self) -> list[Availability]:
+        """Each backend's availability now (for ``doctor`` and the health answer)."""
+        found = [self._available(Backend.DOCKER, fresh=True)]
+        if self.native is not None:
+            found.append(self._available(Backend.NATIVE, fresh=True))
+        return found
+
+    def resolve(self, kind: Backend, *, fallback: bool) -> Backend:
+        """The backend a create asking for ``kind`` runs on; ``backend_unavailable`` when none
+        can. ``fallback``: Docker unavailable -> native (the seeds' default)."""
+        answer = self._available(kind)
+        if answer.available:
+            return kind
+        if kind is Backend.DOCKER and fallback and self.native is not None:
+            native = self._available(Backend.NATIVE)
+            if native.available:
+                log.warning("Docker is unavailable (%s): the sandbox runs native", answer.detail)
+                return Backend.NATIVE
+        hint = (
+            "; set allow_native_fallback = true to run it native instead"
+            if kind is Backend.DOCKER and not fallback and self.native is not None
+            else ""
+        )
+        raise Unavailable(
+            f"backend {kind.value!r} is not available on this host: {answer.detail}{hint}",
+            code="backend_unavailable",
+        )
+
+    def _available(self, kind: Backend, *, fresh: bool = False) -> Availability:
+        if kind is Backend.NATIVE and self.native is None:
+            return Availability(kind=kind, available=False, detail="not enabled on this agent")
+        with self._lock:
+            kept = self._known.get(kind)
+        if kept is not None and not fresh and self._clock() - kept[0] < AVAILABILITY_TTL:
+            return kept[1]
+        backend = self.docker if kind is Backend.DOCKER else self.native
+        assert backend is not None
+        answer = backend.availability()
+        with self._lock:
+            self._known[kind] = (self._clock(), answer)
+        return answer
+
+    def _forget(self, kind: Backend) -> None:
+        with self._lock:
+            self._known.pop(kind, None)
+
+    # --- SandboxBackend ------------------------------------------------------------------------
+
+    def availability(self) -> Availability:
+        return self._available(Backend.DOCKER, fresh=True)
+
+    def prepare(self, image: str) -> None:
+        self.docker.prepare(image)
+
+    def create(self, request: SandboxRequest) -> SandboxInfo:
+        if request.backend is Backend.NATIVE:
+            return self._native().create(request)
+        try:
+            return self.docker.create(request)
+        except Unavailable:
+            self._forget(Backend.DOCKER)
+            raise
+
+    def _native(self) -> NativeBackend:
+        if self.native is None:
+            raise Unavailable("the native backend is not enabled", code="backend_unavailable")
+        return self.native
+
+    def _of(self, backend_id: str) -> SandboxBackend:
+        return self._native() if is_native_id(backend_id) else self.docker
+
+    def _of_exec(self, exec_id: str) -> SandboxBackend:
+        return self._native() if is_native_exec(exec_id) else self.docker
+
+    def inspect(self, backend_id: str) -> SandboxInfo | None:
+        if is_native_id(backend_id):
+            return self._native().inspect(backend_id)
+        try:
+            found = self.docker.inspect(backend_id)
+        except Unavailable:
+            if self.native is None:
+                raise
+            found = None
+        if found is None and self.native is not None:
+            return self.native.inspect(backend_id)
+        return found
+
+    async def inspect_async(self, backend_id: str) -> SandboxInfo | None:
+        if is_native_id(backend_id):
+            return await self._native().inspect_async(backend_id)
+        try:
+            found = await self.docker.inspect_async(backend_id)
+        except Unavailable:
+            if self.native is None:
+                raise
+            found = None
+        if found is None and self.native is not None:
+            return await self.native.inspect_async(backend_id)
+        return found
+
+    def find(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
+        native = self.native.find(labels) if self.native is not None else []
+        try:
+            return self.docker.find(labels) + native
+        except Unavailable as exc:
+            if self.native is None:
+                raise
+            log.warning("Docker is unavailable, only native sandboxes are listed: %s", exc)
+            return native
+
+    def remove(self, backend_id: str) -> bool:
+        return self._of(backend_id).remove(backend_id)
+
+    def volume(self, name: str) -> VolumeInfo | None:
+        return self.docker.volume(name)
+
+    def create_volume(self, name: str, labels: Mapping[str, str]) -> VolumeInfo:
+        return self.docker.create_volume(name, labels)
+
+    def remove_volume(self, name: str) -> bool:
+        return self.docker.remove_volume(name)
+
+    def volumes(self, labels: Mapping[str, str]) -> list[VolumeInfo]:
+        try:
+            return self.docker.volumes(labels)
+        except Unavailable:
+            if self.native is None:
+                raise
+            return []
+
+    # --- ExecApi -------------------------------------------------------------------------------
+
+    def sandbox_pid(self, backend_id: str) -> int:
+        return self._of(backend_id).sandbox_pid(backend_id)
+
+    def exec_create(
+        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
+    ) -> str:
+        return self._of(backend_id).exec_create(backend_id, request, streamed_stdin)
+
+    def exec_start(self, exec_id: str, stdin: bytes) -> ExecAttachment:
+        return self._of_exec(exec_id).exec_start(exec_id, stdin)
+
+    async def exec_start_async(
+        self, exec_id: str, stdin: bytes | StdinSource
+    ) -> AsyncExecAttachment:
+        return await self._of_exec(exec_id).exec_start_async(exec_id, stdin)
+
+    def exec_inspect(self, exec_id: str) -> ExecState:
+        return self._of_exec(exec_id).exec_inspect(exec_id)
+
+    async def exec_create_async(
+        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
+    ) -> str:
+        backend = self._of(backend_id)
+        return await backend.exec_create_async(backend_id, request, streamed_stdin)
+
+    async def exec_inspect_async(self, exec_id: str) -> ExecState:
+        return await self._of_exec(exec_id).exec_inspect_async(exec_id)
+
+    def exec_kill(self, exec_id: str) -> bool:
+        """Only a native exec is killed by its backend; a Docker exec by the engine, through
+        the host (``False``)."""
+        return is_native_exec(exec_id) and self._native().exec_kill(exec_id)
+
+    async def exec_kill_async(self, exec_id: str) -> bool:
+        return is_native_exec(exec_id) and await self._native().exec_kill_async(exec_id)
+
+    async def launch_async(self, backend_id: str, stdin: bytes) -> AsyncExecAttachment:
+        return await self._of(backend_id).launch_async(backend_id, stdin)

@@ -1,0 +1,389 @@
+"""The native backend on a real host (issue 16): a sandbox that systemd isolates, in the same
+slice tree, under the same ceilings, through the agent's own create path.
+
+One native sandbox (128 MB, 64 pids) serves most of the module: its execs are transient
+services in its slice, so each test also checks that nothing of its execs is left in the
+slice but the sandbox's anchor. The fallback test stops the guest's Docker for real; the last
+test kills the installed agent with ``kill -9`` while native sandboxes run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slicebox.backends.docker import DockerBackend
+from slicebox.backends.native import ANCHOR_PREFIX, EXEC_PREFIX, NativeBackend
+from slicebox.backends.router import Backends
+from slicebox.cli.client import Client
+from slicebox.core.deadlines import Deadlines
+from slicebox.core.execution import ExecEngine
+from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.service import Service
+from slicebox.core.slices import SliceManager
+from slicebox.core.telemetry import MemoryIntegrator, TreeReader, UsageReader
+from slicebox.host.cgroupfs import CgroupFS
+from slicebox.host.identity import Identity
+from slicebox.host.journal import Auditor
+from slicebox.host.procs import CgroupHost
+from slicebox.host.systemd import PystemdSystemd
+from slicebox.model.config import parse_config, read_host_memory
+from slicebox.model.errors import InvalidRequest, Unavailable
+from slicebox.model.exec import ExecRequest, ExecResult
+from slicebox.model.names import MANAGED_SLICE, slice_names
+from slicebox.model.paths import CGROUP_ROOT as PURE_ROOT
+from slicebox.model.spec import SandboxSpec
+from slicebox.server.runtime import decode_unit
+from tests.fakes.journal import ListJournal
+from tests.host.agentunits import SOCKET, agent_config, installed_agent
+from tests.host.helpers import CGROUP_ROOT, journal_records, sh, unique, wait_for
+from tests.host.sliceboxhost import active, cleanup_slices, reap_empty_slices, slicebox_units
+
+pytestmark = pytest.mark.host
+
+MB = 1024 * 1024
+
+
+class Native:
+    """The agent's parts over the real host with both backends, as ``server.runtime``."""
+
+    def __init__(self, config: str = "") -> None:
+        systemd = PystemdSystemd()
+        self.user = unique("nat-")
+        self.docker = DockerBackend.from_env()
+        self.backends = Backends(self.docker, NativeBackend(systemd))
+        self.engine = ExecEngine(self.backends, CgroupHost())
+        self.manager = SandboxManager(
+            self.backends,
+            SliceManager(systemd),
+            config=parse_config(config),
+            host_memory=read_host_memory(),
+            instance_id=unique("test-"),
+            deadlines=Deadlines(systemd),
+        )
+        self.journal = ListJournal()
+        self.service = Service(
+            self.manager,
+            self.engine,
+            usage=UsageReader(CgroupFS(), integrator=MemoryIntegrator(time.monotonic)),
+            tree=TreeReader(CgroupFS(), decode=decode_unit),
+            auditor=Auditor(self.journal),
+            pid_of=lambda sandbox: None,
+        )
+        self.who = Identity(uid=0, gid=0, pid=os.getpid(), user_name=self.user, is_admin=False)
+
+    def spec(self, project: str, **fields: object) -> SandboxSpec:
+        base = {"user": self.user, "project": project, "backend": "native"}
+        return SandboxSpec.model_validate(base | fields)
+
+    def run(self, sandbox: Sandbox, **fields: object) -> ExecResult:
+        request = ExecRequest.parse(fields)
+        return self.engine.run(sandbox.container_id, request, sandbox.running_scope())
+
+    def cleanup(self) -> None:
+        for leftover in self.manager.find(user=self.user):
+            self.manager.destroy(leftover.id)
+        reap_empty_slices(self.manager, self.user)
+        cleanup_slices(*slicebox_units(slice_names(self.user, "x").user[:-6] + "*"))
+
+
+def slice_dir(sandbox: Sandbox) -> Path:
+    return CGROUP_ROOT / str(sandbox.scope_cgroup()).removeprefix(str(PURE_ROOT)).lstrip("/")
+
+
+def processes(directory: Path) -> dict[str, list[int]]:
+    """Every process below ``directory``, by the unit (cgroup) it is in."""
+    found: dict[str, list[int]] = {}
+    for procs in directory.rglob("cgroup.procs"):
+        pids = [int(pid) for pid in procs.read_text().split()]
+        if pids:
+            found[procs.parent.name] = pids
+    return found
+
+
+def only_the_anchor(sandbox: Sandbox) -> bool:
+    units = processes(slice_dir(sandbox))
+    return (
+        list(units) == [f"{ANCHOR_PREFIX}{sandbox.id}.service"]
+        and len(units[f"{ANCHOR_PREFIX}{sandbox.id}.service"]) == 1
+    )
+
+
+@pytest.fixture(scope="module")
+def native() -> Iterator[Native]:
+    managed_was_active = active(MANAGED_SLICE)
+    made = Native()
+    yield made
+    made.cleanup()
+    if not managed_was_active:
+        cleanup_slices(MANAGED_SLICE)
+
+
+@pytest.fixture(scope="module")
+def box(native: Native) -> Iterator[Sandbox]:
+    made = native.manager.create(native.spec("shared", memory="128MB", pids=64, cpus=1))
+    try:
+        yield made
+    finally:
+        assert native.manager.destroy(made.id) is not None
+
+
+@pytest.fixture
+def clean_box(box: Sandbox) -> Iterator[Sandbox]:
+    """The test's execs leave nothing in the sandbox's slice but its anchor."""
+    yield box
+    wait_for(lambda: only_the_anchor(box), timeout=30, step=0.2)
+
+
+def test_a_native_sandbox_is_a_slice_of_its_project_with_its_limits(
+    native: Native, box: Sandbox
+) -> None:
+    assert box.backend == "native"
+    directory = slice_dir(box)
+    project = CGROUP_ROOT / MANAGED_SLICE / slice_names(native.user, "shared").user
+    assert directory.parent == project / slice_names(native.user, "shared").project
+    assert (directory / "memory.max").read_text().strip() == str(128 * MB)
+    assert (directory / "memory.swap.max").read_text().strip() == "0"
+    assert (directory / "pids.max").read_text().strip() == "64"
+    assert (directory / "cpu.max").read_text().split()[0] == "100000"
+    assert only_the_anchor(box)
+    # Lineage lives in systemd: the listing finds it with its labels, by any of them.
+    [found] = native.manager.find(user=native.user, project="shared")
+    assert found.id == box.id
+    assert found.lineage.root_task_id == box.id
+    assert native.manager.get(box.id).container_id == box.container_id
+
+
+def test_an_exec_runs_as_the_sandbox_s_own_user_in_its_workspace(
+    native: Native, clean_box: Sandbox
+) -> None:
+    who = native.run(clean_box, argv=["id", "-u"])
+    uid = int(who.stdout)
+    assert uid not in (0, os.getuid())
+    assert 61184 <= uid <= 65519, "a dynamic user's range"
+    wrote = native.run(clean_box, argv="pwd; echo kept > note; echo tmp > /tmp/t", shell=True)
+    assert wrote.exit_code == 0
+    assert wrote.stdout == b"/workspace\n"
+    read = native.run(clean_box, argv="cat note /tmp/t; stat -c %u note", shell=True)
+    assert read.stdout == f"kept\ntmp\n{uid}\n".encode(), "the workspace and /tmp persist"
+    env = native.run(clean_box, argv=["sh", "-c", 'echo "$A|$HOME"'], env={"A": 'x "y" $z'})
+    assert env.stdout == b'x "y" $z|/workspace\n'
+
+
+def test_the_host_is_read_only_and_its_secrets_unreadable(
+    native: Native, clean_box: Sandbox
+) -> None:
+    shadow = native.run(clean_box, argv=["cat", "/etc/shadow"])
+    assert shadow.exit_code != 0
+    assert b"Permission denied" in shadow.stderr
+    for path in ("/etc/slicebox-x", "/usr/slicebox-x", "/var/lib/slicebox-x", "/srv/x"):
+        wrote = native.run(clean_box, argv=["touch", path])
+        assert wrote.exit_code != 0, path
+        assert not Path(path).exists(), path
+    home = native.run(clean_box, argv=["ls", "/root"])
+    assert home.exit_code != 0
+
+
+def test_a_native_sandbox_has_no_network(native: Native, clean_box: Sandbox) -> None:
+    code = (
+        "import socket\n"
+        "for family in (socket.AF_INET, socket.AF_INET6, socket.AF_NETLINK):\n"
+        "    try:\n"
+        "        socket.socket(family, socket.SOCK_DGRAM)\n"
+        "        print('opened', family)\n"
+        "    except OSError as e:\n"
+        "        print('refused', e.errno)\n"
+    )
+    result = native.run(clean_box, argv=["python3", "-c", code])
+    assert result.stdout == b"refused 97\n" * 3, result
+
+
+def test_a_fork_bomb_is_held_by_the_sandbox_s_tasks_max(native: Native, clean_box: Sandbox) -> None:
+    before = _events(slice_dir(clean_box) / "pids.events").get("max", 0)
+    result = native.run(clean_box, argv="b() { b | b & }; b; sleep 30", shell=True, timeout=4)
+    assert result.timed_out
+    assert result.exit_code == 124
+    assert _events(slice_dir(clean_box) / "pids.events")["max"] > before, "TasksMax hit"
+    assert result.duration < 20
+    assert native.run(clean_box, argv=["echo", "alive"]).stdout == b"alive\n"
+
+
+def test_memory_past_the_limit_is_oom_killed(native: Native, clean_box: Sandbox) -> None:
+    hog = "b = bytearray(200 * 1024 * 1024); print(len(b))"
+    result = native.run(clean_box, argv=["python3", "-c", hog])
+    assert result.oom_killed, result
+    assert result.exit_code == 137
+    assert native.run(clean_box, argv=["echo", "alive"]).stdout == b"alive\n"
+
+
+def test_a_timeout_answers_124_and_leaves_no_process(native: Native, clean_box: Sandbox) -> None:
+    started = time.monotonic()
+    command = "sleep 60 & setsid sleep 60 & sleep 60"
+    result = native.run(clean_box, argv=command, shell=True, timeout=1)
+    assert result.timed_out
+    assert result.exit_code == 124
+    assert time.monotonic() - started < 15
+    assert only_the_anchor(clean_box), processes(slice_dir(clean_box))
+
+
+def test_missing_programs_and_cwds_answer_as_docker_s_exec(
+    native: Native, clean_box: Sandbox
+) -> None:
+    missing = native.run(clean_box, argv=["no-such-program"])
+    assert missing.exit_code == 127
+    assert b"not found" in missing.stderr
+    nowhere = native.run(clean_box, argv=["true"], cwd="/no/such/dir")
+    assert nowhere.exit_code == 126
+    assert b"/no/such/dir" in nowhere.stderr
+    assert native.run(clean_box, argv=["cat"], stdin="aGVsbG8=").stdout == b"hello"
+
+
+def test_its_usage_reads_like_a_docker_sandbox_s(native: Native, clean_box: Sandbox) -> None:
+    native.run(clean_box, argv="i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done", shell=True)
+    usage = native.service.usage(native.who, clean_box.id).to_wire()
+    assert usage["cpu_seconds"] > 0
+    assert usage["memory_bytes"]["project"] > 0
+    assert usage["disk_bytes_written"] >= 0
+    assert usage["sandbox"]["backend"] == "native"
+    assert usage["sandbox"]["provisioned"]["memory_bytes"] == 128 * MB
+    tree = native.service.level_tree(native.who).model_dump()
+    names = [sandbox["unit"] for project in tree["children"] for sandbox in project["children"]]
+    assert clean_box.container_id in names
+
+
+def test_an_exec_unit_s_exposure_is_at_most_2(native: Native, clean_box: Sandbox) -> None:
+    """``systemd-analyze security`` of an exec's unit while it runs."""
+    request = ExecRequest(argv=("sleep", "30"), timeout=60)
+    events = native.engine.stream(clean_box.container_id, request, clean_box.running_scope())
+    runner = threading.Thread(target=lambda: list(events), daemon=True)
+    runner.start()
+    pattern = f"{EXEC_PREFIX}{clean_box.id}-*.service"
+    wait_for(lambda: bool(slicebox_units(pattern)), timeout=30, step=0.2)
+    [unit] = slicebox_units(pattern)
+    try:
+        said = sh("systemd-analyze", "security", "--no-pager", unit).stdout
+        match = re.search(r"Overall exposure level for \S+: ([0-9.]+)", said)
+        assert match is not None, said
+        assert float(match.group(1)) <= 2.0, said
+    finally:
+        sh("systemctl", "kill", "--signal=SIGKILL", unit, check=False)
+        runner.join(timeout=30)
+
+
+def test_what_a_native_sandbox_cannot_give_is_refused_before_anything_is_made(
+    native: Native,
+) -> None:
+    for fields in (
+        {"network": "bridge"},
+        {"cap_add": ["NET_RAW"]},
+        {"workspace": {"kind": "volume"}},
+    ):
+        with pytest.raises(InvalidRequest) as refused:
+            native.manager.create(native.spec("refused", **fields))
+        assert refused.value.code == "backend_unsupported"
+    assert not slicebox_units(slice_names(native.user, "refused").project)
+
+
+def test_a_destroy_leaves_nothing_of_it(native: Native) -> None:
+    made = native.manager.create(native.spec("gone"))
+    assert native.run(made, argv="echo x > f; sleep 60 &", shell=True).exit_code == 0
+    assert native.manager.destroy(made.id) is not None
+    assert not slicebox_units(f"*{made.id}*")
+    assert not slicebox_units(made.container_id)
+    assert not Path(f"/run/slicebox/native/{made.id}").exists()
+    assert not list(Path("/run/slicebox/native-env").glob(f"*{made.id}*"))
+    assert native.manager.find(user=native.user, project="gone") == []
+
+
+def test_with_docker_stopped_a_create_falls_back_to_native_unless_the_config_says_not() -> None:
+    with docker_stopped():
+        falls = Native()
+        refuses = Native("allow_native_fallback = false\n")
+        try:
+            made = falls.manager.create(SandboxSpec(user=falls.user, project="fb"))
+            assert made.backend == "native"
+            assert falls.run(made, argv=["echo", "native"]).stdout == b"native\n"
+            with pytest.raises(Unavailable) as refused:
+                refuses.manager.create(SandboxSpec(user=refuses.user, project="fb"))
+            assert refused.value.code == "backend_unavailable"
+            assert "allow_native_fallback" in refused.value.message
+        finally:
+            falls.cleanup()
+            refuses.cleanup()
+
+
+@contextlib.contextmanager
+def docker_stopped() -> Iterator[None]:
+    sh("systemctl", "stop", "docker.socket", "docker.service")
+    try:
+        yield
+    finally:
+        sh("systemctl", "start", "docker.socket", "docker.service")
+        wait_for(lambda: sh("docker", "info", check=False).returncode == 0, timeout=120, step=1)
+
+
+def test_native_sandboxes_outlive_a_killed_agent_and_still_expire() -> None:
+    """``kill -9`` of the installed agent: its native sandboxes keep running, the restarted
+    agent's reaper finds them by what systemd holds, and a deadline ends one with its
+    ``expired`` record and final usage, by the timer's own ``sliceboxd expire``."""
+    with installed_agent(agent_config(), start_limit=False):
+        sh("systemctl", "start", "slicebox.socket")
+        client = Client(str(SOCKET), timeout=120)
+        doomed = create(client, "kill", ttl_seconds=45)
+        kept = create(client, "kill2", ttl_seconds=3600)
+        try:
+            burnt = client.request(
+                "POST",
+                f"/sandboxes/{doomed['id']}/exec",
+                {"argv": ["sh", "-c", "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done"]},
+            )
+            assert burnt["exit_code"] == 0
+            sh("systemctl", "kill", "--signal=SIGKILL", "slicebox.service")
+            assert active(f"{ANCHOR_PREFIX}{doomed['id']}.service")
+            assert active(f"{ANCHOR_PREFIX}{kept['id']}.service")
+            listed = {s["id"]: s for s in client.request("GET", "/sandboxes")}  # restarted
+            assert set(listed) >= {doomed["id"], kept["id"]}
+            assert listed[kept["id"]]["backend"] == "native"
+            expires = datetime.fromisoformat(doomed["expires_at"])
+            assert datetime.now(UTC) < expires, "the kill must come before the deadline"
+            wait_for(lambda: not active(doomed["container_id"]), timeout=240, step=1)
+            wait_for(lambda: bool(records(doomed["id"])), timeout=30)
+            # The restarted agent's start-up pass adopted both (this run's now), by their labels.
+            assert {r["SLICEBOX_REAPER_RULE"] for r in records(kept["id"])} == {"adopt"}
+            [record] = [r for r in records(doomed["id"]) if r["SLICEBOX_REAPER_RULE"] != "adopt"]
+            assert record["SLICEBOX_REAPER_RULE"] == "expired"
+            assert "deadline timer" in record["SLICEBOX_DETAIL"]
+            assert float(record["SLICEBOX_USAGE_CPU_SECONDS"]) > 0
+            ran = client.request("POST", f"/sandboxes/{kept['id']}/exec", {"argv": ["id", "-u"]})
+            assert ran["exit_code"] == 0
+        finally:
+            for sandbox in client.request("GET", "/sandboxes"):  # an admin's: everyone's
+                if sandbox["id"] in (doomed["id"], kept["id"]):
+                    client.request("DELETE", f"/sandboxes/{sandbox['id']}")
+            client.request("POST", "/reaper", {})
+        for made in (doomed, kept):
+            assert not slicebox_units(f"*{made['id']}*")
+
+
+def create(client: Client, project: str, **fields: object) -> dict[str, Any]:
+    body = {"project": project, "backend": "native", **fields}
+    made: dict[str, Any] = client.request("POST", "/sandboxes", body)
+    assert made["backend"] == "native"
+    return made
+
+
+def records(sandbox_id: str) -> list[dict[str, Any]]:
+    return journal_records(SLICEBOX_EVENT="reaper_action", SLICEBOX_SANDBOX_ID=sandbox_id)
+
+
+def _events(path: Path) -> dict[str, int]:
+    return {k: int(v) for k, v in (line.split() for line in path.read_text().splitlines())}

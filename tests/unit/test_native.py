@@ -1,0 +1,407 @@
+"""The native backend's logic and the backend router, over fakes that answer as systemd and
+Docker do (the real thing: ``tests/host/test_native.py`` in the guest)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import stat
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slicebox.backends.base import SandboxRequest, SandboxState
+from slicebox.backends.native import (
+    ANCHOR_PREFIX,
+    MARK,
+    NativeBackend,
+    describe,
+    env_line,
+    exit_code_of,
+    glob_literal,
+    hardening,
+    is_native_exec,
+    is_native_id,
+    labels_of,
+    name_of,
+    sandbox_slice,
+    slice_properties,
+)
+from slicebox.backends.router import Backends
+from slicebox.core.sandboxes import SandboxManager
+from slicebox.core.slices import SliceManager
+from slicebox.host.systemd import ServiceStatus
+from slicebox.model.config import parse_config
+from slicebox.model.errors import InvalidRequest, SandboxNotFound, SandboxNotRunning, Unavailable
+from slicebox.model.exec import ExecRequest
+from slicebox.model.limits import INFINITY, Limits
+from slicebox.model.names import scope_name
+from slicebox.model.spec import Backend, SandboxSpec
+from tests.fakes.docker import FakeDocker
+from tests.fakes.native import FakeNativeSystemd
+
+MiB = 1024 * 1024
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+PROJECT = "slicebox-al\\x2dice-p.slice"
+
+
+def ended(code: int, status: int, result: str = "exit-code") -> ServiceStatus:
+    return ServiceStatus(
+        active_state="failed",
+        sub_state="failed",
+        result=result,
+        main_pid=0,
+        exited=True,
+        code=code,
+        status=status,
+    )
+
+
+def request(name: str = "sbx-000000000001", **fields: Any) -> SandboxRequest:
+    base: dict[str, object] = {
+        "name": name,
+        "image": "",
+        "command": ("sleep", "infinity"),
+        "labels": {"slicebox.sandbox_id": name, "slicebox.user": "al-ice"},
+        "slice": PROJECT,
+        "limits": Limits(cpus=0.5, memory_bytes=128 * MiB, pids=64),
+        "env": {"TOKEN": 's3"cr$t'},
+        "backend": Backend.NATIVE,
+    }
+    return SandboxRequest.model_validate(base | fields)
+
+
+@pytest.fixture
+def systemd() -> FakeNativeSystemd:
+    return FakeNativeSystemd()
+
+
+@pytest.fixture
+def native(systemd: FakeNativeSystemd, tmp_path: Path) -> NativeBackend:
+    return NativeBackend(systemd, env_dir=tmp_path / "env", which=lambda name: "/bin/" + name)
+
+
+# --- names, labels and properties --------------------------------------------------------------
+
+
+def test_a_sandbox_slice_nests_in_its_project_slice_and_reads_back() -> None:
+    unit = sandbox_slice(PROJECT, "sbx-0a1b")
+    assert unit == "slicebox-al\\x2dice-p-sbx\\x2d0a1b.slice"  # one dash level below p
+    assert name_of(unit) == "sbx-0a1b"
+    assert is_native_id(unit)
+    assert not is_native_id("0" * 64)
+    assert scope_name(unit) == unit, "its cgroup is the slice's own"
+    assert is_native_exec("slicebox-exec-sbx-0a1b-00ff.service")
+
+
+def test_systemd_patterns_take_backslashes_as_they_are() -> None:
+    assert glob_literal("a\\x2db*?[") == "a\\x2db[*][?][[]"
+
+
+def test_labels_live_in_the_slice_description_and_nothing_else_reads_as_them() -> None:
+    labels = {"slicebox.user": "al-ice", "slicebox.sandbox_id": "sbx-1"}
+    assert labels_of(describe(labels)) == labels
+    assert labels_of("slicebox slicebox-al-ice.slice") is None
+    assert labels_of(MARK + "not json") is None
+    assert labels_of(MARK + "[1]") is None
+
+
+def test_the_slice_carries_the_sandbox_s_limits() -> None:
+    assert dict(slice_properties(request())) == {
+        "MemoryMax": 128 * MiB,
+        "MemorySwapMax": 0,
+        "TasksMax": 64,
+        "CPUQuotaPerSecUSec": 500_000,
+        "IOAccounting": 1,
+    }
+    unlimited = request(limits=Limits(cpus=0, memory_bytes=MiB, pids=1))
+    assert dict(slice_properties(unlimited))["CPUQuotaPerSecUSec"] == INFINITY
+
+
+def test_every_unit_is_hardened() -> None:
+    props = hardening("sbx-1")
+    assert props["DynamicUser"] is True
+    assert props["User"] == "slicebox-sbx-1"
+    assert props["PrivateNetwork"] is True
+    assert props["RestrictAddressFamilies"] == (True, ["AF_UNIX"])
+    assert props["CapabilityBoundingSet"] == 0
+    assert props["NoNewPrivileges"] is True
+    assert props["ProtectSystem"] == "strict"
+    assert props["ProtectHome"] == "yes"
+    assert props["SystemCallFilter"] == (True, ["@system-service"])
+    assert props["BindPaths"] == [("/run/slicebox/native/sbx-1", "/workspace", False, 16384)]
+
+
+def test_environment_values_are_quoted_for_an_environment_file() -> None:
+    assert env_line("A", 'x "y" $z `w` \\') == 'A="x \\"y\\" \\$z \\`w\\` \\\\"\n'
+
+
+def test_exit_codes_read_as_a_shell_reports_them() -> None:
+    assert exit_code_of(ended(1, 7)) == 7
+    assert exit_code_of(ended(2, 9, "signal")) == 137
+
+
+# --- lifecycle ---------------------------------------------------------------------------------
+
+
+def test_create_makes_the_slice_then_the_anchor_in_it(
+    native: NativeBackend, systemd: FakeNativeSystemd, tmp_path: Path
+) -> None:
+    info = native.create(request())
+    unit = sandbox_slice(PROJECT, "sbx-000000000001")
+    assert info.id == unit
+    assert info.state is SandboxState.RUNNING
+    assert systemd.properties[unit]["MemoryMax"] == 128 * MiB
+    anchor = systemd.services[f"{ANCHOR_PREFIX}sbx-000000000001.service"]
+    assert anchor["Slice"] == unit
+    assert anchor["ExecStart"][0][1][-2:] == ["sleep", "infinity"]
+    assert "TOKEN" not in str(anchor), "the environment is no unit property"
+    env = tmp_path / "env" / "sbx-000000000001.env"
+    assert env.read_text() == 'TOKEN="s3\\"cr\\$t"\n'
+    assert stat.S_IMODE(env.stat().st_mode) == 0o600
+    assert stat.S_IMODE(env.parent.stat().st_mode) == 0o700
+
+
+def test_it_is_found_by_labels_name_and_id_and_its_state_is_its_anchor_s(
+    native: NativeBackend, systemd: FakeNativeSystemd
+) -> None:
+    made = native.create(request())
+    assert native.find({"slicebox.user": "al-ice"}) == [made]
+    assert native.find({"slicebox.user": "bob"}) == []
+    assert native.inspect("sbx-000000000001") == made
+    assert native.inspect(made.id) == made
+    assert native.inspect("sbx-000000000002") is None
+    systemd.end(f"{ANCHOR_PREFIX}sbx-000000000001.service", ended(2, 9, "signal"))
+    found = native.inspect(made.id)
+    assert found is not None
+    assert found.state is SandboxState.EXITED
+    with pytest.raises(SandboxNotRunning):
+        native.sandbox_pid(made.id)
+
+
+def test_remove_stops_everything_of_it_and_a_second_remove_finds_it_gone(
+    native: NativeBackend, systemd: FakeNativeSystemd, tmp_path: Path
+) -> None:
+    made = native.create(request())
+    systemd.end(f"{ANCHOR_PREFIX}sbx-000000000001.service", ended(2, 9, "signal"))
+    assert native.remove(made.id) is True
+    assert native.find({}) == []
+    assert systemd.service_states == {}, "failed units are forgotten too"
+    assert not (tmp_path / "env" / "sbx-000000000001.env").exists()
+    assert native.remove(made.id) is False
+    with pytest.raises(SandboxNotFound):
+        native.sandbox_pid(made.id)
+
+
+def test_an_anchor_that_ends_at_once_leaves_nothing(
+    native: NativeBackend, systemd: FakeNativeSystemd, tmp_path: Path
+) -> None:
+    systemd.ends_at_once[ANCHOR_PREFIX] = ended(1, 127)
+    with pytest.raises(InvalidRequest) as refused:
+        native.create(request())
+    assert refused.value.code == "container_start_failed"
+    assert native.find({}) == []
+    assert systemd.service_states == {}
+    assert list((tmp_path / "env").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [({"network": "bridge"}, "network"), ({"cap_add": ("NET_RAW",)}, "cap_add")],
+)
+def test_what_it_cannot_give_is_refused(
+    native: NativeBackend, fields: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        native.create(request(**fields))
+    assert refused.value.code == "backend_unsupported"
+    assert named in refused.value.message
+
+
+# --- exec --------------------------------------------------------------------------------------
+
+
+def test_an_exec_is_a_unit_in_the_sandbox_slice_joined_to_its_anchor(
+    native: NativeBackend, systemd: FakeNativeSystemd, tmp_path: Path
+) -> None:
+    made = native.create(request())
+    exec_id = native.exec_create(made.id, ExecRequest(argv=("id",), env={"K": "v"}, timeout=5))
+    attachment = native.exec_start(exec_id, b"")
+    props = systemd.services[exec_id]
+    assert props["Slice"] == made.id
+    assert props["JoinsNamespaceOf"] == [f"{ANCHOR_PREFIX}sbx-000000000001.service"]
+    assert props["ExecStart"][0][1][3:] == ["sh", "/workspace", "id"]
+    assert props["RuntimeMaxUSec"] == 65_000_000, "a backstop past the engine's own timeout"
+    assert props["StandardInput"] == "null"
+    assert (tmp_path / "env" / f"{exec_id}.env").read_text() == 'K="v"\n'
+    assert native.exec_inspect(exec_id).running
+    systemd.end(exec_id, None)  # ended well: systemd collected it
+    state = native.exec_inspect(exec_id)
+    assert (state.running, state.exit_code) == (False, 0)
+    assert not (tmp_path / "env" / f"{exec_id}.env").exists()
+    attachment.close()
+
+
+def test_an_exec_s_failure_is_its_exit_status_and_the_unit_is_forgotten(
+    native: NativeBackend, systemd: FakeNativeSystemd
+) -> None:
+    made = native.create(request())
+    exec_id = native.exec_create(made.id, ExecRequest(argv=("false",)))
+    native.exec_start(exec_id, b"").close()
+    systemd.end(exec_id, ended(1, 3))
+    assert native.exec_inspect(exec_id).exit_code == 3
+    assert exec_id not in systemd.service_states
+    assert native.exec_inspect(exec_id).exit_code == 3, "asked again, answered the same"
+
+
+def test_a_kill_stops_the_exec_s_unit(native: NativeBackend, systemd: FakeNativeSystemd) -> None:
+    made = native.create(request())
+    exec_id = native.exec_create(made.id, ExecRequest(argv=("sleep", "60")))
+    native.exec_start(exec_id, b"").close()
+    assert asyncio.run(native.exec_kill_async(exec_id)) is True
+    assert exec_id not in systemd.running
+    assert not native.exec_inspect(exec_id).running
+
+
+def test_an_exec_in_a_stopped_sandbox_is_refused(
+    native: NativeBackend, systemd: FakeNativeSystemd
+) -> None:
+    made = native.create(request())
+    systemd.end(f"{ANCHOR_PREFIX}sbx-000000000001.service", ended(2, 9, "signal"))
+    with pytest.raises(SandboxNotRunning):
+        native.exec_create(made.id, ExecRequest(argv=("id",)))
+
+
+def test_the_async_pipes_read_output_and_feed_stdin(native: NativeBackend) -> None:
+    """The attachment's reading and feeding, on real pipes (what systemd's end would be)."""
+    from slicebox.backends.native import _AsyncPipes
+
+    async def go() -> tuple[bytes, bytes]:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        in_r, in_w = os.pipe()
+        pipes = _AsyncPipes(asyncio.get_running_loop(), out_r, err_r)
+        pipes.feed(in_w, b"x" * 200_000)  # more than a pipe holds: fed as it is read
+        got = bytearray()
+        while len(got) < 200_000:
+            got += await asyncio.to_thread(os.read, in_r, 65536)
+        os.close(in_r)
+        os.write(out_w, b"out")
+        os.write(err_w, b"err")
+        os.close(out_w)
+        os.close(err_w)
+        seen: dict[str, bytes] = {"stdout": b"", "stderr": b""}
+        while (chunks := await pipes.read(1.0)) is not None:
+            for chunk in chunks:
+                seen[chunk.stream.value] += chunk.data
+        pipes.close()
+        return bytes(got[:3]), seen["stdout"] + seen["stderr"]
+
+    head, output = asyncio.run(go())
+    assert head == b"xxx"
+    assert output in (b"outerr", b"errout")
+
+
+# --- the router and the fallback ---------------------------------------------------------------
+
+
+class Host:
+    def __init__(self, env_dir: Path, config: str = "") -> None:
+        self.systemd = FakeNativeSystemd()
+        self.docker = FakeDocker(self.systemd)
+        self.native = NativeBackend(self.systemd, env_dir=env_dir, which=lambda name: name)
+        self.backends = Backends(self.docker, self.native)
+        ids = (f"sbx-{n:012x}" for n in itertools.count(1))
+        self.manager = SandboxManager(
+            self.backends,
+            SliceManager(self.systemd),
+            config=parse_config(config),
+            host_memory=4096 * MiB,
+            instance_id="run-1",
+            clock=lambda: NOW,
+            new_id=lambda: next(ids),
+        )
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Host:
+    return Host(tmp_path / "env")
+
+
+def spec(**fields: object) -> SandboxSpec:
+    return SandboxSpec.model_validate({"user": "al-ice", "project": "p", **fields})
+
+
+def test_docker_answering_runs_docker(host: Host) -> None:
+    made = host.manager.create(spec())
+    assert made.backend == "docker"
+    assert host.docker.created == 1
+
+
+def test_docker_down_falls_back_to_native_and_says_so(host: Host) -> None:
+    host.docker.down = "connection refused"
+    made = host.manager.create(spec(image="alpine:3.19"))
+    assert made.backend == "native"
+    assert made.lineage.launcher == ""
+    assert is_native_id(made.container_id)
+    assert host.manager.get(made.id).id == made.id, "looked up past the Docker that is down"
+    assert [s.id for s in host.manager.find(user="al-ice")] == [made.id]
+    assert host.manager.destroy(made.id) is not None
+    assert host.manager.find(user="al-ice") == []
+
+
+def test_no_fallback_when_the_config_says_not(tmp_path: Path) -> None:
+    host = Host(tmp_path / "env", "allow_native_fallback = false\n")
+    host.docker.down = "connection refused"
+    with pytest.raises(Unavailable) as refused:
+        host.manager.create(spec())
+    assert refused.value.code == "backend_unavailable"
+    assert "allow_native_fallback" in refused.value.message
+    assert host.systemd.calls == [], "refused before any slice"
+
+
+def test_a_pool_member_never_falls_back(host: Host) -> None:
+    host.docker.down = "connection refused"
+    with pytest.raises(Unavailable):
+        host.manager.create(spec(), pool_key="k")
+
+
+def test_native_refusals_come_before_any_slice(host: Host) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        host.manager.create(spec(backend="native", network="bridge"))
+    assert refused.value.code == "backend_unsupported"
+    assert refused.value.field == "network"
+    assert host.systemd.calls == []
+
+
+def test_a_native_one_shot_has_no_waiter(host: Host) -> None:
+    made = host.manager.create(spec(backend="native"), one_shot=True)
+    assert made.lineage.launcher == ""
+    host.manager.end_operation(made.id)
+
+
+def test_docker_s_answer_is_kept_for_a_few_seconds() -> None:
+    systemd = FakeNativeSystemd()
+    docker = FakeDocker(systemd)
+    now = [0.0]
+    backends = Backends(docker, NativeBackend(systemd, which=lambda n: n), clock=lambda: now[0])
+    docker.down = "refused"
+    assert backends.resolve(Backend.DOCKER, fallback=True) is Backend.NATIVE
+    docker.down = None
+    assert backends.resolve(Backend.DOCKER, fallback=True) is Backend.NATIVE, "kept"
+    now[0] = 6.0
+    assert backends.resolve(Backend.DOCKER, fallback=True) is Backend.DOCKER
+    kinds = [a.kind for a in backends.availabilities()]
+    assert kinds == [Backend.DOCKER, Backend.NATIVE]
+
+
+def test_a_listing_with_docker_down_is_the_native_sandboxes(host: Host) -> None:
+    native = host.manager.create(spec(backend="native"))
+    docker = host.manager.create(spec(project="q"))
+    assert {s.id for s in host.manager.find(user="al-ice")} == {native.id, docker.id}
+    host.docker.down = "refused"
+    assert [s.id for s in host.manager.find(user="al-ice")] == [native.id]
+    assert host.backends.volumes({}) == []

@@ -47,6 +47,7 @@ from tests.fakes.journal import ListJournal
 from tests.host.agentunits import SOCKET, agent_config, installed_agent
 from tests.host.helpers import CGROUP_ROOT, journal_records, sh, unique, wait_for
 from tests.host.sliceboxhost import active, cleanup_slices, reap_empty_slices, slicebox_units
+from tests.host.test_engines import doctor_checks
 
 pytestmark = pytest.mark.host
 
@@ -319,6 +320,17 @@ def test_with_docker_stopped_a_create_falls_back_to_native_unless_the_config_say
         finally:
             falls.cleanup()
             refuses.cleanup()
+
+
+def test_doctor_reports_each_backend() -> None:
+    checks = doctor_checks([], dict(os.environ))
+    assert checks["native backend"]["ok"] is True, checks["native backend"]
+    assert "DynamicUser" in str(checks["native backend"]["detail"])
+    assert checks["docker"]["ok"] is True
+    with docker_stopped():
+        down = doctor_checks([], dict(os.environ))
+    assert down["docker"]["ok"] is False
+    assert down["native backend"]["ok"] is True
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from slicebox.backends.base import Availability
 from slicebox.backends.dockerstream import parse_docker_host
 from slicebox.backends.engines import CONTEXT_CODE, FoundEngine
 from slicebox.cli import main as cli
@@ -17,11 +18,13 @@ from slicebox.cli.doctor import (
     check_cgroup2,
     check_controllers,
     check_docker,
+    check_native,
     check_systemd,
     failed,
     lines,
 )
 from slicebox.model.errors import Unavailable
+from slicebox.model.spec import Backend
 
 
 def fake_host(tmp_path: Path, pid1: str, controllers: str | None) -> Host:
@@ -144,3 +147,22 @@ def test_no_bind_roots_means_bind_mounts_are_refused(tmp_path: Path) -> None:
     (tmp_path / "bad.toml").write_text("bind_roots = 7\n")
     unreadable = check_bind_roots(Host(config=tmp_path / "bad.toml"))
     assert unreadable.state is State.SKIP
+
+
+def _native(available: bool) -> Callable[[], Availability]:
+    detail = "systemd transient units" if available else "systemd does not answer"
+    return lambda: Availability(kind=Backend.NATIVE, available=available, detail=detail)
+
+
+def test_the_native_backend_is_reported_with_its_fallback(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text("allow_native_fallback = false\n")
+    off = check_native(Host(native=_native(True), config=config))
+    assert off.state is State.OK
+    assert "no fallback to it (allow_native_fallback = false)" in off.detail
+    on = check_native(Host(native=_native(True), config=tmp_path / "none.toml"))
+    assert "falls back to it while Docker is unavailable" in on.detail
+    down = check_native(Host(native=_native(False), config=config))
+    assert down.state is State.FAIL
+    assert "systemd does not answer" in down.detail
+    assert "PID 1" in down.fix

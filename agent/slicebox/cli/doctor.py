@@ -26,6 +26,7 @@ from slicebox.model.errors import SliceboxError
 from slicebox.model.paths import AGENT_SOCKET, CGROUP_MOUNT, CONFIG_PATH
 
 if TYPE_CHECKING:
+    from slicebox.backends.base import Availability
     from slicebox.backends.engines import FoundEngine
 
 REQUIRED_CONTROLLERS = ("cpu", "memory", "pids", "io")
@@ -72,6 +73,13 @@ def _discover() -> FoundEngine:
     return discover()
 
 
+def _native() -> Availability:
+    from slicebox.backends.native import NativeBackend
+    from slicebox.host.systemd import PystemdSystemd
+
+    return NativeBackend(PystemdSystemd(), workers=1).availability()
+
+
 @dataclass(frozen=True)
 class Host:
     proc: Path = Path("/proc")
@@ -79,6 +87,9 @@ class Host:
     agent_socket: str = AGENT_SOCKET
     # The container engine as the agent finds it, in this command's environment.
     engine: Callable[[], FoundEngine] = _discover
+    # Whether the native backend can run sandboxes here (systemd answers, the programs it
+    # runs are there).
+    native: Callable[[], Availability] = _native
     config: Path = CONFIG_PATH
     top: Path = Path("/")  # where the walk above a bind root starts (tests: their own tree)
     owner: int = 0  # who may own a bind root and what is above it
@@ -167,6 +178,28 @@ def check_agent(host: Host) -> Check:
     return passed("agent", said)
 
 
+def check_native(host: Host) -> Check:
+    """The native backend: can it run sandboxes, and does a Docker create fall back to it."""
+    from slicebox.model.config import load_config
+
+    answer = host.native()
+    try:
+        fallback = load_config(host.config).allow_native_fallback
+        said = (
+            "a Docker create falls back to it while Docker is unavailable"
+            if fallback
+            else "no fallback to it (allow_native_fallback = false)"
+        )
+    except SliceboxError:
+        said = "the fallback is the agent's config's to say (not readable here)"
+    return verdict(
+        "native backend",
+        answer.available,
+        f"{answer.detail}; {said}",
+        "the native backend needs systemd as PID 1 and the host's /bin/sh and sleep",
+    )
+
+
 BIND_ROOTS_FIX = (
     "make each bind root and every directory above it owned by root and writable by nobody "
     "else (chown root: DIR; chmod go-w DIR); below a root with {user}, each user's own "
@@ -223,6 +256,7 @@ CHECKS: tuple[Callable[[Host], Check], ...] = (
     check_cgroup2,
     check_controllers,
     check_docker,
+    check_native,
     check_agent,
     check_bind_roots,
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -294,14 +295,47 @@ def test_what_a_native_sandbox_cannot_give_is_refused_before_anything_is_made(
     assert not slicebox_units(slice_names(native.user, "refused").project)
 
 
-def test_a_destroy_leaves_nothing_of_it(native: Native) -> None:
+def test_a_host_workspace_runs_as_the_caller_with_their_directory() -> None:
+    """As a real user of the host's (systemd looks the uid up), as the agent would for the
+    caller the kernel names."""
+    native = Native('bind_roots = ["/srv/sbx-native/{user}"]\n')
+    root = Path("/srv/sbx-native") / native.user
+    sh("groupadd", "--gid", "4321", "sbxnative")
+    sh("useradd", "--no-create-home", "--uid", "4321", "--gid", "4321", "sbxnative")
+    try:
+        (root / "w").mkdir(parents=True)
+        os.chown(root / "w", 4321, 4321)
+        spec = native.spec("hw", workspace={"kind": "host", "path": str(root / "w")})
+        made = native.manager.create(spec, owner=(4321, 4321))
+        ran = native.run(made, argv="id -u; pwd; echo mine > out; touch /srv/x", shell=True)
+        assert ran.stdout == b"4321\n/workspace\n"
+        assert b"Read-only file system" in ran.stderr
+        written = root / "w" / "out"
+        assert written.read_text() == "mine\n"
+        assert written.stat().st_uid == 4321
+        assert not Path("/srv/x").exists()
+        assert native.manager.destroy(made.id) is not None
+        assert written.exists(), "the caller's directory outlives the sandbox"
+    finally:
+        native.cleanup()
+        shutil.rmtree("/srv/sbx-native", ignore_errors=True)
+        sh("userdel", "sbxnative")
+        sh("groupdel", "sbxnative", check=False)
+
+
+def test_a_task_tree_is_destroyed_whole_and_leaves_nothing(native: Native) -> None:
+    """The cascade: a child sandbox with a process left running, destroyed with its parent."""
     made = native.manager.create(native.spec("gone"))
-    assert native.run(made, argv="echo x > f; sleep 60 &", shell=True).exit_code == 0
-    assert native.manager.destroy(made.id) is not None
-    assert not slicebox_units(f"*{made.id}*")
-    assert not slicebox_units(made.container_id)
-    assert not Path(f"/run/slicebox/native/{made.id}").exists()
-    assert not list(Path("/run/slicebox/native-env").glob(f"*{made.id}*"))
+    child = native.manager.create(native.spec("gone", parent_id=made.id))
+    assert child.lineage.root_task_id == made.lineage.root_task_id
+    assert native.run(child, argv="echo x > f; sleep 60 &", shell=True).exit_code == 0
+    gone = native.manager.destroy_tree(made.lineage.root_task_id)
+    assert [s.id for s in gone] == [child.id, made.id], "deepest first"
+    for each in (made, child):
+        assert not slicebox_units(f"*{each.id}*")
+        assert not slicebox_units(each.container_id)
+        assert not Path(f"/run/slicebox/native/{each.id}").exists()
+        assert not list(Path("/run/slicebox/native-env").glob(f"*{each.id}*"))
     assert native.manager.find(user=native.user, project="gone") == []
 
 

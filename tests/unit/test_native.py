@@ -39,7 +39,7 @@ from slicebox.model.errors import InvalidRequest, SandboxNotFound, SandboxNotRun
 from slicebox.model.exec import ExecRequest
 from slicebox.model.limits import INFINITY, Limits
 from slicebox.model.names import scope_name
-from slicebox.model.spec import Backend, SandboxSpec
+from slicebox.model.spec import Backend, Mount, SandboxSpec
 from tests.fakes.docker import FakeDocker
 from tests.fakes.native import FakeNativeSystemd
 
@@ -405,3 +405,50 @@ def test_a_listing_with_docker_down_is_the_native_sandboxes(host: Host) -> None:
     host.docker.down = "refused"
     assert [s.id for s in host.manager.find(user="al-ice")] == [native.id]
     assert host.backends.volumes({}) == []
+
+
+def test_a_host_workspace_runs_as_the_caller_and_a_restarted_agent_knows_it(
+    native: NativeBackend, systemd: FakeNativeSystemd, tmp_path: Path
+) -> None:
+    workspace = Mount(source="/srv/ws/al-ice/w", target="/workspace")
+    made = native.create(request(user="1000:1000", mounts=(workspace,)))
+    anchor = systemd.services[f"{ANCHOR_PREFIX}sbx-000000000001.service"]
+    assert (anchor["User"], anchor["Group"]) == ("1000", "1000")
+    assert "DynamicUser" not in anchor
+    assert anchor["BindPaths"] == [("/srv/ws/al-ice/w", "/workspace", False, 16384)]
+    later = NativeBackend(systemd, env_dir=tmp_path / "env", which=lambda name: name)
+    exec_id = later.exec_create(made.id, ExecRequest(argv=("id",)))
+    later.exec_start(exec_id, b"").close()
+    assert systemd.services[exec_id]["User"] == "1000"
+    assert systemd.services[exec_id]["BindPaths"] == anchor["BindPaths"]
+    read_only = Mount(source="/srv/ws/al-ice/w", target="/workspace", read_only=True)
+    other = native.create(request("sbx-000000000002", user="1000:1000", mounts=(read_only,)))
+    assert "BindReadOnlyPaths" in systemd.services[f"{ANCHOR_PREFIX}sbx-000000000002.service"]
+    assert other.state is SandboxState.RUNNING
+
+
+def test_other_mounts_than_the_workspace_are_refused(native: NativeBackend) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        native.create(request(mounts=(Mount(source="/srv/x", target="/data"),)))
+    assert refused.value.code == "backend_unsupported"
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [({"workspace": {"kind": "volume"}}, "workspace"), ({"run_as": "1000:1000"}, "run_as")],
+)
+def test_a_native_spec_refuses_volumes_and_a_chosen_user(
+    host: Host, fields: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        host.manager.create(spec(backend="native", **fields))
+    assert refused.value.field == named
+
+
+def test_an_anchor_systemd_could_not_start_says_why(
+    native: NativeBackend, systemd: FakeNativeSystemd
+) -> None:
+    systemd.ends_at_once[ANCHOR_PREFIX] = ended(1, 217)
+    with pytest.raises(InvalidRequest) as refused:
+        native.create(request())
+    assert "exit status 217: its user does not exist on this host" in refused.value.message

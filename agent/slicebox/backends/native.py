@@ -47,6 +47,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from pydantic import ConfigDict
+
 from slicebox.backends.base import (
     AsyncExecAttachment,
     Availability,
@@ -58,6 +60,7 @@ from slicebox.backends.base import (
     VolumeInfo,
 )
 from slicebox.host.systemd import ListedUnit, ServiceStatus
+from slicebox.model.base import Model
 from slicebox.model.errors import (
     HostError,
     InvalidRequest,
@@ -143,21 +146,56 @@ def dynamic_user(name: str) -> str:
     return user if _USER.fullmatch(user) else "slicebox-" + secrets.token_hex(8)
 
 
-def describe(labels: Mapping[str, str]) -> str:
-    return MARK + json.dumps(dict(labels), sort_keys=True, separators=(",", ":"))
+class RunAs(Model):
+    """Who a native sandbox's units run as, and its workspace: its own dynamic user and a
+    runtime directory, or (a host workspace) the caller's uid:gid and their directory."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    user: str = ""  # "uid:gid"; "": a dynamic user
+    workspace: str = ""  # the host directory bound at /workspace; "": its runtime directory
+    read_only: bool = False
 
 
-def labels_of(description: str) -> dict[str, str] | None:
-    """The labels a native sandbox slice's Description holds; None for any other slice."""
+def run_as_of(request: SandboxRequest) -> RunAs:
+    """A host workspace (the one bind a native sandbox takes) runs as the caller's ids."""
+    binds = [m for m in request.mounts if m.target.rstrip("/") == WORKSPACE]
+    if not binds:
+        return RunAs()
+    return RunAs(user=request.user or "", workspace=binds[0].source, read_only=binds[0].read_only)
+
+
+def describe(labels: Mapping[str, str], run_as: RunAs | None = None) -> str:
+    data = {"labels": dict(labels), "run_as": (run_as or RunAs()).model_dump()}
+    return MARK + json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+
+def _described(description: str) -> dict[str, Any] | None:
     if not description.startswith(MARK):
         return None
     try:
         data = json.loads(description[len(MARK) :])
     except ValueError:
         return None
-    if not isinstance(data, dict):
+    if not isinstance(data, dict) or not isinstance(data.get("labels"), dict):
         return None
-    return {str(key): str(value) for key, value in data.items()}
+    return data
+
+
+def labels_of(description: str) -> dict[str, str] | None:
+    """The labels a native sandbox slice's Description holds; None for any other slice."""
+    data = _described(description)
+    if data is None:
+        return None
+    return {str(key): str(value) for key, value in data["labels"].items()}
+
+
+def run_as_described(description: str) -> RunAs:
+    data = _described(description)
+    try:
+        return RunAs.model_validate((data or {}).get("run_as") or {})
+    except ValueError:
+        return RunAs()
 
 
 def glob_literal(text: str) -> str:
@@ -179,15 +217,30 @@ def slice_properties(request: SandboxRequest) -> list[Property]:
     ]
 
 
-def hardening(name: str) -> dict[str, Any]:
+def identity(name: str, run_as: RunAs) -> dict[str, Any]:
+    """Who the units run as and what is bound at /workspace."""
+    if not run_as.user:
+        return {
+            "DynamicUser": True,
+            "User": dynamic_user(name),
+            "RuntimeDirectory": [f"{WORKSPACES}/{name}"],
+            "RuntimeDirectoryMode": 0o700,
+            "BindPaths": [(f"/run/{WORKSPACES}/{name}", WORKSPACE, False, MS_REC)],
+        }
+    uid, _, gid = run_as.user.partition(":")
+    bind = "BindReadOnlyPaths" if run_as.read_only else "BindPaths"
+    return {
+        "User": uid,
+        "Group": gid or uid,
+        bind: [(run_as.workspace, WORKSPACE, False, MS_REC)],
+    }
+
+
+def hardening(name: str, run_as: RunAs | None = None) -> dict[str, Any]:
     """What every unit of the sandbox runs with (``systemd-analyze security``: 0.4, "SAFE",
     for an exec unit in the guest)."""
     return {
-        "DynamicUser": True,
-        "User": dynamic_user(name),
-        "RuntimeDirectory": [f"{WORKSPACES}/{name}"],
-        "RuntimeDirectoryMode": 0o700,
-        "BindPaths": [(f"/run/{WORKSPACES}/{name}", WORKSPACE, False, MS_REC)],
+        **identity(name, run_as or RunAs()),
         "PrivateNetwork": True,
         "IPAddressDeny": [(socket.AF_INET, [0] * 4, 0), (socket.AF_INET6, [0] * 16, 0)],
         "RestrictAddressFamilies": (True, ["AF_UNIX"]),
@@ -238,11 +291,28 @@ def exit_code_of(status: ServiceStatus) -> int:
     return status.status if status.code == CLD_EXITED else 128 + status.status
 
 
+# systemd's own exit statuses for a unit it could not start (systemd.exec(5)).
+_SETUP_FAILURES = {
+    200: "its working directory is missing",
+    203: "its program is missing",
+    216: "its group does not exist on this host",
+    217: "its user does not exist on this host",
+    226: "its namespaces could not be set up (a bind source missing?)",
+}
+
+
+def _ended(status: ServiceStatus | None) -> str:
+    if status is None:
+        return "gone"
+    why = _SETUP_FAILURES.get(status.status) if status.code == CLD_EXITED else None
+    return f"{status.result}, exit status {status.status}" + (f": {why}" if why else "")
+
+
 def refusal(request: SandboxRequest) -> str | None:
     """What a native sandbox cannot give that ``request`` asks for; None when nothing."""
     if request.network != "none":
         return f"network {request.network!r} (a native sandbox has no network)"
-    if request.mounts:
+    if any(m.target.rstrip("/") != WORKSPACE or m.kind.value != "bind" for m in request.mounts):
         return "mounts, workspace volumes and credentials"
     if request.cap_add:
         return "cap_add (a native sandbox has no capability)"
@@ -267,6 +337,7 @@ class NativeBackend:
         self._which = which
         self._pending: dict[str, tuple[str, ExecRequest, bool]] = {}
         self._ended: dict[str, ExecState] = {}
+        self._run_as: dict[str, RunAs] = {}  # sandbox slice -> how its units run
         self._lock = threading.Lock()
         # D-Bus calls block (briefly): on threads of the backend's own, each with its bus.
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, "native")
@@ -300,27 +371,30 @@ class NativeBackend:
         if refused is not None:
             raise InvalidRequest(f"the native backend cannot give {refused}", code=UNSUPPORTED)
         name, unit = request.name, sandbox_slice(request.slice, request.name)
-        anchor = anchor_unit(name)
+        anchor, run_as = anchor_unit(name), run_as_of(request)
         self._write_env(name, request.env)
         try:
-            self._systemd.start_transient(unit, slice_properties(request), describe(request.labels))
+            described = describe(request.labels, run_as)
+            self._systemd.start_transient(unit, slice_properties(request), described)
             self._systemd.start_service(anchor, self._anchor(request, unit), wait=True)
             status = self._systemd.service_status(anchor)
             if status is None or status.active_state not in ("active", "activating"):
                 raise InvalidRequest(
                     f"the sandbox could not start: its command ended at once "
-                    f"({status.result if status else 'gone'}); see `journalctl -u {anchor}`",
+                    f"({_ended(status)}); see `journalctl -u {anchor}`",
                     code=START_FAILED_CODE,
                 )
         except BaseException:
             self._discard(unit, name)
             raise
+        with self._lock:
+            self._run_as[unit] = run_as
         return SandboxInfo(id=unit, name=name, labels=request.labels, state=SandboxState.RUNNING)
 
     def _anchor(self, request: SandboxRequest, unit: str) -> dict[str, Any]:
         argv = (SHELL, "-c", EXEC_WRAPPER, "sh", request.workdir or WORKSPACE, *request.command)
         return {
-            **hardening(request.name),
+            **hardening(request.name, run_as_of(request)),
             "Description": f"slicebox native sandbox {request.name}",
             "Slice": unit,
             "Type": "exec",
@@ -392,6 +466,8 @@ class NativeBackend:
             self._systemd.reset_failed(listed.name)
         self._systemd.reset_failed(anchor_unit(name))
         self._env_file(name).unlink(missing_ok=True)
+        with self._lock:
+            self._run_as.pop(unit, None)
         for path in self._env_dir.glob(f"{EXEC_PREFIX}{name}-*.env"):
             path.unlink(missing_ok=True)
 
@@ -487,7 +563,7 @@ class NativeBackend:
     ) -> dict[str, Any]:
         argv = (SHELL, "-c", EXEC_WRAPPER, "sh", request.cwd, *request.argv)
         return {
-            **hardening(name),
+            **hardening(name, self._run_as_of(backend_id)),
             "Description": f"slicebox exec in {name}",
             "Slice": backend_id,
             "Type": "exec",
@@ -501,6 +577,19 @@ class NativeBackend:
             ],
             "RuntimeMaxUSec": int((request.timeout + RUNTIME_BACKSTOP) * 1_000_000),
         }
+
+    def _run_as_of(self, backend_id: str) -> RunAs:
+        """How the sandbox's units run: remembered from its create, else read from its slice
+        (an agent restarted since)."""
+        with self._lock:
+            known = self._run_as.get(backend_id)
+        if known is not None:
+            return known
+        listed = self._systemd.listed([glob_literal(backend_id)])
+        found = run_as_described(listed[0].description) if listed else RunAs()
+        with self._lock:
+            self._run_as[backend_id] = found
+        return found
 
     def _exec_env_file(self, exec_id: str) -> Path:
         return self._env_dir / f"{exec_id}.env"

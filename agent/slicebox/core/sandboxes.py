@@ -516,7 +516,13 @@ class SandboxManager:
         the image's passwd), and a volume made for it and its credentials belong to that
         uid."""
         if spec.backend is Backend.NATIVE:
-            return  # its own dynamic user, no bind, no volume, no credentials: nothing to check
+            # Its own dynamic user, or the caller's with a host workspace: no volume and no
+            # credentials to give; the workspace is what was pinned, seen by its anchor.
+            if pinned:
+                pid = self._backend.sandbox_pid(container_id)
+                for bind in pinned:
+                    self._binds.verify(pid, bind)
+            return
         ids = _numeric_ids(spec.run_as)
         needs_pid = bool(pinned) or ids is None or fresh is not None
         pid = self._backend.sandbox_pid(container_id) if needs_pid else 0
@@ -905,7 +911,9 @@ def _check_native(spec: SandboxSpec, pool_key: str) -> None:
     asked = [
         ("network", spec.network != "none"),
         ("mounts", bool(spec.mounts)),
-        ("workspace", spec.workspace is not None),
+        # A host workspace is one: its units run as the caller, with it at /workspace.
+        ("workspace", spec.workspace is not None and spec.workspace.kind is not WorkspaceKind.HOST),
+        ("run_as", spec.run_as is not None),
         ("credentials", spec.credentials is not None),
         ("cap_add", bool(spec.cap_add)),
         ("privileged", spec.privileged),

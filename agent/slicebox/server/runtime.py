@@ -134,7 +134,9 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
     if not available.available:
         if not config.allow_native_fallback:  # systemd restarts the agent until Docker answers
             raise Unavailable(available.detail)
-        log.warning("Docker is unavailable, sandboxes run native until it answers: %s", available)
+        log.warning(
+            "Docker is unavailable, sandboxes run native until it answers: %s", available.detail
+        )
     use_scope_prefix(docker.scope_prefix)
     for each in backend.availabilities():
         log.info("backend %s: %s", each.kind.value, each.detail)

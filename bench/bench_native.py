@@ -1,0 +1,177 @@
+"""Bench: a native sandbox through the agent's socket against systemd doing the same, one run.
+
+    tests/guest/run python3 -m bench.bench_native [--rounds N]
+
+The agent is the real service (the checkout's units, started by systemd, answering on its
+socket); each call is one ``curl --unix-socket`` process. The raw side is what an operator
+would type to get the same isolation from systemd alone, one ``systemctl``/``systemd-run``
+process per step, with the very properties the native backend sets (``hardening``, written
+as unit-file settings):
+
+- create: ``POST /v1/sandboxes`` (native) vs the sandbox slice's limits
+  (``systemctl set-property --runtime``) and its anchor (``systemd-run`` of ``sleep
+  infinity`` in it);
+- exec: ``POST /v1/sandboxes/{id}/exec`` of ``echo hi`` vs ``systemd-run --wait --pipe`` of
+  the same in that slice, joined to the anchor's namespaces;
+- destroy: ``DELETE /v1/sandboxes/{id}`` vs ``systemctl stop`` of the slice.
+
+Interleaved round by round so both see the same load; the ratios (medians) are the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from tests.host.agentunits import SOCKET, installed_agent
+
+from slicebox.backends.native import WORKSPACE, anchor_unit, hardening, sandbox_slice
+from slicebox.model.names import slice_names
+
+PROJECT = "nbench"
+ECHO = {"argv": ["echo", "hi"]}
+T = TypeVar("T")
+SIGNALS = {9: "SIGKILL"}
+ERRNOS = {1: "EPERM"}
+
+
+def api(method: str, path: str, body: object | None = None) -> dict[str, Any]:
+    argv = ["curl", "-sf", "--unix-socket", str(SOCKET), "-X", method]
+    if body is not None:
+        argv += ["-H", "Content-Type: application/json", "-d", json.dumps(body)]
+    out = subprocess.run([*argv, f"http://localhost/v1{path}"], capture_output=True, check=True)
+    return dict(json.loads(out.stdout))
+
+
+def run(*argv: str) -> str:
+    return subprocess.run(argv, capture_output=True, check=True, text=True).stdout
+
+
+# How a unit file writes the properties whose D-Bus form is not theirs.
+SPECIAL: dict[str, Callable[[Any], str]] = {
+    "CapabilityBoundingSet": lambda value: "",  # empty: none
+    "AmbientCapabilities": lambda value: "",
+    "RestrictNamespaces": lambda value: "yes",
+    "UMask": lambda value: f"{value:04o}",
+    "RuntimeDirectoryMode": lambda value: f"{value:04o}",
+    "KillSignal": lambda value: SIGNALS[value],
+    "SystemCallErrorNumber": lambda value: ERRNOS[value],
+    "BindPaths": lambda value: " ".join(f"{source}:{target}" for source, target, *_ in value),
+    "IPAddressDeny": lambda value: "any",
+}
+
+
+def setting(name: str, value: Any) -> str:
+    """One D-Bus property of ``hardening`` as a unit file writes it."""
+    if name in SPECIAL:
+        written = SPECIAL[name](value)
+    elif isinstance(value, bool):
+        written = "yes" if value else "no"
+    elif isinstance(value, tuple):  # (allow-list, items)
+        written = " ".join(value[1])
+    elif isinstance(value, list):
+        written = " ".join(value)
+    else:
+        written = str(value)
+    return f"{name}={written}"
+
+
+def properties(name: str) -> list[str]:
+    return [arg for key, value in hardening(name).items() for arg in ("-p", setting(key, value))]
+
+
+def timed(action: Callable[[], T]) -> tuple[float, T]:
+    started = time.perf_counter()
+    result = action()
+    return time.perf_counter() - started, result
+
+
+class Round:
+    def __init__(self, times: dict[str, dict[str, list[float]]]) -> None:
+        self.times = times
+
+    def record(self, name: str, side: str, seconds: float) -> None:
+        self.times.setdefault(name, {"slicebox": [], "systemd": []})[side].append(seconds)
+
+    def ours(self) -> None:
+        body = {"project": PROJECT, "backend": "native", "memory": "256MB", "pids": 100}
+        seconds, made = timed(lambda: api("POST", "/sandboxes", body))
+        self.record("create", "slicebox", seconds)
+        sandbox = str(made["id"])
+        try:
+            seconds, ran = timed(lambda: api("POST", f"/sandboxes/{sandbox}/exec", ECHO))
+            assert ran["exit_code"] == 0, ran
+            self.record("exec", "slicebox", seconds)
+        finally:
+            seconds, _ = timed(lambda: api("DELETE", f"/sandboxes/{sandbox}"))
+            self.record("destroy", "slicebox", seconds)
+
+    def theirs(self) -> None:
+        name = "sbx-" + secrets.token_hex(6)
+        unit = sandbox_slice(slice_names("root", PROJECT).project, name)
+        limits = ("MemoryMax=268435456", "MemorySwapMax=0", "TasksMax=100", "CPUQuota=50%")
+        anchor = [
+            *("systemd-run", "--quiet", f"--unit={anchor_unit(name)}", f"--slice={unit}"),
+            *properties(name),
+            *("-p", "RuntimeDirectoryPreserve=no", "sleep", "infinity"),
+        ]
+
+        def create() -> None:
+            run("systemctl", "set-property", "--runtime", unit, *limits)
+            run(*anchor)
+
+        seconds, _ = timed(create)
+        self.record("create", "systemd", seconds)
+        try:
+            exec_ = [
+                *("systemd-run", "--quiet", "--wait", "--pipe", f"--slice={unit}"),
+                *("-p", f"JoinsNamespaceOf={anchor_unit(name)}"),
+                *properties(name),
+                *("-p", "RuntimeDirectoryPreserve=yes", "-p", f"WorkingDirectory={WORKSPACE}"),
+                *("echo", "hi"),
+            ]
+            seconds, out = timed(lambda: run(*exec_))
+            assert out == "hi\n", out
+            self.record("exec", "systemd", seconds)
+        finally:
+            seconds, _ = timed(lambda: run("systemctl", "stop", unit))
+            self.record("destroy", "systemd", seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    times: dict[str, dict[str, list[float]]] = {}
+    with installed_agent():
+        subprocess.run(["systemctl", "start", "slicebox.service"], check=True)
+        api("GET", "/health")
+        round_ = Round(times)
+        round_.ours()  # warm-up: slices, the agent's first imports; not counted
+        round_.theirs()
+        times.clear()
+        try:
+            for number in range(args.rounds):  # the sides take turns going first
+                first, second = (round_.ours, round_.theirs)[:: 1 if number % 2 else -1]
+                first()
+                second()
+        finally:
+            names = slice_names("root", PROJECT)
+            for unit in (names.project, names.user):
+                subprocess.run(["systemctl", "stop", unit], check=False)
+    for name, sides in times.items():
+        ours, bare = statistics.median(sides["slicebox"]), statistics.median(sides["systemd"])
+        print(
+            f"{name:8} slicebox {ours * 1000:6.0f} ms  systemd {bare * 1000:6.0f} ms  "
+            f"RATIO {ours / bare:.2f}  ({len(sides['slicebox'])} rounds)"
+        )
+
+
+if __name__ == "__main__":
+    main()

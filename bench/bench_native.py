@@ -9,8 +9,8 @@ process per step, with the very properties the native backend sets (``hardening`
 as unit-file settings):
 
 - create: ``POST /v1/sandboxes`` (native) vs the sandbox slice's limits
-  (``systemctl set-property --runtime``) and its anchor (``systemd-run`` of ``sleep
-  infinity`` in it);
+  (``systemctl set-property --runtime``), its anchor (``systemd-run`` of ``sleep infinity``
+  in it, ``Type=exec`` as the agent's) and a deadline timer bound to the slice;
 - exec: ``POST /v1/sandboxes/{id}/exec`` of ``echo hi`` vs ``systemd-run --wait --pipe`` of
   the same in that slice, joined to the anchor's namespaces;
 - destroy: ``DELETE /v1/sandboxes/{id}`` vs ``systemctl stop`` of the slice.
@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from tests.host.agentunits import SOCKET, installed_agent
+from tests.host.sliceboxhost import cleanup_slices
 
 from slicebox.backends.native import WORKSPACE, anchor_unit, hardening, sandbox_slice
 from slicebox.model.names import slice_names
@@ -82,8 +83,9 @@ def setting(name: str, value: Any) -> str:
     return f"{name}={written}"
 
 
-def properties(name: str) -> list[str]:
-    return [arg for key, value in hardening(name).items() for arg in ("-p", setting(key, value))]
+def properties(name: str, *, anchor: bool = False) -> list[str]:
+    settings = hardening(name, anchor=anchor).items()
+    return [arg for key, value in settings for arg in ("-p", setting(key, value))]
 
 
 def timed(action: Callable[[], T]) -> tuple[float, T]:
@@ -118,13 +120,20 @@ class Round:
         limits = ("MemoryMax=268435456", "MemorySwapMax=0", "TasksMax=100", "CPUQuota=50%")
         anchor = [
             *("systemd-run", "--quiet", f"--unit={anchor_unit(name)}", f"--slice={unit}"),
-            *properties(name),
-            *("-p", "RuntimeDirectoryPreserve=no", "sleep", "infinity"),
+            *properties(name, anchor=True),
+            *("-p", "Type=exec", "sleep", "infinity"),  # started once it runs, as the agent's
+        ]
+
+        # A deadline, as the agent arms one for every sandbox: a timer bound to the slice.
+        deadline = [
+            *("systemd-run", "--quiet", "--on-active=3600", f"--timer-property=BindsTo={unit}"),
+            *("systemctl", "stop", unit),
         ]
 
         def create() -> None:
             run("systemctl", "set-property", "--runtime", unit, *limits)
             run(*anchor)
+            run(*deadline)
 
         seconds, _ = timed(create)
         self.record("create", "systemd", seconds)
@@ -133,7 +142,7 @@ class Round:
                 *("systemd-run", "--quiet", "--wait", "--pipe", f"--slice={unit}"),
                 *("-p", f"JoinsNamespaceOf={anchor_unit(name)}"),
                 *properties(name),
-                *("-p", "RuntimeDirectoryPreserve=yes", "-p", f"WorkingDirectory={WORKSPACE}"),
+                *("-p", f"WorkingDirectory={WORKSPACE}"),
                 *("echo", "hi"),
             ]
             seconds, out = timed(lambda: run(*exec_))
@@ -142,6 +151,7 @@ class Round:
         finally:
             seconds, _ = timed(lambda: run("systemctl", "stop", unit))
             self.record("destroy", "systemd", seconds)
+            cleanup_slices(unit)  # set-property's drop-ins (untimed: the agent has none)
 
 
 def main() -> None:
@@ -163,8 +173,7 @@ def main() -> None:
                 second()
         finally:
             names = slice_names("root", PROJECT)
-            for unit in (names.project, names.user):
-                subprocess.run(["systemctl", "stop", unit], check=False)
+            cleanup_slices(names.project, names.user)
     for name, sides in times.items():
         ours, bare = statistics.median(sides["slicebox"]), statistics.median(sides["systemd"])
         print(

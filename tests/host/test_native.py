@@ -335,6 +335,7 @@ def test_a_task_tree_is_destroyed_whole_and_leaves_nothing(native: Native) -> No
         assert not slicebox_units(f"*{each.id}*")
         assert not slicebox_units(each.container_id)
         assert not Path(f"/run/slicebox/native/{each.id}").exists()
+        assert not Path(f"/run/private/slicebox/native/{each.id}").exists()
         assert not list(Path("/run/slicebox/native-env").glob(f"*{each.id}*"))
     assert native.manager.find(user=native.user, project="gone") == []
 

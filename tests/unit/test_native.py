@@ -236,6 +236,8 @@ def test_an_exec_is_a_unit_in_the_sandbox_slice_joined_to_its_anchor(
     assert props["ExecStart"][0][1][3:] == ["sh", "/workspace", "id"]
     assert props["RuntimeMaxUSec"] == 65_000_000, "a backstop past the engine's own timeout"
     assert props["StandardInput"] == "null"
+    assert "RuntimeDirectory" not in props, "the anchor's alone: a dynamic user's would move"
+    assert "RuntimeDirectory" in systemd.services[f"{ANCHOR_PREFIX}sbx-000000000001.service"]
     assert (tmp_path / "env" / f"{exec_id}.env").read_text() == 'K="v"\n'
     assert native.exec_inspect(exec_id).running
     systemd.end(exec_id, None)  # ended well: systemd collected it

@@ -217,16 +217,21 @@ def slice_properties(request: SandboxRequest) -> list[Property]:
     ]
 
 
-def identity(name: str, run_as: RunAs) -> dict[str, Any]:
-    """Who the units run as and what is bound at /workspace."""
+def identity(name: str, run_as: RunAs, *, anchor: bool) -> dict[str, Any]:
+    """Who the units run as and what is bound at /workspace. The workspace is the anchor's
+    runtime directory alone: an exec that declared it too would have systemd move it to
+    /run/private (a preserved runtime directory of a dynamic user goes there), away from the
+    anchor's removal."""
     if not run_as.user:
-        return {
+        workspace = {
             "DynamicUser": True,
             "User": dynamic_user(name),
-            "RuntimeDirectory": [f"{WORKSPACES}/{name}"],
-            "RuntimeDirectoryMode": 0o700,
             "BindPaths": [(f"/run/{WORKSPACES}/{name}", WORKSPACE, False, MS_REC)],
         }
+        if anchor:
+            workspace["RuntimeDirectory"] = [f"{WORKSPACES}/{name}"]
+            workspace["RuntimeDirectoryMode"] = 0o700
+        return workspace
     uid, _, gid = run_as.user.partition(":")
     bind = "BindReadOnlyPaths" if run_as.read_only else "BindPaths"
     return {
@@ -236,11 +241,11 @@ def identity(name: str, run_as: RunAs) -> dict[str, Any]:
     }
 
 
-def hardening(name: str, run_as: RunAs | None = None) -> dict[str, Any]:
+def hardening(name: str, run_as: RunAs | None = None, *, anchor: bool = False) -> dict[str, Any]:
     """What every unit of the sandbox runs with (``systemd-analyze security``: 0.4, "SAFE",
     for an exec unit in the guest)."""
     return {
-        **identity(name, run_as or RunAs()),
+        **identity(name, run_as or RunAs(), anchor=anchor),
         "PrivateNetwork": True,
         "IPAddressDeny": [(socket.AF_INET, [0] * 4, 0), (socket.AF_INET6, [0] * 16, 0)],
         "RestrictAddressFamilies": (True, ["AF_UNIX"]),
@@ -394,7 +399,7 @@ class NativeBackend:
     def _anchor(self, request: SandboxRequest, unit: str) -> dict[str, Any]:
         argv = (SHELL, "-c", EXEC_WRAPPER, "sh", request.workdir or WORKSPACE, *request.command)
         return {
-            **hardening(request.name, run_as_of(request)),
+            **hardening(request.name, run_as_of(request), anchor=True),
             "Description": f"slicebox native sandbox {request.name}",
             "Slice": unit,
             "Type": "exec",
@@ -462,9 +467,9 @@ class NativeBackend:
         leftovers = self._systemd.listed(
             [glob_literal(anchor_unit(name)), f"{EXEC_PREFIX}{glob_literal(name)}-*.service"]
         )
-        for listed in leftovers:
-            self._systemd.reset_failed(listed.name)
-        self._systemd.reset_failed(anchor_unit(name))
+        for listed in leftovers:  # what failed stays loaded until forgotten; the rest is gone
+            if listed.active_state == "failed":
+                self._systemd.reset_failed(listed.name)
         self._env_file(name).unlink(missing_ok=True)
         with self._lock:
             self._run_as.pop(unit, None)
@@ -568,7 +573,6 @@ class NativeBackend:
             "Slice": backend_id,
             "Type": "exec",
             "JoinsNamespaceOf": [anchor_unit(name)],
-            "RuntimeDirectoryPreserve": "yes",  # the workspace is the anchor's to remove
             "ExecStart": [(argv[0], list(argv), False)],
             "Environment": [f"PATH={DEFAULT_PATH}", f"HOME={WORKSPACE}"],
             "EnvironmentFiles": [

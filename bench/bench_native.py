@@ -21,33 +21,23 @@ Interleaved round by round so both see the same load; the ratios (medians) are t
 from __future__ import annotations
 
 import argparse
-import json
 import secrets
 import statistics
 import subprocess
-import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-from tests.host.agentunits import SOCKET, installed_agent
+from tests.host.agentunits import installed_agent
 from tests.host.sliceboxhost import cleanup_slices
 
+from bench.bench_e2e import api, timed
 from slicebox.backends.native import WORKSPACE, anchor_unit, hardening, sandbox_slice
 from slicebox.model.names import slice_names
 
 PROJECT = "nbench"
 ECHO = {"argv": ["echo", "hi"]}
-T = TypeVar("T")
 SIGNALS = {9: "SIGKILL"}
 ERRNOS = {1: "EPERM"}
-
-
-def api(method: str, path: str, body: object | None = None) -> dict[str, Any]:
-    argv = ["curl", "-sf", "--unix-socket", str(SOCKET), "-X", method]
-    if body is not None:
-        argv += ["-H", "Content-Type: application/json", "-d", json.dumps(body)]
-    out = subprocess.run([*argv, f"http://localhost/v1{path}"], capture_output=True, check=True)
-    return dict(json.loads(out.stdout))
 
 
 def run(*argv: str) -> str:
@@ -86,12 +76,6 @@ def setting(name: str, value: Any) -> str:
 def properties(name: str, *, anchor: bool = False) -> list[str]:
     settings = hardening(name, anchor=anchor).items()
     return [arg for key, value in settings for arg in ("-p", setting(key, value))]
-
-
-def timed(action: Callable[[], T]) -> tuple[float, T]:
-    started = time.perf_counter()
-    result = action()
-    return time.perf_counter() - started, result
 
 
 class Round:

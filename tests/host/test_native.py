@@ -295,6 +295,28 @@ def test_what_a_native_sandbox_cannot_give_is_refused_before_anything_is_made(
     assert not slicebox_units(slice_names(native.user, "refused").project)
 
 
+WX = (
+    "import mmap\n"
+    "try:\n"
+    "    mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+    "    print('mapped')\n"
+    "except OSError as e:\n"
+    "    print('refused', e.errno)\n"
+)
+
+
+def test_writable_executable_memory_only_where_the_operator_allows_jit(
+    native: Native, clean_box: Sandbox
+) -> None:
+    assert native.run(clean_box, argv=["python3", "-c", WX]).stdout == b"refused 1\n"
+    jit = Native("native_allow_jit = true\n")
+    try:
+        made = jit.manager.create(jit.spec("jit"))
+        assert jit.run(made, argv=["python3", "-c", WX]).stdout == b"mapped\n"
+    finally:
+        jit.cleanup()
+
+
 def test_a_host_workspace_runs_as_the_caller_with_their_directory() -> None:
     """As a real user of the host's (systemd looks the uid up), as the agent would for the
     caller the kernel names."""

@@ -454,3 +454,19 @@ def test_an_anchor_systemd_could_not_start_says_why(
     with pytest.raises(InvalidRequest) as refused:
         native.create(request())
     assert "exit status 217: its user does not exist on this host" in refused.value.message
+
+
+def test_jit_runtimes_are_the_operator_s_choice(tmp_path: Path) -> None:
+    strict = Host(tmp_path / "a")
+    made = strict.manager.create(spec(backend="native"))
+    anchor = strict.systemd.services[f"{ANCHOR_PREFIX}{made.id}.service"]
+    assert anchor["MemoryDenyWriteExecute"] is True
+    jit = Host(tmp_path / "b", "native_allow_jit = true\n")
+    made = jit.manager.create(spec(backend="native"))
+    assert (
+        jit.systemd.services[f"{ANCHOR_PREFIX}{made.id}.service"]["MemoryDenyWriteExecute"] is False
+    )
+    later = NativeBackend(jit.systemd, env_dir=tmp_path / "b", which=lambda name: name)
+    exec_id = later.exec_create(made.container_id, ExecRequest(argv=("node",)))
+    later.exec_start(exec_id, b"").close()
+    assert jit.systemd.services[exec_id]["MemoryDenyWriteExecute"] is False, "from the slice"

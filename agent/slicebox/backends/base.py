@@ -62,6 +62,7 @@ class SandboxRequest(Model):
     # side (a waiter's, ``core.launch``).
     open_stdin: bool = False
     backend: Backend = Backend.DOCKER  # the kind that runs it (backends.router)
+    allow_jit: bool = False  # native: no MemoryDenyWriteExecute (config native_allow_jit)
 
 
 class SandboxState(StrEnum):

@@ -155,14 +155,21 @@ class RunAs(Model):
     user: str = ""  # "uid:gid"; "": a dynamic user
     workspace: str = ""  # the host directory bound at /workspace; "": its runtime directory
     read_only: bool = False
+    jit: bool = False  # writable+executable memory allowed (no MemoryDenyWriteExecute)
 
 
 def run_as_of(request: SandboxRequest) -> RunAs:
     """A host workspace (the one bind a native sandbox takes) runs as the caller's ids."""
     binds = [m for m in request.mounts if m.target.rstrip("/") == WORKSPACE]
     if not binds:
-        return RunAs()
-    return RunAs(user=request.user or "", workspace=binds[0].source, read_only=binds[0].read_only)
+        return RunAs(jit=request.allow_jit)
+    bind = binds[0]
+    return RunAs(
+        user=request.user or "",
+        workspace=bind.source,
+        read_only=bind.read_only,
+        jit=request.allow_jit,
+    )
 
 
 def describe(labels: Mapping[str, str], run_as: RunAs | None = None) -> str:
@@ -265,7 +272,7 @@ def hardening(name: str, run_as: RunAs | None = None, *, anchor: bool = False) -
         "SystemCallErrorNumber": errno.EPERM,
         "SystemCallArchitectures": ["native"],
         "LockPersonality": True,
-        "MemoryDenyWriteExecute": True,
+        "MemoryDenyWriteExecute": run_as is None or not run_as.jit,
         "ProtectKernelTunables": True,
         "ProtectKernelModules": True,
         "ProtectKernelLogs": True,

@@ -342,6 +342,7 @@ class SandboxManager:
                 fresh = self._ensure_volume(admitted.spec, lineage)
                 self._write_credentials(admitted.spec, lineage.sandbox_id)
                 request = _request(admitted, lineage, self._credentials())
+                request = request.model_copy(update={"allow_jit": self._config.native_allow_jit})
                 info = self._start(request, image_known=known)
             except BaseException:
                 self._credentials().remove(lineage.sandbox_id)

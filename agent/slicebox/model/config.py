@@ -180,6 +180,9 @@ class Config(_Strict):
     # A create for Docker while Docker does not answer runs on the native backend instead
     # (its answer says so); false: it is refused ``backend_unavailable``.
     allow_native_fallback: bool = True
+    # Native sandboxes may map memory writable and executable (JIT runtimes: node, java,
+    # pypy), i.e. run without MemoryDenyWriteExecute; off, such a runtime fails to start.
+    native_allow_jit: bool = False
     reaper: ReaperConfig = ReaperConfig()
     # Memory for the output of every exec in flight (core/budget.py); unset: half the agent's
     # own MemoryMax, or DEFAULT_EXEC_OUTPUT_BUDGET when the agent runs without one.

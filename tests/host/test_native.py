@@ -438,6 +438,18 @@ def test_native_sandboxes_outlive_a_killed_agent_and_still_expire() -> None:
             assert float(record["SLICEBOX_USAGE_CPU_SECONDS"]) > 0
             ran = client.request("POST", f"/sandboxes/{kept['id']}/exec", {"argv": ["id", "-u"]})
             assert ran["exit_code"] == 0
+            # Files in and out (execs of tar and cat in the sandbox), and a native one-shot.
+            source = Path("/tmp/slicebox-native-in.txt")
+            source.write_text("hello native\n")
+            try:
+                sh("slicebox", "cp", str(source), f"{kept['id']}:/workspace/in.txt")
+                sh("slicebox", "cp", f"{kept['id']}:/workspace/in.txt", "-")  # a tar out
+                out = sh("slicebox", "exec", kept["id"], "--", "cat", "/workspace/in.txt")
+                assert out.stdout == "hello native\n"
+            finally:
+                source.unlink()
+            once = sh("slicebox", "run", "--backend", "native", "--project", "k3", "--", "id", "-u")
+            assert int(once.stdout) >= 61184, "its own dynamic user"
         finally:
             for sandbox in client.request("GET", "/sandboxes"):  # an admin's: everyone's
                 if sandbox["id"] in (doomed["id"], kept["id"]):

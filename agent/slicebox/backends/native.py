@@ -136,6 +136,11 @@ def is_native_id(backend_id: str) -> bool:
     return backend_id.endswith(".slice")
 
 
+def sandbox_name(backend_id: str) -> str:
+    """The sandbox name behind a native backend id (its slice) or the name itself."""
+    return name_of(backend_id) if is_native_id(backend_id) else backend_id
+
+
 def is_native_exec(exec_id: str) -> bool:
     return exec_id.startswith(EXEC_PREFIX)
 
@@ -347,7 +352,7 @@ class NativeBackend:
         self._systemd = systemd
         self._env_dir = env_dir
         self._which = which
-        self._pending: dict[str, tuple[str, ExecRequest, bool]] = {}
+        self._pending: dict[str, tuple[str, ExecRequest]] = {}  # created, not started
         self._ended: dict[str, ExecState] = {}
         self._run_as: dict[str, RunAs] = {}  # sandbox slice -> how its units run
         self._lock = threading.Lock()
@@ -388,7 +393,7 @@ class NativeBackend:
         try:
             described = describe(request.labels, run_as)
             self._systemd.start_transient(unit, slice_properties(request), described)
-            self._systemd.start_service(anchor, self._anchor(request, unit), wait=True)
+            self._systemd.start_service(anchor, self._anchor(request, unit, run_as), wait=True)
             status = self._systemd.service_status(anchor)
             if status is None or status.active_state not in ("active", "activating"):
                 raise InvalidRequest(
@@ -403,10 +408,10 @@ class NativeBackend:
             self._run_as[unit] = run_as
         return SandboxInfo(id=unit, name=name, labels=request.labels, state=SandboxState.RUNNING)
 
-    def _anchor(self, request: SandboxRequest, unit: str) -> dict[str, Any]:
+    def _anchor(self, request: SandboxRequest, unit: str, run_as: RunAs) -> dict[str, Any]:
         argv = (SHELL, "-c", EXEC_WRAPPER, "sh", request.workdir or WORKSPACE, *request.command)
         return {
-            **hardening(request.name, run_as_of(request), anchor=True),
+            **hardening(request.name, run_as, anchor=True),
             "Description": f"slicebox native sandbox {request.name}",
             "Slice": unit,
             "Type": "exec",
@@ -513,7 +518,7 @@ class NativeBackend:
     # --- exec ----------------------------------------------------------------------------------
 
     def sandbox_pid(self, backend_id: str) -> int:
-        name = name_of(backend_id) if is_native_id(backend_id) else backend_id
+        name = sandbox_name(backend_id)
         status = self._systemd.service_status(anchor_unit(name))
         if status is None:
             raise SandboxNotFound(f"no native sandbox {name}")
@@ -525,10 +530,10 @@ class NativeBackend:
         self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
     ) -> str:
         self.sandbox_pid(backend_id)  # SandboxNotFound / SandboxNotRunning, as Docker's
-        name = name_of(backend_id) if is_native_id(backend_id) else backend_id
+        name = sandbox_name(backend_id)
         exec_id = f"{EXEC_PREFIX}{name}-{secrets.token_hex(6)}.service"
         with self._lock:
-            self._pending[exec_id] = (backend_id, request, streamed_stdin)
+            self._pending[exec_id] = (backend_id, request)
         return exec_id
 
     async def exec_create_async(
@@ -541,8 +546,8 @@ class NativeBackend:
         read ends). systemd keeps its copies of the far ends until the unit is done, so the
         output ends when the exec has ended, processes left behind included."""
         with self._lock:
-            backend_id, request, _ = self._pending.pop(exec_id)
-        name = name_of(backend_id) if is_native_id(backend_id) else backend_id
+            backend_id, request = self._pending.pop(exec_id)
+        name = sandbox_name(backend_id)
         ours: list[int] = []
         theirs: list[int] = []
         try:

@@ -341,8 +341,7 @@ class SandboxManager:
             try:
                 fresh = self._ensure_volume(admitted.spec, lineage)
                 self._write_credentials(admitted.spec, lineage.sandbox_id)
-                request = _request(admitted, lineage, self._credentials())
-                request = request.model_copy(update={"allow_jit": self._config.native_allow_jit})
+                request = _request(admitted, lineage, self._credentials(), self._config)
                 info = self._start(request, image_known=known)
             except BaseException:
                 self._credentials().remove(lineage.sandbox_id)
@@ -939,7 +938,9 @@ def _command(spec: SandboxSpec, lineage: Lineage) -> tuple[str, ...]:
     return WAITER_COMMAND if lineage.launcher else KEEP_ALIVE
 
 
-def _request(admitted: Admitted, lineage: Lineage, store: CredentialStore) -> SandboxRequest:
+def _request(
+    admitted: Admitted, lineage: Lineage, store: CredentialStore, config: Config
+) -> SandboxRequest:
     spec = admitted.spec
     return SandboxRequest(
         name=lineage.sandbox_id,
@@ -956,6 +957,7 @@ def _request(admitted: Admitted, lineage: Lineage, store: CredentialStore) -> Sa
         mounts=spec.mounts + _volume_mount(spec, lineage) + _credentials_mount(store, lineage),
         cap_add=tuple(capability_name(cap) for cap in spec.cap_add),
         backend=spec.backend,
+        allow_jit=config.native_allow_jit,
     )
 
 

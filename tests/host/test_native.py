@@ -16,6 +16,7 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -450,6 +451,14 @@ def test_native_sandboxes_outlive_a_killed_agent_and_still_expire() -> None:
                 source.unlink()
             once = sh("slicebox", "run", "--backend", "native", "--project", "k3", "--", "id", "-u")
             assert int(once.stdout) >= 61184, "its own dynamic user"
+            # Agents at once: six native one-shots in a new project, through the socket.
+            run = ("slicebox", "run", "--backend", "native", "--project", "k4", "--", "id", "-u")
+            with ThreadPoolExecutor(6) as pool:
+                uids = list(pool.map(lambda _: int(sh(*run).stdout), range(6)))
+            assert len(set(uids)) == 6, "each its own dynamic user"
+            # A run answers ahead of its removal: each sandbox's slice goes soon after.
+            k4 = slice_names("root", "k4").project.removesuffix(".slice") + "-*.slice"
+            wait_for(lambda: not slicebox_units(k4), timeout=120, step=1)
         finally:
             for sandbox in client.request("GET", "/sandboxes"):  # an admin's: everyone's
                 if sandbox["id"] in (doomed["id"], kept["id"]):

@@ -81,6 +81,8 @@ def test_importing_the_agent_or_the_cli_builds_only_the_models_it_instantiates()
     assert built == str(
         [
             "CeilingConfig",
+            "EgressConfig",
+            "EgressRule",
             "ErrorCode",
             "ExecRequest",
             "PoolLearning",

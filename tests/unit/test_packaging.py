@@ -38,13 +38,14 @@ FEDORA_REQUIRES = {
     "python3-pystemd >= 0.13",
     "python3-pyroute2 >= 0.7",
     "python3-sdnotify >= 0.3",
+    "python3-nftables",
     "systemd",
     "shadow-utils",
 }
 DEBIAN_DEPENDS = (
     "python3 (>= 3.11), python3-pydantic (>= 2.5), python3-docker (>= 7.0), "
     "python3-pystemd (>= 0.13), python3-pyroute2 (>= 0.7), python3-sdnotify (>= 0.3), "
-    "systemd, init-system-helpers, passwd"
+    "python3-nftables, systemd, init-system-helpers, passwd"
 )
 
 

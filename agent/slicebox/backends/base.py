@@ -53,6 +53,9 @@ class SandboxRequest(Model):
     slice: str  # the project slice unit the sandbox is placed in
     limits: Limits
     network: str = "none"
+    # On the egress network (core.egress): its fixed address there, and its DNS servers.
+    address: str | None = None
+    dns: tuple[str, ...] = ()
     env: dict[str, str] = {}
     user: str | None = None
     workdir: str | None = None

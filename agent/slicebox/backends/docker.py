@@ -29,6 +29,7 @@ import json
 import logging
 import threading
 from collections.abc import Mapping
+from ipaddress import IPv4Address, IPv4Network
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
@@ -63,6 +64,7 @@ from slicebox.model.errors import (
     Unavailable,
 )
 from slicebox.model.exec import ExecRequest, ExecState
+from slicebox.model.labels import MANAGED
 from slicebox.model.limits import nano_cpus
 from slicebox.model.names import DOCKER_SCOPES, PODMAN_SCOPES
 from slicebox.model.spec import Backend, Mount, MountKind
@@ -103,6 +105,7 @@ def host_settings(request: SandboxRequest) -> list[Setting]:
         Setting("SecurityOpt", [NO_NEW_PRIVILEGES], "--security-opt", (NO_NEW_PRIVILEGES,)),
         Setting("Privileged", False, "--privileged", ()),
         Setting("NetworkMode", request.network, "--network", (request.network,)),
+        *_egress_settings(request),
         Setting("Init", True, "--init"),
         Setting("PidsLimit", limits.pids, "--pids-limit", (str(limits.pids),)),
         Setting("Memory", limits.memory_bytes, "--memory", (str(limits.memory_bytes),)),
@@ -113,6 +116,14 @@ def host_settings(request: SandboxRequest) -> list[Setting]:
         Setting("Mounts", [api for api, _ in mounts], "--mount", tuple(cli for _, cli in mounts)),
         Setting("Tmpfs", tmpfs, "--tmpfs", tuple(f"{k}:{v}" for k, v in tmpfs.items())),
     ]
+
+
+def _egress_settings(request: SandboxRequest) -> list[Setting]:
+    """DNS through the agent's resolver, on an egress network (core.egress); the address
+    itself is the endpoint's (``create_body``), ``docker run --ip``'s."""
+    if not request.dns:
+        return []
+    return [Setting("Dns", list(request.dns), "--dns", request.dns)]
 
 
 def host_config(request: SandboxRequest) -> dict[str, object]:
@@ -129,6 +140,7 @@ def run_flags(request: SandboxRequest) -> list[str]:
         flags += [f"{setting.flag}={arg}" for arg in setting.args or ()]
     flags += [f"--env={key}={value}" for key, value in request.env.items()]
     flags += [f"--user={request.user}"] if request.user else []
+    flags += [f"--ip={request.address}"] if request.address else []
     return flags + ([f"--workdir={request.workdir}"] if request.workdir else [])
 
 
@@ -341,6 +353,35 @@ class DockerBackend:
             return False
         return True
 
+    # --- networks ---------------------------------------------------------------------------
+
+    def ensure_network(
+        self, name: str, subnet: IPv4Network, gateway: IPv4Address, bridge: str
+    ) -> None:
+        """slicebox's bridge network for egress sandboxes (core.egress), made if missing.
+        Containers on it cannot talk to each other (ICC off) whatever the rules say."""
+        query = {"filters": json.dumps({"name": [name]})}
+        found = self._engine.call("GET", "/networks", "the networks", query=query)
+        if any(entry.get("Name") == name for entry in found or []):
+            return
+        body = {
+            "Name": name,
+            "Driver": "bridge",
+            "CheckDuplicate": True,
+            "IPAM": {"Config": [{"Subnet": str(subnet), "Gateway": str(gateway)}]},
+            "Options": {
+                "com.docker.network.bridge.name": bridge,
+                "com.docker.network.bridge.enable_icc": "false",
+            },
+            "Labels": {MANAGED: "true"},
+        }
+        try:
+            self._engine.call("POST", "/networks/create", f"network {name}", body=body)
+        except SliceboxError as exc:
+            if "already exists" not in exc.message:
+                raise
+        log.info("made the egress network %s (%s, bridge %s)", name, subnet, bridge)
+
     # --- volumes ----------------------------------------------------------------------------
 
     def volume(self, name: str) -> VolumeInfo | None:
@@ -497,6 +538,9 @@ def create_body(request: SandboxRequest) -> dict[str, Any]:
         "HostConfig": host_config(request),
         "Labels": dict(request.labels),
     }
+    if request.address:
+        endpoint = {"IPAMConfig": {"IPv4Address": request.address}}
+        body["NetworkingConfig"] = {"EndpointsConfig": {request.network: endpoint}}
     env = [f"{key}={value}" for key, value in request.env.items()] or None
     optional = {"Env": env, "User": request.user, "WorkingDir": request.workdir}
     return body | {key: value for key, value in optional.items() if value is not None}

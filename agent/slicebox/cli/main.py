@@ -48,6 +48,14 @@ def _sandbox_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pids", type=int, help="process limit")
     parser.add_argument("--network", help="none (default) or bridge")
     parser.add_argument(
+        "--allow",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="egress to this name, *.domain, IPv4 network or any of these with :port, and "
+        "nothing else (repeatable; DNS through the agent's resolver; replaces --network)",
+    )
+    parser.add_argument(
         "--backend",
         choices=("docker", "native"),
         help="docker (default; native when Docker is unavailable and the agent allows it) or "
@@ -208,7 +216,7 @@ def _spec(options: argparse.Namespace) -> CreateSandbox:
         "memory": options.memory,
         "cpus": options.cpus,
         "pids": options.pids,
-        "network": options.network,
+        "network": {"egress": {"allow": options.allow}} if options.allow else options.network,
         "backend": options.backend,
         "ttl_seconds": options.ttl,
         "root_task_id": options.root_task,

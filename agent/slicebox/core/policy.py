@@ -19,6 +19,7 @@ from slicebox.backends.base import WORKSPACE
 from slicebox.host.beneath import escape, outside_roots, root_for
 from slicebox.model.base import Model
 from slicebox.model.config import Config
+from slicebox.model.egress import NetworkSpec
 from slicebox.model.errors import AdmissionRefused, PolicyViolation
 from slicebox.model.limits import (
     Ceiling,
@@ -100,7 +101,7 @@ def check_security(spec: SandboxSpec, config: Config) -> None:
                 f"{field} {mode!r}: sandboxes cannot share host namespaces; leave {field} out",
                 code="policy_host_namespace",
             )
-    _check_network(spec.network, config)
+    _check_network(spec, config)
     _check_capabilities(spec.cap_add, config)
     for mount in spec.mounts:
         check_mount(mount, config.bind_roots_for(spec.user))
@@ -166,7 +167,11 @@ def check_run_as(spec: SandboxSpec, config: Config) -> None:
         check_root(spec.user, spec, config)
 
 
-def _check_network(network: str, config: Config) -> None:
+def _check_network(spec: SandboxSpec, config: Config) -> None:
+    network = spec.network
+    if isinstance(network, NetworkSpec):
+        _check_egress(spec.user, spec.project, network, config)
+        return
     if network == "host":
         raise PolicyViolation(
             "network 'host' is not allowed; use 'none' (the default)", code="policy_host_namespace"
@@ -255,3 +260,20 @@ def _amounts(field: str, asked: float, cap: float) -> tuple[str, str]:
     if wanted.replace(".0 ", " ") == most.replace(".0 ", " "):  # "1.0 GiB" > "1 GiB" reads odd
         return f"{int(asked)} bytes", f"{int(cap)} bytes"
     return wanted, most
+
+
+def _check_egress(user: str, project: str, network: NetworkSpec, config: Config) -> None:
+    refused = config.egress.refused(user, project, network.egress.entries())
+    if not refused:
+        return
+    if not any(rule.applies(user, project) for rule in config.egress.rule):
+        raise PolicyViolation(
+            f"network egress is not allowed for user {user!r} in project {project!r}; "
+            "use network 'none', or ask the operator for an [[egress.rule]]",
+            code="policy_egress",
+        )
+    raise PolicyViolation(
+        f"egress to {', '.join(refused)} is not allowed for user {user!r} in project "
+        f"{project!r}; leave these out, or ask the operator to allow them ([[egress.rule]])",
+        code="policy_egress",
+    )

@@ -76,7 +76,8 @@ def key_of(admitted: Admitted) -> PoolKey | None:
     working directory). Requests and pools get theirs here alike."""
     spec = admitted.spec
     extras = (spec.command, spec.env, spec.workdir, spec.workspace, spec.credentials, spec.mounts)
-    if any(extras) or spec.backend is not Backend.DOCKER:
+    # An egress sandbox's address and rules are its own, made with it: no pool serves it.
+    if any(extras) or spec.backend is not Backend.DOCKER or not isinstance(spec.network, str):
         return None
     return PoolKey(
         user=spec.user,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -104,6 +105,7 @@ class Reaper:
 
     def _run(self, *, dry_run: bool) -> Report:
         now = self._clock()
+        listed_at = time.monotonic()
         observed = self.observe()
         actions, empty_since = plan_pass(observed, now, self._config())
         report = Report(dry_run=dry_run, at=now, instance_id=observed.instance_id, plan=actions)
@@ -111,9 +113,16 @@ class Reaper:
             return report
         self._empty_since = empty_since
         outcomes = [self._carry_out(action) for action in actions]
+        self._sync_egress(observed, listed_at)
         if actions:
             log.info("reaper: %d actions, %d ok", len(actions), _count_ok(outcomes))
         return report.model_copy(update={"outcomes": outcomes})
+
+    def _sync_egress(self, observed: Observed, listed_at: float) -> None:
+        try:
+            self._sandboxes.sync_egress(observed.containers, listed_at)
+        except Exception:  # the pass's actions are done and audited; the next pass retries
+            log.exception("reaper: could not bring the egress rules in line")
 
     def _carry_out(self, action: Action) -> Outcome:
         usage: dict[str, object] | None = None

@@ -37,6 +37,7 @@ from slicebox.backends.base import (
 from slicebox.backends.router import Backends
 from slicebox.core.credentials import GIT_ENV, MOUNTED_AT, CredentialStore
 from slicebox.core.deadlines import Deadlines, Timer, latest
+from slicebox.core.egress import EgressGuard, Labelled, Placement
 from slicebox.core.gitclone import clone
 from slicebox.core.launch import LAUNCHER, WAITER_COMMAND
 from slicebox.core.policy import (
@@ -53,6 +54,7 @@ from slicebox.core.slices import SliceManager
 from slicebox.host.beneath import BindGuard, KernelBindGuard, Pinned
 from slicebox.model.base import Model
 from slicebox.model.config import Config
+from slicebox.model.egress import NetworkSpec
 from slicebox.model.errors import (
     Forbidden,
     HostError,
@@ -63,7 +65,14 @@ from slicebox.model.errors import (
     SandboxNotRunning,
     Unavailable,
 )
-from slicebox.model.labels import Lineage, VolumeLineage, decode, decode_volume, selector
+from slicebox.model.labels import (
+    EGRESS_ADDRESS,
+    Lineage,
+    VolumeLineage,
+    decode,
+    decode_volume,
+    selector,
+)
 from slicebox.model.limits import Limits
 from slicebox.model.names import SliceCgroups, SliceNames, scope_name, slice_names
 from slicebox.model.paths import CGROUP_ROOT
@@ -203,7 +212,9 @@ class SandboxManager:
         new_id: Callable[[], str] = new_sandbox_id,
         deadlines: Deadlines | None = None,
         binds: BindGuard | None = None,
+        egress: EgressGuard | None = None,
     ) -> None:
+        self._egress = egress
         self._backend = backend
         self._binds: BindGuard = binds or KernelBindGuard()
         self._slices = slices
@@ -338,12 +349,16 @@ class SandboxManager:
         with self._creating(lineage, hold=one_shot or bool(pool_key)):
             made = self._ensure_slices(admitted, lineage.sandbox_id)
             fresh: VolumeInfo | None = None
+            placed: Placement | None = None
             try:
+                placed = self._place_egress(admitted.spec, lineage.sandbox_id)
+                lineage = _placed(lineage, placed)
                 fresh = self._ensure_volume(admitted.spec, lineage)
                 self._write_credentials(admitted.spec, lineage.sandbox_id)
-                request = _request(admitted, lineage, self._credentials(), self._config)
+                request = _request(admitted, lineage, self._credentials(), self._config, placed)
                 info = self._start(request, image_known=known)
             except BaseException:
+                self._release_egress(placed, lineage.sandbox_id)
                 self._credentials().remove(lineage.sandbox_id)
                 self._drop_volume(fresh)
                 self._undo(made, lineage.sandbox_id)
@@ -354,6 +369,7 @@ class SandboxManager:
                 self._arm(lineage.sandbox_id, info.id, lineage.expires_at, new=True)
             except BaseException:
                 self.remove_container(info.id)
+                self._release_egress(placed, lineage.sandbox_id)
                 self._credentials().remove(lineage.sandbox_id)
                 self._drop_volume(fresh)
                 self._undo(made, lineage.sandbox_id)
@@ -648,6 +664,8 @@ class SandboxManager:
             # The container's scope only, not Podman's monitor beside it: after an exec that
             # stays for Podman's exit_command_delay, and the emptied slice is the reaper's.
             self._slices.wait_stopped(scope_name(sandbox.container_id))
+            if sandbox.lineage.egress_address and self._egress is not None:
+                self._egress.release(sandbox.id)  # gone now, by this call or another's
         self._vacate(sandbox)
         self._known.pop(sandbox.id)
         if gone:
@@ -675,6 +693,44 @@ class SandboxManager:
             return
         if self._backend.remove_volume(name):
             log.info("removed workspace volume %s with its root task", name)
+
+    def _place_egress(self, spec: SandboxSpec, sandbox_id: str) -> Placement | None:
+        if not isinstance(spec.network, NetworkSpec):
+            return None
+        if self._egress is None:
+            raise Unavailable(
+                "network egress is not available on this agent; use network 'none'",
+                code="egress_unavailable",
+            )
+        allow = spec.network.egress.allow
+        return self._egress.place(sandbox_id, spec.user, spec.project, allow)
+
+    def _release_egress(self, placed: Placement | None, sandbox_id: str) -> None:
+        if placed is not None and self._egress is not None:
+            self._egress.release(sandbox_id)
+
+    def sync_egress(self, containers: list[SandboxInfo], observed_at: float) -> None:
+        """The egress rules and resolver map in line with a listing (the reaper's pass)."""
+        if self._egress is None:
+            return
+        found = []
+        for info in containers:
+            if not info.labels.get(EGRESS_ADDRESS):
+                continue
+            try:
+                lineage = decode(info.labels)
+            except HostError:
+                continue
+            found.append(
+                Labelled(
+                    lineage.sandbox_id,
+                    lineage.user,
+                    lineage.project,
+                    lineage.egress_address,
+                    lineage.egress,
+                )
+            )
+        self._egress.sync(found, observed_at, self.busy() | frozenset(self._in_flight))
 
     def remove_container(self, container_id: str) -> bool:
         """Remove a container whatever its labels say (the reaper's last resort)."""
@@ -938,10 +994,23 @@ def _command(spec: SandboxSpec, lineage: Lineage) -> tuple[str, ...]:
     return WAITER_COMMAND if lineage.launcher else KEEP_ALIVE
 
 
+def _placed(lineage: Lineage, placed: Placement | None) -> Lineage:
+    if placed is None:
+        return lineage
+    return lineage.model_copy(
+        update={"egress": placed.allow, "egress_address": str(placed.address)}
+    )
+
+
 def _request(
-    admitted: Admitted, lineage: Lineage, store: CredentialStore, config: Config
+    admitted: Admitted,
+    lineage: Lineage,
+    store: CredentialStore,
+    config: Config,
+    placed: Placement | None = None,
 ) -> SandboxRequest:
     spec = admitted.spec
+    network = placed.network if placed else spec.network
     return SandboxRequest(
         name=lineage.sandbox_id,
         image=admitted.image,
@@ -950,7 +1019,9 @@ def _request(
         labels=lineage.to_labels(),
         slice=admitted.placement.names.project,
         limits=admitted.limits,
-        network=spec.network,
+        network=network if isinstance(network, str) else "none",
+        address=str(placed.address) if placed else None,
+        dns=(str(placed.dns),) if placed else (),
         env={**spec.env, **(GIT_ENV if lineage.credentials else {})},
         user=spec.run_as,
         workdir=spec.workdir,

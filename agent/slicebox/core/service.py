@@ -20,6 +20,7 @@ from pathlib import PurePosixPath
 
 from slicebox.core.blocking import Aside, Blocking, settle
 from slicebox.core.budget import OutputBudget, Reservation
+from slicebox.core.egress import EgressGuard
 from slicebox.core.execaudit import audited_aexec, audited_exec, refused, subject
 from slicebox.core.execution import ExecEngine, result_of
 from slicebox.core.files import Files
@@ -115,7 +116,9 @@ class Service:
         reaper: Reaper | None = None,
         budget: OutputBudget | None = None,
         pool: WarmPool | None = None,
+        egress: EgressGuard | None = None,
     ) -> None:
+        self._egress = egress
         self._pool = pool
         self._reaper = reaper
         self._budget = budget or OutputBudget.fixed(DEFAULT_EXEC_OUTPUT_BUDGET)
@@ -511,7 +514,15 @@ class Service:
 
     def usage(self, who: Identity, sandbox_id: str) -> ResourceUsage:
         sandbox = self._visible(who, sandbox_id)
-        return self._usage.usage(cgroups_of(sandbox), self._meta(sandbox))
+        return self._with_egress(
+            sandbox, self._usage.usage(cgroups_of(sandbox), self._meta(sandbox))
+        )
+
+    def _with_egress(self, sandbox: Sandbox, usage: ResourceUsage) -> ResourceUsage:
+        if self._egress is None or not sandbox.lineage.egress_address:
+            return usage
+        counters = self._egress.counters(sandbox.id)
+        return usage if counters is None else usage.model_copy(update={"egress": counters})
 
     def level_tree(self, who: Identity) -> LevelNode:
         """The whole tree for admins; for everyone else, their own user level only."""
@@ -525,7 +536,8 @@ class Service:
 
     def _final_usage(self, sandbox: Sandbox) -> ResourceUsage | None:
         try:
-            return self._usage.final_usage(cgroups_of(sandbox), self._meta(sandbox), self._clock())
+            usage = self._usage.final_usage(cgroups_of(sandbox), self._meta(sandbox), self._clock())
+            return self._with_egress(sandbox, usage)
         except Exception:
             log.exception("could not read the final usage of %s", sandbox.id)
             return None

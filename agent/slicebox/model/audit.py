@@ -37,6 +37,7 @@ class AuditEvent(StrEnum):
     AGENT_STARTED = "agent_started"
     AGENT_STOPPING = "agent_stopping"
     FILE_TRANSFER = "file_transfer"
+    EGRESS_SUMMARY = "egress_summary"
 
 
 # Fixed forever: operators filter on these and the catalog explains them.
@@ -51,6 +52,7 @@ MESSAGE_IDS: Mapping[AuditEvent, str] = {
     AuditEvent.AGENT_STARTED: "07de345e13394bee8ab28ae075040761",
     AuditEvent.AGENT_STOPPING: "3138cc1c969e4a12ad76ba475b45cb42",
     AuditEvent.FILE_TRANSFER: "fd40cf5c650449bda6c87efcb89088db",
+    AuditEvent.EGRESS_SUMMARY: "021c672547444614b82e360a2cdf6120",
 }
 
 # syslog priorities: notice for successful actions, warning for refusals and failures.

@@ -121,6 +121,13 @@ CODES: tuple[ErrorCode, ...] = (
         "Use one of the allowed networks the message lists.",
     ),
     _c(
+        "policy_egress",
+        400,
+        "An egress allow-list names hosts or networks no `[[egress.rule]]` allows the user and "
+        "project, or none allows them egress at all.",
+        "Leave the named entries out, or ask an operator for a rule that allows them.",
+    ),
+    _c(
         "policy_capability",
         400,
         "`cap_add` names a capability outside the allow-list.",
@@ -319,6 +326,20 @@ CODES: tuple[ErrorCode, ...] = (
         "The request names a backend this agent cannot run now.",
         "Leave `backend` out for the default, or ask an operator which backends `slicebox "
         "doctor` reports as available.",
+    ),
+    _c(
+        "egress_unavailable",
+        503,
+        "A sandbox asks for network egress and this host cannot enforce it (no nftables "
+        "binding, or the agent runs without egress).",
+        "Use network 'none', or ask an operator to install python3-nftables.",
+    ),
+    _c(
+        "egress_failed",
+        500,
+        "nftables refused slicebox's egress rules for a sandbox; nothing of it was made.",
+        "Retry; if it persists, an operator reads the agent's journal (`nft list table inet "
+        "slicebox`).",
     ),
     _c(
         "backend_unsupported",

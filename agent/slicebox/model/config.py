@@ -50,6 +50,7 @@ from pathlib import Path, PurePosixPath
 from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from slicebox.model.base import Model
+from slicebox.model.egress import EgressConfig
 from slicebox.model.errors import ConfigError
 from slicebox.model.limits import (
     Ceiling,
@@ -177,6 +178,8 @@ class Config(_Strict):
     git_clone_timeout_seconds: float = Field(default=600.0, gt=0)
     allowed_capabilities: frozenset[str] = DEFAULT_CAPABILITIES
     allowed_networks: frozenset[str] = frozenset({"none", "bridge"})
+    # Network egress by allow-list: its network, resolver upstream and who may ask for what.
+    egress: EgressConfig = EgressConfig()
     # A create for Docker while Docker does not answer runs on the native backend instead
     # (its answer says so); false: it is refused ``backend_unavailable``.
     allow_native_fallback: bool = True

@@ -18,6 +18,7 @@ from slicebox.model.validation import Problem, problems
 
 PREFIX = "slicebox."
 MANAGED = f"{PREFIX}managed"
+EGRESS_ADDRESS = f"{PREFIX}egress_address"
 
 
 class Lineage(Model):
@@ -56,6 +57,10 @@ class Lineage(Model):
     # Its main process is a waiter that runs one command written to its stdin ("sh"; ""
     # when it runs ``sleep infinity`` or the command asked for): see ``core.launch``.
     launcher: str = ""
+    # Network egress by allow-list (core.egress): its entries, comma-separated, and its fixed
+    # address on the egress network ("" when it has none). Names and networks, no secret.
+    egress: str = ""
+    egress_address: str = ""
 
     def to_labels(self) -> dict[str, str]:
         values = {
@@ -80,6 +85,8 @@ class Lineage(Model):
             "workspace_volume": self.workspace_volume,
             "credentials": self.credentials,
             "launcher": self.launcher,
+            "egress": self.egress,
+            "egress_address": self.egress_address,
         }
         return {PREFIX + key: value for key, value in values.items()}
 

@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from slicebox.model.base import Model
+from slicebox.model.egress import NetworkSpec
 from slicebox.model.validation import refusal
 
 # The serialization context under which a dump carries secrets: a client's request body only.
@@ -169,7 +170,8 @@ class SandboxSpec(Model):
     memory: int | str | None = None
     cpus: float | str | None = None
     pids: int | str | None = None
-    network: str = "none"
+    # A mode's name ("none", "bridge", as the config allows) or {"egress": {"allow": [...]}}.
+    network: str | NetworkSpec = "none"
     env: dict[str, str] = {}
     run_as: str | None = None
     workdir: str | None = None

@@ -2,7 +2,7 @@
 
 ``ResourceUsage`` is the seed's contract (cogmo ``ResourceUsageSchema``): optional fields are
 omitted rather than ``null`` on the wire, timestamps are UTC ISO-8601 with ``Z``. slicebox adds
-the optional ``memory_seconds``, ``disk_bytes_written`` and ``network_bytes``.
+the optional ``memory_seconds``, ``disk_bytes_written``, ``network_bytes`` and ``egress``.
 """
 
 from __future__ import annotations
@@ -59,8 +59,19 @@ class SandboxInfo(_Strict):
     provisioned: Provisioned
 
 
+class EgressCounters(_Strict):
+    """A sandbox with an egress allow-list: packets and bytes slicebox's nftables rules let
+    through (``allowed_*``) and dropped (``denied_*``); names its resolver refused."""
+
+    allowed_packets: Bytes
+    allowed_bytes: Bytes
+    denied_packets: Bytes
+    denied_bytes: Bytes
+    denied_names: Bytes
+
+
 class ResourceUsage(_Strict):
-    """The seed's ResourceUsage plus three optional slicebox counters."""
+    """The seed's ResourceUsage plus optional slicebox counters."""
 
     memory_bytes: MemoryBytes | None = None
     cpu_seconds: Seconds | None = None
@@ -68,6 +79,7 @@ class ResourceUsage(_Strict):
     memory_seconds: Seconds | None = None  # byte-seconds of memory.current while sampled
     disk_bytes_written: Bytes | None = None
     network_bytes: Bytes | None = None
+    egress: EgressCounters | None = None  # only a sandbox with an egress allow-list
 
     def to_wire(self) -> dict[str, Any]:
         """JSON-ready dict; absent values are omitted (the seed's schema has no nulls)."""

@@ -34,6 +34,7 @@ from slicebox.model.errors import SliceboxError
 from slicebox.model.paths import AGENT_SOCKET
 from slicebox.server.api import ENGINE, Route, build_app
 from slicebox.server.pools import POOLS, run_in
+from slicebox.server.resolver import serve_resolver
 from slicebox.server.routes import ROUTES, SERVICE
 from slicebox.server.runtime import assemble, assemble_expiry
 from slicebox.web.server import AppKey, serve
@@ -96,7 +97,9 @@ class Agent:
         periodic: Sequence[Periodic] = (),
         state: Mapping[AppKey[Any], object] | None = None,
         closing: Sequence[Callable[[], Awaitable[None]]] = (),
+        opening: Sequence[Callable[[], Awaitable[Callable[[], Awaitable[None]]]]] = (),
     ) -> None:
+        self._opening = opening  # run on the loop before it answers; each returns its close
         self._routes = routes
         self._state = state
         self._closing = closing  # run on the loop once the app has stopped: its connections
@@ -109,6 +112,7 @@ class Agent:
     async def run(self, socket_path: Path) -> None:
         app = build_app(self._routes, SystemUsers(), self._state)
         serving = await serve(app, listening_socket(socket_path))
+        closing = [*[await opener() for opener in self._opening], *self._closing]
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
@@ -129,7 +133,7 @@ class Agent:
             if task is not None:
                 task.cancel()
         await serving.close(ANSWER_WAIT)
-        for close in self._closing:
+        for close in closing:
             await close()
 
     def _start_watchdog(self) -> asyncio.Task[None] | None:
@@ -245,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ],
         state={SERVICE: runtime.service, ENGINE: runtime.docker.found.describe()},
         closing=[runtime.docker.aclose],
+        opening=[lambda: serve_resolver(runtime.egress.config.gateway, runtime.egress.answer)],
     )
     asyncio.run(agent.run(options.socket))
     return 0

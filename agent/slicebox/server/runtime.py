@@ -18,6 +18,7 @@ from slicebox.backends.native import NativeBackend
 from slicebox.backends.router import Backends
 from slicebox.core.budget import OutputBudget
 from slicebox.core.deadlines import Deadlines, find_program
+from slicebox.core.egress import BRIDGE, EgressGuard
 from slicebox.core.execution import ExecEngine
 from slicebox.core.expiry import Expiry
 from slicebox.core.pool import WarmPool
@@ -30,6 +31,7 @@ from slicebox.core.telemetry import MemoryIntegrator, TreeReader, UsageReader, s
 from slicebox.host.cgroupfs import CgroupFS, populated
 from slicebox.host.journal import Auditor
 from slicebox.host.netstats import NetnsCounters
+from slicebox.host.nft import Firewall, libnftables
 from slicebox.host.owncgroup import agent_memory_max
 from slicebox.host.procs import CgroupHost
 from slicebox.host.systemd import PystemdSystemd
@@ -46,6 +48,7 @@ from slicebox.model.names import (
 from slicebox.model.paths import CGROUP_MOUNT
 from slicebox.model.reaper import Kind
 from slicebox.model.usage import Level
+from slicebox.server.resolver import UdpUpstream, resolv_conf
 
 log = logging.getLogger(__name__)
 SCOPES_GLOB = "slicebox.slice/*/*/*.scope"
@@ -78,6 +81,7 @@ class Runtime:
     pool: WarmPool
     backend: Backends
     docker: DockerBackend
+    egress: EgressGuard
 
     def reconcile(self) -> str:
         """The start-up pass: rebuild the view from labels and systemd before answering, then
@@ -140,6 +144,13 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
     use_scope_prefix(docker.scope_prefix)
     for each in backend.availabilities():
         log.info("backend %s: %s", each.kind.value, each.detail)
+    egress = EgressGuard(
+        config.egress,
+        lambda gateway: Firewall(libnftables(), BRIDGE, gateway),
+        docker,
+        UdpUpstream(config.egress.upstream or resolv_conf()),
+        auditor.record,
+    )
     sandboxes = SandboxManager(
         backend,
         slices,
@@ -147,6 +158,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         host_memory=host_memory,
         instance_id="run-" + uuid.uuid4().hex[:12],
         deadlines=Deadlines(systemd, program=find_program, docker_host=docker_host),
+        egress=egress,
     )
     integrator = MemoryIntegrator(time.monotonic)
     files = CgroupFS()
@@ -187,6 +199,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         reaper=reaper,
         budget=budget,
         pool=pool,
+        egress=egress,
     )
     return Runtime(
         config_path,
@@ -202,6 +215,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         pool,
         backend,
         docker,
+        egress,
     )
 
 

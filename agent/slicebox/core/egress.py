@@ -1,0 +1,330 @@
+"""Egress by allow-list (issue 18): the sandbox's place on the egress network, its rules and
+its resolver.
+
+A sandbox that asks for egress joins one Docker bridge network of slicebox's, at a fixed
+address derived from its id, with the agent's resolver (on the bridge's own address) as its
+only DNS server. Before its container is made, its nftables objects exist and its address is
+mapped to them (``host.nft``): from its first packet it reaches what its entries allow and
+nothing else. Its names are answered here: an allowed name is asked upstream, its addresses
+go into the sandbox's sets for the answer's TTL before the answer is sent; any other name is
+NXDOMAIN, counted per sandbox, and summed up in one audit record when the sandbox goes.
+
+Nothing is stored: the entries and the address are the container's labels, the rules are the
+kernel's. A restarted agent maps the addresses it finds labelled back to their sandboxes and
+adds the rules of one whose rules are missing; rules no sandbox has are collected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv4Network
+from typing import NamedTuple, Protocol
+
+from slicebox.core.recent import Recent
+from slicebox.host.dnswire import (
+    IN,
+    NXDOMAIN,
+    REFUSED,
+    SERVFAIL,
+    DnsFormatError,
+    parse_query,
+    parse_response,
+    reply,
+)
+from slicebox.host.nft import Allowed, Counts, Firewall, key_of
+from slicebox.model.audit import AuditEvent, AuditRecord
+from slicebox.model.egress import (
+    AllowEntry,
+    EgressConfig,
+    parse_entries,
+    rebinding,
+    sandbox_address,
+)
+from slicebox.model.errors import SliceboxError
+from slicebox.model.usage import EgressCounters
+
+log = logging.getLogger(__name__)
+
+NETWORK = "slicebox-egress"  # the Docker network
+BRIDGE = "sbx-egress"  # its bridge device, which the rules match
+MIN_TTL = 60  # an answer's addresses stay allowed at least this long (seconds)
+MAX_TTL = 86400
+TTL_GRACE = 30  # past the answer's TTL: a client may connect just as its cache expires
+DENIED_NAMES_KEPT = 20  # distinct denied names a summary lists
+RELEASED_KEPT = 1024
+
+
+class Networks(Protocol):
+    """Docker's side: the bridge network the sandboxes join."""
+
+    def ensure_network(
+        self, name: str, subnet: IPv4Network, gateway: IPv4Address, bridge: str
+    ) -> None: ...
+
+
+class Upstream(Protocol):
+    async def ask(self, query: bytes) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a sandbox with egress sits: what its create request and labels carry."""
+
+    network: str
+    address: IPv4Address
+    dns: IPv4Address
+    allow: str  # its entries, comma-separated (the ``slicebox.egress`` label)
+
+
+@dataclass(frozen=True)
+class Guarded:
+    sandbox_id: str
+    user: str
+    project: str
+    address: IPv4Address
+    entries: tuple[AllowEntry, ...]
+    placed_at: float  # monotonic; 0 for one adopted from its labels
+
+
+class Labelled(NamedTuple):
+    """An egress sandbox as its labels tell it."""
+
+    sandbox_id: str
+    user: str
+    project: str
+    address: str
+    allow: str
+
+
+class EgressGuard:
+    def __init__(
+        self,
+        config: EgressConfig,
+        firewall: Callable[[IPv4Address], Firewall],
+        networks: Networks,
+        upstream: Upstream,
+        audit: Callable[[AuditRecord], None],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
+        # Released lately: a listing taken before a release must not bring one back.
+        self._released: Recent[str, None] = Recent(RELEASED_KEPT)
+        self._config = config
+        self._make_firewall = firewall
+        self._firewall: Firewall | None = None
+        self._networks = networks
+        self._upstream = upstream
+        self._audit = audit
+        self._lock = threading.Lock()
+        self._by_address: dict[IPv4Address, Guarded] = {}
+        self._by_id: dict[str, Guarded] = {}
+        self._denied: dict[str, Counter[str]] = {}
+
+    @property
+    def config(self) -> EgressConfig:
+        return self._config
+
+    def firewall(self) -> Firewall:
+        """The table and the network, made at the first need (an agent that never sees an
+        egress request touches neither)."""
+        with self._lock:
+            if self._firewall is None:
+                gateway = self._config.gateway
+                self._networks.ensure_network(NETWORK, self._config.subnet, gateway, BRIDGE)
+                firewall = self._make_firewall(gateway)
+                firewall.ensure_base()
+                self._firewall = firewall
+            return self._firewall
+
+    # --- a sandbox's life ----------------------------------------------------------------
+
+    def place(self, sandbox_id: str, user: str, project: str, allow: tuple[str, ...]) -> Placement:
+        """Its address and rules, before its container exists; ``release`` undoes it."""
+        firewall = self.firewall()
+        entries = parse_entries(allow)
+        with self._lock:
+            address = sandbox_address(self._config.subnet, sandbox_id, set(self._by_address))
+            guarded = Guarded(sandbox_id, user, project, address, entries, self._clock())
+            self._register(guarded)
+        try:
+            firewall.add_sandbox(sandbox_id, address, _allowed(entries))
+        except BaseException:
+            self._unregister(sandbox_id)
+            raise
+        text = ",".join(entry.text for entry in entries)
+        return Placement(NETWORK, address, self._config.gateway, text)
+
+    def release(self, sandbox_id: str) -> None:
+        """Its rules and resolver state go; what it was denied is audited once."""
+        guarded = self._unregister(sandbox_id)
+        self._released.put(sandbox_id, None)
+        denied = self._denied.pop(sandbox_id, Counter())
+        firewall = self._firewall
+        counts = firewall.counts(sandbox_id) if firewall else None
+        if firewall is not None:
+            firewall.remove_sandbox(sandbox_id, guarded.address if guarded else None)
+        if guarded is not None:
+            self._audit(_summary(guarded, denied, counts))
+
+    def counters(self, sandbox_id: str) -> EgressCounters | None:
+        """Its packets let through and dropped, and the names refused; None when this agent
+        guards no such sandbox."""
+        firewall = self._firewall
+        counts = firewall.counts(sandbox_id) if firewall and sandbox_id in self._by_id else None
+        if counts is None:
+            return None
+        return EgressCounters(
+            allowed_packets=counts.allowed_packets,
+            allowed_bytes=counts.allowed_bytes,
+            denied_packets=counts.denied_packets,
+            denied_bytes=counts.denied_bytes,
+            denied_names=sum(self._denied.get(sandbox_id, Counter()).values()),
+        )
+
+    def sync(self, found: Iterable[Labelled], observed_at: float, busy: frozenset[str]) -> None:
+        """Bring the rules and the resolver's map in line with what Docker listed at
+        ``observed_at`` (monotonic): a labelled sandbox unknown here (after a restart) is
+        mapped again and its rules added where they are missing; one placed before the
+        listing that it no longer shows is released; rules of no sandbox placed here go."""
+        found = [each for each in found if each.sandbox_id not in busy]
+        if not found and self._firewall is None:
+            self._collect_leftovers()  # no egress sandbox here: no table, no network made
+            return
+        firewall = self.firewall()
+        present = firewall.sandbox_keys()
+        for each in found:
+            if each.sandbox_id not in self._by_id and each.sandbox_id not in self._released:
+                self._adopt(firewall, each, present)
+        listed = {each.sandbox_id for each in found}
+        for guarded in list(self._by_id.values()):
+            gone = guarded.sandbox_id not in listed and guarded.sandbox_id not in busy
+            if gone and guarded.placed_at < observed_at:
+                log.info("egress of %s released: its container is gone", guarded.sandbox_id)
+                self.release(guarded.sandbox_id)
+        keep = {key_of(sandbox_id) for sandbox_id in list(self._by_id)}
+        for key in sorted(present - keep):
+            log.info("egress rules %s belong to no sandbox; removed", key)
+            firewall.remove_sandbox(key)
+
+    def _collect_leftovers(self) -> None:
+        """Rules a table kept from before a restart, when no sandbox with egress is left."""
+        try:
+            firewall = self._make_firewall(self._config.gateway)
+        except SliceboxError:  # no nftables binding: there can be no rules either
+            return
+        for key in sorted(firewall.sandbox_keys()):
+            log.info("egress rules %s belong to no sandbox; removed", key)
+            firewall.remove_sandbox(key)
+
+    def _adopt(self, firewall: Firewall, each: Labelled, present: set[str]) -> None:
+        entries = parse_entries(tuple(a for a in each.allow.split(",") if a))
+        address = IPv4Address(each.address)
+        guarded = Guarded(each.sandbox_id, each.user, each.project, address, entries, 0.0)
+        with self._lock:
+            self._register(guarded)
+        if key_of(each.sandbox_id) not in present:
+            log.warning("egress rules of %s were missing; added again", each.sandbox_id)
+            firewall.add_sandbox(each.sandbox_id, address, _allowed(entries))
+
+    # --- the resolver -------------------------------------------------------------------
+
+    async def answer(self, data: bytes, source: str) -> bytes | None:
+        """The reply to one query from ``source``; None for what is no DNS query at all."""
+        try:
+            query = parse_query(data)
+        except DnsFormatError:
+            return None
+        address = _address(source)
+        guarded = self._by_address.get(address) if address else None
+        if guarded is None:
+            return reply(query, REFUSED)
+        name = query.question.name
+        matching = [entry for entry in guarded.entries if entry.matches_name(name)]
+        if not matching or query.question.qclass != IN:
+            self._deny(guarded, name)
+            return reply(query, NXDOMAIN)
+        try:
+            raw = await self._upstream.ask(query.raw)
+            answer = parse_response(raw, query)
+        except (OSError, TimeoutError, DnsFormatError) as exc:
+            log.info("resolver: upstream failed for %s: %s", name, exc)
+            return reply(query, SERVFAIL)
+        internal = self._config.internal_networks
+        if any(rebinding(a, guarded.entries, internal) for a, _ in answer.addresses):
+            self._deny(guarded, name)
+            log.info("resolver: %s answered a private address for %s; refused", name, guarded)
+            return reply(query, REFUSED)
+        v4 = [(a, ttl) for a, ttl in answer.addresses if isinstance(a, IPv4Address)]
+        if v4:
+            ttl = min(MAX_TTL, max(MIN_TTL, min(ttl for _, ttl in v4) + TTL_GRACE))
+            ports = _ports(matching)
+            await asyncio.to_thread(self._allow, guarded.sandbox_id, [a for a, _ in v4], ports, ttl)
+        return raw
+
+    def _allow(
+        self, sandbox_id: str, addresses: list[IPv4Address], ports: list[int], ttl: int
+    ) -> None:
+        if self._firewall is not None:
+            self._firewall.allow_resolved(sandbox_id, addresses, ports, ttl)
+
+    def _deny(self, guarded: Guarded, name: str) -> None:
+        self._denied.setdefault(guarded.sandbox_id, Counter())[name] += 1
+
+    def denied(self, sandbox_id: str) -> dict[str, int]:
+        return dict(self._denied.get(sandbox_id, Counter()))
+
+    def _register(self, guarded: Guarded) -> None:
+        self._by_address[guarded.address] = guarded
+        self._by_id[guarded.sandbox_id] = guarded
+
+    def _unregister(self, sandbox_id: str) -> Guarded | None:
+        with self._lock:
+            guarded = self._by_id.pop(sandbox_id, None)
+            if guarded is not None:
+                self._by_address.pop(guarded.address, None)
+            return guarded
+
+
+def _allowed(entries: tuple[AllowEntry, ...]) -> Allowed:
+    networks = tuple(e.network for e in entries if e.network is not None and e.port is None)
+    with_port = tuple(
+        (e.network, e.port) for e in entries if e.network is not None and e.port is not None
+    )
+    return Allowed(networks, with_port)
+
+
+def _ports(matching: list[AllowEntry]) -> list[int]:
+    """The ports an answer's addresses are opened for; empty: every port."""
+    if any(entry.port is None for entry in matching):
+        return []
+    return sorted({entry.port for entry in matching if entry.port is not None})
+
+
+def _address(source: str) -> IPv4Address | None:
+    try:
+        return IPv4Address(source)
+    except ValueError:
+        return None
+
+
+def _summary(guarded: Guarded, denied: Counter[str], counts: Counts | None) -> AuditRecord:
+    names = ", ".join(f"{name} ({n})" for name, n in denied.most_common(DENIED_NAMES_KEPT))
+    packets = (
+        ""
+        if counts is None
+        else (f"; packets allowed {counts.allowed_packets}, denied {counts.denied_packets}")
+    )
+    return AuditRecord(
+        event=AuditEvent.EGRESS_SUMMARY,
+        sandbox_id=guarded.sandbox_id,
+        user=guarded.user,
+        project=guarded.project,
+        detail=f"denied names: {names or 'none'}{packets}"[:500],
+    )

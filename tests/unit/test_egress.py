@@ -30,6 +30,7 @@ from slicebox.model.egress import (
 )
 from slicebox.model.errors import HostError, PolicyViolation, Unavailable
 from slicebox.model.spec import SandboxSpec
+from slicebox.model.usage import EgressCounters, Level, LevelNode
 from tests.fakes.docker import FakeDocker
 from tests.fakes.nft import FakeNftApi
 from tests.fakes.systemd import FakeSystemd
@@ -583,3 +584,17 @@ def test_an_agent_without_egress_refuses_it_clearly() -> None:
         manager.create(Managed().spec(["pypi.org"]))
     assert refused.value.code == "egress_unavailable"
     assert docker.containers == {}
+
+
+def test_the_level_tree_carries_a_sandbox_nodes_egress_counters() -> None:
+    scope = "docker-abc.scope"
+    sandbox = LevelNode(level=Level.SANDBOX, unit=scope, cgroup=f"s/u/p/{scope}")
+    other = LevelNode(level=Level.SANDBOX, unit="docker-def.scope", cgroup="s/u/p/docker-def")
+    project = LevelNode(level=Level.PROJECT, unit="p", cgroup="s/u/p", children=(sandbox, other))
+    tree = LevelNode(level=Level.MANAGED, unit="s", cgroup="s", children=(project,))
+    counters = EgressCounters(
+        allowed_packets=1, allowed_bytes=2, denied_packets=3, denied_bytes=4, denied_names=5
+    )
+    marked = tree.with_egress({scope: counters})
+    assert [node.egress for node in marked.walk()] == [None, None, counters, None]
+    assert tree.with_egress({}) is tree

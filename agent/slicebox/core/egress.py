@@ -173,6 +173,10 @@ class EgressGuard:
         if guarded is not None:
             self._audit(_summary(guarded, denied, counts))
 
+    def guarding(self) -> bool:
+        """Whether any sandbox with egress is known here."""
+        return bool(self._by_id)
+
     def counters(self, sandbox_id: str) -> EgressCounters | None:
         """Its packets let through and dropped, and the names refused; None when this agent
         guards no such sandbox."""

@@ -53,7 +53,7 @@ from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
 from slicebox.model.pool import PoolList
 from slicebox.model.reaper import Report
 from slicebox.model.spec import SandboxSpec
-from slicebox.model.usage import LevelNode, ResourceUsage
+from slicebox.model.usage import EgressCounters, LevelNode, ResourceUsage
 
 log = logging.getLogger(__name__)
 
@@ -518,6 +518,17 @@ class Service:
             sandbox, self._usage.usage(cgroups_of(sandbox), self._meta(sandbox))
         )
 
+    def _egress_by_unit(self) -> dict[str, EgressCounters]:
+        """Each egress sandbox's counters by its scope's unit (one listing; none without)."""
+        if self._egress is None or not self._egress.guarding():
+            return {}
+        found: dict[str, EgressCounters] = {}
+        for sandbox in self._sandboxes.find():
+            counters = self._egress.counters(sandbox.id) if sandbox.lineage.egress_address else None
+            if counters is not None:
+                found[cgroups_of(sandbox).scope.rsplit("/", 1)[-1]] = counters
+        return found
+
     def _with_egress(self, sandbox: Sandbox, usage: ResourceUsage) -> ResourceUsage:
         if self._egress is None or not sandbox.lineage.egress_address:
             return usage
@@ -526,7 +537,7 @@ class Service:
 
     def level_tree(self, who: Identity) -> LevelNode:
         """The whole tree for admins; for everyone else, their own user level only."""
-        tree = self._tree.tree()
+        tree = self._tree.tree().with_egress(self._egress_by_unit())
         if who.is_admin:
             return tree
         own = [node for node in tree.children if node.name == who.user_name]

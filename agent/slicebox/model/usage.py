@@ -120,6 +120,7 @@ class LevelNode(_Strict):
     oom_kills: NonNegativeInt | None = None
     ooms_caused: NonNegativeInt | None = None
     memory_max_hits: NonNegativeInt | None = None
+    egress: EgressCounters | None = None  # a sandbox node's, with an egress allow-list
     children: tuple[LevelNode, ...] = ()
 
     @property
@@ -129,6 +130,13 @@ class LevelNode(_Strict):
     @property
     def caused_throttling(self) -> bool:
         return bool(self.cpu_nr_throttled)
+
+    def with_egress(self, by_unit: dict[str, EgressCounters]) -> LevelNode:
+        """The tree with each sandbox node in ``by_unit`` given its egress counters."""
+        if not by_unit:
+            return self
+        children = tuple(child.with_egress(by_unit) for child in self.children)
+        return self.model_copy(update={"egress": by_unit.get(self.unit), "children": children})
 
     def walk(self) -> Iterator[LevelNode]:
         yield self

@@ -598,3 +598,28 @@ def test_the_level_tree_carries_a_sandbox_nodes_egress_counters() -> None:
     marked = tree.with_egress({scope: counters})
     assert [node.egress for node in marked.walk()] == [None, None, counters, None]
     assert tree.with_egress({}) is tree
+
+
+def test_a_repeated_answer_adds_no_element_until_half_its_timeout_is_gone() -> None:
+    world = Guarded()
+    placed = world.guard.place("sbx-1", "alice", "web", ALLOW)
+    world.ask(placed.address, "pypi.org")
+    batches = len(world.api.batches)
+    world.now += 60  # the element (150 s) has more than half its time left
+    world.ask(placed.address, "pypi.org")
+    assert len(world.api.batches) == batches, "no nftables call"
+    world.now += 20  # now less than half
+    world.ask(placed.address, "pypi.org")
+    assert len(world.api.batches) == batches + 1, "renewed"
+
+
+def test_an_answer_whose_addresses_cannot_be_opened_is_servfail() -> None:
+    world = Guarded()
+    placed = world.guard.place("sbx-1", "alice", "web", ALLOW)
+    world.api.table().sets.pop("dns_sbx_1")  # the kernel refuses the element
+    assert world.ask(placed.address, "pypi.org") == dnswire.SERVFAIL
+    world.api.table().sets["dns_sbx_1"] = {}
+    world.api.table().elements["dns_sbx_1"] = {}
+    answer = world.ask(placed.address, "pypi.org")
+    assert isinstance(answer, dnswire.Answer), "tried again, not taken as open"
+    assert world.api.table().elements["dns_sbx_1"] == {repr("151.101.0.223"): 150}

@@ -33,6 +33,7 @@ from slicebox.host.dnswire import (
     REFUSED,
     SERVFAIL,
     DnsFormatError,
+    Query,
     parse_query,
     parse_response,
     reply,
@@ -126,6 +127,8 @@ class EgressGuard:
         self._by_address: dict[IPv4Address, Guarded] = {}
         self._by_id: dict[str, Guarded] = {}
         self._denied: dict[str, Counter[str]] = {}
+        # Per sandbox: (address, ports) -> when its set element times out (monotonic).
+        self._opened: dict[str, dict[tuple[IPv4Address, tuple[int, ...]], float]] = {}
 
     @property
     def config(self) -> EgressConfig:
@@ -166,6 +169,7 @@ class EgressGuard:
         guarded = self._unregister(sandbox_id)
         self._released.put(sandbox_id, None)
         denied = self._denied.pop(sandbox_id, Counter())
+        self._opened.pop(sandbox_id, None)
         firewall = self._firewall
         counts = firewall.counts(sandbox_id) if firewall else None
         if firewall is not None:
@@ -255,22 +259,46 @@ class EgressGuard:
             self._deny(guarded, name)
             return reply(query, NXDOMAIN)
         try:
-            raw = await self._upstream.ask(query.raw)
-            answer = parse_response(raw, query)
-        except (OSError, TimeoutError, DnsFormatError) as exc:
-            log.info("resolver: upstream failed for %s: %s", name, exc)
+            return await self._forward(query, guarded, matching)
+        except (OSError, TimeoutError, DnsFormatError, SliceboxError) as exc:
+            log.info("resolver: %s for %s failed: %s", name, guarded.sandbox_id, exc)
             return reply(query, SERVFAIL)
+
+    async def _forward(self, query: Query, guarded: Guarded, matching: list[AllowEntry]) -> bytes:
+        """The upstream's answer, once its addresses are open to the sandbox."""
+        raw = await self._upstream.ask(query.raw)
+        answer = parse_response(raw, query)
         internal = self._config.internal_networks
         if any(rebinding(a, guarded.entries, internal) for a, _ in answer.addresses):
-            self._deny(guarded, name)
-            log.info("resolver: %s answered a private address for %s; refused", name, guarded)
+            self._deny(guarded, query.question.name)
+            log.info("resolver: a private answer for %s refused", guarded.sandbox_id)
             return reply(query, REFUSED)
         v4 = [(a, ttl) for a, ttl in answer.addresses if isinstance(a, IPv4Address)]
-        if v4:
-            ttl = min(MAX_TTL, max(MIN_TTL, min(ttl for _, ttl in v4) + TTL_GRACE))
-            ports = _ports(matching)
-            await asyncio.to_thread(self._allow, guarded.sandbox_id, [a for a, _ in v4], ports, ttl)
+        if not v4:
+            return raw
+        ttl = min(MAX_TTL, max(MIN_TTL, min(ttl for _, ttl in v4) + TTL_GRACE))
+        ports = _ports(matching)
+        stale = self._stale(guarded.sandbox_id, [a for a, _ in v4], ports, ttl)
+        try:
+            if stale:
+                await asyncio.to_thread(self._allow, guarded.sandbox_id, stale, ports, ttl)
+        except SliceboxError:  # not opened: none may be taken for open
+            self._opened.pop(guarded.sandbox_id, None)
+            raise
         return raw
+
+    def _stale(
+        self, sandbox_id: str, addresses: list[IPv4Address], ports: list[int], ttl: int
+    ) -> list[IPv4Address]:
+        """The addresses whose elements need (re)adding: a repeated answer within the first
+        half of its elements' timeout costs no nftables call (libnftables reads the table's
+        sets for each, and a busy sandbox looks the same name up again and again)."""
+        now = self._clock()
+        opened = self._opened.setdefault(sandbox_id, {})
+        stale = [a for a in addresses if opened.get((a, tuple(ports)), 0.0) < now + ttl / 2]
+        for address in stale:
+            opened[(address, tuple(ports))] = now + ttl
+        return stale
 
     def _allow(
         self, sandbox_id: str, addresses: list[IPv4Address], ports: list[int], ttl: int

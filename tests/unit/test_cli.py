@@ -155,6 +155,7 @@ def test_every_other_command_answers_in_models(agent: Agent, capfdbinary: Fd) ->
         (["create", "--workspace", "disk:x"], b"invalid_workspace: workspace.kind"),
         (["create", "--keep"], b"--keep and --read-only need --workspace"),
         (["create", "--run-as", "0"], b"policy_root: sandboxes of"),
+        (["create", "--allow", "pypi.org", "--allow", "*"], b"no bare '*'"),
     ],
 )
 def test_mistakes_exit_2_with_the_code_and_what_to_do(

@@ -293,7 +293,7 @@ class Zone:
         self.records = records
         self.asked: Counter[str] = Counter()
 
-    async def ask(self, query: bytes) -> bytes:
+    async def ask(self, query: bytes, *, tcp: bool = False) -> bytes:
         parsed = dnswire.parse_query(query)
         name = parsed.question.name
         self.asked[name] += 1
@@ -391,7 +391,7 @@ def test_garbage_gets_no_answer_and_a_dead_upstream_servfail() -> None:
     placed = world.guard.place("sbx-1", "alice", "web", ALLOW)
     assert asyncio.run(world.guard.answer(b"\x00\x01junk", str(placed.address))) is None
 
-    async def dead(query: bytes) -> bytes:
+    async def dead(query: bytes, *, tcp: bool = False) -> bytes:
         raise TimeoutError
 
     world.zone.ask = dead  # type: ignore[method-assign]

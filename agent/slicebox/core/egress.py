@@ -70,7 +70,7 @@ class Networks(Protocol):
 
 
 class Upstream(Protocol):
-    async def ask(self, query: bytes) -> bytes: ...
+    async def ask(self, query: bytes, *, tcp: bool = False) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,7 @@ class EgressGuard:
 
     # --- the resolver -------------------------------------------------------------------
 
-    async def answer(self, data: bytes, source: str) -> bytes | None:
+    async def answer(self, data: bytes, source: str, tcp: bool = False) -> bytes | None:
         """The reply to one query from ``source``; None for what is no DNS query at all."""
         try:
             query = parse_query(data)
@@ -259,14 +259,17 @@ class EgressGuard:
             self._deny(guarded, name)
             return reply(query, NXDOMAIN)
         try:
-            return await self._forward(query, guarded, matching)
+            return await self._forward(query, guarded, matching, tcp=tcp)
         except (OSError, TimeoutError, DnsFormatError, SliceboxError) as exc:
             log.info("resolver: %s for %s failed: %s", name, guarded.sandbox_id, exc)
             return reply(query, SERVFAIL)
 
-    async def _forward(self, query: Query, guarded: Guarded, matching: list[AllowEntry]) -> bytes:
-        """The upstream's answer, once its addresses are open to the sandbox."""
-        raw = await self._upstream.ask(query.raw)
+    async def _forward(
+        self, query: Query, guarded: Guarded, matching: list[AllowEntry], *, tcp: bool
+    ) -> bytes:
+        """The upstream's answer (asked the way the client asked), once its addresses are open
+        to the sandbox."""
+        raw = await self._upstream.ask(query.raw, tcp=tcp)
         answer = parse_response(raw, query)
         internal = self._config.internal_networks
         if any(rebinding(a, guarded.entries, internal) for a, _ in answer.addresses):

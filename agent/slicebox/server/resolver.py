@@ -1,10 +1,12 @@
-"""The agent's resolver for egress sandboxes, on UDP port 53 of the egress bridge's address.
+"""The agent's resolver for egress sandboxes, on port 53 (UDP and TCP) of the egress bridge's
+address.
 
 Each datagram is answered by ``core.egress.EgressGuard.answer`` on the event loop (the
-upstream's answer is awaited, never a thread's); at most ``IN_FLIGHT`` queries at once,
-further ones are dropped (the client retries, as it does for a lost datagram). The socket is
-bound with ``IP_FREEBIND``: the agent listens before Docker has made the bridge, and across
-the bridge's removal and making again.
+upstream's answer is awaited, never a thread's); at most ``IN_FLIGHT`` queries at once, further
+ones are dropped (the client retries, as it does for a lost datagram). An answer too long for a
+datagram comes back truncated, as the upstream sent it, and the client asks again over TCP,
+which is asked upstream over TCP. The sockets are bound with ``IP_FREEBIND``: the agent listens
+before Docker has made the bridge, and across the bridge's removal and making again.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from ipaddress import IPv4Address
 from pathlib import Path
+from typing import cast
 
 from slicebox.host.nft import RESOLVER_PORT
 
@@ -23,7 +26,8 @@ log = logging.getLogger(__name__)
 IN_FLIGHT = 256
 UPSTREAM_TIMEOUT = 3.0
 IP_FREEBIND = getattr(socket, "IP_FREEBIND", 15)  # Linux's value; Python does not name it
-Answer = Callable[[bytes, str], Awaitable[bytes | None]]
+TCP_IDLE = 10.0  # a TCP client silent this long is let go
+Answer = Callable[[bytes, str, bool], Awaitable[bytes | None]]  # (query, source, over TCP)
 
 
 def resolv_conf(path: Path = Path("/etc/resolv.conf")) -> tuple[IPv4Address, ...]:
@@ -59,27 +63,53 @@ class _Reply(asyncio.DatagramProtocol):
 class UdpUpstream:
     """Asks the upstream servers in turn, each from a fresh socket (a fresh source port)."""
 
-    def __init__(self, servers: tuple[IPv4Address, ...], timeout: float = UPSTREAM_TIMEOUT):
+    def __init__(
+        self,
+        servers: tuple[IPv4Address, ...],
+        timeout: float = UPSTREAM_TIMEOUT,
+        port: int = RESOLVER_PORT,
+    ) -> None:
         self._servers = servers
         self._timeout = timeout
+        self._port = port
 
-    async def ask(self, query: bytes) -> bytes:
+    async def ask(self, query: bytes, *, tcp: bool = False) -> bytes:
         if not self._servers:
             raise OSError("no upstream nameserver: set [egress] upstream in the config")
         failure: Exception = OSError("no upstream answered")
-        loop = asyncio.get_running_loop()
         for server in self._servers:
-            transport, protocol = await loop.create_datagram_endpoint(
-                _Reply, remote_addr=(str(server), RESOLVER_PORT)
-            )
             try:
-                transport.sendto(query)
-                return await asyncio.wait_for(protocol.answer, self._timeout)
-            except (OSError, TimeoutError) as exc:
+                ask = _ask_tcp if tcp else _ask_udp
+                return await asyncio.wait_for(ask(str(server), self._port, query), self._timeout)
+            except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
                 failure = exc
-            finally:
-                transport.close()
         raise failure
+
+
+async def _ask_udp(server: str, port: int, query: bytes) -> bytes:
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.create_datagram_endpoint(_Reply, remote_addr=(server, port))
+    try:
+        transport.sendto(query)
+        return await protocol.answer
+    finally:
+        transport.close()
+
+
+async def _ask_tcp(server: str, port: int, query: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection(server, port)
+    try:
+        writer.write(len(query).to_bytes(2, "big") + query)
+        await writer.drain()
+        return await _message(reader)
+    finally:
+        writer.close()
+
+
+async def _message(reader: asyncio.StreamReader) -> bytes:
+    """One length-prefixed DNS message of a TCP stream."""
+    size = int.from_bytes(await reader.readexactly(2), "big")
+    return await reader.readexactly(size)
 
 
 class _Serve(asyncio.DatagramProtocol):
@@ -89,8 +119,7 @@ class _Serve(asyncio.DatagramProtocol):
         self._tasks: set[asyncio.Task[None]] = set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.DatagramTransport)
-        self._transport = transport
+        self._transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
         if len(self._tasks) >= IN_FLIGHT:
@@ -101,7 +130,7 @@ class _Serve(asyncio.DatagramProtocol):
 
     async def _reply(self, data: bytes, addr: tuple[str | int, ...]) -> None:
         try:
-            answer = await self._answer(data, str(addr[0]))
+            answer = await self._answer(data, str(addr[0]), False)
         except Exception:
             log.exception("resolver: a query from %s failed", addr[0])
             return
@@ -112,17 +141,43 @@ class _Serve(asyncio.DatagramProtocol):
 async def serve_resolver(
     address: IPv4Address, answer: Answer, port: int = RESOLVER_PORT
 ) -> Callable[[], Awaitable[None]]:
-    """Listen on ``address``:``port``; returns what closes it."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.setsockopt(socket.SOL_IP, IP_FREEBIND, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((str(address), port))
+    """Listen on ``address``:``port``, UDP and TCP; returns what closes both."""
     transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
-        lambda: _Serve(answer), sock=sock
+        lambda: _Serve(answer), sock=_bound(socket.SOCK_DGRAM, address, port)
     )
+
+    async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = str(writer.get_extra_info("peername")[0])
+        try:
+            while True:
+                query = await asyncio.wait_for(_message(reader), TCP_IDLE)
+                reply = await answer(query, peer, True)
+                if reply is None:
+                    break
+                writer.write(len(reply).to_bytes(2, "big") + reply)
+                await writer.drain()
+        except (OSError, TimeoutError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    tcp = _bound(socket.SOCK_STREAM, address, port)
+    tcp.listen(64)
+    server = await asyncio.start_server(client, sock=tcp)
     log.info("resolver for egress sandboxes on %s:%d", address, port)
 
     async def close() -> None:
         transport.close()
+        server.close()
+        await server.wait_closed()
 
     return close
+
+
+def _bound(kind: socket.SocketKind, address: IPv4Address, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, kind)
+    sock.setsockopt(socket.SOL_IP, IP_FREEBIND, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((str(address), port))
+    sock.setblocking(False)
+    return sock

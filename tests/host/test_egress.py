@@ -105,6 +105,12 @@ def test_an_allowed_name_answers_and_other_names_do_not_resolve(
     agent: Client, boxes: dict[str, SandboxView]
 ) -> None:
     a = boxes["a"]
+    assert agent.get(a.id).egress == (
+        "pkgs.test",
+        "*.wild.test",
+        f"{w.LISTED}/32",
+        "port.test:8080",
+    )
     reached = fetch(agent, a, "http://pkgs.test:8000/")
     assert reached.exit_code == 0, reached.stdout
     assert f"hello from {w.PKGS}:8000" in reached.stdout

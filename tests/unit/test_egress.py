@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from slicebox.core.egress import BRIDGE, NETWORK, EgressGuard, Labelled
 from slicebox.core.sandboxes import SandboxManager
+from slicebox.core.service import view_of
 from slicebox.core.slices import SliceManager
 from slicebox.host import dnswire
 from slicebox.host.nft import Allowed, Firewall, key_of
@@ -542,6 +543,7 @@ def test_a_create_with_egress_is_placed_labelled_and_its_destroy_releases_it() -
     assert request.address is not None
     assert IPv4Address(request.address) in IPv4Network("10.213.0.0/16")
     assert box.lineage.egress == "pypi.org,10.20.0.0/16"
+    assert view_of(box).egress == ("pypi.org", "10.20.0.0/16")
     assert box.lineage.egress_address == request.address
     assert world.egress.api.table().maps["sandboxes"] == {
         request.address: {"jump": {"target": f"sb_{key_of(box.id)}"}}

@@ -84,6 +84,7 @@ def view_of(sandbox: Sandbox) -> SandboxView:
         limits=sandbox.limits,
         workspace_volume=lineage.workspace_volume,
         pool=sandbox.pool_state,
+        egress=tuple(entry for entry in lineage.egress.split(",") if entry),
     )
 
 

@@ -63,6 +63,8 @@ class SandboxView(Model):
     # "idle": a warm-pool member nobody acquired (listed, never usable, charged to no task);
     # "acquired": a member serving this sandbox's task; "": created cold.
     pool: str = ""
+    # What its network egress allows (its allow-list, normalised); empty: no egress.
+    egress: tuple[str, ...] = ()
 
 
 class Destroyed(Model):

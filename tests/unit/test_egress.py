@@ -305,8 +305,10 @@ class Zone:
 
 
 class Guarded:
-    def __init__(self, config: EgressConfig | None = None) -> None:
-        self.api = FakeNftApi()
+    """A guard over a fake table; given another's ``api``, an agent restarted on its kernel."""
+
+    def __init__(self, config: EgressConfig | None = None, api: FakeNftApi | None = None) -> None:
+        self.api = api or FakeNftApi()
         self.networks = Networks()
         self.zone = Zone(
             {
@@ -439,17 +441,7 @@ def test_sync_adopts_after_a_restart_releases_the_gone_and_collects_the_stale() 
     world = Guarded()
     before = world.guard.place("sbx-1", "alice", "web", ALLOW)
     world.guard.place("sbx-2", "alice", "web", ALLOW)
-    # A restarted agent: same kernel table, nothing in memory.
-    after = Guarded()
-    after.api = world.api
-    after.guard = EgressGuard(
-        EgressConfig(),
-        lambda gateway: Firewall(after.api, BRIDGE, gateway),
-        after.networks,
-        after.zone,
-        after.audited.append,
-        clock=lambda: after.now,
-    )
+    after = Guarded(api=world.api)  # same kernel table, nothing in memory
     # sbx-2's container went while the agent was down; sbx-3's rules were lost.
     found = [
         Labelled("sbx-1", "alice", "web", str(before.address), ",".join(ALLOW)),
@@ -490,15 +482,7 @@ def test_an_agent_that_never_saw_egress_makes_no_table() -> None:
 def test_rules_left_from_before_a_restart_go_when_no_sandbox_has_egress() -> None:
     world = Guarded()
     world.guard.place("sbx-1", "alice", "web", ALLOW)
-    after = Guarded()
-    after.api = world.api
-    after.guard = EgressGuard(
-        EgressConfig(),
-        lambda gateway: Firewall(after.api, BRIDGE, gateway),
-        after.networks,
-        after.zone,
-        after.audited.append,
-    )
+    after = Guarded(api=world.api)
     after.guard.sync([], observed_at=1.0, busy=frozenset())
     assert Firewall(world.api, BRIDGE, GATEWAY).sandbox_keys() == set()
     assert after.networks.made == [], "no network made for it"

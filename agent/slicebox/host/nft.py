@@ -114,10 +114,6 @@ class Firewall:
             *_base_chain("input", [resolver, [bridge, *guard]]),
         )
 
-    def remove_all(self) -> None:
-        """The whole table (tests, and a host giving up egress)."""
-        self._run({"delete": {"table": _obj({})}}, check=False)
-
     # --- one sandbox ------------------------------------------------------------------------
 
     def add_sandbox(self, sandbox_id: str, address: IPv4Address, allowed: Allowed) -> None:

@@ -26,6 +26,7 @@ from slicebox.model.base import Model
 from slicebox.model.exec import ExecRequest, ExecState, StreamChunk
 from slicebox.model.limits import Limits
 from slicebox.model.spec import Backend, Mount
+from slicebox.model.wasm import WasmRun
 
 # The default exec cwd (``ExecRequest.cwd``): every backend makes it exist and writable.
 WORKSPACE = "/workspace"
@@ -66,6 +67,7 @@ class SandboxRequest(Model):
     open_stdin: bool = False
     backend: Backend = Backend.DOCKER  # the kind that runs it (backends.router)
     allow_jit: bool = False  # native: no MemoryDenyWriteExecute (config native_allow_jit)
+    wasm: WasmRun | None = None  # backend wasm: the plugin its execs call (backends.wasm)
 
 
 class SandboxState(StrEnum):

@@ -49,6 +49,7 @@ from typing import Any, Protocol, TypeVar
 
 from pydantic import ConfigDict
 
+from slicebox.backends import wasm
 from slicebox.backends.base import (
     AsyncExecAttachment,
     Availability,
@@ -59,6 +60,8 @@ from slicebox.backends.base import (
     StdinSource,
     VolumeInfo,
 )
+from slicebox.backends.wasmrun import frame
+from slicebox.host.plugins import PluginStore
 from slicebox.host.systemd import ListedUnit, ServiceStatus
 from slicebox.model.base import Model
 from slicebox.model.errors import (
@@ -72,6 +75,7 @@ from slicebox.model.exec import ExecRequest, ExecState, OutputStream, StreamChun
 from slicebox.model.limits import INFINITY, Property, cpu_quota_usec
 from slicebox.model.names import escape, unescape
 from slicebox.model.spec import Backend
+from slicebox.model.wasm import WasmRun
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -161,19 +165,23 @@ class RunAs(Model):
     workspace: str = ""  # the host directory bound at /workspace; "": its runtime directory
     read_only: bool = False
     jit: bool = False  # writable+executable memory allowed (no MemoryDenyWriteExecute)
+    wasm: WasmRun | None = None  # a wasm sandbox: its execs call this plugin (backends.wasm)
 
 
 def run_as_of(request: SandboxRequest) -> RunAs:
     """A host workspace (the one bind a native sandbox takes) runs as the caller's ids."""
     binds = [m for m in request.mounts if m.target.rstrip("/") == WORKSPACE]
+    # Wasmtime compiles the module to machine code: its pages are made executable.
+    jit = request.allow_jit or request.wasm is not None
     if not binds:
-        return RunAs(jit=request.allow_jit)
+        return RunAs(jit=jit, wasm=request.wasm)
     bind = binds[0]
     return RunAs(
         user=request.user or "",
         workspace=bind.source,
         read_only=bind.read_only,
-        jit=request.allow_jit,
+        jit=jit,
+        wasm=request.wasm,
     )
 
 
@@ -258,9 +266,7 @@ def hardening(name: str, run_as: RunAs | None = None, *, anchor: bool = False) -
     for an exec unit in the guest)."""
     return {
         **identity(name, run_as or RunAs(), anchor=anchor),
-        "PrivateNetwork": True,
-        "IPAddressDeny": [(socket.AF_INET, [0] * 4, 0), (socket.AF_INET6, [0] * 16, 0)],
-        "RestrictAddressFamilies": (True, ["AF_UNIX"]),
+        **_network(run_as),
         "PrivateTmp": True,
         "PrivateDevices": True,
         "PrivateIPC": True,
@@ -294,6 +300,19 @@ def hardening(name: str, run_as: RunAs | None = None, *, anchor: bool = False) -
         "OOMPolicy": "continue",
         "KillMode": "control-group",
         "KillSignal": 9,
+    }
+
+
+def _network(run_as: RunAs | None) -> dict[str, Any]:
+    """No network at all; but a wasm sandbox with allowed hosts, whose plugin reaches them
+    through its runtime's HTTP call (the only network a plugin has, and the runtime refuses
+    every host not allowed), shares the host's."""
+    if run_as is not None and run_as.wasm is not None and run_as.wasm.allowed_hosts:
+        return {"RestrictAddressFamilies": (True, ["AF_UNIX", "AF_INET", "AF_INET6"])}
+    return {
+        "PrivateNetwork": True,
+        "IPAddressDeny": [(socket.AF_INET, [0] * 4, 0), (socket.AF_INET6, [0] * 16, 0)],
+        "RestrictAddressFamilies": (True, ["AF_UNIX"]),
     }
 
 
@@ -348,8 +367,11 @@ class NativeBackend:
         env_dir: Path = ENV_DIR,
         which: Callable[[str], str | None] = shutil.which,
         workers: int = 4,
+        plugins: PluginStore | None = None,
     ) -> None:
         self._systemd = systemd
+        self.plugins = plugins or PluginStore()
+        self._wasm_execs: set[str] = set()  # started wasm calls, whose exit status is a verdict
         self._env_dir = env_dir
         self._which = which
         self._pending: dict[str, tuple[str, ExecRequest]] = {}  # created, not started
@@ -530,6 +552,8 @@ class NativeBackend:
         self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
     ) -> str:
         self.sandbox_pid(backend_id)  # SandboxNotFound / SandboxNotRunning, as Docker's
+        if self._run_as_of(backend_id).wasm is not None:
+            wasm.function_of(request)  # wasm_invalid before anything starts
         name = sandbox_name(backend_id)
         exec_id = f"{EXEC_PREFIX}{name}-{secrets.token_hex(6)}.service"
         with self._lock:
@@ -548,6 +572,7 @@ class NativeBackend:
         with self._lock:
             backend_id, request = self._pending.pop(exec_id)
         name = sandbox_name(backend_id)
+        stdin = stdin or self._run_as_of(backend_id).wasm is not None
         ours: list[int] = []
         theirs: list[int] = []
         try:
@@ -578,15 +603,22 @@ class NativeBackend:
     def _exec_properties(
         self, exec_id: str, backend_id: str, name: str, request: ExecRequest
     ) -> dict[str, Any]:
-        argv = (SHELL, "-c", EXEC_WRAPPER, "sh", request.cwd, *request.argv)
+        run_as = self._run_as_of(backend_id)
+        argv: Sequence[str] = (SHELL, "-c", EXEC_WRAPPER, "sh", request.cwd, *request.argv)
+        environment = [f"PATH={DEFAULT_PATH}", f"HOME={WORKSPACE}"]
+        if run_as.wasm is not None:  # the worker calls the plugin (backends.wasmrun)
+            argv = wasm.worker_argv(run_as.wasm, request)
+            environment.append(f"PYTHONPATH={wasm.python_path()}")
+            with self._lock:
+                self._wasm_execs.add(exec_id)
         return {
-            **hardening(name, self._run_as_of(backend_id)),
+            **hardening(name, run_as),
             "Description": f"slicebox exec in {name}",
             "Slice": backend_id,
             "Type": "exec",
             "JoinsNamespaceOf": [anchor_unit(name)],
             "ExecStart": [(argv[0], list(argv), False)],
-            "Environment": [f"PATH={DEFAULT_PATH}", f"HOME={WORKSPACE}"],
+            "Environment": environment,
             "EnvironmentFiles": [
                 (str(self._env_file(name)), True),
                 (str(self._exec_env_file(exec_id)), True),
@@ -613,7 +645,20 @@ class NativeBackend:
     def _write_exec_env(self, exec_id: str, env: Mapping[str, str]) -> None:
         self._write_env_file(self._exec_env_file(exec_id), env)
 
+    def _framed(self, exec_id: str, stdin: bytes | StdinSource) -> bytes | StdinSource:
+        """A wasm call's stdin: its plugin's frame, then the input."""
+        with self._lock:
+            backend_id = self._pending[exec_id][0]
+        run = self._run_as_of(backend_id).wasm
+        if run is None:
+            return stdin
+        head = frame(self.plugins.get(run.sha256))
+        return head + stdin if isinstance(stdin, bytes) else _Prefixed(head, stdin)
+
     def exec_start(self, exec_id: str, stdin: bytes) -> ExecAttachment:
+        framed = self._framed(exec_id, stdin)
+        assert isinstance(framed, bytes)
+        stdin = framed
         stdin_fd, out_fd, err_fd = self._start(exec_id, bool(stdin))
         if stdin_fd is not None:
             threading.Thread(
@@ -624,6 +669,7 @@ class NativeBackend:
     async def exec_start_async(
         self, exec_id: str, stdin: bytes | StdinSource
     ) -> AsyncExecAttachment:
+        stdin = await self._off_loop(self._framed, exec_id, stdin)
         wants_stdin = not isinstance(stdin, bytes) or bool(stdin)
         stdin_fd, out_fd, err_fd = await self._off_loop(self._start, exec_id, wants_stdin)
         pipes = _AsyncPipes(asyncio.get_running_loop(), out_fd, err_fd)
@@ -643,7 +689,10 @@ class NativeBackend:
             return self._end(exec_id, ExecState(pid=0, running=False, exit_code=0))
         if not status.exited:
             return ExecState(pid=status.main_pid, running=True, exit_code=None)
-        state = ExecState(pid=0, running=False, exit_code=exit_code_of(status))
+        with self._lock:
+            called = exec_id in self._wasm_execs
+        said = wasm.verdict(status.status) if called and status.code == CLD_EXITED else None
+        state = ExecState(pid=0, running=False, exit_code=exit_code_of(status), verdict=said)
         self._systemd.reset_failed(exec_id)
         return self._end(exec_id, state)
 
@@ -668,6 +717,7 @@ class NativeBackend:
     def _end(self, exec_id: str, state: ExecState) -> ExecState:
         self._exec_env_file(exec_id).unlink(missing_ok=True)
         with self._lock:
+            self._wasm_execs.discard(exec_id)
             self._ended[exec_id] = state
             while len(self._ended) > 1024:  # what an inspect soon after the end asks
                 del self._ended[next(iter(self._ended))]
@@ -692,6 +742,20 @@ def _write_all(fd: int, data: bytes) -> None:
         pass
     finally:
         os.close(fd)
+
+
+class _Prefixed:
+    """A :class:`StdinSource` with ``head`` before what ``source`` gives."""
+
+    def __init__(self, head: bytes, source: StdinSource) -> None:
+        self._head: bytes | None = head
+        self._source = source
+
+    async def read(self) -> bytes:
+        if self._head is not None:
+            head, self._head = self._head, None
+            return head
+        return await self._source.read()
 
 
 class _BlockingPipes:

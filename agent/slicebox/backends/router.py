@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+from slicebox.backends import wasm
 from slicebox.backends.base import (
     AsyncExecAttachment,
     Availability,
@@ -66,6 +67,7 @@ class Backends:
         found = [self._available(Backend.DOCKER, fresh=True)]
         if self.native is not None:
             found.append(self._available(Backend.NATIVE, fresh=True))
+            found.append(self._available(Backend.WASM, fresh=True))
         return found
 
     def resolve(self, kind: Backend, *, fallback: bool) -> Backend:
@@ -90,15 +92,19 @@ class Backends:
         )
 
     def _available(self, kind: Backend, *, fresh: bool = False) -> Availability:
-        if kind is Backend.NATIVE and self.native is None:
+        if kind is not Backend.DOCKER and self.native is None:
             return Availability(kind=kind, available=False, detail="not enabled on this agent")
         with self._lock:
             kept = self._known.get(kind)
         if kept is not None and not fresh and self._clock() - kept[0] < AVAILABILITY_TTL:
             return kept[1]
-        backend = self.docker if kind is Backend.DOCKER else self.native
-        assert backend is not None
-        answer = backend.availability()
+        if kind is Backend.DOCKER:
+            answer = self.docker.availability()
+        else:
+            assert self.native is not None
+            answer = self.native.availability()
+            if kind is Backend.WASM:  # a wasm sandbox is a native one running the worker
+                answer = wasm.availability(answer)
         with self._lock:
             self._known[kind] = (self._clock(), answer)
         return answer
@@ -116,7 +122,7 @@ class Backends:
         self.docker.prepare(image)
 
     def create(self, request: SandboxRequest) -> SandboxInfo:
-        if request.backend is Backend.NATIVE:
+        if request.backend in (Backend.NATIVE, Backend.WASM):
             return self._native().create(request)
         try:
             return self.docker.create(request)

@@ -200,6 +200,24 @@ def check_native(host: Host) -> Check:
     )
 
 
+def check_wasm(host: Host) -> Check:
+    """The wasm backend: optional (slicebox[wasm]); where the native backend runs and the
+    Extism SDK imports, it runs plugins. Without the SDK it is skipped, not failed."""
+    from slicebox.backends import wasm
+
+    answer = wasm.availability(host.native())
+    if answer.available:
+        return passed("wasm backend", answer.detail)
+    if "slicebox[wasm]" in answer.detail:
+        return Check(
+            name="wasm backend",
+            state=State.SKIP,
+            detail="not installed (optional)",
+            fix="pip install extism (slicebox[wasm]) for the agent's Python to run plugins",
+        )
+    return verdict("wasm backend", False, answer.detail, "it runs where the native backend does")
+
+
 BIND_ROOTS_FIX = (
     "make each bind root and every directory above it owned by root and writable by nobody "
     "else (chown root: DIR; chmod go-w DIR); below a root with {user}, each user's own "
@@ -257,6 +275,7 @@ CHECKS: tuple[Callable[[Host], Check], ...] = (
     check_controllers,
     check_docker,
     check_native,
+    check_wasm,
     check_agent,
     check_bind_roots,
 )

@@ -9,6 +9,7 @@ command wrote it, as it is produced; stdin (when it is not a terminal) is sent a
 from __future__ import annotations
 
 import argparse
+import base64
 import os
 import sys
 import time
@@ -57,10 +58,21 @@ def _sandbox_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--backend",
-        choices=("docker", "native"),
-        help="docker (default; native when Docker is unavailable and the agent allows it) or "
-        "native (systemd units on the host, no image)",
+        choices=("docker", "native", "wasm", "daytona"),
+        help="docker (default; native when Docker is unavailable and the agent allows it), "
+        "native (systemd units on the host, no image), wasm (an Extism plugin: --plugin) or "
+        "daytona (a remote sandbox on the agent's Daytona API)",
     )
+    plugin = parser.add_mutually_exclusive_group()
+    plugin.add_argument(
+        "--plugin", metavar="FILE", help="wasm: a .wasm file of yours, uploaded with the request"
+    )
+    plugin.add_argument(
+        "--plugin-path",
+        metavar="PATH",
+        help="wasm: a .wasm file under your bind roots, on the host",
+    )
+    plugin.add_argument("--plugin-sha256", metavar="SHA", help="wasm: a plugin the agent holds")
     parser.add_argument("--ttl", type=int, help="seconds until the reaper destroys it")
     parser.add_argument("--root-task", help="root task id (lineage)")
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE, repeatable")
@@ -139,6 +151,11 @@ def _credentials(options: argparse.Namespace) -> dict[str, object] | None:
 
 def _exec_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, help="seconds before the command is killed")
+    parser.add_argument(
+        "--function",
+        metavar="NAME",
+        help="wasm: the plugin's function to call; the words after -- (or stdin) its input",
+    )
     parser.add_argument("--cwd", help="working directory (default /workspace)")
     parser.add_argument(
         "--output-cap",
@@ -217,7 +234,8 @@ def _spec(options: argparse.Namespace) -> CreateSandbox:
         "cpus": options.cpus,
         "pids": options.pids,
         "network": {"egress": {"allow": options.allow}} if options.allow else options.network,
-        "backend": options.backend,
+        "backend": options.backend or ("wasm" if _plugin(options) else None),
+        "wasm": _plugin(options),
         "ttl_seconds": options.ttl,
         "root_task_id": options.root_task,
         "env": _env(options.env) or None,
@@ -229,6 +247,23 @@ def _spec(options: argparse.Namespace) -> CreateSandbox:
     return _parse(CreateSandbox, fields)
 
 
+def _plugin(options: argparse.Namespace) -> dict[str, str] | None:
+    """A wasm sandbox's plugin: a file of the caller's is read here, as they can, and sent."""
+    if options.plugin:
+        try:
+            module = Path(options.plugin).read_bytes()
+        except OSError as exc:
+            raise InvalidRequest(
+                f"--plugin {options.plugin}: {exc.strerror}", field="wasm.module"
+            ) from exc
+        return {"module": base64.b64encode(module).decode()}
+    if options.plugin_path:
+        return {"path": options.plugin_path}
+    if options.plugin_sha256:
+        return {"sha256": options.plugin_sha256}
+    return None
+
+
 def _stdin() -> bytes | None:
     stream = sys.stdin
     if stream is None or stream.isatty():
@@ -238,9 +273,12 @@ def _stdin() -> bytes | None:
 
 def _exec_request(options: argparse.Namespace) -> ExecRequest:
     argv = options.argv[1:] if options.argv[:1] == ["--"] else options.argv
+    stdin = None
+    if getattr(options, "function", None):  # a plugin call: the words are its input
+        argv, stdin = [options.function], " ".join(argv).encode() if argv else None
     fields: dict[str, object] = {
         "argv": argv,
-        "stdin": _stdin(),
+        "stdin": stdin if stdin is not None else _stdin(),
         "timeout": options.timeout,
         "cwd": options.cwd,
         "output_cap": options.output_cap,

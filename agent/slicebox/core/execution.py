@@ -157,6 +157,7 @@ class _Run:
     deadline: float
     timed_out: bool = False
     finished: bool = False
+    verdict: str | None = None  # the backend's word on how it ended (ExecState.verdict)
 
 
 @dataclass(frozen=True)
@@ -352,8 +353,8 @@ class ExecEngine:
         oom_after = await io.call(functools.partial(self._host.oom_kills, run.cgroup))
         result = capture.result(
             exit_code=exit_code,
-            timed_out=run.timed_out,
-            oom_killed=_grew(run.oom_before, oom_after),
+            timed_out=run.timed_out or run.verdict == "timeout",
+            oom_killed=_grew(run.oom_before, oom_after) or run.verdict == "oom",
             duration=self._clock() - run.started,
         )
         return explain_start_failure(result)
@@ -414,6 +415,7 @@ class ExecEngine:
         if state.exit_code is None:
             log.warning("exec %s: no exit code from Docker", run.exec_id)
             return -1
+        run.verdict = state.verdict
         return state.exit_code
 
     async def _inspect(self, run: _Run, io: _Io) -> ExecState:

@@ -52,6 +52,7 @@ from slicebox.core.policy import (
 from slicebox.core.recent import Recent
 from slicebox.core.slices import SliceManager
 from slicebox.host.beneath import BindGuard, KernelBindGuard, Pinned
+from slicebox.host.plugins import read_plugin
 from slicebox.model.base import Model
 from slicebox.model.config import Config
 from slicebox.model.egress import NetworkSpec
@@ -78,12 +79,15 @@ from slicebox.model.names import SliceCgroups, SliceNames, scope_name, slice_nam
 from slicebox.model.paths import CGROUP_ROOT
 from slicebox.model.pool import Lease
 from slicebox.model.spec import Backend, Mount, MountKind, SandboxSpec, WorkspaceKind
+from slicebox.model.wasm import WasmRun, allowed_hosts, max_pages_for
 
 log = logging.getLogger(__name__)
 
 
 # A sandbox without a command of its own stays up for execs, as the seeds' pool containers do.
 KEEP_ALIVE = ("sleep", "infinity")
+# The backends that run the host's own programs (a wasm sandbox's worker among them): no image.
+NO_IMAGE = (Backend.NATIVE, Backend.WASM)
 # Images a create of this agent found present, the most recently used kept: a create with one
 # of them does not ask the backend about the image first (see ``SandboxManager._start``).
 KNOWN_IMAGES = 64
@@ -343,7 +347,8 @@ class SandboxManager:
         admitted, pinned = self._pin_binds(admitted)
         lineage = self._lineage(admitted, one_shot=one_shot, pool_key=pool_key)
         # A native sandbox runs the host's programs: it has no image to look for.
-        known = spec.backend is Backend.NATIVE or self._image_known(admitted.image)
+        known = spec.backend in NO_IMAGE or self._image_known(admitted.image)
+        plugin = self._plugin(admitted, owner)
         if not known:  # an image that cannot be had is refused before anything exists
             self._backend.prepare(admitted.image)
         with self._creating(lineage, hold=one_shot or bool(pool_key)):
@@ -356,6 +361,8 @@ class SandboxManager:
                 fresh = self._ensure_volume(admitted.spec, lineage)
                 self._write_credentials(admitted.spec, lineage.sandbox_id)
                 request = _request(admitted, lineage, self._credentials(), self._config, placed)
+                if plugin is not None:
+                    request = request.model_copy(update={"wasm": plugin})
                 info = self._start(request, image_known=known)
             except BaseException:
                 self._release_egress(placed, lineage.sandbox_id)
@@ -447,6 +454,38 @@ class SandboxManager:
             return int(uid), int(gid)
         return entry.pw_uid, entry.pw_gid
 
+    def _plugin(self, admitted: Admitted, owner: tuple[int, int] | None) -> WasmRun | None:
+        """A wasm sandbox's plugin, held by the agent's store before anything is made: read
+        from the caller's roots, or uploaded, or one the store holds; with its limits."""
+        spec = admitted.spec
+        if spec.backend is not Backend.WASM or spec.wasm is None:
+            return None
+        backend = self._backend
+        if not isinstance(backend, Backends) or backend.native is None:
+            raise Unavailable("the wasm backend is not enabled", code="backend_unavailable")
+        store = backend.native.plugins
+        wanted = spec.wasm
+        if wanted.sha256 is not None:
+            if not store.has(wanted.sha256):
+                store.get(wanted.sha256)  # wasm_not_found, with what to do
+            sha = wanted.sha256
+        elif wanted.module is not None:
+            try:
+                module = wanted.module_bytes()
+            except ValueError as exc:
+                raise InvalidRequest(str(exc), code="wasm_invalid", field="wasm.module") from exc
+            sha = store.put(module)
+        else:
+            assert wanted.path is not None
+            uid, gid = owner or self._owner_ids(spec.user)
+            roots = self._config.bind_roots_for(spec.user)
+            sha = store.put(read_plugin(wanted.path, roots, uid, {gid}))
+        return WasmRun(
+            sha256=sha,
+            max_pages=max_pages_for(admitted.limits.memory_bytes),
+            allowed_hosts=_plugin_hosts(spec),
+        )
+
     def _check_volume_mounts(self, spec: SandboxSpec) -> None:
         """A volume in ``mounts`` is one of the caller's own workspace volumes, never another
         user's, nor one slicebox did not make, nor a missing one (Docker would make it)."""
@@ -531,7 +570,7 @@ class SandboxManager:
         (host.beneath.verify), its uid is not 0 unless allowed (a user name can map to 0 in
         the image's passwd), and a volume made for it and its credentials belong to that
         uid."""
-        if spec.backend is Backend.NATIVE:
+        if spec.backend in NO_IMAGE:
             # Its own dynamic user, or the caller's with a host workspace: no volume and no
             # credentials to give; the workspace is what was pinned, seen by its anchor.
             if pinned:
@@ -695,7 +734,8 @@ class SandboxManager:
             log.info("removed workspace volume %s with its root task", name)
 
     def _place_egress(self, spec: SandboxSpec, sandbox_id: str) -> Placement | None:
-        if not isinstance(spec.network, NetworkSpec):
+        # A wasm plugin's hosts are its runtime's allowed_hosts (backends.wasm), not rules.
+        if not isinstance(spec.network, NetworkSpec) or spec.backend is Backend.WASM:
             return None
         if self._egress is None:
             raise Unavailable(
@@ -901,6 +941,8 @@ class SandboxManager:
         kind = backend.resolve(spec.backend, fallback=fallback)
         if kind is Backend.NATIVE:
             _check_native(spec, pool_key)
+        if kind is Backend.WASM:
+            _check_native(spec, pool_key, network=not isinstance(spec.network, NetworkSpec))
         return spec if kind is spec.backend else spec.model_copy(update={"backend": kind})
 
     def _ensure_slices(self, admitted: Admitted, sandbox_id: str) -> list[str]:
@@ -962,10 +1004,12 @@ def _waits(spec: SandboxSpec, *, one_shot: bool, pool_key: str) -> bool:
     return spec.command is None and (one_shot or (bool(pool_key) and not spec.reuse))
 
 
-def _check_native(spec: SandboxSpec, pool_key: str) -> None:
-    """Refuse, before anything is made, what a native sandbox cannot give."""
+def _check_native(spec: SandboxSpec, pool_key: str, *, network: bool = True) -> None:
+    """Refuse, before anything is made, what a native sandbox cannot give (a wasm sandbox is
+    one, whose plugin may reach the hosts of an egress allow-list: ``network`` False)."""
+    kind = spec.backend.value
     asked = [
-        ("network", spec.network != "none"),
+        ("network", network and spec.network != "none"),
         ("mounts", bool(spec.mounts)),
         # A host workspace is one: its units run as the caller, with it at /workspace.
         ("workspace", spec.workspace is not None and spec.workspace.kind is not WorkspaceKind.HOST),
@@ -980,12 +1024,22 @@ def _check_native(spec: SandboxSpec, pool_key: str) -> None:
     refused = [name for name, wanted in asked if wanted]
     if refused:
         raise InvalidRequest(
-            f"a native sandbox cannot give {', '.join(refused)}: it runs the host's own "
+            f"a {kind} sandbox cannot give {', '.join(refused)}: it runs the host's own "
             "programs with no network, no mount and no capability; leave these out or ask for "
             "backend docker",
             code="backend_unsupported",
             field=refused[0],
         )
+
+
+def _plugin_hosts(spec: SandboxSpec) -> tuple[str, ...]:
+    """A wasm sandbox's egress allow-list as its plugin's allowed hosts."""
+    if not isinstance(spec.network, NetworkSpec):
+        return ()
+    try:
+        return allowed_hosts(spec.network.egress.entries())
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), code="backend_unsupported", field="network") from exc
 
 
 def _command(spec: SandboxSpec, lineage: Lineage) -> tuple[str, ...]:

@@ -349,6 +349,21 @@ CODES: tuple[ErrorCode, ...] = (
         "Leave the field the message names out, or ask for `backend: docker`.",
     ),
     _c(
+        "wasm_invalid",
+        400,
+        "A wasm sandbox's plugin is not a WebAssembly binary, is over 64 MiB or is not a "
+        "regular file, or an exec in it does not name one exported function.",
+        "Compile the plugin (wat2wasm for text) and give argv as [function]; the input is the "
+        "exec's stdin.",
+    ),
+    _c(
+        "wasm_not_found",
+        404,
+        "A wasm sandbox names its plugin by a sha256 the agent does not hold (never uploaded, "
+        "or evicted from its cache).",
+        "Upload the plugin (`module`) or name its path instead.",
+    ),
+    _c(
         "docker_host_unsupported",
         503,
         "The agent's DOCKER_HOST is neither unix:///path nor tcp://host:port.",

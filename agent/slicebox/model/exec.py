@@ -146,6 +146,9 @@ class ExecState(Model):
     pid: int
     running: bool
     exit_code: int | None
+    # What the backend knows of how it ended beyond its code: "timeout" or "oom" (a wasm
+    # call's runtime stopped it), None otherwise.
+    verdict: str | None = None
 
 
 ExecEvent = StreamChunk | ExecResult

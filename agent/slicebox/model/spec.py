@@ -26,6 +26,7 @@ from pydantic import (
 from slicebox.model.base import Model
 from slicebox.model.egress import NetworkSpec
 from slicebox.model.validation import refusal
+from slicebox.model.wasm import WasmSpec
 
 # The serialization context under which a dump carries secrets: a client's request body only.
 SEND_SECRETS = {"send_secrets": True}
@@ -45,6 +46,8 @@ VolumeName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.]{0,63}$")]
 class Backend(StrEnum):
     DOCKER = "docker"
     NATIVE = "native"  # a systemd slice of transient services on the host (backends.native)
+    WASM = "wasm"  # Extism WebAssembly plugins in a native sandbox's slice (backends.wasm)
+    DAYTONA = "daytona"  # a remote sandbox on a Daytona API (backends.daytona)
 
 
 class MountKind(StrEnum):
@@ -187,10 +190,21 @@ class SandboxSpec(Model):
     root_task_id: Id | None = None
     parent_id: Id | None = None
     backend: Backend = Backend.DOCKER
+    # backend wasm: the Extism plugin its execs call (model.wasm); only with that backend.
+    wasm: WasmSpec | None = None
     # Opt in to a reused warm-pool member (a ``[[pool]]`` with ``reuse = true``): one a run
     # before used, its processes killed and scratch places emptied at its release
     # (core.poolreset). Without it a request only ever gets a container nothing ran in.
     reuse: bool = False
+
+    @model_validator(mode="after")
+    def _plugin(self) -> SandboxSpec:
+        if (self.backend is Backend.WASM) != (self.wasm is not None):
+            raise ValueError(
+                'backend wasm takes its plugin in \'wasm\' ({"path": ...}, {"module": '
+                'base64} or {"sha256": ...}), and only that backend takes one'
+            )
+        return self
 
 
 def parse_spec(data: Mapping[str, object]) -> SandboxSpec:

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Runs on the build machine with the guest's root file system as $1 (mmdebstrap customize hook).
-# Environment: KEY_PUB (the rig's ssh public key).
+# Environment: KEY_PUB (the rig's ssh public key), WHEELHOUSE (image/wheels.txt's wheels).
 set -euo pipefail
 root=$1
 
@@ -86,6 +86,18 @@ ExecStart=/usr/local/sbin/rig-sealed-runc
 WantedBy=multi-user.target
 UNIT
 chroot "$root" systemctl enable rig-sealed-runc.service
+
+# The wheels of image/wheels.txt, unpacked as pip would install them (a wheel is a zip).
+site=$(ls -d "$root"/usr/lib/python3.*/ | head -n1)
+site="$root/usr/local/lib/$(basename "$site")/dist-packages"
+mkdir -p "$site"
+while read -r spec; do
+    case $spec in ''|'#'*) continue ;; esac
+    name=${spec%%==*}; version=${spec#*==}
+    wheel=$(ls "$WHEELHOUSE"/"${name//-/_}"-"$version"-*.whl | head -n1)
+    python3 -m zipfile -e "$wheel" "$site"
+done < "$(dirname "$0")/wheels.txt"
+chmod -R a+rX "$site"
 
 # The checkout's agent/ is importable as the installed project (the rig adds the scripts).
 py=$(ls -d "$root"/usr/lib/python3/dist-packages)

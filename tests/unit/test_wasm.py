@@ -1,0 +1,386 @@
+"""The wasm backend's logic: the worker calling real Extism plugins (the project's own, built
+from WebAssembly text with wat2wasm), the plugin store, the read beneath a caller's roots, and
+a wasm sandbox made through the agent's create path on a fake systemd that runs each exec's
+unit command for real with the pipes it was given (the real host: ``tests/host/test_wasm.py``).
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pytest
+
+from slicebox.backends.base import Availability
+from slicebox.backends.native import NativeBackend, run_as_described
+from slicebox.backends.router import Backends
+from slicebox.backends.wasm import availability, function_of, verdict
+from slicebox.backends.wasmrun import EXIT_NO_FUNCTION, call, frame, read_frame
+from slicebox.core.sandboxes import SandboxManager
+from slicebox.core.slices import SliceManager
+from slicebox.host.plugins import PluginStore, read_plugin
+from slicebox.host.systemd import ServiceStatus
+from slicebox.model.config import parse_config
+from slicebox.model.errors import InvalidRequest, NotFound, PolicyViolation
+from slicebox.model.exec import ExecRequest, ExecState, OutputStream
+from slicebox.model.spec import Backend, SandboxSpec, parse_spec
+from slicebox.model.wasm import EXIT_OOM, EXIT_TIMEOUT, WasmSpec, digest, max_pages_for
+from tests.fakes.docker import FakeDocker
+from tests.fakes.native import FakeNativeSystemd
+from tests.wasm.build import TOOLKIT, build
+
+MiB = 1024 * 1024
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+
+
+@pytest.fixture(scope="module")
+def toolkit(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    return build(TOOLKIT, tmp_path_factory.mktemp("wasm")).read_bytes()
+
+
+def run(module: bytes, function: str, data: bytes = b"", **limits: Any) -> tuple[int, bytes, str]:
+    settings: dict[str, Any] = {"max_pages": 64, "timeout_ms": 2000, "hosts": []} | limits
+    return call(module, function, data, **settings)
+
+
+# --- the worker, on real Extism ----------------------------------------------------------------
+
+
+def test_echo_and_count_give_exact_output(toolkit: bytes) -> None:
+    assert run(toolkit, "echo", b"hello \x00 world\n") == (0, b"hello \x00 world\n", "")
+    assert run(toolkit, "echo") == (0, b"", "")
+    assert run(toolkit, "count_vowels", b"Hello World, AEIOU") == (0, b"8", "")
+    assert run(toolkit, "count_vowels", b"xyz") == (0, b"0", "")
+    assert run(toolkit, "count_vowels", b"a" * 1234) == (0, b"1234", "")
+
+
+def test_a_loop_is_stopped_at_its_timeout(toolkit: bytes) -> None:
+    status, output, message = run(toolkit, "spin", timeout_ms=300)
+    assert (status, output) == (EXIT_TIMEOUT, b"")
+    assert "300 ms" in message
+
+
+def test_a_memory_grower_is_stopped_at_its_pages(toolkit: bytes) -> None:
+    status, _, message = run(toolkit, "grow", max_pages=32)
+    assert status == EXIT_OOM
+    assert "32 pages" in message
+
+
+def test_a_missing_function_and_a_host_not_allowed_fail(toolkit: bytes) -> None:
+    assert run(toolkit, "nope")[0] == EXIT_NO_FUNCTION
+    # No host allowed: the runtime refuses the call before any connection is tried.
+    status, output, message = run(toolkit, "http_get", b"http://sbx-unlisted.invalid/")
+    assert (status, output) == (1, b"")
+    assert message.startswith("the call failed")
+
+
+def test_the_worker_reads_its_plugin_framed_ahead_of_the_input(toolkit: bytes) -> None:
+    argv = [sys.executable, "-m", "slicebox.backends.wasmrun", "--function", "echo"]
+    argv += ["--timeout-ms", "2000", "--max-pages", "16"]
+    done = subprocess.run(argv, input=frame(toolkit) + b"in", capture_output=True, check=False)
+    assert (done.returncode, done.stdout, done.stderr) == (0, b"in", b"")
+    bad = subprocess.run(argv, input=b"\0asm", capture_output=True, check=False)
+    assert bad.returncode == 2
+    assert b"plugin frame" in bad.stderr
+
+
+def test_a_short_frame_is_refused(tmp_path: Path) -> None:
+    source = tmp_path / "in"
+    source.write_bytes(frame(b"abcdef")[:-2])
+    with source.open("rb") as stream, pytest.raises(ValueError, match="ends early"):
+        read_frame(stream)
+    assert True  # main is the module's entry (run above)
+
+
+# --- the spec, the store, and a plugin read beneath a root ------------------------------------
+
+
+def test_the_plugin_is_given_one_way_and_only_to_backend_wasm() -> None:
+    good = {"user": "u", "project": "p", "backend": "wasm", "wasm": {"sha256": "a" * 64}}
+    assert parse_spec(good).wasm == WasmSpec(sha256="a" * 64)
+    for wasm in ({}, {"sha256": "a" * 64, "path": "/x.wasm"}, {"path": "rel.wasm"}):
+        with pytest.raises(InvalidRequest):
+            parse_spec(good | {"wasm": wasm})
+    with pytest.raises(InvalidRequest, match="backend wasm"):
+        parse_spec({"user": "u", "project": "p", "backend": "wasm"})
+    with pytest.raises(InvalidRequest, match="backend wasm"):
+        parse_spec({"user": "u", "project": "p", "wasm": {"sha256": "a" * 64}})
+
+
+def test_pages_follow_the_memory_limit() -> None:
+    assert max_pages_for(128 * MiB) == 2048
+    assert max_pages_for(1000) == 1
+    assert max_pages_for(None) == 65536
+    assert max_pages_for(64 * 1024 * MiB) == 65536
+
+
+def test_the_store_keeps_modules_by_sha_and_evicts_the_least_recent(
+    tmp_path: Path, toolkit: bytes
+) -> None:
+    store = PluginStore(tmp_path / "store", limit=3 * len(toolkit) + 10)
+    first = store.put(toolkit)
+    assert first == digest(toolkit)
+    assert store.get(first) == toolkit
+    assert store.put(toolkit) == first, "a second upload is the same module"
+    assert (tmp_path / "store").stat().st_mode & 0o777 == 0o700
+    others = [toolkit + bytes([n]) for n in range(4)]  # trailing bytes: other modules
+    os.utime(store.path(first), (1, 1))
+    made = [store.put(module, keep={first}) for module in others]
+    assert first in store.held(), "one in use is never evicted"
+    assert len(store.held()) == 3
+    assert made[-1] in store.held()
+    with pytest.raises(NotFound) as missing:
+        store.get("b" * 64)
+    assert missing.value.code == "wasm_not_found"
+    with pytest.raises(InvalidRequest) as invalid:
+        store.put(b"#!/bin/sh\n")
+    assert invalid.value.code == "wasm_invalid"
+
+
+def test_a_plugin_path_is_read_beneath_the_caller_s_root_as_they_could(
+    tmp_path: Path, toolkit: bytes
+) -> None:
+    root = tmp_path / "ws" / "alice"
+    root.mkdir(parents=True)
+    plugin = root / "p.wasm"
+    plugin.write_bytes(toolkit)
+    plugin.chmod(0o600)
+    roots = (PurePosixPath(root),)
+    me = os.getuid()
+    assert read_plugin(str(plugin), roots, me, set()) == toolkit
+    with pytest.raises(PolicyViolation, match="not readable"):
+        read_plugin(str(plugin), roots, me + 1, set())
+    plugin.chmod(0o644)
+    assert read_plugin(str(plugin), roots, me + 1, set()) == toolkit
+    (root / "link.wasm").symlink_to(plugin)
+    with pytest.raises(PolicyViolation, match="symlink"):
+        read_plugin(str(root / "link.wasm"), roots, me, set())
+    with pytest.raises(PolicyViolation, match="outside"):
+        read_plugin(str(tmp_path / "elsewhere.wasm"), roots, me, set())
+    (root / "dir.wasm").mkdir()
+    with pytest.raises(InvalidRequest, match="regular file"):
+        read_plugin(str(root / "dir.wasm"), roots, me, set())
+
+
+# --- through the agent's create path, on a systemd that runs the exec ------------------------
+
+
+class RunningSystemd(FakeNativeSystemd):
+    """The fake systemd, but an exec's unit runs its command for real, with the stdin, stdout
+    and stderr descriptors it was given and its Environment, and ends with its exit status (as
+    a finished unit does: gone when it exited 0, failed with its status otherwise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start_service(self, unit: str, properties: Mapping[str, Any], *, wait: bool) -> None:
+        super().start_service(unit, properties, wait=wait)
+        if not unit.startswith("slicebox-exec-"):
+            return
+        argv = properties["ExecStart"][0][1]
+        env = dict(line.split("=", 1) for line in properties["Environment"])
+        process = subprocess.Popen(
+            argv,
+            stdin=properties.get("StandardInputFileDescriptor", subprocess.DEVNULL),
+            stdout=properties["StandardOutputFileDescriptor"],
+            stderr=properties["StandardErrorFileDescriptor"],
+            env=env,
+        )
+        self.processes[unit] = process
+        threading.Thread(target=self._reap, args=(unit, process), daemon=True).start()
+
+    def _reap(self, unit: str, process: subprocess.Popen[bytes]) -> None:
+        code = process.wait()
+        status = ServiceStatus(
+            active_state="failed",
+            sub_state="failed",
+            result="exit-code",
+            main_pid=0,
+            exited=True,
+            code=1,
+            status=code,
+        )
+        self.end(unit, None if code == 0 else status)
+
+
+class Host:
+    def __init__(self, tmp_path: Path, config: str = "") -> None:
+        self.systemd = RunningSystemd()
+        self.native = NativeBackend(
+            self.systemd,
+            env_dir=tmp_path / "env",
+            which=lambda name: name,
+            plugins=PluginStore(tmp_path / "plugins"),
+        )
+        self.backends = Backends(FakeDocker(self.systemd), self.native)
+        ids = (f"sbx-{n:012x}" for n in itertools.count(1))
+        self.manager = SandboxManager(
+            self.backends,
+            SliceManager(self.systemd),
+            config=parse_config(config),
+            host_memory=4096 * MiB,
+            instance_id="run-1",
+            clock=lambda: NOW,
+            new_id=lambda: next(ids),
+        )
+
+    def call(
+        self, container_id: str, function: str, data: bytes = b"", timeout: float = 5.0
+    ) -> tuple[ExecState, bytes, bytes, str]:
+        request = ExecRequest(argv=(function,), timeout=timeout)
+        exec_id = self.native.exec_create(container_id, request)
+        attachment = self.native.exec_start(exec_id, data)
+        out = dict.fromkeys(OutputStream, b"")
+        while (chunks := attachment.read(5.0)) is not None:
+            for chunk in chunks:
+                out[chunk.stream] += chunk.data
+        self.systemd.processes[exec_id].wait()
+        for _ in range(100):
+            state = self.native.exec_inspect(exec_id)
+            if not state.running:
+                break
+            threading.Event().wait(0.01)
+        return state, out[OutputStream.STDOUT], out[OutputStream.STDERR], exec_id
+
+
+def wasm_spec(**fields: object) -> SandboxSpec:
+    return SandboxSpec.model_validate(
+        {"user": "al-ice", "project": "p", "backend": "wasm", "memory": "128m", **fields}
+    )
+
+
+def test_a_wasm_sandbox_calls_its_plugin_in_an_exec_unit_of_its_slice(
+    tmp_path: Path, toolkit: bytes
+) -> None:
+    host = Host(tmp_path)
+    module = base64.b64encode(toolkit).decode()
+    made = host.manager.create(wasm_spec(wasm={"module": module}))
+    assert made.backend == "wasm"
+    description = host.systemd.slice_descriptions[made.container_id]
+    run_as = run_as_described(description)
+    assert run_as.wasm is not None
+    assert run_as.jit
+    assert (run_as.wasm.sha256, run_as.wasm.max_pages) == (digest(toolkit), 2048)
+    assert module not in description, "the module is in the store, not the unit"
+    state, out, err, exec_id = host.call(made.container_id, "count_vowels", b"slicebox agent")
+    assert (state.exit_code, out, err) == (0, b"5", b"")
+    props = host.systemd.services[exec_id]
+    assert props["Slice"] == made.container_id, "the worker runs in the sandbox's slice"
+    assert props["MemoryDenyWriteExecute"] is False, "Wasmtime's code pages are executable"
+    assert props["PrivateNetwork"] is True, "no host allowed: no network at all"
+    assert props["ExecStart"][0][1][-4:] == ["--timeout-ms", "5000", "--max-pages", "2048"]
+    state, out, err, _ = host.call(made.container_id, "spin", timeout=0.3)
+    assert (state.exit_code, state.verdict) == (EXIT_TIMEOUT, "timeout")
+    state, out, err, _ = host.call(made.container_id, "echo", b"x" * 200_000)
+    assert (state.exit_code, len(out)) == (0, 200_000)
+    assert host.manager.destroy(made.id) is not None
+
+
+def test_a_plugin_named_by_sha_or_path_and_pages_that_stop_a_grower(
+    tmp_path: Path, toolkit: bytes
+) -> None:
+    root = tmp_path / "ws" / "al-ice"
+    root.mkdir(parents=True)
+    (root / "toolkit.wasm").write_bytes(toolkit)
+    host = Host(tmp_path, f'bind_roots = ["{tmp_path}/ws/{{user}}"]')
+    by_path = host.manager.create(
+        wasm_spec(wasm={"path": str(root / "toolkit.wasm")}, memory="4m"), owner=(os.getuid(), 0)
+    )
+    state, _, err, _ = host.call(by_path.container_id, "grow")
+    assert (state.exit_code, state.verdict) == (EXIT_OOM, "oom")
+    assert b"64 pages" in err
+    by_sha = host.manager.create(wasm_spec(wasm={"sha256": digest(toolkit)}))
+    assert host.call(by_sha.container_id, "echo", b"again")[1] == b"again"
+    with pytest.raises(NotFound) as missing:
+        host.manager.create(wasm_spec(wasm={"sha256": "c" * 64}))
+    assert missing.value.code == "wasm_not_found"
+    with pytest.raises(InvalidRequest) as bad:
+        host.call(by_sha.container_id, "echo; id")
+    assert bad.value.code == "wasm_invalid"
+    for made in (by_path, by_sha):
+        host.manager.destroy(made.id)
+    assert not [unit for unit in host.systemd.running if "sbx" in unit], "no unit of theirs"
+
+
+def test_an_allow_list_becomes_the_plugin_s_hosts_and_gives_it_the_network(
+    tmp_path: Path, toolkit: bytes
+) -> None:
+    host = Host(tmp_path)
+    module = base64.b64encode(toolkit).decode()
+    allow = {"egress": {"allow": ["api.example.org", "*.example.net", "10.1.2.3"]}}
+    made = host.manager.create(wasm_spec(wasm={"module": module}, network=allow))
+    run_as = run_as_described(host.systemd.slice_descriptions[made.container_id])
+    assert run_as.wasm is not None
+    assert run_as.wasm.allowed_hosts == ("api.example.org", "*.example.net", "10.1.2.3")
+    exec_id = host.native.exec_create(made.container_id, ExecRequest(argv=("echo",)))
+    props = host.native._exec_properties(
+        exec_id, made.container_id, made.id, ExecRequest(argv=("echo",))
+    )
+    assert "PrivateNetwork" not in props
+    assert props["RestrictAddressFamilies"] == (True, ["AF_UNIX", "AF_INET", "AF_INET6"])
+    assert props["ExecStart"][0][1].count("--allow-host") == 3
+    for entries, said in ((["api.example.org:443"], "no port"), (["10.0.0.0/8"], "networks")):
+        with pytest.raises(InvalidRequest, match=said):
+            host.manager.create(
+                wasm_spec(wasm={"module": module}, network={"egress": {"allow": entries}})
+            )
+    host.manager.destroy(made.id)
+
+
+def test_what_a_wasm_sandbox_cannot_give_is_refused_before_anything_is_made(
+    tmp_path: Path,
+) -> None:
+    host = Host(tmp_path)
+    for extra in ({"cap_add": ["NET_ADMIN"]}, {"network": "bridge"}, {"run_as": "0:0"}):
+        with pytest.raises(InvalidRequest) as refused:
+            host.manager.create(wasm_spec(wasm={"sha256": "a" * 64}, **extra))
+        assert refused.value.code == "backend_unsupported"
+        assert "wasm sandbox" in refused.value.message
+    assert not host.systemd.services
+
+
+def test_exit_statuses_are_verdicts_and_availability_needs_the_sdk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert (verdict(EXIT_TIMEOUT), verdict(EXIT_OOM), verdict(1)) == ("timeout", "oom", None)
+    with pytest.raises(InvalidRequest):
+        function_of(ExecRequest(argv=("sh", "-c", "id")))
+    up = Availability(kind=Backend.NATIVE, available=True, detail="ok")
+    assert availability(up).available
+    assert availability(up).kind is Backend.WASM
+    down = Availability(kind=Backend.NATIVE, available=False, detail="no systemd")
+    assert availability(down).detail == "no systemd"
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert "slicebox[wasm]" in availability(up).detail
+
+
+def test_the_cli_uploads_a_plugin_and_passes_the_words_as_input(
+    tmp_path: Path, toolkit: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slicebox.cli import main as cli
+
+    plugin = tmp_path / "toolkit.wasm"
+    plugin.write_bytes(toolkit)
+    argv = ["run", "--plugin", str(plugin), "--function", "count_vowels", "--", "hello", "world"]
+    options = cli.build_parser().parse_args(argv)
+    spec, request = cli._spec(options), cli._exec_request(options)
+    assert spec.backend is Backend.WASM
+    assert spec.wasm is not None
+    assert spec.wasm.module_bytes() == toolkit
+    assert (request.argv, request.stdin) == (("count_vowels",), b"hello world")
+    by_path = cli.build_parser().parse_args(["create", "--plugin-path", "/srv/ws/u/p.wasm"])
+    assert cli._spec(by_path).wasm == WasmSpec(path="/srv/ws/u/p.wasm")
+    missing = cli.build_parser().parse_args(["create", "--plugin", str(tmp_path / "none")])
+    with pytest.raises(InvalidRequest, match="--plugin"):
+        cli._spec(missing)

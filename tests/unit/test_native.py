@@ -397,7 +397,7 @@ def test_docker_s_answer_is_kept_for_a_few_seconds() -> None:
     now[0] = 6.0
     assert backends.resolve(Backend.DOCKER, fallback=True) is Backend.DOCKER
     kinds = [a.kind for a in backends.availabilities()]
-    assert kinds == [Backend.DOCKER, Backend.NATIVE, Backend.WASM]
+    assert kinds == [Backend.DOCKER, Backend.NATIVE, Backend.WASM, Backend.DAYTONA]
 
 
 def test_a_listing_with_docker_down_is_the_native_sandboxes(host: Host) -> None:

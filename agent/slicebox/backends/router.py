@@ -2,10 +2,12 @@
 
 The core (placement, lineage, the reaper, telemetry, exec) talks to one
 :class:`~slicebox.backends.base.SandboxBackend`; :class:`Backends` is that, in front of Docker
-and the native backend. What a call is for tells where it goes: a create by the kind its
-request names, anything else by the id it carries (a native sandbox's id is its slice unit,
-``….slice``, a native exec's its service, ``slicebox-exec-….service``; a Docker container's
-and exec's are hex). A look-up by name asks Docker first, then systemd. A listing is both.
+the native backend (which runs wasm sandboxes too), and a Daytona API when one is configured.
+What a call is for tells where it goes: a create by the kind its request names, anything else
+by the id it carries (a native sandbox's id is its slice unit, ``….slice``, a native exec's
+its service, ``slicebox-exec-….service``; a remote one's ``daytona-…``; a Docker container's
+and exec's are hex). A look-up by name asks Docker, then systemd, then Daytona. A listing is
+all of them; a Daytona that does not answer is left out of it, with a warning.
 
 **Fallback, as the seeds do it**: a create for Docker while Docker does not answer runs on the
 native backend instead, unless the configuration says ``allow_native_fallback = false``, in
@@ -31,6 +33,7 @@ from slicebox.backends.base import (
     StdinSource,
     VolumeInfo,
 )
+from slicebox.backends.daytona import DaytonaBackend, is_daytona_exec, is_daytona_id
 from slicebox.backends.native import NativeBackend, is_native_exec, is_native_id
 from slicebox.model.errors import Unavailable
 from slicebox.model.exec import ExecRequest, ExecState
@@ -49,9 +52,11 @@ class Backends:
         docker: SandboxBackend,
         native: NativeBackend | None,
         clock: Callable[[], float] = time.monotonic,
+        daytona: DaytonaBackend | None = None,
     ) -> None:
         self.docker = docker
         self.native = native
+        self.daytona = daytona
         self._clock = clock
         self._lock = threading.Lock()
         self._known: dict[Backend, tuple[float, Availability]] = {}
@@ -68,6 +73,7 @@ class Backends:
         if self.native is not None:
             found.append(self._available(Backend.NATIVE, fresh=True))
             found.append(self._available(Backend.WASM, fresh=True))
+        found.append(self._available(Backend.DAYTONA, fresh=True))
         return found
 
     def resolve(self, kind: Backend, *, fallback: bool) -> Backend:
@@ -92,7 +98,10 @@ class Backends:
         )
 
     def _available(self, kind: Backend, *, fresh: bool = False) -> Availability:
-        if kind is not Backend.DOCKER and self.native is None:
+        if kind is Backend.DAYTONA and self.daytona is None:
+            detail = "not configured on this agent: an operator sets [daytona] in its config"
+            return Availability(kind=kind, available=False, detail=detail)
+        if kind in (Backend.NATIVE, Backend.WASM) and self.native is None:
             return Availability(kind=kind, available=False, detail="not enabled on this agent")
         with self._lock:
             kept = self._known.get(kind)
@@ -100,6 +109,9 @@ class Backends:
             return kept[1]
         if kind is Backend.DOCKER:
             answer = self.docker.availability()
+        elif kind is Backend.DAYTONA:
+            assert self.daytona is not None
+            answer = self.daytona.availability()
         else:
             assert self.native is not None
             answer = self.native.availability()
@@ -124,6 +136,8 @@ class Backends:
     def create(self, request: SandboxRequest) -> SandboxInfo:
         if request.backend in (Backend.NATIVE, Backend.WASM):
             return self._native().create(request)
+        if request.backend is Backend.DAYTONA:
+            return self._daytona().create(request)
         try:
             return self.docker.create(request)
         except Unavailable:
@@ -135,13 +149,30 @@ class Backends:
             raise Unavailable("the native backend is not enabled", code="backend_unavailable")
         return self.native
 
+    def _daytona(self) -> DaytonaBackend:
+        if self.daytona is None:
+            raise Unavailable(
+                "the daytona backend is not configured on this agent", code="backend_unavailable"
+            )
+        return self.daytona
+
     def _of(self, backend_id: str) -> SandboxBackend:
+        if is_daytona_id(backend_id):
+            return self._daytona()
         return self._native() if is_native_id(backend_id) else self.docker
 
     def _of_exec(self, exec_id: str) -> SandboxBackend:
+        if is_daytona_exec(exec_id):
+            return self._daytona()
         return self._native() if is_native_exec(exec_id) else self.docker
 
+    def has_host(self, backend_id: str) -> bool:
+        """Whether the sandbox runs on this host (a cgroup, processes): a remote one does not."""
+        return not is_daytona_id(backend_id)
+
     def inspect(self, backend_id: str) -> SandboxInfo | None:
+        if is_daytona_id(backend_id):
+            return self._daytona().inspect(backend_id)
         if is_native_id(backend_id):
             return self._native().inspect(backend_id)
         try:
@@ -151,10 +182,22 @@ class Backends:
                 raise
             found = None
         if found is None and self.native is not None:
-            return self.native.inspect(backend_id)
+            found = self.native.inspect(backend_id)
+        if found is None and self.daytona is not None:
+            found = self._remote_named(backend_id)
         return found
 
+    def _remote_named(self, name: str) -> SandboxInfo | None:
+        assert self.daytona is not None
+        try:
+            return self.daytona.inspect(name)
+        except Unavailable as exc:
+            log.warning("Daytona is unavailable, %s is not looked for there: %s", name, exc)
+            return None
+
     async def inspect_async(self, backend_id: str) -> SandboxInfo | None:
+        if is_daytona_id(backend_id):
+            return await self._daytona().inspect_async(backend_id)
         if is_native_id(backend_id):
             return await self._native().inspect_async(backend_id)
         try:
@@ -164,11 +207,19 @@ class Backends:
                 raise
             found = None
         if found is None and self.native is not None:
-            return await self.native.inspect_async(backend_id)
+            found = await self.native.inspect_async(backend_id)
+        if found is None and self.daytona is not None:
+            try:
+                found = await self.daytona.inspect_async(backend_id)
+            except Unavailable as exc:
+                log.warning(
+                    "Daytona is unavailable, %s is not looked for there: %s", backend_id, exc
+                )
         return found
 
     def find(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
         native = self.native.find(labels) if self.native is not None else []
+        native += self._remote(labels)
         try:
             return self.docker.find(labels) + native
         except Unavailable as exc:
@@ -176,6 +227,17 @@ class Backends:
                 raise
             log.warning("Docker is unavailable, only native sandboxes are listed: %s", exc)
             return native
+
+    def _remote(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
+        """Daytona's sandboxes with ``labels``; none (and a warning) while it does not answer:
+        its sandboxes are listed again, and reaped, once it does."""
+        if self.daytona is None:
+            return []
+        try:
+            return self.daytona.find(labels)
+        except Unavailable as exc:
+            log.warning("Daytona is unavailable, its sandboxes are not listed: %s", exc)
+            return []
 
     def remove(self, backend_id: str) -> bool:
         return self._of(backend_id).remove(backend_id)
@@ -228,11 +290,15 @@ class Backends:
         return await self._of_exec(exec_id).exec_inspect_async(exec_id)
 
     def exec_kill(self, exec_id: str) -> bool:
-        """Only a native exec is killed by its backend; a Docker exec by the engine, through
-        the host (``False``)."""
+        """A native or remote exec is killed by its backend; a Docker exec by the engine,
+        through the host (``False``)."""
+        if is_daytona_exec(exec_id):
+            return self._daytona().exec_kill(exec_id)
         return is_native_exec(exec_id) and self._native().exec_kill(exec_id)
 
     async def exec_kill_async(self, exec_id: str) -> bool:
+        if is_daytona_exec(exec_id):
+            return await self._daytona().exec_kill_async(exec_id)
         return is_native_exec(exec_id) and await self._native().exec_kill_async(exec_id)
 
     async def launch_async(self, backend_id: str, stdin: bytes) -> AsyncExecAttachment:

@@ -218,6 +218,40 @@ def check_wasm(host: Host) -> Check:
     return verdict("wasm backend", False, answer.detail, "it runs where the native backend does")
 
 
+def check_daytona(host: Host) -> Check:
+    """The daytona backend: optional; when the config names a Daytona API, does it answer."""
+    from slicebox.model.config import load_config
+
+    try:
+        remote = load_config(host.config).daytona
+    except SliceboxError:
+        remote = None
+    if remote is None:
+        return Check(
+            name="daytona backend",
+            state=State.SKIP,
+            detail="not configured (optional)",
+            fix="set [daytona] api_url and api_key_file in the agent's config to use it",
+        )
+    if not os.access(str(remote.api_key_file), os.R_OK):
+        return Check(
+            name="daytona backend",
+            state=State.SKIP,
+            detail=f"not checked: {remote.api_key_file} is not yours to read (the agent's key)",
+            fix="run `sudo slicebox doctor` to check the Daytona API",
+        )
+    try:
+        key = remote.api_key()
+    except ValueError as exc:
+        return verdict("daytona backend", False, str(exc), "fix the key file (root's, mode 0600)")
+    from slicebox.backends.daytona import DaytonaBackend
+
+    answer = DaytonaBackend(remote.api_url, key, remote.target).availability()
+    return verdict(
+        "daytona backend", answer.available, answer.detail, "check [daytona] and the network"
+    )
+
+
 BIND_ROOTS_FIX = (
     "make each bind root and every directory above it owned by root and writable by nobody "
     "else (chown root: DIR; chmod go-w DIR); below a root with {user}, each user's own "
@@ -276,6 +310,7 @@ CHECKS: tuple[Callable[[Host], Check], ...] = (
     check_docker,
     check_native,
     check_wasm,
+    check_daytona,
     check_agent,
     check_bind_roots,
 )

@@ -150,7 +150,7 @@ class _Run:
     """The state of one exec while its output is pumped."""
 
     exec_id: str
-    cgroup: Path
+    cgroup: Path | None  # None: a remote sandbox (no cgroup here; its backend kills)
     oom_before: int | None
     since: int  # the host's process clock before the exec was created
     started: float
@@ -340,8 +340,11 @@ class ExecEngine:
         started = self._clock()
         return _Run(exec_id, cgroup, oom_before, since, started, started + request.timeout)
 
-    def _where(self, container_id: str, scope: str | None) -> tuple[Path, int | None, int]:
+    def _where(self, container_id: str, scope: str | None) -> tuple[Path | None, int | None, int]:
         """The sandbox's cgroup, its OOM count and the process clock, before the exec."""
+        has_host: Callable[[str], bool] | None = getattr(self._api, "has_host", None)
+        if has_host is not None and not has_host(container_id):
+            return None, None, self._host.process_clock()  # remote: nothing of it here
         if scope is None:
             cgroup = self._host.cgroup_of(self._api.sandbox_pid(container_id))
         else:  # a container that is not running fails its exec create just the same
@@ -350,7 +353,9 @@ class ExecEngine:
 
     async def _finish(self, run: _Run, capture: Capture, io: _Io) -> ExecResult:
         exit_code = await self._exit_code(run, io)  # first: it may time the run out
-        oom_after = await io.call(functools.partial(self._host.oom_kills, run.cgroup))
+        oom_after = None
+        if run.cgroup is not None:
+            oom_after = await io.call(functools.partial(self._host.oom_kills, run.cgroup))
         result = capture.result(
             exit_code=exit_code,
             timed_out=run.timed_out or run.verdict == "timeout",
@@ -379,12 +384,15 @@ class ExecEngine:
         run.deadline = self._clock() + KILL_GRACE
 
     async def _kill(self, run: _Run, why: str, io: _Io) -> None:
-        if io.launched:
+        if io.launched and run.cgroup is not None:
             killed = await io.call(functools.partial(self._host.kill_since, run.cgroup, run.since))
             log.info("run %s killed (%s processes) because %s", run.exec_id, killed, why)
             return
         if io.kill is not None and await io.kill(run.exec_id):
             log.info("exec %s stopped because %s", run.exec_id, why)
+            return
+        if run.cgroup is None:
+            log.warning("exec %s could not be killed (%s): its backend did not", run.exec_id, why)
             return
         pid = await self._exec_pid(run, io)
         kill = functools.partial(self._host.kill_exec, run.cgroup, pid, run.since)

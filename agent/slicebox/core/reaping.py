@@ -70,6 +70,8 @@ log = logging.getLogger(__name__)
 
 
 GONE = frozenset({SandboxState.EXITED, SandboxState.DEAD})
+# A remote sandbox's backend (backends.daytona): its deadline is its label's alone.
+REMOTE = "daytona"
 # How long past a timer's deadline its expiry command has the sandbox to itself: it starts
 # within a second (AccuracyUSec) and takes a few, Docker's removal included.
 TIMER_GRACE = timedelta(seconds=60)
@@ -296,6 +298,7 @@ def _missing_deadlines(
             and at
             and at > now
             and sandbox_id not in deadlines
+            and sandbox.backend != REMOTE  # no unit here to bind one to: the label's holds
         ):
             reason = f"its deadline {stamp(at)} has no timer armed"
             action = _about(sandbox, Kind.ARM_DEADLINE, Rule.DEADLINE_MISSING, reason)

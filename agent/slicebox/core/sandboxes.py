@@ -34,6 +34,7 @@ from slicebox.backends.base import (
     SandboxState,
     VolumeInfo,
 )
+from slicebox.backends.daytona import is_daytona_id
 from slicebox.backends.router import Backends
 from slicebox.core.credentials import GIT_ENV, MOUNTED_AT, CredentialStore
 from slicebox.core.deadlines import Deadlines, Timer, latest
@@ -86,8 +87,9 @@ log = logging.getLogger(__name__)
 
 # A sandbox without a command of its own stays up for execs, as the seeds' pool containers do.
 KEEP_ALIVE = ("sleep", "infinity")
-# The backends that run the host's own programs (a wasm sandbox's worker among them): no image.
-NO_IMAGE = (Backend.NATIVE, Backend.WASM)
+# The backends with no image on this host to look for: native and wasm run the host's own
+# programs (a wasm sandbox's worker among them); a remote one's image is its service's to find.
+NO_IMAGE = (Backend.NATIVE, Backend.WASM, Backend.DAYTONA)
 # Images a create of this agent found present, the most recently used kept: a create with one
 # of them does not ask the backend about the image first (see ``SandboxManager._start``).
 KNOWN_IMAGES = 64
@@ -668,6 +670,12 @@ class SandboxManager:
         if self._deadlines is None:
             raise InvalidRequest("this agent enforces no deadlines; extending needs systemd")
         sandbox = self.get(sandbox_id)
+        if sandbox.backend == Backend.DAYTONA:
+            raise InvalidRequest(
+                "a remote (daytona) sandbox's deadline is its label's, which the reaper "
+                "enforces and cannot change; make a new sandbox with the ttl you need",
+                code="backend_unsupported",
+            )
         at = self._clock() + timedelta(seconds=ttl_seconds)
         with self.operation(sandbox.id):
             self._deadlines.arm(sandbox.id, sandbox.container_id, at, sandbox.lease)
@@ -846,8 +854,10 @@ class SandboxManager:
     def _arm(
         self, sandbox_id: str, container_id: str, at: datetime | None, *, new: bool = False
     ) -> None:
-        """Arm the deadline ``at``, if any; ``new``: of a sandbox this call is creating."""
-        if self._deadlines is None or at is None:
+        """Arm the deadline ``at``, if any; ``new``: of a sandbox this call is creating. A
+        remote sandbox has no unit here to bind a timer to: its label's deadline is the
+        reaper's to enforce (due at once, as any deadline no timer holds)."""
+        if self._deadlines is None or at is None or is_daytona_id(container_id):
             return
         try:
             if new:
@@ -943,6 +953,8 @@ class SandboxManager:
             _check_native(spec, pool_key)
         if kind is Backend.WASM:
             _check_native(spec, pool_key, network=not isinstance(spec.network, NetworkSpec))
+        if kind is Backend.DAYTONA:
+            _check_remote(spec, pool_key)
         return spec if kind is spec.backend else spec.model_copy(update={"backend": kind})
 
     def _ensure_slices(self, admitted: Admitted, sandbox_id: str) -> list[str]:
@@ -1027,6 +1039,31 @@ def _check_native(spec: SandboxSpec, pool_key: str, *, network: bool = True) -> 
             f"a {kind} sandbox cannot give {', '.join(refused)}: it runs the host's own "
             "programs with no network, no mount and no capability; leave these out or ask for "
             "backend docker",
+            code="backend_unsupported",
+            field=refused[0],
+        )
+
+
+def _check_remote(spec: SandboxSpec, pool_key: str) -> None:
+    """Refuse, before anything is made, what a remote (daytona) sandbox cannot give."""
+    asked = [
+        ("network", spec.network != "none"),
+        ("mounts", bool(spec.mounts)),
+        ("workspace", spec.workspace is not None),
+        ("run_as", spec.run_as is not None),
+        ("credentials", spec.credentials is not None),
+        ("cap_add", bool(spec.cap_add)),
+        ("privileged", spec.privileged),
+        ("pid_mode", spec.pid_mode is not None),
+        ("ipc_mode", spec.ipc_mode is not None),
+        ("pool", bool(pool_key) or spec.reuse),
+    ]
+    refused = [name for name, wanted in asked if wanted]
+    if refused:
+        raise InvalidRequest(
+            f"a daytona sandbox cannot give {', '.join(refused)}: it runs remotely, on the "
+            "agent's Daytona API, with no network and nothing of this host's; leave these out "
+            "or ask for backend docker",
             code="backend_unsupported",
             field=refused[0],
         )

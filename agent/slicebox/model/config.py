@@ -156,6 +156,31 @@ class PoolLearning(_Strict):
     max_pools: int = Field(default=8, ge=1)  # learned pools at once, all users
 
 
+class DaytonaConfig(_Strict):
+    """``[daytona]``: the Daytona API remote sandboxes run on (backends.daytona). The key is
+    read from ``api_key_file`` (root's, mode 0600) when the agent starts: never in this file,
+    which any local user may read."""
+
+    api_url: str = Field(pattern=r"^https?://")
+    api_key_file: PurePosixPath
+    target: str | None = None
+
+    def api_key(self) -> str:
+        path = Path(str(self.api_key_file))
+        try:
+            found = path.stat()
+            key = path.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"daytona.api_key_file {path}: {exc.strerror}") from exc
+        if found.st_mode & 0o077:
+            raise ValueError(
+                f"daytona.api_key_file {path} is readable by others: chmod 600 it (it is a secret)"
+            )
+        if not key:
+            raise ValueError(f"daytona.api_key_file {path} is empty")
+        return key
+
+
 class Config(_Strict):
     default_image: str = "alpine:3.19"
     max_ttl_seconds: int = Field(default=24 * 3600, gt=0, le=TTL_CEILING_SECONDS)
@@ -186,6 +211,8 @@ class Config(_Strict):
     # Native sandboxes may map memory writable and executable (JIT runtimes: node, java,
     # pypy), i.e. run without MemoryDenyWriteExecute; off, such a runtime fails to start.
     native_allow_jit: bool = False
+    # Remote sandboxes (``"backend": "daytona"``) on this Daytona API; unset: none.
+    daytona: DaytonaConfig | None = None
     reaper: ReaperConfig = ReaperConfig()
     # Memory for the output of every exec in flight (core/budget.py); unset: half the agent's
     # own MemoryMax, or DEFAULT_EXEC_OUTPUT_BUDGET when the agent runs without one.

@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from slicebox.backends.daytona import DaytonaBackend
 from slicebox.backends.docker import DockerBackend
 from slicebox.backends.native import NativeBackend
 from slicebox.backends.router import Backends
@@ -125,6 +126,19 @@ class Runtime:
         self.integrator.sample_all(self.usage.cgroups, scopes)
 
 
+def remote_backend(config: Config) -> DaytonaBackend | None:
+    """The Daytona API the config names, if any; its key read from its file now. A key that
+    cannot be read leaves the backend out (and says why): the rest of the agent runs on."""
+    if config.daytona is None:
+        return None
+    try:
+        key = config.daytona.api_key()
+    except ValueError as exc:
+        log.error("the daytona backend is not enabled: %s", exc)
+        return None
+    return DaytonaBackend(config.daytona.api_url, key, config.daytona.target)
+
+
 def assemble(config_path: Path, auditor: Auditor) -> Runtime:
     config = load_config(config_path)
     host_memory = read_host_memory()
@@ -133,7 +147,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
     docker = DockerBackend.from_env()
     docker_host = docker.endpoint.base_url
     native = NativeBackend(systemd)
-    backend = Backends(docker, native)
+    backend = Backends(docker, native, daytona=remote_backend(config))
     available = docker.availability()
     if not available.available:
         if not config.allow_native_fallback:  # systemd restarts the agent until Docker answers

@@ -2,9 +2,10 @@
 the tree, bounded by the kernel there and by Extism inside, through the agent's create path.
 
 The plugin is the project's own (``tests/wasm/toolkit.wat``, compiled here with wabt). One wasm
-sandbox (128 MB) serves most of the module; the HTTP test adds one whose allow-list names the
-guest's loopback address, where a server of the test's answers; the last test goes through
-the installed agent and the ``slicebox`` command, as a user would.
+sandbox (128 MB), whose anchor is the worker that answers every call, serves most of the
+module; the HTTP test adds one whose allow-list names the guest's loopback address, where a
+server of the test's answers; the last test goes through the installed agent and the
+``slicebox`` command, as a user would.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.backends.native import EXEC_PREFIX
+from slicebox.backends.native import ANCHOR_PREFIX
 from slicebox.backends.wasmrun import EXIT_NO_FUNCTION
 from slicebox.core.sandboxes import Sandbox
 from slicebox.host.plugins import PluginStore
@@ -111,7 +112,7 @@ def test_a_memory_grower_is_stopped_by_its_pages(wasm: Wasm, clean_box: Sandbox)
     result = wasm.run(clean_box, argv=["grow"], timeout=60)
     assert result.oom_killed, result
     assert result.exit_code == 137
-    assert b"2048 pages" in result.stderr, "128 MB of 64 KiB pages"
+    assert b"1024 pages" in result.stderr, "128 MB less the worker's 64 MB, in 64 KiB pages"
     assert wasm.run(clean_box, argv=["echo"], stdin=b64(b"alive")).stdout == b"alive"
 
 
@@ -122,22 +123,12 @@ def test_the_worker_runs_in_the_sandbox_slice_under_the_project_and_is_counted_t
     project = CGROUP_ROOT / MANAGED_SLICE / slice_names(wasm.user, "plugins").user
     assert directory.parent == project / slice_names(wasm.user, "plugins").project
     assert (directory / "memory.max").read_text().strip() == str(128 * MB)
-    seen: list[str] = []
-
-    def worker_seen() -> bool:
-        for unit, pids in processes(directory).items():
-            if unit.startswith(EXEC_PREFIX):
-                for pid in pids:
-                    with contextlib.suppress(OSError):
-                        seen.append(Path(f"/proc/{pid}/cmdline").read_bytes().decode())
-        return any("slicebox.backends.wasmrun" in line for line in seen)
-
-    spinning = threading.Thread(target=wasm.run, args=(clean_box,), kwargs={"argv": ["spin"]})
-    spinning.start()
-    try:
-        wait_for(worker_seen, timeout=60, step=0.1)
-    finally:
-        spinning.join()
+    # Its one process is the worker, the sandbox's anchor: Python and Extism, loaded once.
+    [(unit, [pid])] = processes(directory).items()
+    assert unit == f"{ANCHOR_PREFIX}{clean_box.id}.service"
+    assert b"slicebox.backends.wasmrun" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    echoed = wasm.run(clean_box, argv=["echo"], stdin=b64(b"x" * MB), output_cap=2 * MB)
+    assert echoed.stdout == b"x" * MB
     tree = wasm.service.level_tree(wasm.who).model_dump()
     unit = clean_box.container_id
     nodes = [s for p in tree["children"] for s in p["children"] if s["unit"] == unit]

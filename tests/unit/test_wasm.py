@@ -9,10 +9,12 @@ from __future__ import annotations
 import base64
 import itertools
 import os
+import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -20,14 +22,19 @@ from typing import Any
 import pytest
 
 from slicebox.backends.base import Availability
-from slicebox.backends.native import NativeBackend, run_as_described
+from slicebox.backends.native import ANCHOR_PREFIX, NativeBackend, run_as_described
 from slicebox.backends.router import Backends
-from slicebox.backends.wasm import availability, function_of, verdict
-from slicebox.backends.wasmrun import EXIT_NO_FUNCTION, call, frame, read_frame
+from slicebox.backends.wasm import availability, call_blocking, function_of, verdict
+from slicebox.backends.wasmrun import (
+    EXIT_NO_FUNCTION,
+    answer_bytes,
+    answer_of,
+    call,
+    request_bytes,
+)
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.host.plugins import PluginStore, read_plugin
-from slicebox.host.systemd import ServiceStatus
 from slicebox.model.config import parse_config
 from slicebox.model.errors import InvalidRequest, NotFound, PolicyViolation
 from slicebox.model.exec import ExecRequest, ExecState, OutputStream
@@ -82,22 +89,60 @@ def test_a_missing_function_and_a_host_not_allowed_fail(toolkit: bytes) -> None:
     assert message.startswith("the call failed")
 
 
-def test_the_worker_reads_its_plugin_framed_ahead_of_the_input(toolkit: bytes) -> None:
-    argv = [sys.executable, "-m", "slicebox.backends.wasmrun", "--function", "echo"]
-    argv += ["--timeout-ms", "2000", "--max-pages", "16"]
-    done = subprocess.run(argv, input=frame(toolkit) + b"in", capture_output=True, check=False)
-    assert (done.returncode, done.stdout, done.stderr) == (0, b"in", b"")
-    bad = subprocess.run(argv, input=b"\0asm", capture_output=True, check=False)
-    assert bad.returncode == 2
-    assert b"plugin frame" in bad.stderr
+@pytest.fixture
+def worker(tmp_path: Path) -> Iterator[Path]:
+    """The worker as a wasm sandbox's anchor runs it, listening on a socket of the test's."""
+    path = tmp_path / "worker.sock"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "slicebox.backends.wasmrun", "--serve", str(path)]
+    )
+    try:
+        wait_until(path.exists)
+        yield path
+    finally:
+        process.kill()
+        process.wait()
 
 
-def test_a_short_frame_is_refused(tmp_path: Path) -> None:
-    source = tmp_path / "in"
-    source.write_bytes(frame(b"abcdef")[:-2])
-    with source.open("rb") as stream, pytest.raises(ValueError, match="ends early"):
-        read_frame(stream)
-    assert True  # main is the module's entry (run above)
+def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.02)
+
+
+def request_for(module: bytes, function: str, data: bytes = b"", timeout_ms: int = 5000) -> bytes:
+    return request_bytes(
+        function, module, data, sha256=digest(module), max_pages=64, timeout_ms=timeout_ms, hosts=[]
+    )
+
+
+def test_the_worker_answers_calls_on_its_socket_each_in_a_fresh_instance(
+    worker: Path, toolkit: bytes
+) -> None:
+    assert call_blocking(worker, request_for(toolkit, "echo", b"in")) == (0, b"in", "")
+    assert call_blocking(worker, request_for(toolkit, "count_vowels", b"aei")) == (0, b"3", "")
+    assert call_blocking(worker, request_for(toolkit, "grow"))[0] == EXIT_OOM
+    assert call_blocking(worker, request_for(toolkit, "echo", b"after")) == (0, b"after", "")
+    bad = call_blocking(worker, (5).to_bytes(4, "big") + b"{not}")
+    assert bad[0] == 2
+    assert "bad request" in bad[2]
+
+
+def test_a_call_whose_caller_hangs_up_is_cancelled(worker: Path, toolkit: bytes) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(str(worker))
+        conn.sendall(request_for(toolkit, "spin", timeout_ms=600_000))
+        time.sleep(0.3)
+    started = time.monotonic()
+    assert call_blocking(worker, request_for(toolkit, "echo", b"free")) == (0, b"free", "")
+    assert time.monotonic() - started < 5, "the spinning call no longer holds the worker"
+
+
+def test_an_answer_cut_short_is_an_error() -> None:
+    assert answer_of(answer_bytes(3, b"out", "msg")) == (3, b"out", "msg")
+    with pytest.raises(ValueError, match="ended early"):
+        answer_of(answer_bytes(0, b"output", "")[:-2])
 
 
 # --- the spec, the store, and a plugin read beneath a root ------------------------------------
@@ -116,7 +161,8 @@ def test_the_plugin_is_given_one_way_and_only_to_backend_wasm() -> None:
 
 
 def test_pages_follow_the_memory_limit() -> None:
-    assert max_pages_for(128 * MiB) == 2048
+    assert max_pages_for(128 * MiB) == 1024, "64 MiB left to the worker"
+    assert max_pages_for(4 * MiB) == 32, "half of a small one"
     assert max_pages_for(1000) == 1
     assert max_pages_for(None) == 65536
     assert max_pages_for(64 * 1024 * MiB) == 65536
@@ -174,9 +220,9 @@ def test_a_plugin_path_is_read_beneath_the_caller_s_root_as_they_could(
 
 
 class RunningSystemd(FakeNativeSystemd):
-    """The fake systemd, but an exec's unit runs its command for real, with the stdin, stdout
-    and stderr descriptors it was given and its Environment, and ends with its exit status (as
-    a finished unit does: gone when it exited 0, failed with its status otherwise)."""
+    """The fake systemd, but a wasm sandbox's anchor runs its command for real (the worker,
+    with its Environment), started once it listens (``Type=notify``: systemd waits for it),
+    and killed when the sandbox's slice stops."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -184,32 +230,22 @@ class RunningSystemd(FakeNativeSystemd):
 
     def start_service(self, unit: str, properties: Mapping[str, Any], *, wait: bool) -> None:
         super().start_service(unit, properties, wait=wait)
-        if not unit.startswith("slicebox-exec-"):
+        if properties.get("Type") != "notify":
             return
         argv = properties["ExecStart"][0][1]
+        path = Path(argv[argv.index("--serve") + 1])
+        path.parent.mkdir(parents=True, exist_ok=True)  # its RuntimeDirectory
         env = dict(line.split("=", 1) for line in properties["Environment"])
-        process = subprocess.Popen(
-            argv,
-            stdin=properties.get("StandardInputFileDescriptor", subprocess.DEVNULL),
-            stdout=properties["StandardOutputFileDescriptor"],
-            stderr=properties["StandardErrorFileDescriptor"],
-            env=env,
-        )
-        self.processes[unit] = process
-        threading.Thread(target=self._reap, args=(unit, process), daemon=True).start()
+        self.processes[unit] = subprocess.Popen(argv, env=env)
+        wait_until(path.exists)
 
-    def _reap(self, unit: str, process: subprocess.Popen[bytes]) -> None:
-        code = process.wait()
-        status = ServiceStatus(
-            active_state="failed",
-            sub_state="failed",
-            result="exit-code",
-            main_pid=0,
-            exited=True,
-            code=1,
-            status=code,
-        )
-        self.end(unit, None if code == 0 else status)
+    def stop(self, unit: str) -> None:
+        super().stop(unit)
+        for name, process in list(self.processes.items()):
+            if name not in self.running:
+                process.kill()
+                process.wait()
+                del self.processes[name]
 
 
 class Host:
@@ -220,6 +256,7 @@ class Host:
             env_dir=tmp_path / "env",
             which=lambda name: name,
             plugins=PluginStore(tmp_path / "plugins"),
+            wasm_runtime=tmp_path / "wasm",
         )
         self.backends = Backends(FakeDocker(self.systemd), self.native)
         ids = (f"sbx-{n:012x}" for n in itertools.count(1))
@@ -243,7 +280,6 @@ class Host:
         while (chunks := attachment.read(5.0)) is not None:
             for chunk in chunks:
                 out[chunk.stream] += chunk.data
-        self.systemd.processes[exec_id].wait()
         for _ in range(100):
             state = self.native.exec_inspect(exec_id)
             if not state.running:
@@ -258,7 +294,7 @@ def wasm_spec(**fields: object) -> SandboxSpec:
     )
 
 
-def test_a_wasm_sandbox_calls_its_plugin_in_an_exec_unit_of_its_slice(
+def test_a_wasm_sandbox_s_worker_is_its_anchor_and_answers_its_execs(
     tmp_path: Path, toolkit: bytes
 ) -> None:
     host = Host(tmp_path)
@@ -269,15 +305,17 @@ def test_a_wasm_sandbox_calls_its_plugin_in_an_exec_unit_of_its_slice(
     run_as = run_as_described(description)
     assert run_as.wasm is not None
     assert run_as.jit
-    assert (run_as.wasm.sha256, run_as.wasm.max_pages) == (digest(toolkit), 2048)
+    assert (run_as.wasm.sha256, run_as.wasm.max_pages) == (digest(toolkit), 1024)
     assert module not in description, "the module is in the store, not the unit"
-    state, out, err, exec_id = host.call(made.container_id, "count_vowels", b"slicebox agent")
-    assert (state.exit_code, out, err) == (0, b"5", b"")
-    props = host.systemd.services[exec_id]
+    props = host.systemd.services[f"{ANCHOR_PREFIX}{made.id}.service"]
     assert props["Slice"] == made.container_id, "the worker runs in the sandbox's slice"
+    assert props["Type"] == "notify", "made once the worker listens"
     assert props["MemoryDenyWriteExecute"] is False, "Wasmtime's code pages are executable"
     assert props["PrivateNetwork"] is True, "no host allowed: no network at all"
-    assert props["ExecStart"][0][1][-4:] == ["--timeout-ms", "5000", "--max-pages", "2048"]
+    assert f"slicebox/wasm/{made.id}" in props["RuntimeDirectory"]
+    state, out, err, exec_id = host.call(made.container_id, "count_vowels", b"slicebox agent")
+    assert (state.exit_code, out, err) == (0, b"5", b"")
+    assert exec_id not in host.systemd.services, "a call is no unit of its own"
     state, out, err, _ = host.call(made.container_id, "spin", timeout=0.3)
     assert (state.exit_code, state.verdict) == (EXIT_TIMEOUT, "timeout")
     state, out, err, _ = host.call(made.container_id, "echo", b"x" * 200_000)
@@ -297,7 +335,7 @@ def test_a_plugin_named_by_sha_or_path_and_pages_that_stop_a_grower(
     )
     state, _, err, _ = host.call(by_path.container_id, "grow")
     assert (state.exit_code, state.verdict) == (EXIT_OOM, "oom")
-    assert b"64 pages" in err
+    assert b"32 pages" in err
     by_sha = host.manager.create(wasm_spec(wasm={"sha256": digest(toolkit)}))
     assert host.call(by_sha.container_id, "echo", b"again")[1] == b"again"
     with pytest.raises(NotFound) as missing:
@@ -321,13 +359,9 @@ def test_an_allow_list_becomes_the_plugin_s_hosts_and_gives_it_the_network(
     run_as = run_as_described(host.systemd.slice_descriptions[made.container_id])
     assert run_as.wasm is not None
     assert run_as.wasm.allowed_hosts == ("api.example.org", "*.example.net", "10.1.2.3")
-    exec_id = host.native.exec_create(made.container_id, ExecRequest(argv=("echo",)))
-    props = host.native._exec_properties(
-        exec_id, made.container_id, made.id, ExecRequest(argv=("echo",))
-    )
+    props = host.systemd.services[f"{ANCHOR_PREFIX}{made.id}.service"]
     assert "PrivateNetwork" not in props
     assert props["RestrictAddressFamilies"] == (True, ["AF_UNIX", "AF_INET", "AF_INET6"])
-    assert props["ExecStart"][0][1].count("--allow-host") == 3
     for entries, said in ((["api.example.org:443"], "no port"), (["10.0.0.0/8"], "networks")):
         with pytest.raises(InvalidRequest, match=said):
             host.manager.create(

@@ -60,7 +60,6 @@ from slicebox.backends.base import (
     StdinSource,
     VolumeInfo,
 )
-from slicebox.backends.wasmrun import frame
 from slicebox.host.plugins import PluginStore
 from slicebox.host.systemd import ListedUnit, ServiceStatus
 from slicebox.model.base import Model
@@ -368,10 +367,12 @@ class NativeBackend:
         which: Callable[[str], str | None] = shutil.which,
         workers: int = 4,
         plugins: PluginStore | None = None,
+        wasm_runtime: Path = Path("/run") / wasm.RUNTIME,
     ) -> None:
         self._systemd = systemd
         self.plugins = plugins or PluginStore()
-        self._wasm_execs: set[str] = set()  # started wasm calls, whose exit status is a verdict
+        self._wasm_runtime = wasm_runtime  # where each wasm sandbox's worker listens
+        self._calls: dict[str, wasm.Call | wasm.BlockingCall] = {}  # wasm calls not ended
         self._env_dir = env_dir
         self._which = which
         self._pending: dict[str, tuple[str, ExecRequest]] = {}  # created, not started
@@ -432,6 +433,8 @@ class NativeBackend:
 
     def _anchor(self, request: SandboxRequest, unit: str, run_as: RunAs) -> dict[str, Any]:
         argv = (SHELL, "-c", EXEC_WRAPPER, "sh", request.workdir or WORKSPACE, *request.command)
+        if run_as.wasm is not None:
+            return self._worker(request, unit, run_as)
         return {
             **hardening(request.name, run_as, anchor=True),
             "Description": f"slicebox native sandbox {request.name}",
@@ -440,6 +443,34 @@ class NativeBackend:
             "ExecStart": [(argv[0], list(argv), False)],
             "EnvironmentFiles": [(str(self._env_file(request.name)), True)],
             "Environment": [f"PATH={DEFAULT_PATH}", f"HOME={WORKSPACE}"],
+            "StandardInput": "null",
+            "StandardOutput": "journal",
+            "StandardError": "journal",
+        }
+
+    def _worker(self, request: SandboxRequest, unit: str, run_as: RunAs) -> dict[str, Any]:
+        """A wasm sandbox's anchor: the worker, ready once it listens on its socket in a
+        runtime directory of its own (root's and its user's alone)."""
+        properties = hardening(request.name, run_as, anchor=True)
+        path = wasm.socket_path(self._wasm_runtime, request.name)
+        argv = wasm.anchor_argv(path)
+        runtime = [*properties.get("RuntimeDirectory", []), f"{wasm.RUNTIME}/{request.name}"]
+        return {
+            **properties,
+            "RuntimeDirectory": runtime,
+            "RuntimeDirectoryMode": 0o700,
+            "Description": f"slicebox wasm sandbox {request.name}",
+            "Slice": unit,
+            "Type": "notify",
+            "NotifyAccess": "main",
+            "ExecStart": [(argv[0], argv, False)],
+            "EnvironmentFiles": [(str(self._env_file(request.name)), True)],
+            "Environment": [
+                f"PATH={DEFAULT_PATH}",
+                f"HOME={WORKSPACE}",
+                f"PYTHONPATH={wasm.python_path()}",
+            ],
+            "WorkingDirectory": WORKSPACE,
             "StandardInput": "null",
             "StandardOutput": "journal",
             "StandardError": "journal",
@@ -572,7 +603,6 @@ class NativeBackend:
         with self._lock:
             backend_id, request = self._pending.pop(exec_id)
         name = sandbox_name(backend_id)
-        stdin = stdin or self._run_as_of(backend_id).wasm is not None
         ours: list[int] = []
         theirs: list[int] = []
         try:
@@ -604,13 +634,8 @@ class NativeBackend:
         self, exec_id: str, backend_id: str, name: str, request: ExecRequest
     ) -> dict[str, Any]:
         run_as = self._run_as_of(backend_id)
-        argv: Sequence[str] = (SHELL, "-c", EXEC_WRAPPER, "sh", request.cwd, *request.argv)
+        argv = (SHELL, "-c", EXEC_WRAPPER, "sh", request.cwd, *request.argv)
         environment = [f"PATH={DEFAULT_PATH}", f"HOME={WORKSPACE}"]
-        if run_as.wasm is not None:  # the worker calls the plugin (backends.wasmrun)
-            argv = wasm.worker_argv(run_as.wasm, request)
-            environment.append(f"PYTHONPATH={wasm.python_path()}")
-            with self._lock:
-                self._wasm_execs.add(exec_id)
         return {
             **hardening(name, run_as),
             "Description": f"slicebox exec in {name}",
@@ -645,20 +670,34 @@ class NativeBackend:
     def _write_exec_env(self, exec_id: str, env: Mapping[str, str]) -> None:
         self._write_env_file(self._exec_env_file(exec_id), env)
 
-    def _framed(self, exec_id: str, stdin: bytes | StdinSource) -> bytes | StdinSource:
-        """A wasm call's stdin: its plugin's frame, then the input."""
+    def _call_of(self, exec_id: str) -> WasmRun | None:
+        """The plugin a pending exec calls (an exec in a wasm sandbox), else None."""
         with self._lock:
             backend_id = self._pending[exec_id][0]
+        return self._run_as_of(backend_id).wasm
+
+    def _wasm_request(self, exec_id: str, data: bytes) -> tuple[Path, bytes]:
+        """The call's socket and what is sent on it: the request, the module, the input."""
+        with self._lock:
+            backend_id, request = self._pending.pop(exec_id)
         run = self._run_as_of(backend_id).wasm
-        if run is None:
-            return stdin
-        head = frame(self.plugins.get(run.sha256))
-        return head + stdin if isinstance(stdin, bytes) else _Prefixed(head, stdin)
+        assert run is not None
+        payload = wasm.call_request(run, request, self.plugins.get(run.sha256), data)
+        return wasm.socket_path(self._wasm_runtime, sandbox_name(backend_id)), payload
+
+    def _ended_call(self, exec_id: str) -> Callable[[ExecState], None]:
+        def ended(state: ExecState) -> None:
+            self._end(exec_id, state)
+
+        return ended
 
     def exec_start(self, exec_id: str, stdin: bytes) -> ExecAttachment:
-        framed = self._framed(exec_id, stdin)
-        assert isinstance(framed, bytes)
-        stdin = framed
+        if self._call_of(exec_id) is not None:
+            path, payload = self._wasm_request(exec_id, stdin)
+            call = wasm.BlockingCall(path, payload, self._ended_call(exec_id))
+            with self._lock:
+                self._calls[exec_id] = call
+            return call
         stdin_fd, out_fd, err_fd = self._start(exec_id, bool(stdin))
         if stdin_fd is not None:
             threading.Thread(
@@ -669,7 +708,13 @@ class NativeBackend:
     async def exec_start_async(
         self, exec_id: str, stdin: bytes | StdinSource
     ) -> AsyncExecAttachment:
-        stdin = await self._off_loop(self._framed, exec_id, stdin)
+        if await self._off_loop(self._call_of, exec_id) is not None:
+            data = stdin if isinstance(stdin, bytes) else await _whole(stdin, wasm.MAX_INPUT)
+            path, payload = await self._off_loop(self._wasm_request, exec_id, data)
+            call = wasm.Call(path, payload, self._ended_call(exec_id))
+            with self._lock:
+                self._calls[exec_id] = call
+            return call
         wants_stdin = not isinstance(stdin, bytes) or bool(stdin)
         stdin_fd, out_fd, err_fd = await self._off_loop(self._start, exec_id, wants_stdin)
         pipes = _AsyncPipes(asyncio.get_running_loop(), out_fd, err_fd)
@@ -680,8 +725,11 @@ class NativeBackend:
     def exec_inspect(self, exec_id: str) -> ExecState:
         with self._lock:
             ended = self._ended.get(exec_id)
+            calling = exec_id in self._calls
         if ended is not None:
             return ended
+        if calling:  # a wasm call, answered by the sandbox's worker: not a unit
+            return ExecState(pid=0, running=True, exit_code=None)
         status = self._systemd.service_status(exec_id)
         if status is None:
             # A unit whose start was asked is loaded until it ends; an inactive one that ended
@@ -689,10 +737,7 @@ class NativeBackend:
             return self._end(exec_id, ExecState(pid=0, running=False, exit_code=0))
         if not status.exited:
             return ExecState(pid=status.main_pid, running=True, exit_code=None)
-        with self._lock:
-            called = exec_id in self._wasm_execs
-        said = wasm.verdict(status.status) if called and status.code == CLD_EXITED else None
-        state = ExecState(pid=0, running=False, exit_code=exit_code_of(status), verdict=said)
+        state = ExecState(pid=0, running=False, exit_code=exit_code_of(status))
         self._systemd.reset_failed(exec_id)
         return self._end(exec_id, state)
 
@@ -701,7 +746,14 @@ class NativeBackend:
 
     def exec_kill(self, exec_id: str) -> bool:
         """Stop the exec's unit: systemd kills every process in its cgroup (a fork bomb's
-        included, ``KillMode=control-group`` with SIGKILL) and returns once they are gone."""
+        included, ``KillMode=control-group`` with SIGKILL) and returns once they are gone. A
+        wasm call's connection is closed instead: its worker cancels the call."""
+        with self._lock:
+            call = self._calls.get(exec_id)
+        if call is not None:
+            call.close()
+            self._end(exec_id, ExecState(pid=0, running=False, exit_code=137))
+            return True
         try:
             self._systemd.stop(exec_id)
         except HostError as exc:
@@ -712,12 +764,18 @@ class NativeBackend:
         return True
 
     async def exec_kill_async(self, exec_id: str) -> bool:
+        with self._lock:
+            calling = exec_id in self._calls
+        if calling:  # closing a call's connection is the loop's to do
+            return self.exec_kill(exec_id)
         return await self._off_loop(self.exec_kill, exec_id)
 
     def _end(self, exec_id: str, state: ExecState) -> ExecState:
         self._exec_env_file(exec_id).unlink(missing_ok=True)
         with self._lock:
-            self._wasm_execs.discard(exec_id)
+            self._calls.pop(exec_id, None)
+            if exec_id in self._ended:
+                return self._ended[exec_id]  # the first end stands (a kill's, then its read)
             self._ended[exec_id] = state
             while len(self._ended) > 1024:  # what an inspect soon after the end asks
                 del self._ended[next(iter(self._ended))]
@@ -744,18 +802,17 @@ def _write_all(fd: int, data: bytes) -> None:
         os.close(fd)
 
 
-class _Prefixed:
-    """A :class:`StdinSource` with ``head`` before what ``source`` gives."""
-
-    def __init__(self, head: bytes, source: StdinSource) -> None:
-        self._head: bytes | None = head
-        self._source = source
-
-    async def read(self) -> bytes:
-        if self._head is not None:
-            head, self._head = self._head, None
-            return head
-        return await self._source.read()
+async def _whole(source: StdinSource, cap: int) -> bytes:
+    """A streamed stdin read whole (a plugin takes its input whole), at most ``cap`` bytes."""
+    chunks, size = [], 0
+    while chunk := await source.read():
+        size += len(chunk)
+        if size > cap:
+            raise InvalidRequest(
+                f"a wasm call's input is at most {cap // 2**20} MiB", code="wasm_invalid"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class _BlockingPipes:

@@ -1,33 +1,42 @@
 """The ``wasm`` backend: Extism plugins run in a native sandbox's slice, bounded by the kernel.
 
 A wasm sandbox is a native sandbox (``backends.native``: its own slice under the project
-slice with the sandbox's memory, cpu and pids limits, an anchor, a dynamic user, no
-capability) whose request carries a :class:`~slicebox.model.wasm.WasmRun`. Each exec in it is
-one plugin call: ``argv`` is ``[function]``, stdin the input. The exec's unit runs the worker
-(``backends.wasmrun``) instead of a command, with the module framed ahead of the input on its
-stdin, so the plugin's host process sits in the sandbox's slice: the kernel's ceilings bound
-it, its memory shows in the level tree, a stop of the unit ends it. Inside it Extism bounds
-the plugin itself: ``max_pages`` from the sandbox's memory limit, ``timeout_ms`` from the
-exec's timeout, ``allowed_hosts`` from its network (none: no host), no path of the host's.
+slice with the sandbox's memory, cpu and pids limits, a dynamic user, no capability) whose
+request carries a :class:`~slicebox.model.wasm.WasmRun`, and whose anchor, its main process,
+is the worker (``backends.wasmrun``): it loads Extism once, when the sandbox is made, and
+answers calls on a unix socket in its runtime directory. Each exec in the sandbox is one call:
+``argv`` is ``[function]``, stdin the input; the agent sends the module with it (from its
+store, ``host.plugins``) and the worker compiles it once and instantiates it per call. So the
+plugins' host process sits in the sandbox's slice: the kernel's ceilings bound it, its memory
+shows in the level tree, a stop of the sandbox ends it. Inside it Extism bounds the plugin
+itself: ``max_pages`` from the sandbox's memory limit, ``timeout_ms`` from the exec's timeout,
+``allowed_hosts`` from its network (none: no host), no path of the host's.
 
 Seen from above, a wasm exec is an exec: caps, truncation, streaming, audit; its timeout
 answers 124 and ``timed_out``, a plugin past its pages ``oom_killed`` (the worker's exit status
-says which, and the native backend turns it into the exec's verdict).
+says which: the exec's verdict). A killed exec (a timeout, an abandoned stream) is the call's
+connection closed: the worker cancels the call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import socket
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
+from slicebox.backends import wasmrun
 from slicebox.backends.base import Availability
 from slicebox.model.errors import InvalidRequest
-from slicebox.model.exec import ExecRequest
+from slicebox.model.exec import ExecRequest, ExecState, OutputStream, StreamChunk
 from slicebox.model.spec import Backend
 from slicebox.model.wasm import EXIT_OOM, EXIT_TIMEOUT, FUNCTION, WasmRun
 
 WORKER = "slicebox.backends.wasmrun"
+EXIT_LOST = 1  # the worker did not answer (the sandbox stopped, or its worker was killed)
 # The modules the worker imports, besides the standard library: their directories make its
 # PYTHONPATH, wherever the agent found them (Debian's dist-packages, /usr/local, a venv).
 IMPORTED = ("slicebox", "extism", "extism_sys", "cffi", "_cffi_backend")
@@ -43,15 +52,6 @@ def function_of(request: ExecRequest) -> str:
             field="argv",
         )
     return request.argv[0]
-
-
-def worker_argv(run: WasmRun, request: ExecRequest) -> list[str]:
-    timeout_ms = max(1, int(request.timeout * 1000))
-    argv = [sys.executable, "-B", "-m", WORKER, "--function", function_of(request)]
-    argv += ["--timeout-ms", str(timeout_ms), "--max-pages", str(run.max_pages)]
-    for host in run.allowed_hosts:
-        argv += ["--allow-host", host]
-    return argv
 
 
 def python_path() -> str:
@@ -88,3 +88,126 @@ def availability(native: Availability) -> Availability:
         available=True,
         detail="Extism plugins in native sandbox slices (max_pages, timeout_ms, allowed_hosts)",
     )
+
+
+SOCKET_NAME = "worker.sock"
+RUNTIME = "slicebox/wasm"  # below /run: each wasm sandbox's anchor's own runtime directory
+MAX_INPUT = 64 * 1024 * 1024  # a call's input, held whole (a plugin takes its input whole)
+CONNECT_TIMEOUT = 10.0
+
+
+def socket_path(runtime: Path, name: str) -> Path:
+    return runtime / name / SOCKET_NAME
+
+
+def anchor_argv(path: Path) -> list[str]:
+    return [sys.executable, "-B", "-m", WORKER, "--serve", str(path)]
+
+
+def call_request(run: WasmRun, request: ExecRequest, module: bytes, data: bytes) -> bytes:
+    return wasmrun.request_bytes(
+        function_of(request),
+        module,
+        data,
+        sha256=run.sha256,
+        max_pages=run.max_pages,
+        timeout_ms=max(1, int(request.timeout * 1000)),
+        hosts=list(run.allowed_hosts),
+    )
+
+
+def state_of(status: int) -> ExecState:
+    return ExecState(pid=0, running=False, exit_code=status, verdict=verdict(status))
+
+
+class Call:
+    """One call's connection, read to its end on the event loop (``AsyncExecAttachment``):
+    the output as stdout and the message as stderr, once the worker answers. ``close`` hangs
+    up, which cancels the call in the worker."""
+
+    def __init__(self, path: Path, payload: bytes, ended: Callable[[ExecState], None]) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._call(path, payload))
+        self._ended = ended
+        self._given = False
+
+    async def _call(self, path: Path, payload: bytes) -> tuple[int, bytes, str]:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_unix_connection(str(path)), CONNECT_TIMEOUT
+        )
+        try:
+            writer.write(payload)
+            await writer.drain()
+            answer = await reader.read()
+        finally:
+            writer.close()
+        return wasmrun.answer_of(answer)
+
+    async def read(self, timeout: float) -> list[StreamChunk] | None:
+        if self._given:
+            return None
+        done, _ = await asyncio.wait({self._task}, timeout=timeout)
+        if not done:
+            return []
+        self._given = True
+        try:
+            status, output, message = self._task.result()
+        except (OSError, ValueError, asyncio.CancelledError) as exc:
+            status, output = EXIT_LOST, b""
+            message = f"the sandbox's worker did not answer: {exc}"
+        self._ended(state_of(status))
+        chunks = [StreamChunk(stream=OutputStream.STDOUT, data=output)] if output else []
+        if message:
+            chunks.append(StreamChunk(stream=OutputStream.STDERR, data=message.encode() + b"\n"))
+        return chunks
+
+    def close(self) -> None:
+        if not self._task.done():
+            self._task.cancel()  # its connection closes: the worker cancels the call
+
+
+def call_blocking(path: Path, payload: bytes) -> tuple[int, bytes, str]:
+    """One call, its connection read in the calling thread."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(CONNECT_TIMEOUT)
+        conn.connect(str(path))
+        conn.settimeout(None)
+        conn.sendall(payload)
+        chunks = []
+        while chunk := conn.recv(1 << 20):
+            chunks.append(chunk)
+    return wasmrun.answer_of(b"".join(chunks))
+
+
+class BlockingCall:
+    """:class:`Call` for an in-process caller: the call runs on a thread of its own and
+    ``read`` waits for it (``ExecAttachment``)."""
+
+    def __init__(self, path: Path, payload: bytes, ended: Callable[[ExecState], None]) -> None:
+        self._done = threading.Event()
+        self._answer: tuple[int, bytes, str] = (EXIT_LOST, b"", "")
+        self._ended = ended
+        self._given = False
+        threading.Thread(target=self._call, args=(path, payload), daemon=True).start()
+
+    def _call(self, path: Path, payload: bytes) -> None:
+        try:
+            self._answer = call_blocking(path, payload)
+        except (OSError, ValueError) as exc:
+            self._answer = (EXIT_LOST, b"", f"the sandbox's worker did not answer: {exc}")
+        self._done.set()
+
+    def read(self, timeout: float) -> list[StreamChunk] | None:
+        if self._given:
+            return None
+        if not self._done.wait(timeout):
+            return []
+        self._given = True
+        status, output, message = self._answer
+        self._ended(state_of(status))
+        chunks = [StreamChunk(stream=OutputStream.STDOUT, data=output)] if output else []
+        if message:
+            chunks.append(StreamChunk(stream=OutputStream.STDERR, data=message.encode() + b"\n"))
+        return chunks
+
+    def close(self) -> None:
+        """The thread's connection ends with the call (a blocking caller waits it out)."""

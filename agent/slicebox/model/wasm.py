@@ -27,6 +27,7 @@ from slicebox.model.egress import AllowEntry, EntryKind
 PAGE = 65536  # one WebAssembly page
 MAX_PAGES = 65536  # 4 GiB: all a 32-bit module can address
 MAX_PLUGIN_BYTES = 64 * 1024 * 1024
+WORKER_RESERVE = 64 * 1024 * 1024  # of a sandbox's memory, left to the worker's own
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 FUNCTION = re.compile(r"[A-Za-z_][A-Za-z0-9_.$-]{0,127}")
 # What the worker's exit status says of a call (backends.wasmrun): the plugin ran past its
@@ -83,10 +84,14 @@ def digest(module: bytes) -> str:
 
 
 def max_pages_for(memory_bytes: int | None) -> int:
-    """The plugin's page cap for a sandbox memory limit (None: unlimited -> 4 GiB)."""
+    """The plugin's page cap for a sandbox memory limit (None: unlimited -> 4 GiB). The worker
+    itself (Python and Extism, a few tens of MiB) lives under the same limit: up to
+    ``WORKER_RESERVE`` of it, at most half, is left to it, so a plugin meets Extism's ``oom``
+    before the kernel's."""
     if not memory_bytes:
         return MAX_PAGES
-    return max(1, min(MAX_PAGES, memory_bytes // PAGE))
+    reserve = min(WORKER_RESERVE, memory_bytes // 2)
+    return max(1, min(MAX_PAGES, (memory_bytes - reserve) // PAGE))
 
 
 def is_wasm(module: bytes) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from slicebox.backends.base import Availability
-from slicebox.backends.native import ANCHOR_PREFIX, NativeBackend, run_as_described
+from slicebox.backends.native import ANCHOR_PREFIX, WORKSPACE, NativeBackend, run_as_described
 from slicebox.backends.router import Backends
 from slicebox.backends.wasm import availability, call_blocking, function_of, verdict
 from slicebox.backends.wasmrun import (
@@ -235,6 +235,9 @@ class RunningSystemd(FakeNativeSystemd):
         argv = properties["ExecStart"][0][1]
         path = Path(argv[argv.index("--serve") + 1])
         path.parent.mkdir(parents=True, exist_ok=True)  # its RuntimeDirectory
+        workspace = path.parent / "workspace"  # what systemd binds at /workspace
+        workspace.mkdir(exist_ok=True)
+        argv = [str(workspace) if word == WORKSPACE else word for word in argv]
         env = dict(line.split("=", 1) for line in properties["Environment"])
         self.processes[unit] = subprocess.Popen(argv, env=env)
         wait_until(path.exists)
@@ -313,6 +316,7 @@ def test_a_wasm_sandbox_s_worker_is_its_anchor_and_answers_its_execs(
     assert props["MemoryDenyWriteExecute"] is False, "Wasmtime's code pages are executable"
     assert props["PrivateNetwork"] is True, "no host allowed: no network at all"
     assert f"slicebox/wasm/{made.id}" in props["RuntimeDirectory"]
+    assert props["ExecStart"][0][1][-2:] == ["--workspace", WORKSPACE], "its one WASI path"
     state, out, err, exec_id = host.call(made.container_id, "count_vowels", b"slicebox agent")
     assert (state.exit_code, out, err) == (0, b"5", b"")
     assert exec_id not in host.systemd.services, "a call is no unit of its own"

@@ -453,7 +453,7 @@ class NativeBackend:
         runtime directory of its own (root's and its user's alone)."""
         properties = hardening(request.name, run_as, anchor=True)
         path = wasm.socket_path(self._wasm_runtime, request.name)
-        argv = wasm.anchor_argv(path)
+        argv = wasm.anchor_argv(path, WORKSPACE)
         runtime = [*properties.get("RuntimeDirectory", []), f"{wasm.RUNTIME}/{request.name}"]
         return {
             **properties,

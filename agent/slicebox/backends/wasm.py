@@ -10,7 +10,7 @@ store, ``host.plugins``) and the worker compiles it once and instantiates it per
 plugins' host process sits in the sandbox's slice: the kernel's ceilings bound it, its memory
 shows in the level tree, a stop of the sandbox ends it. Inside it Extism bounds the plugin
 itself: ``max_pages`` from the sandbox's memory limit, ``timeout_ms`` from the exec's timeout,
-``allowed_hosts`` from its network (none: no host), no path of the host's.
+``allowed_hosts`` from its network (none: no host), the sandbox's workspace as the one path.
 
 Seen from above, a wasm exec is an exec: caps, truncation, streaming, audit; its timeout
 answers 124 and ``timed_out``, a plugin past its pages ``oom_killed`` (the worker's exit status
@@ -100,8 +100,8 @@ def socket_path(runtime: Path, name: str) -> Path:
     return runtime / name / SOCKET_NAME
 
 
-def anchor_argv(path: Path) -> list[str]:
-    return [sys.executable, "-B", "-m", WORKER, "--serve", str(path)]
+def anchor_argv(path: Path, workspace: str) -> list[str]:
+    return [sys.executable, "-B", "-m", WORKER, "--serve", str(path), "--workspace", workspace]
 
 
 def call_request(run: WasmRun, request: ExecRequest, module: bytes, data: bytes) -> bytes:
@@ -118,6 +118,14 @@ def call_request(run: WasmRun, request: ExecRequest, module: bytes, data: bytes)
 
 def state_of(status: int) -> ExecState:
     return ExecState(pid=0, running=False, exit_code=status, verdict=verdict(status))
+
+
+def chunks_of(output: bytes, message: str) -> list[StreamChunk]:
+    """A call's answer as an exec's output: the output on stdout, the message on stderr."""
+    chunks = [StreamChunk(stream=OutputStream.STDOUT, data=output)] if output else []
+    if message:
+        chunks.append(StreamChunk(stream=OutputStream.STDERR, data=message.encode() + b"\n"))
+    return chunks
 
 
 class Call:
@@ -155,10 +163,7 @@ class Call:
             status, output = EXIT_LOST, b""
             message = f"the sandbox's worker did not answer: {exc}"
         self._ended(state_of(status))
-        chunks = [StreamChunk(stream=OutputStream.STDOUT, data=output)] if output else []
-        if message:
-            chunks.append(StreamChunk(stream=OutputStream.STDERR, data=message.encode() + b"\n"))
-        return chunks
+        return chunks_of(output, message)
 
     def close(self) -> None:
         if not self._task.done():
@@ -204,10 +209,7 @@ class BlockingCall:
         self._given = True
         status, output, message = self._answer
         self._ended(state_of(status))
-        chunks = [StreamChunk(stream=OutputStream.STDOUT, data=output)] if output else []
-        if message:
-            chunks.append(StreamChunk(stream=OutputStream.STDERR, data=message.encode() + b"\n"))
-        return chunks
+        return chunks_of(output, message)
 
     def close(self) -> None:
         """The thread's connection ends with the call (a blocking caller waits it out)."""

@@ -11,7 +11,8 @@ sandbox's own user alone):
 - the agent sends a request: a header (4-byte big-endian length, then JSON: function,
   timeout_ms, max_pages, allowed hosts, sha256, the module's and the input's sizes), the
   module, the input;
-- the worker compiles the module once per (sha256, limits) and makes a fresh instance for every
+- the worker compiles the module once per (sha256, limits), with the sandbox's workspace as
+  the one path its WASI sees (``--workspace``), and makes a fresh instance for every
   call, so nothing of one call's memory reaches the next; the call runs on a thread of its own
   while the connection is watched: the agent closing it (an exec killed, a stream abandoned)
   cancels the call;
@@ -47,13 +48,16 @@ WATCH = 0.05  # seconds between looks at a connection while its call runs
 COMPILED_KEPT = 8  # compiled modules kept (a timeout of its own is another compile)
 
 
-def manifest(module: bytes, max_pages: int, timeout_ms: int, hosts: list[str]) -> dict[str, Any]:
+def manifest(
+    module: bytes, max_pages: int, timeout_ms: int, hosts: list[str], workspace: str = ""
+) -> dict[str, Any]:
     return {
         "wasm": [{"data": module}],
         "memory": {"max_pages": max_pages},
         "timeout_ms": timeout_ms,
         "allowed_hosts": hosts,  # empty: no host at all
-        "allowed_paths": {},  # no file of the host's
+        # The sandbox's own workspace (WASI) and no other path.
+        "allowed_paths": {workspace: "/workspace"} if workspace else {},
     }
 
 
@@ -99,11 +103,12 @@ def answer_bytes(status: int, output: bytes, message: str) -> bytes:
 class Worker:
     """Calls plugins: compiled once per (sha256, limits), instantiated once per call."""
 
-    def __init__(self) -> None:
+    def __init__(self, workspace: str = "") -> None:
         import extism
         import extism.extism
 
         self._extism = extism
+        self._workspace = workspace
         # Not exported by the package (1.1), but there: compile once, instantiate per call.
         # An SDK without it compiles at every call.
         self._compile: Callable[..., Any] = getattr(
@@ -128,7 +133,7 @@ class Worker:
             with self._lock:
                 compiled = self._compiled.get(key)
                 if compiled is None:
-                    plan = manifest(module, max_pages, timeout_ms, hosts)
+                    plan = manifest(module, max_pages, timeout_ms, hosts, self._workspace)
                     compiled = self._compile(plan, wasi=True)
                     self._compiled[key] = compiled
                     while len(self._compiled) > COMPILED_KEPT:  # the oldest go first
@@ -232,8 +237,8 @@ def notify(state: str) -> None:
         sock.sendto(state.encode(), address)
 
 
-def serve(path: str) -> int:
-    worker = Worker()  # Extism's library is loaded before the sandbox is called ready
+def serve(path: str, workspace: str = "") -> int:
+    worker = Worker(workspace)  # Extism's library is loaded before the sandbox is called ready
     if os.path.exists(path):
         os.unlink(path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -250,8 +255,9 @@ def serve(path: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="wasmrun", description=__doc__.splitlines()[0])
     parser.add_argument("--serve", required=True, metavar="PATH", help="the unix socket")
+    parser.add_argument("--workspace", default="", help="the directory plugins see (WASI)")
     args = parser.parse_args(argv)
-    return serve(args.serve)
+    return serve(args.serve, args.workspace)
 
 
 if __name__ == "__main__":

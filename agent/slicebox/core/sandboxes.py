@@ -1018,13 +1018,36 @@ def _waits(spec: SandboxSpec, *, one_shot: bool, pool_key: str) -> bool:
 
 def _check_native(spec: SandboxSpec, pool_key: str, *, network: bool = True) -> None:
     """Refuse, before anything is made, what a native sandbox cannot give (a wasm sandbox is
-    one, whose plugin may reach the hosts of an egress allow-list: ``network`` False)."""
-    kind = spec.backend.value
+    one, whose plugin may reach the hosts of an egress allow-list: ``network`` False). A host
+    workspace it gives: its units run as the caller, with it at /workspace."""
+    _refuse(
+        spec,
+        _unsupported(spec, pool_key, network=network, host_workspace=True),
+        "it runs the host's own programs with no network, no mount and no capability",
+    )
+
+
+def _check_remote(spec: SandboxSpec, pool_key: str) -> None:
+    """Refuse, before anything is made, what a remote (daytona) sandbox cannot give."""
+    _refuse(
+        spec,
+        _unsupported(spec, pool_key or ("reuse" if spec.reuse else "")),
+        "it runs remotely, on the agent's Daytona API, with no network and nothing of this host's",
+    )
+
+
+def _unsupported(
+    spec: SandboxSpec, pool_key: str, *, network: bool = True, host_workspace: bool = False
+) -> list[str]:
+    """The fields ``spec`` asks for that only a Docker sandbox gives."""
+    workspace = spec.workspace
     asked = [
         ("network", network and spec.network != "none"),
         ("mounts", bool(spec.mounts)),
-        # A host workspace is one: its units run as the caller, with it at /workspace.
-        ("workspace", spec.workspace is not None and spec.workspace.kind is not WorkspaceKind.HOST),
+        (
+            "workspace",
+            workspace is not None and not (host_workspace and workspace.kind is WorkspaceKind.HOST),
+        ),
         ("run_as", spec.run_as is not None),
         ("credentials", spec.credentials is not None),
         ("cap_add", bool(spec.cap_add)),
@@ -1033,37 +1056,14 @@ def _check_native(spec: SandboxSpec, pool_key: str, *, network: bool = True) -> 
         ("ipc_mode", spec.ipc_mode is not None),
         ("pool", bool(pool_key)),
     ]
-    refused = [name for name, wanted in asked if wanted]
-    if refused:
-        raise InvalidRequest(
-            f"a {kind} sandbox cannot give {', '.join(refused)}: it runs the host's own "
-            "programs with no network, no mount and no capability; leave these out or ask for "
-            "backend docker",
-            code="backend_unsupported",
-            field=refused[0],
-        )
+    return [name for name, wanted in asked if wanted]
 
 
-def _check_remote(spec: SandboxSpec, pool_key: str) -> None:
-    """Refuse, before anything is made, what a remote (daytona) sandbox cannot give."""
-    asked = [
-        ("network", spec.network != "none"),
-        ("mounts", bool(spec.mounts)),
-        ("workspace", spec.workspace is not None),
-        ("run_as", spec.run_as is not None),
-        ("credentials", spec.credentials is not None),
-        ("cap_add", bool(spec.cap_add)),
-        ("privileged", spec.privileged),
-        ("pid_mode", spec.pid_mode is not None),
-        ("ipc_mode", spec.ipc_mode is not None),
-        ("pool", bool(pool_key) or spec.reuse),
-    ]
-    refused = [name for name, wanted in asked if wanted]
+def _refuse(spec: SandboxSpec, refused: list[str], why: str) -> None:
     if refused:
         raise InvalidRequest(
-            f"a daytona sandbox cannot give {', '.join(refused)}: it runs remotely, on the "
-            "agent's Daytona API, with no network and nothing of this host's; leave these out "
-            "or ask for backend docker",
+            f"a {spec.backend.value} sandbox cannot give {', '.join(refused)}: {why}; leave "
+            "these out or ask for backend docker",
             code="backend_unsupported",
             field=refused[0],
         )

@@ -202,19 +202,15 @@ def check_native(host: Host) -> Check:
 
 def check_wasm(host: Host) -> Check:
     """The wasm backend: optional (slicebox[wasm]); where the native backend runs and the
-    Extism SDK imports, it runs plugins. Without the SDK it is skipped, not failed."""
+    Extism SDK imports, it runs plugins. Without the SDK nothing is wrong: it says so."""
     from slicebox.backends import wasm
 
     answer = wasm.availability(host.native())
     if answer.available:
         return passed("wasm backend", answer.detail)
     if "slicebox[wasm]" in answer.detail:
-        return Check(
-            name="wasm backend",
-            state=State.SKIP,
-            detail="not installed (optional)",
-            fix="pip install extism (slicebox[wasm]) for the agent's Python to run plugins",
-        )
+        detail = "not installed (optional: pip install extism for the agent's Python)"
+        return passed("wasm backend", detail)
     return verdict("wasm backend", False, answer.detail, "it runs where the native backend does")
 
 
@@ -227,12 +223,8 @@ def check_daytona(host: Host) -> Check:
     except SliceboxError:
         remote = None
     if remote is None:
-        return Check(
-            name="daytona backend",
-            state=State.SKIP,
-            detail="not configured (optional)",
-            fix="set [daytona] api_url and api_key_file in the agent's config to use it",
-        )
+        detail = "not configured (optional: [daytona] api_url and api_key_file enable it)"
+        return passed("daytona backend", detail)
     if not os.access(str(remote.api_key_file), os.R_OK):
         return Check(
             name="daytona backend",

@@ -25,12 +25,15 @@ import pytest
 
 from slicebox.backends.native import ANCHOR_PREFIX
 from slicebox.backends.wasmrun import EXIT_NO_FUNCTION
+from slicebox.cli.client import Client
 from slicebox.core.sandboxes import Sandbox
 from slicebox.host.plugins import PluginStore
+from slicebox.model.api import CreateSandbox, RunRequest
+from slicebox.model.exec import ExecRequest
 from slicebox.model.names import MANAGED_SLICE, slice_names
 from slicebox.model.spec import SandboxSpec
 from slicebox.model.wasm import digest
-from tests.host.agentunits import installed_agent
+from tests.host.agentunits import SOCKET, agent_config, installed_agent
 from tests.host.helpers import CGROUP_ROOT, sh, wait_for
 from tests.host.sliceboxhost import active, cleanup_slices
 from tests.host.test_native import Native, only_the_anchor, processes, slice_dir
@@ -195,3 +198,33 @@ def cli_sandboxes() -> list[object]:
     """The sandboxes of the command line's project: its one-shot's is removed after it."""
     listed = json.loads(sh("slicebox", "--json", "ps").stdout)
     return [view for view in listed if view["project"] == "wasm-cli"]
+
+
+def test_a_plugin_run_again_and_again_gets_a_pool_of_ready_workers(toolkit: Path) -> None:
+    """Pools learned from demand serve wasm one-shots too: the key is the plugin's sha256 with
+    the sandbox's owner and limits, and a member is a worker with Extism loaded, ready."""
+    config = agent_config() + "[pool_learning]\nenabled = true\nuses = 2\n"
+    with installed_agent(config):
+        sh("systemctl", "start", "slicebox.service")
+        client = Client(str(SOCKET))
+        spec = CreateSandbox(project="wasm-pool", backend="wasm", wasm=module_of(toolkit))
+        run = RunRequest(sandbox=spec, exec=ExecRequest(argv=("echo",), stdin=b"again"))
+        try:
+            for _ in range(2):  # cold: the second one teaches the pool
+                assert client.run(run).result.stdout == b"again"
+            wait_for(lambda: any(p.ready for p in client.pools().pools), timeout=120, step=0.5)
+            [learned] = client.pools().pools
+            assert (learned.key.backend, learned.key.plugin) == (
+                "wasm",
+                digest(toolkit.read_bytes()),
+            )
+            started = time.monotonic()
+            pooled = client.run(run)
+            took = time.monotonic() - started
+            assert pooled.result.stdout == b"again"
+            assert client.pools().pools[0].hits == 1, "the third run came from the pool"
+            print(f"pooled wasm one-shot: {took * 1000:.0f} ms")
+        finally:
+            for view in client.list_sandboxes():
+                if view.project == "wasm-pool":
+                    client.destroy(view.id)

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -33,6 +34,8 @@ from slicebox.backends.wasmrun import (
     call,
     request_bytes,
 )
+from slicebox.core.deadlines import Deadlines
+from slicebox.core.pool import WarmPool
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.host.plugins import PluginStore, read_plugin
@@ -265,7 +268,7 @@ class RunningSystemd(FakeNativeSystemd):
 
 
 class Host:
-    def __init__(self, tmp_path: Path, config: str = "") -> None:
+    def __init__(self, tmp_path: Path, config: str = "", *, deadlines: bool = False) -> None:
         self.systemd = RunningSystemd()
         self.native = NativeBackend(
             self.systemd,
@@ -284,6 +287,7 @@ class Host:
             instance_id="run-1",
             clock=lambda: NOW,
             new_id=lambda: next(ids),
+            deadlines=Deadlines(self.systemd) if deadlines else None,
         )
 
     def call(
@@ -466,3 +470,54 @@ def test_concurrent_calls_into_one_sandbox_each_get_their_own_answer(
     answers = asyncio.run(many())
     assert answers == [(0, b"call %d" % n) for n in range(16)], "a spinning call holds no one"
     host.manager.destroy(made.id)
+
+
+def test_a_wasm_pool_keeps_workers_ready_for_its_plugin_and_learns_one_from_demand(
+    tmp_path: Path, toolkit: bytes
+) -> None:
+    sha = digest(toolkit)
+    table = (
+        f'[[pool]]\nuser = "al-ice"\nproject = "p"\nsize = 1\nmemory = "128m"\n'
+        f'backend = "wasm"\nwasm_sha256 = "{sha}"\n'
+        "[pool_learning]\nenabled = true\nuses = 2\n"
+    )
+    host = Host(tmp_path, table, deadlines=True)
+    host.native.plugins.put(toolkit)  # a declared pool's plugin: one the agent holds
+    pool = WarmPool(host.manager, executor=ThreadPoolExecutor(2), now=lambda: NOW)
+    try:
+        pool.configure(host.manager.config)
+        pool.refill()
+        wait_until(lambda: pool.stats().pools[0].ready == 1)
+        [ready] = host.manager.find(pool="true")
+        member = pool.acquire(wasm_spec(wasm={"sha256": sha}))
+        assert member is not None, "a worker ready for the plugin"
+        assert member.id == ready.id
+        assert host.call(member.container_id, "echo", b"pooled")[1] == b"pooled"
+        # Another plugin (uploaded) has no pool: cold twice, then one is learned for it.
+        other = toolkit + b"\0\x05\x04name"  # a custom section: another sha256
+        upload = {"module": base64.b64encode(other).decode()}
+        for _ in range(2):
+            assert pool.acquire(wasm_spec(wasm=upload, memory="64m")) is None
+            host.manager.create(wasm_spec(wasm=upload, memory="64m"))  # what a miss does
+        learned = [p for p in pool.stats().pools if p.learned]
+        assert [p.key.plugin for p in learned] == [digest(other)]
+        pool.refill()
+        wait_until(lambda: next(p for p in pool.stats().pools if p.learned).ready == 1)
+        assert pool.acquire(wasm_spec(wasm=upload, memory="64m")) is not None
+        # A plugin named by path is read at create: no key, no pool.
+        assert pool.acquire(wasm_spec(wasm={"path": "/srv/x.wasm"})) is None
+    finally:
+        pool.shutdown()
+        for made in host.manager.find(user="al-ice"):
+            host.manager.destroy(made.id)
+
+
+def test_a_module_the_runtime_refuses_fails_the_create_and_leaves_nothing(tmp_path: Path) -> None:
+    host = Host(tmp_path)
+    broken = b"\0asm\x01\0\0\0\xff\xff\xff"  # the magic, then no valid section
+    with pytest.raises(InvalidRequest) as refused:
+        host.manager.create(wasm_spec(wasm={"module": base64.b64encode(broken).decode()}))
+    assert refused.value.code == "wasm_invalid"
+    assert "cannot be run" in refused.value.message
+    assert not [unit for unit in host.systemd.running if "sbx" in unit]
+    assert not host.systemd.processes, "its worker is gone with it"

@@ -424,6 +424,8 @@ class NativeBackend:
                     f"({_ended(status)}); see `journalctl -u {anchor}`",
                     code=START_FAILED_CODE,
                 )
+            if run_as.wasm is not None:  # its first call finds the module compiled
+                self._prepare(request.name, run_as.wasm)
         except BaseException:
             self._discard(unit, name)
             raise
@@ -475,6 +477,14 @@ class NativeBackend:
             "StandardOutput": "journal",
             "StandardError": "journal",
         }
+
+    def _prepare(self, name: str, run: WasmRun) -> None:
+        """Have a new wasm sandbox's worker compile its module; ``wasm_invalid`` when the
+        runtime refuses it (nothing of the sandbox is left then)."""
+        payload = wasm.prepare_request(run, self.plugins.get(run.sha256))
+        status, _, message = wasm.call_blocking(wasm.socket_path(self._wasm_runtime, name), payload)
+        if status != 0:
+            raise InvalidRequest(f"the plugin cannot be run: {message}", code="wasm_invalid")
 
     def inspect(self, backend_id: str) -> SandboxInfo | None:
         if is_native_id(backend_id):

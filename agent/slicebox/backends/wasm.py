@@ -116,6 +116,19 @@ def call_request(run: WasmRun, request: ExecRequest, module: bytes, data: bytes)
     )
 
 
+def prepare_request(run: WasmRun, module: bytes) -> bytes:
+    """A request that only compiles the module (no function), sent as the sandbox is made."""
+    return wasmrun.request_bytes(
+        "",
+        module,
+        b"",
+        sha256=run.sha256,
+        max_pages=run.max_pages,
+        timeout_ms=1,
+        hosts=list(run.allowed_hosts),
+    )
+
+
 def state_of(status: int) -> ExecState:
     return ExecState(pid=0, running=False, exit_code=status, verdict=verdict(status))
 

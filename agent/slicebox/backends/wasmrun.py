@@ -12,10 +12,11 @@ sandbox's own user alone):
   timeout_ms, max_pages, allowed hosts, sha256, the module's and the input's sizes), the
   module, the input;
 - the worker compiles the module once per (sha256, limits), with the sandbox's workspace as
-  the one path its WASI sees (``--workspace``), and makes a fresh instance for every
-  call, so nothing of one call's memory reaches the next; the call runs on a thread of its own
-  while the connection is watched: the agent closing it (an exec killed, a stream abandoned)
-  cancels the call;
+  the one path its WASI sees (``--workspace``), and makes a fresh instance for every call, so
+  nothing of one call's memory reaches the next; a request naming no function only compiles
+  (the agent sends one as it makes the sandbox: its first call finds the module ready); the
+  call runs on a thread of its own while the connection is watched: the agent closing it (an
+  exec killed, a stream abandoned) cancels the call, and so does its timeout;
 - the answer: the exit status (4 bytes), the output's length (8 bytes), the output, then the
   message (UTF-8) to the end.
 
@@ -35,6 +36,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,16 +47,16 @@ EXIT_NO_FUNCTION = 127
 EXIT_OOM = 137
 MAX_HEADER = 64 * 1024
 WATCH = 0.05  # seconds between looks at a connection while its call runs
-COMPILED_KEPT = 8  # compiled modules kept (a timeout of its own is another compile)
+COMPILED_KEPT = 8  # compiled modules kept
 
 
 def manifest(
-    module: bytes, max_pages: int, timeout_ms: int, hosts: list[str], workspace: str = ""
+    module: bytes, max_pages: int, hosts: list[str], workspace: str = ""
 ) -> dict[str, Any]:
+    """The plugin's manifest; its timeout is the worker's to enforce, per call."""
     return {
         "wasm": [{"data": module}],
         "memory": {"max_pages": max_pages},
-        "timeout_ms": timeout_ms,
         "allowed_hosts": hosts,  # empty: no host at all
         # The sandbox's own workspace (WASI) and no other path.
         "allowed_paths": {workspace: "/workspace"} if workspace else {},
@@ -114,7 +116,7 @@ class Worker:
         self._compile: Callable[..., Any] = getattr(
             extism.extism, "CompiledPlugin", lambda plan, wasi: plan
         )
-        self._compiled: dict[tuple[str, int, int, tuple[str, ...]], Any] = {}
+        self._compiled: dict[tuple[str, int, tuple[str, ...]], Any] = {}
         self._lock = threading.Lock()
 
     def call(
@@ -124,16 +126,17 @@ class Worker:
         data: bytes,
         hung_up: Callable[[], bool] = lambda: False,
     ) -> tuple[int, bytes, str]:
+        """One call; a function named "" only compiles the module (a sandbox made ready)."""
         extism = self._extism
         function = str(header["function"])
-        max_pages, timeout_ms = int(header["max_pages"]), int(header["timeout_ms"])
+        max_pages = int(header["max_pages"])
         hosts = [str(host) for host in header["hosts"]]
-        key = (str(header["sha256"]), max_pages, timeout_ms, tuple(hosts))
+        key = (str(header["sha256"]), max_pages, tuple(hosts))
         try:
             with self._lock:
                 compiled = self._compiled.get(key)
                 if compiled is None:
-                    plan = manifest(module, max_pages, timeout_ms, hosts, self._workspace)
+                    plan = manifest(module, max_pages, hosts, self._workspace)
                     compiled = self._compile(plan, wasi=True)
                     self._compiled[key] = compiled
                     while len(self._compiled) > COMPILED_KEPT:  # the oldest go first
@@ -141,20 +144,46 @@ class Worker:
             plugin = extism.Plugin(compiled, wasi=True)
         except extism.Error as exc:
             return EXIT_FAILED, b"", f"the plugin could not be loaded: {exc}"
+        if not function:
+            return 0, b"", ""
         if not plugin.function_exists(function):
             return EXIT_NO_FUNCTION, b"", f"the plugin exports no function {function!r}"
+        return self._watched(plugin, function, data, header, hung_up)
+
+    def _watched(
+        self,
+        plugin: Any,
+        function: str,
+        data: bytes,
+        header: dict[str, Any],
+        hung_up: Callable[[], bool],
+    ) -> tuple[int, bytes, str]:
+        """The call on a thread of its own, cancelled at its timeout (one compiled module
+        serves every timeout) or when the agent hangs up."""
         outcome: list[tuple[int, bytes, str]] = []
         runner = threading.Thread(
             target=lambda: outcome.append(self._run(plugin, function, data, header)), daemon=True
         )
-        runner.start()
         cancel = plugin.cancel_handle()
+        deadline = time.monotonic() + int(header["timeout_ms"]) / 1000
+        runner.start()
         while runner.is_alive():
-            runner.join(WATCH)
-            if runner.is_alive() and hung_up():
+            runner.join(min(WATCH, max(0.0, deadline - time.monotonic())))
+            if not runner.is_alive():
+                break
+            if time.monotonic() >= deadline:
+                header = {**header, "timed_out": True}
+                cancel.cancel()
+            elif hung_up():
                 cancel.cancel()  # the agent has gone: the plugin stops at its next check
-                runner.join()
-        return outcome[0]
+            else:
+                continue
+            runner.join()
+        status, output, message = outcome[0]
+        if header.get("timed_out") and status == EXIT_FAILED:
+            limit = header["timeout_ms"]
+            return EXIT_TIMEOUT, b"", f"the call ran past its timeout ({limit} ms)"
+        return status, output, message
 
     def _run(
         self, plugin: Any, function: str, data: bytes, header: dict[str, Any]
@@ -163,9 +192,6 @@ class Worker:
             return 0, bytes(plugin.call(function, data)), ""
         except self._extism.Error as exc:
             said = str(exc)
-            if said == "timeout":
-                limit = header["timeout_ms"]
-                return EXIT_TIMEOUT, b"", f"the call ran past its timeout ({limit} ms)"
             if said == "oom":
                 pages = header["max_pages"]
                 return EXIT_OOM, b"", f"the plugin asked for more than {pages} pages of memory"

@@ -52,6 +52,7 @@ from slicebox.model.errors import SliceboxError
 from slicebox.model.limits import human_bytes
 from slicebox.model.pool import PoolConfig, PoolKey, PoolList, PoolStats
 from slicebox.model.spec import Backend, SandboxSpec
+from slicebox.model.wasm import digest
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,11 @@ def key_of(admitted: Admitted) -> PoolKey | None:
     spec = admitted.spec
     extras = (spec.command, spec.env, spec.workdir, spec.workspace, spec.credentials, spec.mounts)
     # An egress sandbox's address and rules are its own, made with it: no pool serves it.
-    if any(extras) or spec.backend is not Backend.DOCKER or not isinstance(spec.network, str):
+    if any(extras) or not isinstance(spec.network, str):
+        return None
+    if spec.backend is Backend.WASM:
+        return _wasm_key(admitted)
+    if spec.backend is not Backend.DOCKER:
         return None
     return PoolKey(
         user=spec.user,
@@ -92,11 +97,37 @@ def key_of(admitted: Admitted) -> PoolKey | None:
     )
 
 
+def _wasm_key(admitted: Admitted) -> PoolKey | None:
+    """A wasm sandbox's key: its plugin is part of it (a member's worker is made for one), so
+    only a plugin named by sha256 or uploaded (its digest known without reading a file) has
+    one; no network but none (an allow-list is the plugin's own)."""
+    spec = admitted.spec
+    plugin = spec.wasm
+    if plugin is None or plugin.path is not None or spec.network != "none":
+        return None
+    try:
+        sha = plugin.sha256 or digest(plugin.module_bytes())
+    except ValueError:
+        return None  # the create says what is wrong with it
+    return PoolKey(
+        user=spec.user,
+        project=spec.project,
+        image="",
+        limits=admitted.limits,
+        network="none",
+        run_as="",
+        backend=Backend.WASM.value,
+        plugin=sha,
+    )
+
+
 def spec_of(pool: PoolConfig) -> SandboxSpec:
     """A member's create request: the pool's settings, the rest the defaults."""
     fields = pool.model_dump(
         include={"user", "project", "image", "memory", "cpus", "pids", "network", "run_as", "reuse"}
     )
+    if pool.backend is Backend.WASM:
+        fields |= {"backend": "wasm", "wasm": {"sha256": pool.wasm_sha256}, "image": None}
     return SandboxSpec.model_validate(fields)
 
 
@@ -289,6 +320,8 @@ class WarmPool:
             network=key.network,
             run_as=key.run_as or None,
             idle_timeout_seconds=learning.window_seconds,
+            backend=Backend(key.backend),
+            wasm_sha256=key.plugin or None,
         )
         made = self._pool_of(table)
         if made is None or made.key != key:

@@ -951,8 +951,8 @@ class SandboxManager:
         kind = backend.resolve(spec.backend, fallback=fallback)
         if kind is Backend.NATIVE:
             _check_native(spec, pool_key)
-        if kind is Backend.WASM:
-            _check_native(spec, pool_key, network=not isinstance(spec.network, NetworkSpec))
+        if kind is Backend.WASM:  # a pool of wasm workers is one: their plugin is their key's
+            _check_native(spec, "", network=not isinstance(spec.network, NetworkSpec))
         if kind is Backend.DAYTONA:
             _check_remote(spec, pool_key)
         return spec if kind is spec.backend else spec.model_copy(update={"backend": kind})

@@ -21,13 +21,14 @@ import hashlib
 import re
 from typing import Annotated
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from slicebox.model.base import Model
 from slicebox.model.limits import Limits, OptionalCpus, OptionalPids, RawSize, parse_size
 from slicebox.model.names import slice_names
-from slicebox.model.spec import Id, Mount
+from slicebox.model.spec import Backend, Id, Mount
 from slicebox.model.validation import checked
+from slicebox.model.wasm import Sha256
 
 # The most members one pool keeps ready: each is a running container in its project's slice.
 MAX_POOL_SIZE = 64
@@ -54,6 +55,18 @@ class PoolConfig(Model):
     # Members are reset and handed out again after a release, to requests that ask for
     # ``reuse`` only; without it every release destroys its member and a fresh one replaces it.
     reuse: bool = False
+    # A pool of wasm sandboxes (their workers started, Extism loaded) for one plugin the agent
+    # holds: ``backend = "wasm"`` with its ``wasm_sha256``.
+    backend: Backend = Backend.DOCKER
+    wasm_sha256: Sha256 | None = None
+
+    @model_validator(mode="after")
+    def _kind(self) -> PoolConfig:
+        if self.backend not in (Backend.DOCKER, Backend.WASM):
+            raise ValueError("a pool's backend is docker or wasm")
+        if (self.backend is Backend.WASM) != (self.wasm_sha256 is not None):
+            raise ValueError("a wasm pool names its plugin (wasm_sha256), and only a wasm pool")
+        return self
 
     @field_validator("project")
     @classmethod
@@ -81,11 +94,15 @@ class PoolKey(Model):
     cap_add: tuple[str, ...] = ()
     mounts: tuple[Mount, ...] = ()
     reuse: bool = False
+    backend: str = "docker"
+    plugin: str = ""  # a wasm pool's plugin (its sha256)
 
     def fingerprint(self) -> str:
         """The key as a short stable digest, for the ``slicebox.pool_key`` label: a member
-        adopted after a restart is matched by it."""
-        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:24]
+        adopted after a restart is matched by it (a Docker key's as before wasm pools came)."""
+        docker = self.backend == "docker" and not self.plugin
+        data = self.model_dump_json(exclude={"backend", "plugin"} if docker else None)
+        return hashlib.sha256(data.encode()).hexdigest()[:24]
 
 
 class Lease(Model):

@@ -11,6 +11,8 @@ its ``echo`` given ``hi``. Per round, interleaved:
   seen (the module with a custom section of its own, so another sha256): upload, store,
   create, call, destroy;
 - ``wasm-cached``: the same run of the plugin by its sha256 (held by the agent already);
+- ``wasm-pooled``: the same run from a ``[[pool]]`` of wasm workers for that plugin (each
+  pooled run waits until the pool has a member ready, as the Docker side does);
 - ``docker-pooled``: the one-shot ``echo hi`` from the warm pool;
 - ``wasm-call`` and ``native-exec``: one call in a wasm sandbox that lives across the rounds,
   and one ``echo hi`` exec in a native sandbox alike: the cost of a call itself.
@@ -64,8 +66,11 @@ class Sides:
     def record(self, name: str, seconds: float) -> None:
         self.times.setdefault(name, []).append(seconds)
 
-    def wasm_run(self, plugin: dict[str, str]) -> None:
-        spec = CreateSandbox(user=USER, project=WASM_PROJECT, backend="wasm", wasm=plugin)
+    def wasm_run(self, plugin: dict[str, str], memory: str = "64MB") -> None:
+        """A one-shot wasm run; 64MB is the pool's key, any other memory limit is cold."""
+        spec = CreateSandbox(
+            user=USER, project=WASM_PROJECT, backend="wasm", wasm=plugin, memory=memory
+        )
         ran = self.client.run(RunRequest(sandbox=spec, exec=CALL))
         assert (ran.result.exit_code, ran.result.stdout) == (0, b"hi"), ran
 
@@ -73,15 +78,17 @@ class Sides:
         self.serial += 1
         fresh = with_section(self.module, str(self.serial).encode())
         upload = {"module": base64.b64encode(fresh).decode()}
-        self.record("wasm-cold", timed(lambda: self.wasm_run(upload)))
-        self.record("wasm-cached", timed(lambda: self.wasm_run({"sha256": self.sha})))
-        wait_for(self.ready, timeout=300, step=0.5)
+        self.record("wasm-cold", timed(lambda: self.wasm_run(upload, "96MB")))
+        self.record("wasm-cached", timed(lambda: self.wasm_run({"sha256": self.sha}, "96MB")))
+        wait_for(lambda: self.ready("wasm"), timeout=300, step=0.5)
+        self.record("wasm-pooled", timed(lambda: self.wasm_run({"sha256": self.sha})))
+        wait_for(lambda: self.ready("docker"), timeout=300, step=0.5)
         self.record("docker-pooled", timed(self.pooled))
         self.record("wasm-call", timed(lambda: self.call(wasm_box, CALL, b"hi")))
         self.record("native-exec", timed(lambda: self.call(native_box, ECHO, b"hi\n")))
 
-    def ready(self) -> bool:
-        return any(p.ready > 0 for p in self.client.pools().pools)
+    def ready(self, backend: str) -> bool:
+        return any(p.ready > 0 and p.key.backend == backend for p in self.client.pools().pools)
 
     def pooled(self) -> None:
         ran = self.client.run(run_request("64MB"))
@@ -98,6 +105,7 @@ def report(times: dict[str, list[float]]) -> None:
         print(f"{name:14} p50 {p50[name] * 1000:7.0f} ms  ({len(samples)} runs)")
     print(f"RATIO wasm-cold/docker-pooled {p50['wasm-cold'] / p50['docker-pooled']:.2f}")
     print(f"RATIO wasm-cached/docker-pooled {p50['wasm-cached'] / p50['docker-pooled']:.2f}")
+    print(f"RATIO wasm-pooled/docker-pooled {p50['wasm-pooled'] / p50['docker-pooled']:.2f}")
     print(f"RATIO wasm-cold/wasm-cached {p50['wasm-cold'] / p50['wasm-cached']:.2f}")
     print(f"RATIO wasm-call/native-exec {p50['wasm-call'] / p50['native-exec']:.2f}")
 
@@ -109,7 +117,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         module = build(TOOLKIT, Path(scratch)).read_bytes()
     store = Path("/var/cache/slicebox/wasm")
-    with installed_agent(agent_config() + POOL):
+    wasm_pool = (
+        f'[[pool]]\nuser = "{USER}"\nproject = "{WASM_PROJECT}"\nsize = 2\nmemory = "64MB"\n'
+        f'backend = "wasm"\nwasm_sha256 = "{digest(module)}"\n'
+    )
+    with installed_agent(agent_config() + POOL + wasm_pool):
         subprocess.run(["systemctl", "start", "slicebox.service"], check=True)
         client = Client(str(SOCKET))
         sides = Sides(client, module)

@@ -19,6 +19,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,21 @@ def test_the_installed_agent_runs_a_plugin_from_the_command_line(toolkit: Path) 
         checks = {check["name"]: check for check in doctor}
         assert checks["wasm backend"]["state"] == "ok", checks["wasm backend"]
         wait_for(lambda: not cli_sandboxes(), timeout=60)
+        # Many agents calling one wasm sandbox at once through the socket: each its own answer.
+        box = Client(str(SOCKET)).create(
+            CreateSandbox(project="wasm-cli", backend="wasm", wasm=module_of(toolkit))
+        )
+
+        def call(n: int) -> bytes:
+            request = ExecRequest(argv=("echo",), stdin=b"call %d" % n)
+            return Client(str(SOCKET)).exec(box.id, request).stdout
+
+        try:
+            with ThreadPoolExecutor(8) as pool:
+                answers = list(pool.map(call, range(16)))
+        finally:
+            Client(str(SOCKET)).destroy(box.id)
+        assert answers == [b"call %d" % n for n in range(16)]
         held = Path("/var/cache/slicebox/wasm") / f"{digest(toolkit.read_bytes())}.wasm"
         assert held.exists(), "the agent holds the plugin by its sha256"
         held.unlink()

@@ -134,6 +134,10 @@ def test_the_worker_answers_calls_on_its_socket_each_in_a_fresh_instance(
     assert call_blocking(path, request_for(toolkit, "count_vowels", b"aei")) == (0, b"3", "")
     assert call_blocking(path, request_for(toolkit, "grow"))[0] == EXIT_OOM
     assert call_blocking(path, request_for(toolkit, "echo", b"after")) == (0, b"after", "")
+    unsent = request_bytes(
+        "echo", b"", b"x", sha256="f" * 64, max_pages=64, timeout_ms=5000, hosts=[]
+    )
+    assert call_blocking(path, unsent)[0] == 2, "a call names a module compiled already"
     bad = call_blocking(path, (5).to_bytes(4, "big") + b"{not}")
     assert bad[0] == 2
     assert "bad request" in bad[2]

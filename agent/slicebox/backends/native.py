@@ -434,9 +434,9 @@ class NativeBackend:
         return SandboxInfo(id=unit, name=name, labels=request.labels, state=SandboxState.RUNNING)
 
     def _anchor(self, request: SandboxRequest, unit: str, run_as: RunAs) -> dict[str, Any]:
-        argv = (SHELL, "-c", EXEC_WRAPPER, "sh", request.workdir or WORKSPACE, *request.command)
         if run_as.wasm is not None:
             return self._worker(request, unit, run_as)
+        argv = (SHELL, "-c", EXEC_WRAPPER, "sh", request.workdir or WORKSPACE, *request.command)
         return {
             **hardening(request.name, run_as, anchor=True),
             "Description": f"slicebox native sandbox {request.name}",
@@ -643,17 +643,15 @@ class NativeBackend:
     def _exec_properties(
         self, exec_id: str, backend_id: str, name: str, request: ExecRequest
     ) -> dict[str, Any]:
-        run_as = self._run_as_of(backend_id)
         argv = (SHELL, "-c", EXEC_WRAPPER, "sh", request.cwd, *request.argv)
-        environment = [f"PATH={DEFAULT_PATH}", f"HOME={WORKSPACE}"]
         return {
-            **hardening(name, run_as),
+            **hardening(name, self._run_as_of(backend_id)),
             "Description": f"slicebox exec in {name}",
             "Slice": backend_id,
             "Type": "exec",
             "JoinsNamespaceOf": [anchor_unit(name)],
             "ExecStart": [(argv[0], list(argv), False)],
-            "Environment": environment,
+            "Environment": [f"PATH={DEFAULT_PATH}", f"HOME={WORKSPACE}"],
             "EnvironmentFiles": [
                 (str(self._env_file(name)), True),
                 (str(self._exec_env_file(exec_id)), True),
@@ -687,12 +685,12 @@ class NativeBackend:
         return self._run_as_of(backend_id).wasm
 
     def _wasm_request(self, exec_id: str, data: bytes) -> tuple[Path, bytes]:
-        """The call's socket and what is sent on it: the request, the module, the input."""
+        """The call's socket and what is sent on it: the request and the input."""
         with self._lock:
             backend_id, request = self._pending.pop(exec_id)
         run = self._run_as_of(backend_id).wasm
         assert run is not None
-        payload = wasm.call_request(run, request, self.plugins.get(run.sha256), data)
+        payload = wasm.call_request(run, request, data)
         return wasm.socket_path(self._wasm_runtime, sandbox_name(backend_id)), payload
 
     def _ended_call(self, exec_id: str) -> Callable[[ExecState], None]:

@@ -4,9 +4,10 @@ A wasm sandbox is a native sandbox (``backends.native``: its own slice under the
 slice with the sandbox's memory, cpu and pids limits, a dynamic user, no capability) whose
 request carries a :class:`~slicebox.model.wasm.WasmRun`, and whose anchor, its main process,
 is the worker (``backends.wasmrun``): it loads Extism once, when the sandbox is made, and
-answers calls on a unix socket in its runtime directory. Each exec in the sandbox is one call:
-``argv`` is ``[function]``, stdin the input; the agent sends the module with it (from its
-store, ``host.plugins``) and the worker compiles it once and instantiates it per call. So the
+answers calls on a unix socket in its runtime directory. The agent sends it the module (from
+its store, ``host.plugins``) once, as the sandbox is made, and the worker compiles it then.
+Each exec in the sandbox is one call: ``argv`` is ``[function]``, stdin the input, and the
+worker instantiates the compiled module afresh for it. So the
 plugins' host process sits in the sandbox's slice: the kernel's ceilings bound it, its memory
 shows in the level tree, a stop of the sandbox ends it. Inside it Extism bounds the plugin
 itself: ``max_pages`` from the sandbox's memory limit, ``timeout_ms`` from the exec's timeout,
@@ -69,7 +70,7 @@ def python_path() -> str:
 
 
 def verdict(exit_status: int) -> str | None:
-    """What a worker's own exit status says (its unit exited; not a kill by signal)."""
+    """What a worker's exit status for a call says beyond its code."""
     return {EXIT_TIMEOUT: "timeout", EXIT_OOM: "oom"}.get(exit_status)
 
 
@@ -104,27 +105,25 @@ def anchor_argv(path: Path, workspace: str) -> list[str]:
     return [sys.executable, "-B", "-m", WORKER, "--serve", str(path), "--workspace", workspace]
 
 
-def call_request(run: WasmRun, request: ExecRequest, module: bytes, data: bytes) -> bytes:
-    return wasmrun.request_bytes(
-        function_of(request),
-        module,
-        data,
-        sha256=run.sha256,
-        max_pages=run.max_pages,
-        timeout_ms=max(1, int(request.timeout * 1000)),
-        hosts=list(run.allowed_hosts),
-    )
+def call_request(run: WasmRun, request: ExecRequest, data: bytes) -> bytes:
+    """An exec's call: no module (its worker compiled it as the sandbox was made)."""
+    timeout_ms = max(1, int(request.timeout * 1000))
+    return _request(run, function_of(request), b"", data, timeout_ms)
 
 
 def prepare_request(run: WasmRun, module: bytes) -> bytes:
     """A request that only compiles the module (no function), sent as the sandbox is made."""
+    return _request(run, "", module, b"", 1)
+
+
+def _request(run: WasmRun, function: str, module: bytes, data: bytes, timeout_ms: int) -> bytes:
     return wasmrun.request_bytes(
-        "",
+        function,
         module,
-        b"",
+        data,
         sha256=run.sha256,
         max_pages=run.max_pages,
-        timeout_ms=1,
+        timeout_ms=timeout_ms,
         hosts=list(run.allowed_hosts),
     )
 

@@ -10,7 +10,8 @@ sandbox's own user alone):
 
 - the agent sends a request: a header (4-byte big-endian length, then JSON: function,
   timeout_ms, max_pages, allowed hosts, sha256, the module's and the input's sizes), the
-  module, the input;
+  module (only in the request that makes the sandbox ready: a call names it by sha256), the
+  input;
 - the worker compiles the module once per (sha256, limits), with the sandbox's workspace as
   the one path its WASI sees (``--workspace``), and makes a fresh instance for every call, so
   nothing of one call's memory reaches the next; a request naming no function only compiles
@@ -135,6 +136,8 @@ class Worker:
         try:
             with self._lock:
                 compiled = self._compiled.get(key)
+                if compiled is None and not module:
+                    return EXIT_USAGE, b"", "wasmrun: the module was not sent and is not compiled"
                 if compiled is None:
                     plan = manifest(module, max_pages, hosts, self._workspace)
                     compiled = self._compile(plan, wasi=True)

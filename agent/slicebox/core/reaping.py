@@ -65,13 +65,12 @@ from slicebox.model.errors import SliceboxError
 from slicebox.model.labels import PREFIX, decode_volume, stamp
 from slicebox.model.names import parse_slice
 from slicebox.model.reaper import Action, Kind, Rule
+from slicebox.model.spec import Backend
 
 log = logging.getLogger(__name__)
 
 
 GONE = frozenset({SandboxState.EXITED, SandboxState.DEAD})
-# A remote sandbox's backend (backends.daytona): its deadline is its label's alone.
-REMOTE = "daytona"
 # How long past a timer's deadline its expiry command has the sandbox to itself: it starts
 # within a second (AccuracyUSec) and takes a few, Docker's removal included.
 TIMER_GRACE = timedelta(seconds=60)
@@ -298,7 +297,8 @@ def _missing_deadlines(
             and at
             and at > now
             and sandbox_id not in deadlines
-            and sandbox.backend != REMOTE  # no unit here to bind one to: the label's holds
+            # A remote sandbox has no unit here to bind one to: its label's deadline holds.
+            and sandbox.backend != Backend.DAYTONA
         ):
             reason = f"its deadline {stamp(at)} has no timer armed"
             action = _about(sandbox, Kind.ARM_DEADLINE, Rule.DEADLINE_MISSING, reason)

@@ -468,8 +468,7 @@ class SandboxManager:
         store = backend.native.plugins
         wanted = spec.wasm
         if wanted.sha256 is not None:
-            if not store.has(wanted.sha256):
-                store.get(wanted.sha256)  # wasm_not_found, with what to do
+            store.require(wanted.sha256)
             sha = wanted.sha256
         elif wanted.module is not None:
             try:
@@ -1031,13 +1030,18 @@ def _check_remote(spec: SandboxSpec, pool_key: str) -> None:
     """Refuse, before anything is made, what a remote (daytona) sandbox cannot give."""
     _refuse(
         spec,
-        _unsupported(spec, pool_key or ("reuse" if spec.reuse else "")),
+        _unsupported(spec, pool_key, reuse=True),
         "it runs remotely, on the agent's Daytona API, with no network and nothing of this host's",
     )
 
 
 def _unsupported(
-    spec: SandboxSpec, pool_key: str, *, network: bool = True, host_workspace: bool = False
+    spec: SandboxSpec,
+    pool_key: str,
+    *,
+    network: bool = True,
+    host_workspace: bool = False,
+    reuse: bool = False,
 ) -> list[str]:
     """The fields ``spec`` asks for that only a Docker sandbox gives."""
     workspace = spec.workspace
@@ -1055,6 +1059,7 @@ def _unsupported(
         ("pid_mode", spec.pid_mode is not None),
         ("ipc_mode", spec.ipc_mode is not None),
         ("pool", bool(pool_key)),
+        ("reuse", reuse and spec.reuse),
     ]
     return [name for name, wanted in asked if wanted]
 

@@ -74,16 +74,15 @@ class PluginStore:
         try:
             module = target.read_bytes()
         except FileNotFoundError as exc:
-            raise NotFound(
-                f"the agent holds no plugin {sha256}; upload it again (module) or name its path",
-                code="wasm_not_found",
-            ) from exc
+            raise missing(sha256) from exc
         with contextlib.suppress(OSError):
             os.utime(target)
         return module
 
-    def has(self, sha256: str) -> bool:
-        return self.path(sha256).exists()
+    def require(self, sha256: str) -> None:
+        """NotFound (``wasm_not_found``) unless the agent holds the module."""
+        if not self.path(sha256).exists():
+            raise missing(sha256)
 
     def held(self) -> list[str]:
         return sorted(p.stem for p in self._root.glob("*.wasm")) if self._root.exists() else []
@@ -102,6 +101,13 @@ class PluginStore:
                 continue
             path.unlink(missing_ok=True)
             total -= size
+
+
+def missing(sha256: str) -> NotFound:
+    return NotFound(
+        f"the agent holds no plugin {sha256}; upload it again (module) or name its path",
+        code="wasm_not_found",
+    )
 
 
 def read_plugin(

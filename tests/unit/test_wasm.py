@@ -241,8 +241,9 @@ def test_a_plugin_path_is_read_beneath_the_caller_s_root_as_they_could(
 
 class RunningSystemd(FakeNativeSystemd):
     """The fake systemd, but a wasm sandbox's anchor runs its command for real (the worker,
-    with its Environment), started once it listens (``Type=notify``: systemd waits for it),
-    and killed when the sandbox's slice stops."""
+    with its Environment), started once it says ``READY=1`` on its notify socket (as systemd
+    waits for a ``Type=notify`` unit; a socket file alone may not listen yet), and killed
+    when the sandbox's slice stops."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -259,8 +260,14 @@ class RunningSystemd(FakeNativeSystemd):
         workspace.mkdir(exist_ok=True)
         argv = [str(workspace) if word == WORKSPACE else word for word in argv]
         env = dict(line.split("=", 1) for line in properties["Environment"])
-        self.processes[unit] = subprocess.Popen(argv, env=env)
-        wait_until(path.exists)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+            notify.bind(str(path.parent / "notify"))  # systemd's NOTIFY_SOCKET
+            notify.settimeout(30.0)
+            env["NOTIFY_SOCKET"] = str(path.parent / "notify")
+            self.processes[unit] = subprocess.Popen(argv, env=env)
+            while b"READY=1" not in notify.recv(4096):  # the start job ends at READY=1 only
+                pass
+        (path.parent / "notify").unlink()
 
     def stop(self, unit: str) -> None:
         super().stop(unit)

@@ -4,6 +4,7 @@ restart, release, headroom, and the reaper's pool rules."""
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import UTC, datetime, timedelta
@@ -339,6 +340,31 @@ def test_members_never_fill_the_project_past_its_memory_ceiling(tmp_path: Path) 
     stats = world.pool.stats().pools[0]
     assert stats.ready == 2, "100 + 2 x 128 MB fit under 400 MB; a third would not"
     assert "MiB of memory left under its ceiling" in stats.held_back
+
+
+def test_a_pool_whose_creates_are_refused_says_why_once_and_recovers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    world = World(tmp_path)
+    world.docker.images.clear()  # its image is not on the host (and cannot be pulled)
+    with caplog.at_level(logging.DEBUG, logger="slicebox.core.pool"):
+        for _ in range(3):  # three refills, as the reaper's passes would ask
+            world.fill()
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, "said once, not at every refill"
+    assert "image_unavailable" in warned[0].getMessage()
+    assert not any(r.exc_info for r in caplog.records), "a refusal is no traceback"
+    stats = world.pool.stats().pools[0]
+    assert (stats.ready, stats.creating) == (0, 0)
+    assert "cannot be pulled" in stats.held_back, "the pool's stats say why it stays empty"
+
+    world.docker.images.add("alpine:3.19")  # pulled by the operator
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="slicebox.core.pool"):
+        world.fill()
+    assert "makes members again" in caplog.text
+    stats = world.pool.stats().pools[0]
+    assert (stats.ready, stats.held_back) == (2, "")
 
 
 def test_the_reaper_trims_idle_members_past_their_timeout_and_size_never_acquired_ones(

@@ -142,6 +142,7 @@ class _Pool:
     hits: int = 0
     misses: int = 0
     held_back: str = ""
+    failing: str = ""  # why its last member could not be made (a create's refusal), until one is
     refills: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
     acquires: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
     learned: bool = False  # made for demand (``[pool_learning]``), not declared
@@ -522,16 +523,34 @@ class WarmPool:
         started = self._clock()
         try:
             member = self._manager.create(spec_of(pool.config), pool_key=pool.key.fingerprint())
+        except SliceboxError as exc:
+            # A refusal says what to do (the image to pull, the plugin to upload): once, as a
+            # warning, and in the pool's stats, not a traceback at every refill until then.
+            self._failed(pool, f"{exc.code}: {exc.message}")
+            return
         except Exception:
             log.exception("could not make a member of pool %s/%s", pool.key.user, pool.key.project)
-            with self._lock:
-                pool.creating -= 1
+            self._failed(pool, "internal: see the agent's log")
             return
         with self._lock:
             pool.creating -= 1
             pool.ready.append(member)
             pool.refills.append(self._clock() - started)
+            recovered, pool.failing = pool.failing, ""
+        if recovered:
+            log.info("pool %s/%s makes members again", pool.key.user, pool.key.project)
         self._manager.end_operation(member.id)  # held since its create: now the pool's
+
+    def _failed(self, pool: _Pool, why: str) -> None:
+        with self._lock:
+            pool.creating -= 1
+            new, pool.failing = why != pool.failing, why
+        (log.warning if new else log.debug)(
+            "pool %s/%s cannot make a member (tried again at each refill): %s",
+            pool.key.user,
+            pool.key.project,
+            why,
+        )
 
     # --- what it shows -----------------------------------------------------------------------
 
@@ -560,7 +579,7 @@ class WarmPool:
             refill_seconds_last=pool.refills[-1] if pool.refills else None,
             refill_seconds_p50=_median(pool.refills),
             acquire_seconds_p50=_median(pool.acquires),
-            held_back=pool.held_back,
+            held_back=pool.failing or pool.held_back,
             learned=pool.learned,
         )
 

@@ -164,7 +164,7 @@ class PoolStats(Model):
     refill_seconds_last: float | None
     refill_seconds_p50: float | None
     acquire_seconds_p50: float | None
-    held_back: str = ""  # why the refill stops short of ``size`` (the project's headroom)
+    held_back: str = ""  # why the refill stops short of ``size``: headroom, or a create refused
     learned: bool = False  # learned from demand (``[pool_learning]``), not a ``[[pool]]`` table
 
 

@@ -10,7 +10,8 @@ models (``daytona_api_client.models.Sandbox(...).to_dict()``, the toolbox client
   name>``, ``POST /api/sandbox/<id>/start``, ``GET /api/sandbox/<id>/toolbox-proxy-url``;
 - the toolbox at ``/toolbox/<id>``: ``POST /process/execute`` runs the command with ``sh -c``
   on this host, in the sandbox's own directory, and answers its exit code and its stdout and
-  stderr combined; ``POST /files/bulk-upload`` writes multipart files there;
+  stderr combined (500 while ``execute_fails``); ``POST /files/bulk-upload`` writes multipart
+  files there and ``DELETE /files?path=`` removes one;
 - ``/api/socket.io/`` answers 404: the SDK's event stream falls back to polling;
 - every other call wants the API key as a bearer token (401 otherwise).
 
@@ -68,6 +69,7 @@ class StandIn:
         self.api_key = api_key
         self.boxes: dict[str, Box] = {}
         self.creates: list[CreateSandbox] = []  # every create's body, as the SDK sent it
+        self.execute_fails = False  # process/execute answers 500 (Daytona's side failing)
         self.lock = threading.Lock()
         self._dir = Path(tempfile.mkdtemp(prefix="daytona-stand-in-"))
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
@@ -263,8 +265,8 @@ class _Handler(BaseHTTPRequestHandler):
     ) -> Any:
         if parts[:2] == ["api", "sandbox"]:
             return self._api(method, parts[2:], query, body)
-        if parts[:1] == ["toolbox"] and len(parts) >= 3 and method == "POST":
-            return self._toolbox(parts[1], parts[2:], body)
+        if parts[:1] == ["toolbox"] and len(parts) >= 3 and method in ("POST", "DELETE"):
+            return self._toolbox(method, parts[1], parts[2:], query, body)
         raise _Refusal(404, f"no route {method} /{'/'.join(parts)}")
 
     def _api(self, method: str, rest: list[str], query: dict[str, list[str]], body: bytes) -> Any:
@@ -291,14 +293,26 @@ class _Handler(BaseHTTPRequestHandler):
             raise _Refusal(404, f"no route {method} /api/sandbox/{'/'.join(rest)}")
         return box.dto.to_dict()
 
-    def _toolbox(self, sandbox: str, rest: list[str], body: bytes) -> Any:
+    def _toolbox(
+        self, method: str, sandbox: str, rest: list[str], query: dict[str, list[str]], body: bytes
+    ) -> Any:
         """``/toolbox/<id>/...``: a started sandbox's execute and upload."""
         box = self.stand_in.find(sandbox)
         if box is None:
             raise _Refusal(404, "no such sandbox")
         if box.dto.state != SandboxState.STARTED:
             raise _Refusal(409, "the sandbox is not started")
+        if method == "DELETE":
+            if rest != ["files"] or not query.get("path"):
+                raise _Refusal(404, f"no route DELETE /toolbox/{sandbox}/{'/'.join(rest)}")
+            target = inside(box.root, query["path"][0])
+            if not target.is_file():
+                raise _Refusal(404, f"no such file {query['path'][0]}")
+            target.unlink()
+            return {}
         if rest == ["process", "execute"]:
+            if self.stand_in.execute_fails:
+                raise _Refusal(500, "the toolbox could not run the command")
             request = ExecuteRequest.from_dict(json.loads(body))
             if request is None:
                 raise _Refusal(400, "no body")

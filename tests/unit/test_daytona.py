@@ -322,6 +322,31 @@ def test_exec_on_the_event_loop_with_a_streamed_stdin(backend: DaytonaBackend) -
     assert asyncio.run(scenario()) == (b"one two", 3, False)
 
 
+def test_an_exec_that_fails_after_its_stdin_went_up_leaves_no_stdin_file(
+    backend: DaytonaBackend, stand_in: StandIn
+) -> None:
+    info = backend.create(request())
+    stand_in.execute_fails = True
+    with pytest.raises(SliceboxError):
+        run(backend, info.id, ExecRequest(argv=("cat",)), b"secret input")
+
+    async def on_the_loop() -> None:
+        try:
+            exec_id = await backend.exec_create_async(info.id, ExecRequest(argv=("cat",)))
+            attachment = await backend.exec_start_async(exec_id, b"secret input")
+            while await attachment.read(5) is not None:
+                pass
+        finally:
+            await backend.aclose()
+
+    with pytest.raises(SliceboxError):
+        asyncio.run(on_the_loop())
+    stand_in.execute_fails = False
+    # The stand-in runs commands on this host: the sandbox's /tmp is ``tmp`` in its directory.
+    out, code = run(backend, info.id, ExecRequest(argv=("ls", "-A", "tmp"), cwd="/"))
+    assert (out, code) == (b"", 0), "each upload was made, and removed again"
+
+
 def test_kill_ends_a_running_exec(backend: DaytonaBackend) -> None:
     info = backend.create(request())
 

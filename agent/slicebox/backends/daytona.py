@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import importlib
 import logging
 import math
@@ -640,10 +641,9 @@ class DaytonaBackend:
         future: concurrent.futures.Future[bytes] = concurrent.futures.Future()
 
         def work() -> None:
+            stdin_file = f"{STDIN_DIR}/.slicebox-stdin-{secrets.token_hex(8)}" if stdin else None
             try:
-                stdin_file = None
-                if stdin:
-                    stdin_file = f"{STDIN_DIR}/.slicebox-stdin-{secrets.token_hex(8)}"
+                if stdin_file is not None:
                     sandbox.fs.upload_file(stdin, stdin_file)
                 script = exec_script(exec_id, run.request, stdin_file)
                 answer = sandbox.process.exec(
@@ -651,6 +651,9 @@ class DaytonaBackend:
                 )
                 future.set_result(self._answer(run, answer))
             except Exception as exc:
+                if stdin_file is not None:  # the command may never have read (and removed) it
+                    with contextlib.suppress(Exception):
+                        sandbox.fs.delete_file(stdin_file)
                 if self._timed_out(run, exc):
                     future.set_result(b"")
                     return
@@ -668,11 +671,13 @@ class DaytonaBackend:
         if not _is_async_sandbox(sandbox):  # created by a blocking call: the loop's one
             sandbox = self._running(exec_id, await self._aget(ID_PREFIX + run.daytona_id))
 
-        async def work() -> bytes:
+        async def attempt() -> bytes:
+            """Upload and execute; the stdin file removed again when it fails (or is cancelled)."""
+            stdin_file = None
+            if not isinstance(stdin, bytes) or stdin:
+                stdin_file = f"{STDIN_DIR}/.slicebox-stdin-{secrets.token_hex(8)}"
             try:
-                stdin_file = None
-                if not isinstance(stdin, bytes) or stdin:
-                    stdin_file = f"{STDIN_DIR}/.slicebox-stdin-{secrets.token_hex(8)}"
+                if stdin_file is not None:
                     if isinstance(stdin, bytes):
                         await sandbox.fs.upload_file(stdin, stdin_file)
                     else:
@@ -682,6 +687,15 @@ class DaytonaBackend:
                     script, cwd="/", env=run.request.env or None, timeout=_exec_timeout(run)
                 )
                 return self._answer(run, answer)
+            except BaseException:
+                if stdin_file is not None:  # the command may never have read (and removed) it
+                    with contextlib.suppress(Exception):
+                        await sandbox.fs.delete_file(stdin_file)
+                raise
+
+        async def work() -> bytes:
+            try:
+                return await attempt()
             except asyncio.CancelledError:
                 self._end(run, None)
                 raise

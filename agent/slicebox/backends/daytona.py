@@ -15,7 +15,8 @@ small ``sh -c`` wrapper, started in ``/`` and quoted with :func:`shlex.join`, th
 
 - takes its **stdin** from a file that the SDK's file API uploaded before (``/tmp/.slicebox-
   stdin-<token>``, streamed from a :class:`StdinSource` without holding it in memory), opened
-  and unlinked before the command starts, or ``/dev/null`` when there is none;
+  and unlinked before the command starts (deleted through the file API when the execute fails
+  or is abandoned), or ``/dev/null`` when there is none;
 - enters the request's **cwd** (``cd``, a path relative to ``/``), answering 126 with the
   shell's words when it is not there, as a native or Docker exec does;
 - marks the command's environment with ``SLICEBOX_EXEC=<exec id>``, which its children

@@ -5,7 +5,8 @@ zone on private addresses the agent's config declares internal) stands for the o
 sandboxes are real containers on slicebox's egress bridge; their names go through Docker's
 resolver to the agent's, and their packets through slicebox's nftables table.
 
-One module-wide agent serves the tests in order: what a sandbox reaches and not, sandbox to
+One module-wide agent serves the tests in order, on four sandboxes made at once (and destroyed at
+once at the end): each its own address and list, what a sandbox reaches and not, sandbox to
 sandbox and to the host, counters and the audit summary, then ``kill -9`` of the agent (the
 rules hold, the restarted agent serves names again), then the clean-up after destroy.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import NamedTuple
 
@@ -65,18 +67,26 @@ def agent() -> Iterator[Client]:
         sh("docker", "network", "rm", "slicebox-egress", check=False)
 
 
+# Made at once, each by a client of its own, in one new project: as parallel tool calls arrive.
+LISTS = {
+    "a": ALLOW,
+    "b": ["other.test"],
+    "c": [w.LISTED],  # an address alone
+    "d": ["pkgs.test"],  # a name alone
+}
+
+
 @pytest.fixture(scope="module")
 def boxes(agent: Client) -> dict[str, SandboxView]:
     project = unique("egress-")
-    allowed = agent.create(
-        CreateSandbox.model_validate({"project": project, "network": {"egress": {"allow": ALLOW}}})
-    )
-    other = agent.create(
-        CreateSandbox.model_validate(
-            {"project": project, "network": {"egress": {"allow": ["other.test"]}}}
-        )
-    )
-    return {"a": allowed, "b": other}
+
+    def create(allow: list[str]) -> SandboxView:
+        body = {"project": project, "network": {"egress": {"allow": allow}}}
+        return Client(str(SOCKET), timeout=300).create(CreateSandbox.model_validate(body))
+
+    with ThreadPoolExecutor(max_workers=len(LISTS)) as pool:
+        made = {key: pool.submit(create, allow) for key, allow in LISTS.items()}
+        return {key: future.result() for key, future in made.items()}
 
 
 class Ran(NamedTuple):
@@ -122,6 +132,25 @@ def test_an_allowed_name_answers_and_other_names_do_not_resolve(
     looked_up = run(agent, a, "nslookup other.test 2>&1; nslookup pkgs.test 2>&1")
     assert "NXDOMAIN" in looked_up.stdout, looked_up.stdout
     assert w.PKGS in looked_up.stdout, looked_up.stdout
+
+
+def test_sandboxes_made_at_once_each_get_an_address_and_only_their_own_list(
+    agent: Client, boxes: dict[str, SandboxView]
+) -> None:
+    """Four creates raced each other for addresses, rules and resolver entries: each has an
+    address of its own, and its packets meet its own list, not a neighbour's."""
+    addresses = {key: address(agent, box) for key, box in boxes.items()}
+    assert len(set(addresses.values())) == len(boxes), addresses
+    table = sh("nft", "-j", "list", "table", "inet", "slicebox").stdout
+    for box in boxes.values():
+        assert box.id.replace("-", "_") in table, f"{box.id} has no rules"
+    c, d = boxes["c"], boxes["d"]
+    assert f"hello from {w.LISTED}:8000" in fetch(agent, c, f"http://{w.LISTED}:8000/").stdout
+    assert "bad address" in fetch(agent, c, "http://pkgs.test:8000/").stdout, "not c's name"
+    assert f"hello from {w.PKGS}:8000" in fetch(agent, d, "http://pkgs.test:8000/").stdout
+    listed = fetch(agent, d, f"http://{w.LISTED}:8000/")
+    assert listed.exit_code != 0, "c's address is not d's"
+    assert "hello" not in listed.stdout, "c's address is not d's"
 
 
 def test_an_address_not_allowed_is_dropped_and_lists_and_ports_hold(
@@ -202,8 +231,9 @@ def test_destroy_leaves_no_rule_and_audits_one_summary(
     # the restart above: it lives in the agent, not the kernel).
     fetch(agent, boxes["a"], "http://rebind.wild.test:8000/")
     fetch(agent, boxes["a"], "http://nowhere.test:8000/")
-    for box in boxes.values():
-        agent.destroy(box.id)
+    with ThreadPoolExecutor(max_workers=len(boxes)) as pool:  # at once, as they were made
+        destroyed = list(pool.map(lambda box: Client(str(SOCKET)).destroy(box.id), boxes.values()))
+    assert [gone.destroyed for gone in destroyed] == [True] * len(boxes)
     table = sh("nft", "-j", "list", "table", "inet", "slicebox").stdout
     for box in boxes.values():
         key = box.id.replace("-", "_")

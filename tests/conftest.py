@@ -10,28 +10,30 @@ that take 20-35 min each under emulation: CI's run selects them out by name (``-
 not load"`` in ``tests/run-all``), never by a skip, and ``tests/guest/run python3 -m pytest -m
 load`` runs them.
 
-The guest has the agent's Debian packages, not the optional SDKs a few unit modules exercise
-(the Daytona SDK: ``test_daytona``, ``test_remote``). A run that selects host tests (``-m
-"host..."``, the guest's) does not collect those modules, none of whose tests it would select
-anyway; every other run collects them, so a build machine without the SDK fails loudly.
+Host tests live in ``tests/host`` and nowhere else (a collected ``host`` test elsewhere fails
+the run), so a run that selects host tests alone (``-m "host..."`` or ``-m load``, the guest's)
+does not collect ``tests/unit``: none of its tests would be selected, and importing its modules
+costs the guest's run some ten seconds under emulation, and would need the optional SDKs a few
+of them exercise (the Daytona SDK: ``test_daytona``, ``test_remote``), which the guest lacks.
+Every other run collects them, so a build machine without the SDK fails loudly.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 from tests.realhost import real_host_problem
 
-NEEDS_DAYTONA = frozenset({"test_daytona.py", "test_remote.py"})
+UNIT = Path(__file__).parent / "unit"
+HOST = Path(__file__).parent / "host"
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    host_run = str(config.option.markexpr or "").startswith("host")
-    if host_run and collection_path.name in NEEDS_DAYTONA:
-        return importlib.util.find_spec("daytona_api_client") is None or None
+    host_only = str(config.option.markexpr or "").startswith(("host", "load"))
+    if host_only and collection_path == UNIT:
+        return True
     return None
 
 
@@ -42,6 +44,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    strays = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("host") is not None and HOST not in item.path.parents
+    ]
+    if strays:
+        raise pytest.UsageError(
+            f"host tests belong in tests/host (a guest's run collects nothing else): {strays}"
+        )
     problem = real_host_problem()
     if problem is None:
         return

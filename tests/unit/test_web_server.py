@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -29,7 +28,6 @@ from slicebox.web.server import (
     Serving,
     StreamResponse,
     json_response,
-    serve,
     serve_path,
 )
 
@@ -592,33 +590,3 @@ def test_an_idle_connection_is_closed_after_the_keepalive_timeout(tmp_path: Path
     waited, left = run(main)
     assert 0.15 < waited < 1
     assert left == 0
-
-
-@pytest.mark.host
-def test_a_passed_sockets_file_outlives_the_server(tmp_path: Path) -> None:
-    """The socket systemd passes (slicebox.socket) stays for the next agent: from Python 3.13
-    on, a server made by ``start_unix_server`` unlinks its socket's file at close, and after a
-    restart (a package upgrade's) the agent listened on a file that was gone. Marked ``host``:
-    it runs in the guest, on the Python the package runs on (this machine's 3.11 never
-    unlinks)."""
-    path = tmp_path / "passed.sock"
-    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listening.bind(str(path))
-    listening.listen()
-
-    async def twice() -> list[int]:
-        statuses = []
-        for _ in range(2):  # an agent, then the next one on the same socket
-            serving = await serve(echo_app(), listening.dup())
-            async with HttpClient.unix(str(path)) as http:
-                answer = await http.request("GET", "/echo")
-                await answer.read()
-                statuses.append(answer.status)
-            await serving.close(timeout=1)
-            assert path.exists(), "closing the server removed the passed socket's file"
-        return statuses
-
-    try:
-        assert run(twice) == [200, 200]
-    finally:
-        listening.close()

@@ -275,8 +275,9 @@ def kill_round(clients: int) -> tuple[str, ...]:
 
 @pytest.mark.load
 def test_twenty_kill_9s_under_one_users_churn_lose_nothing_and_leak_nothing(agent: None) -> None:
-    """Twenty kills under one user's four clients: 17 min under emulation, on demand (see the
-    module); the five users' storm below costs 20-35 min."""
+    """Twenty kills under one user's four clients: 6 min under emulation, on demand (see the
+    module); the five users' storm below took 11 min (2026-12-05), 20-35 min before the
+    agent's start got faster."""
     _kill_storm(USERS[:1], clients=4)
 
 

@@ -19,7 +19,8 @@ load test's pass every 2 s is a stress, not what a host runs, and its passes ove
 sandboxes fall on both sides' phases unequally.
 
 Printed: creates/s, execs/s and destroys/s of each side and their RATIO (slicebox over
-docker-py: 1.0 means the agent adds nothing), p50/p99 per route of the agent, and the agent's
+docker-py: 1.0 means the agent adds nothing), the same for the whole work (every operation
+over the time all phases took), p50/p99 per route of the agent, and the agent's
 RSS and thread count with every sandbox alive (and idle, before the load), and each phase's
 CPU seconds per operation by where they were spent (the agent, dockerd, containerd with its
 shims and runc, systemd, journald, the sandboxes; "all" is the whole guest, the bench's own
@@ -166,6 +167,10 @@ class Side:
 
     def rate(self, what: str) -> float:
         return self.counts[what] / self.seconds[what]
+
+    def whole_rate(self) -> float:
+        """Operations a second over the whole work, every phase's."""
+        return sum(self.counts.values()) / sum(self.seconds.values())
 
     def cpu_per_operation(self, what: str) -> dict[str, float]:
         return {name: spent / self.counts[what] for name, spent in self.cpu[what].items()}
@@ -328,6 +333,12 @@ def report(
             f"  {what:11} slicebox {rate:7.2f}  docker-py {bare_rate:7.2f}  "
             f"RATIO {rate / bare_rate:.2f}"
         )
+    # The whole work (every create, exec and destroy) in the time each side took for it.
+    whole, bare_whole = ours.whole_rate(), theirs.whole_rate()
+    print(
+        f"  {'all ops/s':11} slicebox {whole:7.2f}  docker-py {bare_whole:7.2f}  "
+        f"RATIO {whole / bare_whole:.2f}"
+    )
     print("CPU seconds per operation, by where it was spent (slicebox | docker-py):")
     for what in ours.counts:
         print(f"  {what}")

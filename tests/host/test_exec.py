@@ -272,9 +272,9 @@ def test_bad_requests_get_clear_errors(sandbox: Sandbox) -> None:
 
 
 def test_five_hundred_echoes_lose_no_byte(no_leftovers: Sandbox) -> None:
-    """500 execs, four at a time as parallel tool calls arrive: each answer carries exactly its
+    """500 execs, eight at a time as parallel tool calls arrive: each answer carries exactly its
     own output (no byte lost, none from a neighbouring stream)."""
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    with ThreadPoolExecutor(max_workers=8) as pool:
         outputs = list(pool.map(lambda n: no_leftovers.run(argv=["echo", f"hi-{n}"]), range(500)))
     wrong = [
         (n, r.stdout, r.exit_code) for n, r in enumerate(outputs) if r.stdout != b"hi-%d\n" % n

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.host
 PODMAN = "unix:///run/podman/podman.sock"
 SUITE = ["tests/host/test_sandboxes.py", "tests/host/test_exec.py"]
 LEFT_OUT = {
-    # Four at a time, 500 execs: the Docker run's soak; here it proves nothing new.
+    # Eight at a time, 500 execs: the Docker run's soak; here it proves nothing new.
     "tests/host/test_exec.py::test_five_hundred_echoes_lose_no_byte",
     # The monitor and runtime charged to the project's TasksMax (the docstring).
     "tests/host/test_sandboxes.py::test_fork_bombs_main_and_exec_stay_under_project_tasksmax",

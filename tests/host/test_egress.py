@@ -23,6 +23,7 @@ from typing import NamedTuple
 import pytest
 
 from slicebox.cli.client import Client
+from slicebox.host.nft import key_of
 from slicebox.model.api import CreateSandbox, SandboxView
 from slicebox.model.exec import ExecRequest
 from tests.host import egressworld as w
@@ -143,7 +144,7 @@ def test_sandboxes_made_at_once_each_get_an_address_and_only_their_own_list(
     assert len(set(addresses.values())) == len(boxes), addresses
     table = sh("nft", "-j", "list", "table", "inet", "slicebox").stdout
     for box in boxes.values():
-        assert box.id.replace("-", "_") in table, f"{box.id} has no rules"
+        assert key_of(box.id) in table, f"{box.id} has no rules"
     c, d = boxes["c"], boxes["d"]
     assert f"hello from {w.LISTED}:8000" in fetch(agent, c, f"http://{w.LISTED}:8000/").stdout
     assert "bad address" in fetch(agent, c, "http://pkgs.test:8000/").stdout, "not c's name"
@@ -236,8 +237,7 @@ def test_destroy_leaves_no_rule_and_audits_one_summary(
     assert [gone.destroyed for gone in destroyed] == [True] * len(boxes)
     table = sh("nft", "-j", "list", "table", "inet", "slicebox").stdout
     for box in boxes.values():
-        key = box.id.replace("-", "_")
-        assert key not in table, f"{box.id}'s rules are left"
+        assert key_of(box.id) not in table, f"{box.id}'s rules are left"
     summaries = journal_records(SLICEBOX_EVENT="egress_summary", SLICEBOX_SANDBOX_ID=boxes["a"].id)
     assert len(summaries) == 1
     detail = summaries[0]["SLICEBOX_DETAIL"]

@@ -1,14 +1,16 @@
 """The warm pool on a real host, through the agent's socket: fresh members run after run, exact
-keys, reuse's reset, the project ceiling, a ``kill -9`` with members idle and acquired, and a
-pool learned from demand (whose member the module's end trims with the declared ones').
+keys, reuse's reset, the project ceiling, a pool whose image is missing, a ``kill -9`` with
+members idle and acquired, and a pool learned from demand (whose member the module's end trims
+with the declared ones').
 
 Every container start costs 5-8 s of emulated guest time, so one agent serves every test, with
-four pools declared at once, and each test makes as few containers as its claim needs.
+five pools declared at once, and each test makes as few containers as its claim needs.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -23,6 +25,7 @@ from tests.host.helpers import CGROUP_ROOT, sh, wait_for
 pytestmark = pytest.mark.host
 
 USER = "sbxpool"
+ABSENT = "slicebox-test/absent:1"  # no such image here, and none to pull (no network)
 POOLS = f"""
 [projects."{USER}/tight"]
 memory = "200MB"
@@ -47,6 +50,12 @@ user = "{USER}"
 project = "tight"
 size = 3
 memory = "96MB"
+[[pool]]
+user = "{USER}"
+project = "absent"
+size = 1
+memory = "64MB"
+image = "{ABSENT}"
 [pool_learning]
 enabled = true
 uses = 2
@@ -118,6 +127,21 @@ def test_a_pool_never_fills_its_project_past_its_memory_ceiling(agent: None) -> 
     for member in members:
         scope = CGROUP_ROOT / "slicebox.slice" / "slicebox-sbxpool.slice" / unit
         assert (scope / f"docker-{member.container_id}.scope").is_dir(), "in its project slice"
+
+
+def test_a_pool_whose_image_is_missing_says_why_once_and_makes_nothing(agent: None) -> None:
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    wait_for(lambda: "image_unavailable" in _pool("absent").held_back, timeout=FILL_SECONDS)
+    _client().reap()  # a pass refills every pool: the refusal again, said no second time
+    absent = _pool("absent")
+    assert (absent.ready, absent.creating) == (0, 0)
+    assert ABSENT in absent.held_back, absent.held_back
+    said = sh("journalctl", "-u", "slicebox.service", "--since", since, "-o", "cat").stdout
+    lines = [line for line in said.splitlines() if f"{USER}/absent" in line]
+    assert len(lines) == 1, lines
+    assert "cannot make a member" in lines[0]
+    assert "Traceback" not in said
+    assert [s.id for s in _client().list_sandboxes() if s.project == "absent"] == []
 
 
 def test_thirty_runs_from_a_pool_of_three_each_in_a_fresh_container(agent: None) -> None:

@@ -97,7 +97,7 @@ CODES: tuple[ErrorCode, ...] = (
         "output_cap_over_budget",
         400,
         "An exec's `output_cap` needs more memory than the agent's whole exec output budget "
-        "(`exec_output_budget`); it could never run.",
+        "(`exec_output_budget`), or than one user's share of it; it could never run.",
         "Ask for output_cap at most the bytes the message names, or an operator raises "
         "exec_output_budget.",
     ),
@@ -300,6 +300,30 @@ CODES: tuple[ErrorCode, ...] = (
         "The sandbox exists but is stopped or paused.",
         "Destroy it and create a new one.",
     ),
+    # A user's share of what the agent bounds for all callers (429, with Retry-After).
+    _c(
+        "output_share_full",
+        429,
+        "The caller's execs in flight hold so much of its share of the exec output budget "
+        "(`[shares] user_share` of `exec_output_budget`) that this one does not fit now.",
+        "Wait for one of your execs to end (read its answer), ask for a smaller output_cap, "
+        "or retry after Retry-After seconds.",
+    ),
+    _c(
+        "stream_share_full",
+        429,
+        "The caller has its whole share (`[shares] user_share`) of `streams_in_flight` "
+        "streamed execs and runs answering.",
+        "End one of your streams, or exec without streaming, or retry after Retry-After seconds.",
+    ),
+    _c(
+        "transfer_share_full",
+        429,
+        "The caller has its whole share (`[shares] user_share`) of `transfers_in_flight` file "
+        "transfers moving.",
+        "Let one of your transfers finish, or send several files as one tar, or retry after "
+        "Retry-After seconds.",
+    ),
     # The host (5xx): not the caller's fault.
     _c(
         "unavailable",
@@ -313,6 +337,20 @@ CODES: tuple[ErrorCode, ...] = (
         "Execs in flight hold so much of the agent's exec output budget that this one does not "
         "fit now.",
         "Retry later, or ask for a smaller output_cap.",
+    ),
+    _c(
+        "streams_busy",
+        503,
+        "Streamed execs and runs of all callers take every one of the agent's "
+        "`[shares] streams_in_flight`.",
+        "Retry after Retry-After seconds, or exec without streaming.",
+    ),
+    _c(
+        "transfers_busy",
+        503,
+        "File transfers of all callers take every one of the agent's "
+        "`[shares] transfers_in_flight`.",
+        "Retry after Retry-After seconds.",
     ),
     _c(
         "image_unavailable",

@@ -13,6 +13,10 @@ when the file is loaded, so a bad value is refused at load time, naming its fiel
     root_users = ["ops"]          # users whose sandboxes may run as uid 0 (none by default)
     exec_output_budget = "512MB"  # exec output held at once, all callers; default below
     files_max_bytes = "1GB"       # the most one file transfer (PUT/GET .../files) moves
+    [shares]                      # what one user holds at once (core/shares.py)
+    user_share = 0.5              # of exec_output_budget and of each bound below, per uid
+    streams_in_flight = 64        # streamed execs and runs at once, all users
+    transfers_in_flight = 32      # file transfers at once, all users
     [managed]
     memory = "75%"
     [project]
@@ -64,6 +68,7 @@ from slicebox.model.limits import (
 )
 from slicebox.model.paths import CONFIG_PATH
 from slicebox.model.pool import MAX_POOL_SIZE, PoolConfig
+from slicebox.model.shares import SharesConfig
 from slicebox.model.validation import checked, describe, problems
 
 log = logging.getLogger(__name__)
@@ -221,6 +226,9 @@ class Config(_Strict):
     # The most one file transfer moves, either way (core/files.py): what a caller can make
     # the agent stream for it, and make a sandbox's tmpfs hold, at one go.
     files_max_bytes: RawSize = "1GB"
+    # What one user may hold at once of the exec output budget, of streams and of transfers
+    # in flight, and the bounds of the latter two for everyone (model/shares.py).
+    shares: SharesConfig = SharesConfig()
     # Warm pools, one ``[[pool]]`` table each (model.pool.PoolConfig; core.pool keeps them).
     pool: tuple[PoolConfig, ...] = ()
     pool_learning: PoolLearning = PoolLearning()

@@ -128,7 +128,10 @@ def make_middlewares(users: UserDirectory) -> list[Middleware]:
             request[IDENTITY_KEY] = await run_in(pools_of(request).calls, resolve, creds, users)
             return await handler(request)
         except SliceboxError as exc:
-            return error_response(exc.http_status, exc.code, exc.message, exc.field)
+            answer = error_response(exc.http_status, exc.code, exc.message, exc.field)
+            if exc.retry_after is not None:  # a bound that was full (busy, a share)
+                answer.headers["Retry-After"] = str(exc.retry_after)
+            return answer
         except HTTPError as exc:
             return http_error(exc.status, exc.reason)
         except Exception:

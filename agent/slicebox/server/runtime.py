@@ -201,7 +201,10 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         pool=pool,
     )
     agent_memory = agent_memory_max()  # read once; the config's budget is re-read on reload
-    budget = OutputBudget(lambda: sandboxes.config.exec_output_budget_bytes(agent_memory))
+    budget = OutputBudget(
+        lambda: sandboxes.config.exec_output_budget_bytes(agent_memory),
+        share=lambda: sandboxes.config.shares.user_share,
+    )
     log.info("exec output budget %s bytes", config.exec_output_budget_bytes(agent_memory))
     service = Service(
         sandboxes,

@@ -285,7 +285,7 @@ BINDS = [
 def test_docker_gets_the_pinned_source_and_the_mount_is_checked_once_running() -> None:
     binds = FakeBinds()
     world = bind_world(binds)
-    box = world.manager.create(spec(mounts=BINDS))
+    box = world.manager.create(spec(mounts=BINDS), owner=(1000, 1000))
     request = world.docker.requests[box.container_id]
     assert [m.source for m in request.mounts] == ["/srv/ws/al-ice/real/src", "cache"]
     pid = world.docker.sandbox_pid(box.container_id)
@@ -295,7 +295,7 @@ def test_docker_gets_the_pinned_source_and_the_mount_is_checked_once_running() -
 def test_a_source_swapped_before_the_mount_undoes_the_create() -> None:
     world = bind_world(FakeBinds(swapped=True))
     with pytest.raises(PolicyViolation, match="changed while"):
-        world.manager.create(spec(mounts=BINDS))
+        world.manager.create(spec(mounts=BINDS), owner=(1000, 1000))
     assert world.docker.containers == {}
     assert world.user_slices() == set()
 
@@ -361,11 +361,13 @@ def test_uid_0_is_refused_unless_allowed_and_never_with_a_writable_host_mount(
     assert world.docker.containers == {}
 
 
-def test_uid_0_is_admitted_for_a_root_user_with_a_read_only_host_workspace() -> None:
+def test_uid_0_is_refused_for_a_root_user_with_a_read_only_host_workspace_too() -> None:
     world = bind_world(FakeBinds(), 'root_users = ["al-ice"]\n')
     workspace = {"kind": "host", "path": "/srv/ws/al-ice/code", "read_only": True}
-    box = world.manager.create(spec(run_as="0:0", workspace=workspace))
-    assert world.docker.requests[box.container_id].user == "0:0"
+    with pytest.raises(PolicyViolation) as refused:  # any host bind runs as its owner
+        world.manager.create(spec(run_as="0:0", workspace=workspace), owner=(1234, 99))
+    assert refused.value.code == "policy_run_as"
+    assert world.docker.containers == {}
 
 
 def test_a_user_name_that_is_uid_0_in_the_image_is_found_running_and_undone() -> None:

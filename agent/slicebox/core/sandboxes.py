@@ -45,8 +45,10 @@ from slicebox.core.policy import (
     Admitted,
     admit,
     capability_name,
+    check_host_run_as,
     check_root,
     check_ttl,
+    host_bound,
     runs_as_root,
     workspace_mount,
 )
@@ -428,14 +430,14 @@ class SandboxManager:
 
     def _who_runs(self, admitted: Admitted, owner: tuple[int, int] | None) -> Admitted:
         """The spec with its host workspace as a bind at /workspace and ``run_as`` decided:
-        as asked; else the owner's uid:gid with a host workspace (what the sandbox writes
-        there is theirs); else the configured non-root default."""
+        with any host bind the owner's uid:gid and nothing else (what the sandbox writes there
+        is theirs: policy.check_host_run_as); else as asked, or the configured non-root default."""
         spec = admitted.spec
         bind = workspace_mount(spec)
         run_as = spec.run_as
-        if run_as is None and bind is not None:
+        if host_bound(spec):
             uid, gid = owner or self._owner_ids(spec.user)
-            run_as = f"{uid}:{gid}"
+            run_as = check_host_run_as(spec, (uid, gid))
             if uid == 0:
                 check_root(spec.user, spec, self._config)
         update = {
@@ -445,15 +447,17 @@ class SandboxManager:
         return admitted.model_copy(update={"spec": spec.model_copy(update=update)})
 
     def _owner_ids(self, user: str) -> tuple[int, int]:
-        """``user``'s uid and primary gid from the user database; ``uid<N>`` (a caller without
-        a name) is N; a user nobody knows gets the configured default."""
+        """``user``'s uid and primary gid from the user database (an admin acting for them).
+        A user the host does not know has no files a host directory could be given to."""
         try:
             entry = pwd.getpwnam(user)
         except KeyError:
-            if user.startswith("uid") and user[3:].isdigit():
-                return int(user[3:]), int(user[3:])
-            uid, gid = self._config.default_run_as.split(":")
-            return int(uid), int(gid)
+            raise PolicyViolation(
+                f"user {user!r} has no entry on this host, so a sandbox of theirs cannot run "
+                "as them with a host directory; use a volume workspace",
+                code="policy_run_as",
+                field="workspace",
+            ) from None
         return entry.pw_uid, entry.pw_gid
 
     def _plugin(self, admitted: Admitted, owner: tuple[int, int] | None) -> WasmRun | None:
@@ -541,12 +545,13 @@ class SandboxManager:
             self._backend.remove_volume(volume.name)
 
     def _credentials(self) -> CredentialStore:
-        return CredentialStore(self._config.reaper.state_dir)
+        share = self._config.credentials.user_share_bytes()
+        return CredentialStore(self._config.reaper.state_dir, share)
 
     def _write_credentials(self, spec: SandboxSpec, sandbox_id: str) -> None:
         git = spec.credentials.git if spec.credentials else None
         if git is not None:
-            self._credentials().write(sandbox_id, git)
+            self._credentials().write(sandbox_id, git, spec.user)
 
     def _clone(self, container_id: str, spec: SandboxSpec) -> None:
         """A git workspace's clone, in the running sandbox (core.gitclone)."""

@@ -222,7 +222,7 @@ class Service:
                 user = who.acting_user(request.user)
                 spec = SandboxSpec.model_validate({**request.model_dump(), "user": user})
                 # The kernel's word for the caller's own ids; another user's are looked up.
-                owner = (who.uid, who.gid) if user == who.user_name else None
+                owner = who.owner if user == who.user_name else None
                 made = (
                     self._pool.acquire(spec, owner=owner, one_shot=one_shot) if self._pool else None
                 )

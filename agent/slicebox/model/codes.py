@@ -149,6 +149,17 @@ CODES: tuple[ErrorCode, ...] = (
         "directory read-only.",
     ),
     _c(
+        "policy_run_as",
+        400,
+        "`run_as` names someone the sandbox may not run as: with any host directory (a host "
+        "workspace or a bind mount, read-only too) a sandbox runs as its owner's uid and "
+        "primary gid only (no other uid, no foreign group such as docker's or root's), and "
+        "without one never with gid 0 unless the user is in `root_users`; or the user has no "
+        "entry on the host, so a sandbox with a host directory cannot run as them.",
+        "Leave `run_as` out (a host directory's sandbox then runs as you), or use a volume "
+        "workspace and a non-root uid:gid of your choice.",
+    ),
+    _c(
         "git_clone_failed",
         400,
         "A git workspace's clone failed in the new sandbox (the remote, ref or credentials, "
@@ -211,6 +222,22 @@ CODES: tuple[ErrorCode, ...] = (
         403,
         "The agent could not read the caller's identity (not a unix socket connection).",
         "Connect over the agent's unix socket.",
+    ),
+    _c(
+        "unknown_user",
+        403,
+        "The caller's uid has no entry in the host's user database (a process of a user "
+        "namespace, a deleted user), and no `[callers] unknown_uids` range admits it.",
+        "Call as a user of the host, or ask an operator to allow the uid range "
+        "(`[callers] unknown_uids`, served as the one user `[callers] unknown_user`).",
+    ),
+    _c(
+        "not_member",
+        403,
+        "The caller's user is not a member of the callers' group (`slicebox`, or `[callers] "
+        "group`) nor of `slicebox-admin` in the host's user database, checked on every "
+        "request (a removal counts within seconds, whatever groups the caller's process has).",
+        "Ask an operator to add your user to group slicebox.",
     ),
     _c(
         "forbidden",
@@ -293,6 +320,14 @@ CODES: tuple[ErrorCode, ...] = (
         409,
         "The sandbox's own limits exceed its project's or user's ceiling.",
         "Ask for at most the ceiling the message names, or raise that ceiling in the config.",
+    ),
+    _c(
+        "credentials_share_exceeded",
+        409,
+        "The git credentials of the caller's sandboxes together would take more than each "
+        "user's share of the agent's credential store (`[credentials] user_share`).",
+        "Destroy sandboxes you no longer need (their credentials go with them), or ask an "
+        "operator to raise `[credentials] user_share`.",
     ),
     _c(
         "sandbox_not_running",

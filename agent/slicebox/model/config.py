@@ -116,6 +116,47 @@ class CeilingConfig(_Strict):
         )
 
 
+class CallersConfig(_Strict):
+    """Who may call the agent beyond the kernel's socket check (host.identity.resolve).
+
+    ``group``: every caller but root must be a member of it in the user database (NSS: the
+    user's primary and supplementary groups, by its uid), checked on every request; the admin
+    group implies it. ``unknown_uids``: a uid range ``[first, last]`` whose callers have no
+    passwd entry yet are served (processes of a user namespace mapped into subordinate ids),
+    all as the one user level ``unknown_user`` (its ``[users.<name>]`` ceilings, if any, are
+    their shared ceilings); left out, such callers are refused ``unknown_user``."""
+
+    group: str = Field(default="slicebox", min_length=1)
+    unknown_uids: tuple[int, int] | None = None
+    unknown_user: str = Field(default="unknown", pattern=r"^[a-z_][a-z0-9_.-]*$")
+
+    @field_validator("unknown_uids")
+    @classmethod
+    def _range(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
+        if value is not None and not 0 < value[0] <= value[1]:
+            raise ValueError("give [first, last] uids, 0 < first <= last")
+        return value
+
+    def admits_unknown(self, uid: int) -> bool:
+        return self.unknown_uids is not None and self.unknown_uids[0] <= uid <= self.unknown_uids[1]
+
+
+class CredentialsConfig(_Strict):
+    """Bounds of the git credentials a create hands over (core.credentials): the bytes each
+    user's sandboxes together may hold in the shared credential tmpfs (16 MiB as installed);
+    a create beyond its user's share is refused ``credentials_share_exceeded``."""
+
+    user_share: RawSize = "2MB"
+
+    @field_validator("user_share")
+    @classmethod
+    def _share(cls, value: RawSize) -> RawSize:
+        return checked(lambda: parse_size("credentials.user_share", value), value)
+
+    def user_share_bytes(self) -> int:
+        return parse_size("credentials.user_share", self.user_share)
+
+
 class SandboxDefaults(_Strict):
     """What a sandbox gets when its request leaves a limit out."""
 
@@ -219,6 +260,10 @@ class Config(_Strict):
     # Remote sandboxes (``"backend": "daytona"``) on this Daytona API; unset: none.
     daytona: DaytonaConfig | None = None
     reaper: ReaperConfig = ReaperConfig()
+    # Who may call (its group, callers without a passwd entry): CallersConfig.
+    callers: CallersConfig = CallersConfig()
+    # Per-user share of the credential tmpfs: CredentialsConfig.
+    credentials: CredentialsConfig = CredentialsConfig()
     # Memory for the output of every exec in flight (core/budget.py); unset: half the agent's
     # own MemoryMax, or DEFAULT_EXEC_OUTPUT_BUDGET when the agent runs without one.
     exec_output_budget: RawSize | None = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 import slicebox
 from slicebox.host.identity import (
+    ADMIN_GROUP,
     CachedUsers,
     Identity,
     PeerCredentials,
@@ -32,6 +33,7 @@ from slicebox.host.identity import (
 )
 from slicebox.model.api import ErrorBody, Health
 from slicebox.model.codes import CODES
+from slicebox.model.config import CallersConfig
 from slicebox.model.errors import InvalidRequest, SliceboxError
 from slicebox.model.limits import human_bytes
 from slicebox.model.validation import refusal
@@ -70,6 +72,16 @@ class Route:
     query: type[BaseModel] | None = None  # the query string's model
     raw_body: bool = False  # the body is bytes (a file, a tar stream), not JSON
     raw_answer: bool = False  # so is the success answer
+
+
+@dataclass(frozen=True)
+class Callers:
+    """Who may call, as the configuration in force says (a reload changes it): ``CALLERS``."""
+
+    current: Callable[[], CallersConfig] = CallersConfig
+
+
+CALLERS = AppKey("slicebox.callers", Callers)
 
 
 def error_response(status: int, code: str, message: str, field: str | None = None) -> Response:
@@ -125,7 +137,10 @@ def make_middlewares(users: UserDirectory) -> list[Middleware]:
             if creds is None:
                 return error_response(403, "no_peer_credentials", "connect over the unix socket")
             # NSS may be slow (LDAP, sssd): look-ups run on a worker thread and are cached.
-            request[IDENTITY_KEY] = await run_in(pools_of(request).calls, resolve, creds, users)
+            callers = request.app.get(CALLERS, Callers()).current()
+            request[IDENTITY_KEY] = await run_in(
+                pools_of(request).calls, resolve, creds, users, ADMIN_GROUP, callers
+            )
             return await handler(request)
         except SliceboxError as exc:
             answer = error_response(exc.http_status, exc.code, exc.message, exc.field)

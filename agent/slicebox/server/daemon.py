@@ -32,7 +32,7 @@ from slicebox.model.audit import AuditEvent, AuditRecord
 from slicebox.model.config import DEFAULT_PATH as DEFAULT_CONFIG
 from slicebox.model.errors import SliceboxError
 from slicebox.model.paths import AGENT_SOCKET
-from slicebox.server.api import ENGINE, Route, build_app
+from slicebox.server.api import CALLERS, ENGINE, Callers, Route, build_app
 from slicebox.server.pools import POOLS, run_in
 from slicebox.server.resolver import serve_resolver
 from slicebox.server.routes import ROUTES, SERVICE
@@ -247,7 +247,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             (runtime.config.reaper.interval_seconds, runtime.reaper.run),
             (POOL_KICK_SECONDS, runtime.pool.kick),
         ],
-        state={SERVICE: runtime.service, ENGINE: runtime.docker.found.describe()},
+        state={
+            SERVICE: runtime.service,
+            ENGINE: runtime.docker.found.describe(),
+            CALLERS: Callers(lambda: runtime.sandboxes.config.callers),
+        },
         closing=[runtime.docker.aclose],
         opening=[lambda: serve_resolver(runtime.egress.config.gateway, runtime.egress.answer)],
     )

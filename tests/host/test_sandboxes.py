@@ -284,6 +284,9 @@ def test_a_symlink_planted_through_a_writable_bind_cannot_reach_the_hosts_root(e
     (mine / "ws" / "sub").mkdir(parents=True)
     (theirs / "ws").mkdir(parents=True)
     os.chown(mine / "ws", 65534, 65534)  # the sandbox runs as the default non-root uid
+    # The user's own directory of the root is theirs (a user no passwd knows: the default
+    # uid's); the rest of the root's path root's (host.beneath.open_root).
+    os.chown(mine, 65534, 65534)
     boxes: list[Sandbox] = []
     mounted = mine / "ws" / "mnt"
 

@@ -11,7 +11,7 @@ from slicebox.backends.base import SandboxInfo, SandboxState
 from slicebox.core import sandboxes
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
-from slicebox.host.beneath import BindGuard, Pinned
+from slicebox.host.beneath import BindGuard, BindRoot, Pinned
 from slicebox.model.config import parse_config
 from slicebox.model.errors import (
     Forbidden,
@@ -252,8 +252,9 @@ class FakeBinds:
         self.ids = (1000, 1000)  # what the sandbox's process runs as, per the kernel
         self.owned: list[tuple[str, int, int]] = []
 
-    def pin(self, source: str, target: str, roots: tuple[PurePosixPath, ...]) -> Pinned:
-        assert roots == (PurePosixPath("/srv/ws/al-ice"),), "the caller's own root"
+    def pin(self, source: str, target: str, roots: tuple[BindRoot, ...]) -> Pinned:
+        assert [root.path for root in roots] == [PurePosixPath("/srv/ws/al-ice")], "their own"
+        assert roots[0].user_part == 3, "al-ice's own directory is theirs, the rest root's"
         return Pinned(source=source.replace("/alias/", "/real/"), target=target, device=1, inode=2)
 
     def verify(self, pid: int, pinned: Pinned) -> None:

@@ -52,7 +52,7 @@ from slicebox.core.policy import (
 )
 from slicebox.core.recent import Recent
 from slicebox.core.slices import SliceManager
-from slicebox.host.beneath import BindGuard, KernelBindGuard, Pinned
+from slicebox.host.beneath import BindGuard, BindRoot, KernelBindGuard, Pinned, bind_roots
 from slicebox.host.plugins import read_plugin
 from slicebox.model.base import Model
 from slicebox.model.config import Config
@@ -346,7 +346,7 @@ class SandboxManager:
         spec = self._check_backend(spec, pool_key=pool_key)
         admitted = self.admitted(spec, owner)
         self._check_volume_mounts(admitted.spec)
-        admitted, pinned = self._pin_binds(admitted)
+        admitted, pinned = self._pin_binds(admitted, owner)
         lineage = self._lineage(admitted, one_shot=one_shot, pool_key=pool_key)
         # A native sandbox runs the host's programs: it has no image to look for.
         known = spec.backend in NO_IMAGE or self._image_known(admitted.image)
@@ -444,6 +444,11 @@ class SandboxManager:
         }
         return admitted.model_copy(update={"spec": spec.model_copy(update=update)})
 
+    def _bind_roots(self, user: str, owner: tuple[int, int] | None) -> tuple[BindRoot, ...]:
+        """``user``'s bind roots, each with who may own the directories on its path."""
+        uid, _ = owner or self._owner_ids(user)
+        return bind_roots(self._config.bind_roots, user, uid)
+
     def _owner_ids(self, user: str) -> tuple[int, int]:
         """``user``'s uid and primary gid from the user database; ``uid<N>`` (a caller without
         a name) is N; a user nobody knows gets the configured default."""
@@ -479,7 +484,7 @@ class SandboxManager:
         else:
             assert wanted.path is not None
             uid, gid = owner or self._owner_ids(spec.user)
-            roots = self._config.bind_roots_for(spec.user)
+            roots = self._bind_roots(spec.user, (uid, gid))
             sha = store.put(read_plugin(wanted.path, roots, uid, {gid}))
         return WasmRun(
             sha256=sha,
@@ -598,15 +603,22 @@ class SandboxManager:
                     f"({exc.strerror}); is the agent on the Docker host, as root?"
                 ) from exc
 
-    def _pin_binds(self, admitted: Admitted) -> tuple[Admitted, tuple[Pinned, ...]]:
+    def _pin_binds(
+        self, admitted: Admitted, owner: tuple[int, int] | None
+    ) -> tuple[Admitted, tuple[Pinned, ...]]:
         """Each bind source opened by the kernel beneath the caller's root (host.beneath),
         and the spec's sources replaced by the paths that were opened."""
         spec = admitted.spec
         binds = [m for m in spec.mounts if m.kind is MountKind.BIND]
         if not binds:
             return admitted, ()
-        roots = self._config.bind_roots_for(spec.user)
-        pinned = tuple(self._binds.pin(m.source, m.target, roots) for m in binds)
+        roots = self._bind_roots(spec.user, owner)
+        try:
+            pinned = tuple(self._binds.pin(m.source, m.target, roots) for m in binds)
+        except PolicyViolation as exc:
+            if exc.code == "bind_root_unsafe":  # the operator's to fix: say it where they look
+                log.warning("refused a bind of %s: %s", spec.user, exc.message)
+            raise
         sources = iter(p.source for p in pinned)
         mounts = tuple(
             m.model_copy(update={"source": next(sources)}) if m.kind is MountKind.BIND else m

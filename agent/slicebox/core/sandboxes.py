@@ -40,7 +40,7 @@ from slicebox.core.credentials import GIT_ENV, MOUNTED_AT, CredentialStore
 from slicebox.core.deadlines import Deadlines, Timer, latest
 from slicebox.core.egress import EgressGuard, Labelled, Placement
 from slicebox.core.gitclone import clone
-from slicebox.core.launch import LAUNCHER, WAITER_COMMAND
+from slicebox.core.launch import LAUNCHER, WAITER_COMMAND, exec_line
 from slicebox.core.policy import (
     Admitted,
     admit,
@@ -353,7 +353,11 @@ class SandboxManager:
         plugin = self._plugin(admitted, owner)
         if not known:  # an image that cannot be had is refused before anything exists
             self._backend.prepare(admitted.image)
-        with self._creating(lineage, hold=one_shot or bool(pool_key)):
+        staging = bool(pinned) and spec.backend is Backend.DOCKER
+        with (
+            self._creating(lineage, hold=one_shot or bool(pool_key)),
+            self._staging(lineage.sandbox_id, staging),
+        ):
             made = self._ensure_slices(admitted, lineage.sandbox_id)
             fresh: VolumeInfo | None = None
             placed: Placement | None = None
@@ -362,9 +366,14 @@ class SandboxManager:
                 lineage = _placed(lineage, placed)
                 fresh = self._ensure_volume(admitted.spec, lineage)
                 self._write_credentials(admitted.spec, lineage.sandbox_id)
-                request = _request(admitted, lineage, self._credentials(), self._config, placed)
+                staged = self._staged(admitted, pinned, lineage) if staging else admitted
+                request = _request(staged, lineage, self._credentials(), self._config, placed)
                 if plugin is not None:
                     request = request.model_copy(update={"wasm": plugin})
+                if staging and spec.command is not None:  # its command waits for the check
+                    request = request.model_copy(
+                        update={"command": WAITER_COMMAND, "open_stdin": True}
+                    )
                 info = self._start(request, image_known=known)
             except BaseException:
                 self._release_egress(placed, lineage.sandbox_id)
@@ -375,6 +384,8 @@ class SandboxManager:
             try:
                 self._check_started(info.id, admitted.spec, pinned, fresh, lineage)
                 self._clone(info.id, admitted.spec)
+                if staging and spec.command is not None:
+                    self._backend.release(info.id, exec_line(spec.command))
                 self._arm(lineage.sandbox_id, info.id, lineage.expires_at, new=True)
             except BaseException:
                 self.remove_container(info.id)
@@ -602,6 +613,40 @@ class SandboxManager:
                     f"the new workspace volume {fresh.name} could not be given to uid {uid} "
                     f"({exc.strerror}); is the agent on the Docker host, as root?"
                 ) from exc
+
+    @contextmanager
+    def _staging(self, sandbox_id: str, staging: bool) -> Iterator[None]:
+        """The block's staging points (host.staging) removed after it, whatever its end: the
+        running sandbox has its own mounts by then."""
+        try:
+            yield
+        finally:
+            if staging:
+                self._binds.unstage(sandbox_id)
+
+    def _staged(self, admitted: Admitted, pinned: tuple[Pinned, ...], lineage: Lineage) -> Admitted:
+        """``admitted`` with its bind sources replaced by their staging points: what Docker
+        gets, a path nobody but root can change (host.staging)."""
+        spec = admitted.spec
+        points = iter(self._binds.stage(lineage.sandbox_id, pinned))
+        mounts = tuple(
+            m.model_copy(update={"source": next(points)}) if m.kind is MountKind.BIND else m
+            for m in spec.mounts
+        )
+        return admitted.model_copy(update={"spec": spec.model_copy(update={"mounts": mounts})})
+
+    def sweep_staging(self) -> list[str]:
+        """Remove the staging points no create in flight holds (a killed agent's); their ids.
+        Listed before the creates in flight are read: one that starts staging after the list
+        is not in it."""
+        staged = self._binds.staged()
+        with self._placing:
+            flying = set(self._in_flight)
+        orphans = [sandbox_id for sandbox_id in staged if sandbox_id not in flying]
+        for sandbox_id in orphans:
+            log.info("removing the staging points of %s (no create holds them)", sandbox_id)
+            self._binds.unstage(sandbox_id)
+        return orphans
 
     def _pin_binds(
         self, admitted: Admitted, owner: tuple[int, int] | None

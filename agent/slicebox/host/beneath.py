@@ -35,6 +35,7 @@ from typing import Protocol
 
 from pydantic import ConfigDict
 
+from slicebox.host.staging import Stager
 from slicebox.model.base import Model
 from slicebox.model.errors import PolicyViolation
 
@@ -432,12 +433,25 @@ class BindGuard(Protocol):
         """Give a fresh volume, ``source`` on the host and mounted at ``target`` in the
         sandbox of process ``pid``, to the sandbox's uid:gid."""
 
+    def stage(self, sandbox_id: str, pinned: tuple[Pinned, ...]) -> tuple[str, ...]:
+        """Each pinned source bound onto a root-owned staging point, the points in order: the
+        paths Docker gets (host.staging); ``mount_changed`` when one is no longer what was
+        pinned."""
+
+    def unstage(self, sandbox_id: str) -> None:
+        """Remove ``sandbox_id``'s staging points (once its sandbox runs, or failed)."""
+
+    def staged(self) -> list[str]:
+        """The sandbox ids that have staging points (the reaper's: orphans of a killed
+        agent)."""
+
 
 class KernelBindGuard:
     """The real one: the functions above, on this host's kernel and ``/proc``."""
 
-    def __init__(self, proc: Path = Path("/proc")) -> None:
+    def __init__(self, proc: Path = Path("/proc"), stager: Stager | None = None) -> None:
         self._proc = proc
+        self._stager = stager or Stager()
 
     def pin(self, source: str, target: str, roots: tuple[BindRoot, ...]) -> Pinned:
         return pin(source, target, roots)
@@ -450,3 +464,12 @@ class KernelBindGuard:
 
     def own(self, pid: int, target: str, source: str, uid: int, gid: int) -> None:
         own_mounted(pid, target, source, (uid, gid), self._proc)
+
+    def stage(self, sandbox_id: str, pinned: tuple[Pinned, ...]) -> tuple[str, ...]:
+        return self._stager.stage(sandbox_id, [(p.source, p.device, p.inode) for p in pinned])
+
+    def unstage(self, sandbox_id: str) -> None:
+        self._stager.unstage(sandbox_id)
+
+    def staged(self) -> list[str]:
+        return self._stager.staged()

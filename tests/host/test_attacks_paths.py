@@ -128,7 +128,13 @@ def mounted_at_workspace(container_id: str) -> str:
 
 
 def nothing_staged() -> bool:
-    return not STAGE.exists() or not any(STAGE.iterdir())
+    """No staging point stays (their removal follows a create on a thread of the agent's)."""
+
+    def empty() -> bool:
+        return not STAGE.exists() or not any(STAGE.iterdir())
+
+    wait_for(empty, timeout=60)
+    return True
 
 
 def test_a_users_component_of_a_root_swapped_for_a_link_to_slash_is_refused(home: Home) -> None:

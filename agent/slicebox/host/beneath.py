@@ -439,7 +439,8 @@ class BindGuard(Protocol):
         pinned."""
 
     def unstage(self, sandbox_id: str) -> None:
-        """Remove ``sandbox_id``'s staging points (once its sandbox runs, or failed)."""
+        """Remove ``sandbox_id``'s staging points (once its sandbox runs, or failed), maybe
+        after the call returns."""
 
     def staged(self) -> list[str]:
         """The sandbox ids that have staging points (the reaper's: orphans of a killed
@@ -469,7 +470,7 @@ class KernelBindGuard:
         return self._stager.stage(sandbox_id, [(p.source, p.device, p.inode) for p in pinned])
 
     def unstage(self, sandbox_id: str) -> None:
-        self._stager.unstage(sandbox_id)
+        self._stager.unstage_later(sandbox_id)
 
     def staged(self) -> list[str]:
         return self._stager.staged()

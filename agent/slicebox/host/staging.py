@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -114,6 +115,8 @@ class Stager:
         self._root = root
         self._enter = tuple(enter)
         self._run = run
+        self._going: set[str] = set()  # sandbox ids whose points a thread is removing
+        self._lock = threading.Lock()
 
     def stage(self, sandbox_id: str, sources: Sequence[tuple[str, int, int]]) -> Staged:
         """Bind each (source, device, inode) onto ``<root>/<sandbox_id>/<n>``; the points. A
@@ -139,12 +142,32 @@ class Stager:
         if done.returncode != 0:
             log.warning("staging points of %s stay for the reaper: %s", sandbox_id, _said(done))
 
-    def staged(self) -> list[str]:
-        """The sandbox ids with a staging directory (the agent's view: mounts propagate)."""
+    def unstage_later(self, sandbox_id: str) -> None:
+        """``unstage`` on a thread of its own: a create does not wait for it (an unmount in
+        the host's namespace, which every namespace copied from it follows, took over a
+        second under emulation). One the agent dies before is the reaper's (``staged``)."""
+        with self._lock:
+            if sandbox_id in self._going:
+                return
+            self._going.add(sandbox_id)
+        threading.Thread(target=self._unstage_then_forget, args=(sandbox_id,), daemon=True).start()
+
+    def _unstage_then_forget(self, sandbox_id: str) -> None:
         try:
-            return sorted(entry.name for entry in self._root.iterdir())
+            self.unstage(sandbox_id)
+        finally:
+            with self._lock:
+                self._going.discard(sandbox_id)
+
+    def staged(self) -> list[str]:
+        """The sandbox ids with a staging directory (the agent's view: mounts propagate), but
+        those being removed already."""
+        try:
+            found = sorted(entry.name for entry in self._root.iterdir())
         except FileNotFoundError:
             return []
+        with self._lock:
+            return [sandbox_id for sandbox_id in found if sandbox_id not in self._going]
 
     def _helper(
         self, what: str, where: Path, words: Sequence[str]

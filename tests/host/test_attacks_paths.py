@@ -159,7 +159,6 @@ def test_a_users_component_of_a_root_swapped_for_a_link_to_slash_is_refused(home
     finally:
         os.unlink(home.root)
         kept.rename(home.root)
-    assert sh("slicebox", "doctor", check=False).stdout.count("is a symlink") == 0
 
 
 SWAPPER = r"""

@@ -25,6 +25,7 @@ from slicebox.host.beneath import (
     own_mounted,
     pin,
     root_for,
+    unsafe_roots,
     verify,
 )
 from slicebox.model.errors import PolicyViolation
@@ -250,3 +251,18 @@ def test_ids_of_reads_the_effective_uid_and_gid(tmp_path: Path) -> None:
         "Name:\tsh\nUid:\t5\t1000\t1000\t1000\nGid:\t6\t99\t99\t99\n"
     )
     assert ids_of(9, tmp_path) == (1000, 99)
+
+
+def test_the_part_of_a_root_above_user_is_checked_when_the_config_is_loaded(
+    tmp_path: Path, home: Path
+) -> None:
+    me, top = os.getuid(), str(tmp_path)
+    fine = PurePosixPath(tmp_path, "home", "{user}", "sandboxes")
+    assert unsafe_roots((fine,), top, me) == []
+    (tmp_path / "home").chmod(0o777)
+    (tmp_path / "alias").symlink_to(tmp_path / "home")
+    aliased = PurePosixPath(tmp_path, "alias", "{user}")
+    assert unsafe_roots((fine, aliased), top, me) == [
+        f"{fine}: {tmp_path}/home is writable by its group or others",
+        f"{aliased}: {tmp_path}/alias is a symlink",
+    ]

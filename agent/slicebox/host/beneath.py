@@ -86,6 +86,22 @@ def _bind_root(template: PurePosixPath, user: str, uid: int | None) -> BindRoot:
     return BindRoot(path=path, user_part=at, uid=uid)
 
 
+def unsafe_roots(
+    templates: tuple[PurePosixPath, ...], top: str = "/", trusted: int = 0
+) -> list[str]:
+    """What is wrong with the part of each configured root above ``{user}`` (the whole root
+    without one), as the agent walks it (``open_root``): said in the log when the config is
+    loaded, since every bind under such a root is refused."""
+    problems = []
+    for template in templates:
+        parts = template.parts
+        at = next((i for i, part in enumerate(parts) if "{user}" in part), len(parts))
+        fixed = BindRoot(path=PurePosixPath(*parts[:at]), top=top, trusted=trusted)
+        if found := root_problem(fixed):
+            problems.append(f"{template}: {found[0]}")
+    return problems
+
+
 class Pinned(Model):
     """A bind source as the kernel resolved it: its path without symlinks, and what it is."""
 

@@ -38,6 +38,7 @@ from slicebox.core.deadlines import Deadlines
 from slicebox.core.pool import WarmPool
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
+from slicebox.host.beneath import BindRoot
 from slicebox.host.plugins import PluginStore, read_plugin
 from slicebox.model.config import parse_config
 from slicebox.model.errors import InvalidRequest, NotFound, PolicyViolation
@@ -219,8 +220,8 @@ def test_a_plugin_path_is_read_beneath_the_caller_s_root_as_they_could(
     plugin = root / "p.wasm"
     plugin.write_bytes(toolkit)
     plugin.chmod(0o600)
-    roots = (PurePosixPath(root),)
     me = os.getuid()
+    roots = (BindRoot(path=PurePosixPath(root), top=str(tmp_path), trusted=me),)
     assert read_plugin(str(plugin), roots, me, set()) == toolkit
     with pytest.raises(PolicyViolation, match="not readable"):
         read_plugin(str(plugin), roots, me + 1, set())

@@ -52,6 +52,7 @@ from slicebox.backends.dockerstream import (
     attach,
     attach_async,
     attach_request,
+    release,
 )
 from slicebox.backends.engines import FoundEngine, discover
 from slicebox.model.errors import (
@@ -448,6 +449,13 @@ class DockerBackend:
             return await attach_async(self._endpoint, version, exec_id, stdin)
         except StartRefused as exc:
             raise map_status(exc.status, exc.text, f"of exec {exec_id}") from exc
+
+    def release(self, backend_id: str, line: bytes) -> None:
+        version = self._engine.version
+        try:
+            release(self._endpoint.connect(), version, _part(backend_id), line)
+        except StartRefused as exc:
+            raise map_status(exc.status, exc.text, backend_id) from exc
 
     async def launch_async(self, backend_id: str, stdin: bytes) -> AsyncRawExecAttachment:
         version = await self._api_version()

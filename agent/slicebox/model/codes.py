@@ -189,6 +189,15 @@ CODES: tuple[ErrorCode, ...] = (
         "Name the real directory, with no symlink, '..' or other mount below the root.",
     ),
     _c(
+        "bind_root_unsafe",
+        400,
+        "The bind root itself cannot be trusted: a symlink on its path from `/`, a directory "
+        "above the user's own one that is not root's or is writable by others, or the user's "
+        "own directory owned by someone else (the agent refuses every bind under it).",
+        "Ask the operator to fix the root (`slicebox doctor` names the directory); never "
+        "replace a directory on a bind root's path by a symlink.",
+    ),
+    _c(
         "mount_source_missing",
         400,
         "A bind mount's source does not exist (slicebox never creates one, nor lets Docker).",

@@ -249,7 +249,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ],
         state={SERVICE: runtime.service, ENGINE: runtime.docker.found.describe()},
         closing=[runtime.docker.aclose],
-        opening=[lambda: serve_resolver(runtime.egress.config.gateway, runtime.egress.answer)],
+        opening=[
+            lambda: serve_resolver(
+                runtime.egress.config.gateway, runtime.egress.answer, gate=runtime.egress
+            )
+        ],
     )
     asyncio.run(agent.run(options.socket))
     return 0

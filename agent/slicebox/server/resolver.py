@@ -5,8 +5,10 @@ Each datagram is answered by ``core.egress.EgressGuard.answer`` on the event loo
 upstream's answer is awaited, never a thread's); at most ``IN_FLIGHT`` queries at once, further
 ones are dropped (the client retries, as it does for a lost datagram). An answer too long for a
 datagram comes back truncated, as the upstream sent it, and the client asks again over TCP,
-which is asked upstream over TCP. The sockets are bound with ``IP_FREEBIND``: the agent listens
-before Docker has made the bridge, and across the bridge's removal and making again.
+which is asked upstream over TCP. A TCP connection the ``Gate`` refuses (too many from one
+sandbox, or in all: each holds a descriptor) is closed at once. The sockets are bound with
+``IP_FREEBIND``: the agent listens before Docker has made the bridge, and across the bridge's
+removal and making again.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from ipaddress import IPv4Address
 from pathlib import Path
-from typing import cast
+from typing import Protocol, cast
 
 from slicebox.host.nft import RESOLVER_PORT
 
@@ -28,6 +30,22 @@ UPSTREAM_TIMEOUT = 3.0
 IP_FREEBIND = getattr(socket, "IP_FREEBIND", 15)  # Linux's value; Python does not name it
 TCP_IDLE = 10.0  # a TCP client silent this long is let go
 Answer = Callable[[bytes, str, bool], Awaitable[bytes | None]]  # (query, source, over TCP)
+
+
+class Gate(Protocol):
+    """Who may hold a TCP connection (``core.egress.EgressGuard``)."""
+
+    def connected(self, source: str) -> bool: ...
+
+    def disconnected(self, source: str) -> None: ...
+
+
+class _Open:
+    def connected(self, source: str) -> bool:
+        return True
+
+    def disconnected(self, source: str) -> None:
+        return None
 
 
 def resolv_conf(path: Path = Path("/etc/resolv.conf")) -> tuple[IPv4Address, ...]:
@@ -139,15 +157,19 @@ class _Serve(asyncio.DatagramProtocol):
 
 
 async def serve_resolver(
-    address: IPv4Address, answer: Answer, port: int = RESOLVER_PORT
+    address: IPv4Address, answer: Answer, port: int = RESOLVER_PORT, gate: Gate | None = None
 ) -> Callable[[], Awaitable[None]]:
     """Listen on ``address``:``port``, UDP and TCP; returns what closes both."""
+    gate = gate or _Open()
     transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
         lambda: _Serve(answer), sock=_bound(socket.SOCK_DGRAM, address, port)
     )
 
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(writer.get_extra_info("peername")[0])
+        if not gate.connected(peer):
+            writer.transport.abort()  # no goodbye owed: the descriptor goes now
+            return
         try:
             while True:
                 query = await asyncio.wait_for(_message(reader), TCP_IDLE)
@@ -159,6 +181,7 @@ async def serve_resolver(
         except (OSError, TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:
+            gate.disconnected(peer)
             writer.close()
 
     tcp = _bound(socket.SOCK_STREAM, address, port)

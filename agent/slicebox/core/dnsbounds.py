@@ -3,8 +3,9 @@ sends what it likes to port 53, so nothing it sends may grow the agent without e
 
 - ``Bucket``: a token bucket, ``QUERY_RATE`` queries a second with bursts of ``QUERY_BURST``;
   a query past it gets no answer (the client retries, as for a lost datagram) and is counted.
-- ``DeniedTally``: the names refused, the ``DENIED_NAMES_KEPT`` most frequent with their counts
-  (space-saving: a new name takes the place of the least counted) plus the total.
+- ``DeniedTally``: the names refused, at most ``DENIED_NAMES_KEPT`` with their counts, plus the
+  total; when full, a new name takes the place of one seen only once (a flood of one-off names
+  never pushes out a name asked again and again), else it is only in the total.
 - ``Opened``: when each answered address's set element times out, at most ``OPENED_KEPT``; past
   that the expired go, then all (it only spares nftables calls for repeated answers).
 """
@@ -54,7 +55,9 @@ class DeniedTally:
             self._counts[name] = self._counts.get(name, 0) + 1
             return
         least = min(self._counts, key=self._counts.__getitem__)
-        self._counts[name] = self._counts.pop(least) + 1
+        if self._counts[least] == 1:
+            del self._counts[least]
+            self._counts[name] = 1
 
     def most_common(self, count: int | None = None) -> list[tuple[str, int]]:
         ranked = sorted(self._counts.items(), key=lambda pair: (-pair[1], pair[0]))

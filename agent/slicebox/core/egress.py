@@ -298,15 +298,21 @@ class EgressGuard:
             if not self._tcp[address]:
                 del self._tcp[address]
 
-    async def answer(self, data: bytes, source: str, tcp: bool = False) -> bytes | None:
-        """The reply to one query from ``source``; None for what is no DNS query at all, and
-        for a query past its sandbox's rate (dropped, counted)."""
+    def admitted(self, source: str) -> bool:
+        """Whether a query from ``source`` is within its sandbox's rate; one past it is
+        dropped unanswered (the client retries, as for a lost datagram) and counted."""
         address = _address(source)
         guarded = self._by_address.get(address) if address else None
         state = self._dns.get(guarded.sandbox_id) if guarded else None
-        if state is not None and not state.bucket.take():
-            state.dropped += 1
-            return None
+        if state is None or state.bucket.take():
+            return True
+        state.dropped += 1
+        return False
+
+    async def answer(self, data: bytes, source: str, tcp: bool = False) -> bytes | None:
+        """The reply to one query from ``source``; None for what is no DNS query at all."""
+        address = _address(source)
+        guarded = self._by_address.get(address) if address else None
         try:
             query = parse_query(data)
         except DnsFormatError:

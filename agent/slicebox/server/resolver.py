@@ -3,12 +3,13 @@ address.
 
 Each datagram is answered by ``core.egress.EgressGuard.answer`` on the event loop (the
 upstream's answer is awaited, never a thread's); at most ``IN_FLIGHT`` queries at once, further
-ones are dropped (the client retries, as it does for a lost datagram). An answer too long for a
-datagram comes back truncated, as the upstream sent it, and the client asks again over TCP,
-which is asked upstream over TCP. A TCP connection the ``Gate`` refuses (too many from one
-sandbox, or in all: each holds a descriptor) is closed at once. The sockets are bound with
-``IP_FREEBIND``: the agent listens before Docker has made the bridge, and across the bridge's
-removal and making again.
+ones are dropped (the client retries, as it does for a lost datagram), and so are those past
+their sandbox's rate (the ``Gate``'s ``admitted``), before any task is made for them. An
+answer too long for a datagram comes back truncated, as the upstream sent it, and the client
+asks again over TCP, which is asked upstream over TCP. A TCP connection the ``Gate`` refuses
+(too many from one sandbox, or in all: each holds a descriptor) is closed at once. The
+sockets are bound with ``IP_FREEBIND``: the agent listens before Docker has made the bridge,
+and across the bridge's removal and making again.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ Answer = Callable[[bytes, str, bool], Awaitable[bytes | None]]  # (query, source
 
 
 class Gate(Protocol):
-    """Who may hold a TCP connection (``core.egress.EgressGuard``)."""
+    """Whose query is answered, who may hold a TCP connection (``core.egress.EgressGuard``)."""
+
+    def admitted(self, source: str) -> bool: ...
 
     def connected(self, source: str) -> bool: ...
 
@@ -41,6 +44,9 @@ class Gate(Protocol):
 
 
 class _Open:
+    def admitted(self, source: str) -> bool:
+        return True
+
     def connected(self, source: str) -> bool:
         return True
 
@@ -131,8 +137,8 @@ async def _message(reader: asyncio.StreamReader) -> bytes:
 
 
 class _Serve(asyncio.DatagramProtocol):
-    def __init__(self, answer: Answer) -> None:
-        self._answer = answer
+    def __init__(self, answer: Answer, gate: Gate) -> None:
+        self._answer, self._gate = answer, gate
         self._transport: asyncio.DatagramTransport | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -140,7 +146,7 @@ class _Serve(asyncio.DatagramProtocol):
         self._transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
-        if len(self._tasks) >= IN_FLIGHT:
+        if len(self._tasks) >= IN_FLIGHT or not self._gate.admitted(str(addr[0])):
             return
         task = asyncio.get_running_loop().create_task(self._reply(data, addr))
         self._tasks.add(task)
@@ -161,8 +167,9 @@ async def serve_resolver(
 ) -> Callable[[], Awaitable[None]]:
     """Listen on ``address``:``port``, UDP and TCP; returns what closes both."""
     gate = gate or _Open()
+    admit: Gate = gate
     transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
-        lambda: _Serve(answer), sock=_bound(socket.SOCK_DGRAM, address, port)
+        lambda: _Serve(answer, admit), sock=_bound(socket.SOCK_DGRAM, address, port)
     )
 
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -173,6 +180,8 @@ async def serve_resolver(
         try:
             while True:
                 query = await asyncio.wait_for(_message(reader), TCP_IDLE)
+                if not gate.admitted(peer):
+                    continue
                 reply = await answer(query, peer, True)
                 if reply is None:
                     break

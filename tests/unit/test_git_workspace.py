@@ -163,7 +163,9 @@ class _Said:
 
 def manager(docker: FakeDocker, state_dir: Path) -> SandboxManager:
     ids = (f"sbx-{n:012x}" for n in itertools.count(1))
-    config = parse_config(f'[reaper]\nstate_dir = "{state_dir}"\n')
+    config = parse_config(
+        f'allowed_networks = ["none", "bridge"]\n[reaper]\nstate_dir = "{state_dir}"\n'
+    )
     return SandboxManager(
         docker,
         SliceManager(docker.systemd),

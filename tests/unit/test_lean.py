@@ -84,7 +84,6 @@ def test_importing_the_agent_or_the_cli_builds_only_the_models_it_instantiates()
             "CeilingConfig",
             "CredentialsConfig",
             "EgressConfig",
-            "EgressRule",
             "ErrorCode",
             "ExecRequest",
             "PoolLearning",

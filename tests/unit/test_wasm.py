@@ -385,7 +385,7 @@ def test_a_plugin_named_by_sha_or_path_and_pages_that_stop_a_grower(
 def test_an_allow_list_becomes_the_plugin_s_hosts_and_gives_it_the_network(
     tmp_path: Path, toolkit: bytes
 ) -> None:
-    host = Host(tmp_path)
+    host = Host(tmp_path, "[[egress.rule]]\n")  # egress is closed by default
     module = base64.b64encode(toolkit).decode()
     allow = {"egress": {"allow": ["api.example.org", "*.example.net", "10.1.2.3"]}}
     made = host.manager.create(wasm_spec(wasm={"module": module}, network=allow))
@@ -395,7 +395,7 @@ def test_an_allow_list_becomes_the_plugin_s_hosts_and_gives_it_the_network(
     props = host.systemd.services[f"{ANCHOR_PREFIX}{made.id}.service"]
     assert "PrivateNetwork" not in props
     assert props["RestrictAddressFamilies"] == (True, ["AF_UNIX", "AF_INET", "AF_INET6"])
-    for entries, said in ((["api.example.org:443"], "no port"), (["10.0.0.0/8"], "networks")):
+    for entries, said in ((["api.example.org:443"], "no port"), (["10.20.0.0/16"], "networks")):
         with pytest.raises(InvalidRequest, match=said):
             host.manager.create(
                 wasm_spec(wasm={"module": module}, network={"egress": {"allow": entries}})

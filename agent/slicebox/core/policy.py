@@ -11,6 +11,7 @@ refusal has its own stable code so a caller can tell them apart:
 from __future__ import annotations
 
 import re
+from ipaddress import IPv4Network
 from pathlib import PurePosixPath
 
 from pydantic import ConfigDict
@@ -19,7 +20,7 @@ from slicebox.backends.base import WORKSPACE
 from slicebox.host.beneath import escape, outside_roots, root_for
 from slicebox.model.base import Model
 from slicebox.model.config import Config
-from slicebox.model.egress import NetworkSpec
+from slicebox.model.egress import AllowEntry, EgressConfig, NetworkSpec
 from slicebox.model.errors import AdmissionRefused, PolicyViolation
 from slicebox.model.limits import (
     Ceiling,
@@ -297,6 +298,7 @@ def _amounts(field: str, asked: float, cap: float) -> tuple[str, str]:
 
 
 def _check_egress(user: str, project: str, network: NetworkSpec, config: Config) -> None:
+    check_reachable(network.egress.entries(), config.egress)
     refused = config.egress.refused(user, project, network.egress.entries())
     if not refused:
         return
@@ -311,3 +313,19 @@ def _check_egress(user: str, project: str, network: NetworkSpec, config: Config)
         f"{project!r}; leave these out, or ask the operator to allow them ([[egress.rule]])",
         code="policy_egress",
     )
+
+
+def check_reachable(
+    entries: tuple[AllowEntry, ...], egress: EgressConfig, *found: IPv4Network
+) -> None:
+    """Refuse entries that reach into the host, its bridges, loopback or link-local space
+    (``found``: the host's own addresses and Docker's bridge subnets, known at run time)."""
+    unreachable = egress.unreachable(entries, *found)
+    if unreachable:
+        raise PolicyViolation(
+            f"egress to {', '.join(unreachable)} is never allowed: it reaches loopback, "
+            "link-local (metadata) or all space, this host or its sandbox networks; name "
+            "public hosts or networks, or ask the operator to list the network in "
+            "[egress] internal_networks",
+            code="policy_egress",
+        )

@@ -124,8 +124,11 @@ CODES: tuple[ErrorCode, ...] = (
         "policy_egress",
         400,
         "An egress allow-list names hosts or networks no `[[egress.rule]]` allows the user and "
-        "project, or none allows them egress at all.",
-        "Leave the named entries out, or ask an operator for a rule that allows them.",
+        "project, or none allows them egress at all (there is none by default); or it names "
+        "loopback, link-local (metadata), `0.0.0.0/0`, the host's own addresses, the egress "
+        "subnet or Docker's bridge subnets, which no rule opens.",
+        "Leave the named entries out, or ask an operator for a rule that allows them (and, for "
+        "an internal network, to list it in `[egress] internal_networks`).",
     ),
     _c(
         "policy_capability",

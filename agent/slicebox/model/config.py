@@ -248,7 +248,9 @@ class Config(_Strict):
     # How long a git workspace's clone may take before its create fails (git_clone_failed).
     git_clone_timeout_seconds: float = Field(default=600.0, gt=0)
     allowed_capabilities: frozenset[str] = DEFAULT_CAPABILITIES
-    allowed_networks: frozenset[str] = frozenset({"none", "bridge"})
+    # "bridge" only when an operator adds it: then on slicebox's own bridge network, whose
+    # sandboxes cannot reach each other (backends.docker), not on docker0.
+    allowed_networks: frozenset[str] = frozenset({"none"})
     # Network egress by allow-list: its network, resolver upstream and who may ask for what.
     egress: EgressConfig = EgressConfig()
     # A create for Docker while Docker does not answer runs on the native backend instead

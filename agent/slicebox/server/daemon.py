@@ -253,7 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             CALLERS: Callers(lambda: runtime.sandboxes.config.callers),
         },
         closing=[runtime.docker.aclose],
-        opening=[lambda: serve_resolver(runtime.egress.config.gateway, runtime.egress.answer)],
+        opening=[
+            lambda: serve_resolver(
+                runtime.egress.config.gateway, runtime.egress.answer, gate=runtime.egress
+            )
+        ],
     )
     asyncio.run(agent.run(options.socket))
     return 0

@@ -94,6 +94,30 @@ def test_connections_over_the_uid_cap_are_refused_at_once_and_health_still_answe
     assert not errors_in(caplog)
 
 
+def test_a_flood_past_the_connections_read_for_health_is_answered_429_unread(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    limits = caps(connections_per_uid=1, triage_per_uid=1, always=HEALTH)
+
+    async def main() -> tuple[Answer, bool, int]:
+        async with (
+            served(tmp_path, capped_app(), limits=limits) as serving,
+            raw(tmp_path),  # served
+            raw(tmp_path),  # read for a head
+        ):
+            await until(lambda: serving.connections == 2)
+            async with raw(tmp_path) as (reader, writer):
+                writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n")
+                got = await answer(reader), await closed(reader)
+            return *got, serving.connections
+
+    (status, headers, body), was_closed, open_ = run(main)
+    assert (status, headers["retry-after"], headers["connection"]) == (429, "1", "close")
+    assert (was_closed, open_) == (True, 2)
+    assert b"too many connections" in body
+    assert len([r for r in caplog.records if "refused" in r.getMessage()]) == 1
+
+
 def test_requests_in_flight_over_the_cap_are_refused_and_the_connection_stays(
     tmp_path: Path,
 ) -> None:

@@ -38,7 +38,8 @@ class Limits:
     body_bytes_per_uid: int = 32 * MiB  # request bodies read whole (JSON), held at once
     body_bytes: int = 128 * MiB
     # Connections over a cap are read for one head, briefly: health is answered, anything else
-    # refused 429. At most this many at once (past it, a connection is closed unanswered).
+    # refused 429. At most this many at once; past it, a connection is answered 429 at once,
+    # unread, and closed.
     triage: int = 64
     triage_per_uid: int = 8
     triage_timeout: float = 2.0

@@ -968,15 +968,34 @@ class Serving:
         triage = False
         why = self.open.take(uid)
         if why is not None:
-            self.refused(uid, "connections", why)
+            reason = self.refused(uid, "connections", why)
             if self.over.take(uid) is not None:
-                client.close()  # a flood: not even read
+                self._turn_away(client, reason)
                 return
             triage = True
         conn = _Connection(self, client, uid, triage)
         task = asyncio.get_running_loop().create_task(conn.run())
         self._open[conn] = task
         task.add_done_callback(lambda _: self._gone(conn))
+
+    def _turn_away(self, client: socket.socket, reason: str) -> None:
+        """Refuse a connection of a flood without reading it: its 429 goes out in one send
+        (the kernel keeps it for the client to read after the close), and it is closed."""
+        refusal = self.app.error_response(429, reason)
+        body = refusal._payload() or b""
+        fields = [("Content-Type", refusal.headers.get("Content-Type", "text/plain"))]
+        fields += [
+            ("Content-Length", str(len(body))),
+            ("Retry-After", str(self.limits.retry_after)),
+        ]
+        head = [f"HTTP/1.1 429 {phrase(429)}", *(f"{k}: {v}" for k, v in fields)]
+        try:
+            client.setblocking(False)
+            client.send("\r\n".join([*head, "Connection: close", "", ""]).encode() + body)
+        except OSError:
+            pass  # the client is gone, or reads nothing: it is closed all the same
+        finally:
+            client.close()
 
     def _gone(self, conn: _Connection) -> None:
         if self._open.pop(conn, None) is not None:

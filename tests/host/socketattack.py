@@ -23,6 +23,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from tests.httpcorpus import SMUGGLING
+
 SOCKET = "/run/slicebox/slicebox.sock"
 BODY = 4 * 1024 * 1024
 HEAD = (
@@ -115,8 +117,6 @@ def _status(got: bytes) -> str:
 
 
 def corpus() -> list[dict[str, object]]:
-    from tests.unit.test_web_limits import SMUGGLING  # the unit test's corpus
-
     # The unit test's /echo is an exec here: a route that reads its body (a well-formed one
     # would be answered not_found, and do nothing).
     cases = [(request.replace(b" /echo ", b" /v1/sandboxes/sbx-none/exec "), status)

@@ -416,7 +416,7 @@ def parse_answers(data: bytes) -> list[int]:
 )
 @given(request_bytes=REQUESTS)
 def test_fuzz_never_5xx_never_hangs_never_answers_twice(
-    tmp_path: Path, request_bytes: bytes
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, request_bytes: bytes
 ) -> None:
     limits = caps(head_timeout=0.5, body_idle=0.5, triage_timeout=0.5, always=HEALTH)
 
@@ -440,6 +440,7 @@ def test_fuzz_never_5xx_never_hangs_never_answers_twice(
     statuses = parse_answers(run(main, within=4))
     assert all(status < 500 for status in statuses), statuses
     assert len(statuses) <= max(1, request_bytes.count(b" HTTP/")), statuses
+    assert not errors_in(caplog)  # nor a traceback in the log
 
 
 def test_the_serving_counts_nothing_once_its_clients_are_gone(tmp_path: Path) -> None:

@@ -56,11 +56,11 @@ def attack(*argv: str) -> subprocess.Popen[str]:
     )
 
 
-def health_as(user: str) -> float:
-    """Seconds the agent took to answer ``user``'s GET /v1/health (it must, within 5 s)."""
+def health_as(user: str, within: int = 5) -> float:
+    """Seconds the agent took to answer ``user``'s GET /v1/health (it must, ``within``)."""
     started = time.monotonic()
     url = "http://localhost/v1/health"
-    got = as_user(user, "curl", "-s", "-m", "5", "--unix-socket", str(SOCKET), url)
+    got = as_user(user, "curl", "-s", "-m", str(within), "--unix-socket", str(SOCKET), url)
     took = time.monotonic() - started
     assert got.returncode == 0, (user, got.returncode, got.stderr)
     assert json.loads(got.stdout)["user"] == user
@@ -91,7 +91,7 @@ def journal_since(since: float) -> str:
 
 
 def test_300_stalled_bodies_from_one_user_leave_the_others_served(agent: None) -> None:
-    health_as(VICTIM)  # the agent runs (socket activation), its memory settled
+    health_as(VICTIM, within=120)  # warm (the first call of a uid resolves it): not timed
     pid, since = agent_pid(), time.time() - 1
     before = rss(pid)
     ready, stop = Path("/tmp") / unique("stall-ready-"), Path("/tmp") / unique("stall-stop-")
@@ -129,7 +129,7 @@ def test_300_stalled_bodies_from_one_user_leave_the_others_served(agent: None) -
 
 
 def test_the_smuggling_corpus_is_answered_400_once_and_quietly(agent: None) -> None:
-    health_as(VICTIM)
+    health_as(VICTIM, within=120)
     since = time.time() - 1
     attacker = attack("corpus")
     out, err = attacker.communicate(timeout=300)

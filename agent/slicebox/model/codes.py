@@ -289,6 +289,16 @@ CODES: tuple[ErrorCode, ...] = (
         "The HTTP request itself was refused (the status says why).",
         "Send a well-formed HTTP/1.1 request.",
     ),
+    _c(
+        "too_many_requests",
+        429,
+        "Your uid holds its share of the agent's socket (64 connections, 32 requests in "
+        "flight, 32 MiB of request bodies being read) or everyone together holds all of it; "
+        "refused at once, with `Retry-After`. Root is held to the totals only. GET /v1/health "
+        "is always answered.",
+        "Finish or close some of your connections and requests, then retry after the "
+        "`Retry-After` seconds.",
+    ),
     # Files in and out of a sandbox (PUT/GET /v1/sandboxes/{id}/files, `slicebox cp`).
     _c(
         "file_not_found",

@@ -38,6 +38,7 @@ from slicebox.model.errors import InvalidRequest, SliceboxError
 from slicebox.model.limits import human_bytes
 from slicebox.model.validation import refusal
 from slicebox.server.pools import POOLS, Pools, pools_of, run_in
+from slicebox.web.limits import Limits
 from slicebox.web.server import (
     AppKey,
     Application,
@@ -156,7 +157,12 @@ def make_middlewares(users: UserDirectory) -> list[Middleware]:
     return [envelope]
 
 
-_HTTP_CODES = {404: "unknown_route", 405: "method_not_allowed", 413: "body_too_large"}
+_HTTP_CODES = {
+    404: "unknown_route",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    429: "too_many_requests",  # a cap of the socket's (web.limits)
+}
 # Any other status of the HTTP layer's: a request it cannot read as HTTP (a malformed head, a
 # head over 64 KiB, a transfer coding other than chunked), answered before any route sees it.
 _OTHER_HTTP_CODE = "bad_request"
@@ -175,6 +181,9 @@ def http_error(status: int, reason: str) -> Response:
     code = _HTTP_CODES.get(status, _OTHER_HTTP_CODE)
     return error_response(status, code, _HTTP_HINTS.get(status, reason))
 
+
+# The socket's caps and time limits (web.limits); the health is answered over the caps.
+SOCKET_LIMITS = Limits(always=frozenset({("GET", API_PREFIX + "/health")}))
 
 # The container engine the agent uses, as found (``FoundEngine.describe``), for the health.
 ENGINE = AppKey("slicebox.engine", str)

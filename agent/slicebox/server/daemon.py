@@ -32,7 +32,7 @@ from slicebox.model.audit import AuditEvent, AuditRecord
 from slicebox.model.config import DEFAULT_PATH as DEFAULT_CONFIG
 from slicebox.model.errors import SliceboxError
 from slicebox.model.paths import AGENT_SOCKET
-from slicebox.server.api import CALLERS, ENGINE, Callers, Route, build_app
+from slicebox.server.api import CALLERS, ENGINE, SOCKET_LIMITS, Callers, Route, build_app
 from slicebox.server.pools import POOLS, run_in
 from slicebox.server.resolver import serve_resolver
 from slicebox.server.routes import ROUTES, SERVICE
@@ -111,7 +111,7 @@ class Agent:
 
     async def run(self, socket_path: Path) -> None:
         app = build_app(self._routes, SystemUsers(), self._state)
-        serving = await serve(app, listening_socket(socket_path))
+        serving = await serve(app, listening_socket(socket_path), limits=SOCKET_LIMITS)
         closing = [*[await opener() for opener in self._opening], *self._closing]
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)

@@ -152,7 +152,7 @@ class SlowUsers(SystemUsers):
 
 
 def test_a_slow_user_database_does_not_stall_the_loop_and_is_asked_once(tmp_path: Path) -> None:
-    users = SlowUsers(delay=0.5)
+    users = SlowUsers(delay=1.0)
 
     async def main() -> tuple[float, int]:
         serving = await serve_path(build_app(base_routes(), users), str(tmp_path / "s.sock"))
@@ -178,7 +178,7 @@ def test_a_slow_user_database_does_not_stall_the_loop_and_is_asked_once(tmp_path
         return max(gaps), users.calls
 
     worst, calls = asyncio.run(main())
-    assert worst < 0.3, f"the loop stalled {worst:.2f}s behind a user look-up"
+    assert worst < 0.5, f"the loop stalled {worst:.2f}s behind a user look-up"
     assert calls <= 4
 
 

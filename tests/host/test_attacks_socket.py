@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.host.agentunits import SOCKET, curl_health, installed_agent, prop
-from tests.host.helpers import sh, unique, wait_for
+from tests.host.helpers import module_as, sh, unique, wait_for
 
 pytestmark = pytest.mark.host
 
@@ -47,13 +47,7 @@ def as_user(user: str, *argv: str) -> subprocess.CompletedProcess[str]:
 
 def attack(*argv: str) -> subprocess.Popen[str]:
     """``tests.host.socketattack`` as the hostile user."""
-    return subprocess.Popen(
-        ["runuser", "-u", MALLORY, "--", "python3", "-m", "tests.host.socketattack", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd="/src",
-    )
+    return module_as(MALLORY, "tests.host.socketattack", *argv)
 
 
 def health_as(user: str, within: int = 5) -> float:

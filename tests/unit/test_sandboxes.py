@@ -255,6 +255,7 @@ class FakeBinds:
         self.owned: list[tuple[str, int, int]] = []
         self.staging: dict[str, tuple[str, ...]] = {}  # sandbox id -> its staging points
         self.unstaged: list[str] = []
+        self.waited: list[bool] = []
 
     def pin(self, source: str, target: str, roots: tuple[BindRoot, ...]) -> Pinned:
         assert [root.path for root in roots] == [PurePosixPath("/srv/ws/al-ice")], "their own"
@@ -278,9 +279,10 @@ class FakeBinds:
         self.staging[sandbox_id] = tuple(f"/stage/{sandbox_id}/{n}" for n in range(len(pinned)))
         return self.staging[sandbox_id]
 
-    def unstage(self, sandbox_id: str) -> None:
+    def unstage(self, sandbox_id: str, *, wait: bool = False) -> None:
         self.staging.pop(sandbox_id, None)
         self.unstaged.append(sandbox_id)
+        self.waited.append(wait)
 
     def staged(self) -> list[str]:
         return sorted(self.staging)
@@ -354,6 +356,7 @@ def test_the_reaper_sweep_removes_staging_points_no_create_holds() -> None:
     binds.staging = {"sb-killed": ("/stage/sb-killed/0",)}  # an agent killed mid-create
     assert world.manager.sweep_staging() == ["sb-killed"]
     assert binds.staging == {}
+    assert binds.waited == [True], "removed before the pass ends: `slicebox reap` says done"
 
 
 def test_another_users_root_is_refused_before_anything_is_pinned() -> None:

@@ -650,7 +650,7 @@ class SandboxManager:
         orphans = [sandbox_id for sandbox_id in staged if sandbox_id not in flying]
         for sandbox_id in orphans:
             log.info("removing the staging points of %s (no create holds them)", sandbox_id)
-            self._binds.unstage(sandbox_id)
+            self._binds.unstage(sandbox_id, wait=True)
         return orphans
 
     def _pin_binds(

@@ -454,9 +454,9 @@ class BindGuard(Protocol):
         paths Docker gets (host.staging); ``mount_changed`` when one is no longer what was
         pinned."""
 
-    def unstage(self, sandbox_id: str) -> None:
-        """Remove ``sandbox_id``'s staging points (once its sandbox runs, or failed), maybe
-        after the call returns."""
+    def unstage(self, sandbox_id: str, *, wait: bool = False) -> None:
+        """Remove ``sandbox_id``'s staging points (once its sandbox runs, or failed): after
+        the call returns unless ``wait`` (the reaper's sweep, whose pass says it is done)."""
 
     def staged(self) -> list[str]:
         """The sandbox ids that have staging points (the reaper's: orphans of a killed
@@ -485,8 +485,11 @@ class KernelBindGuard:
     def stage(self, sandbox_id: str, pinned: tuple[Pinned, ...]) -> tuple[str, ...]:
         return self._stager.stage(sandbox_id, [(p.source, p.device, p.inode) for p in pinned])
 
-    def unstage(self, sandbox_id: str) -> None:
-        self._stager.unstage_later(sandbox_id)
+    def unstage(self, sandbox_id: str, *, wait: bool = False) -> None:
+        if wait:
+            self._stager.unstage(sandbox_id)
+        else:
+            self._stager.unstage_later(sandbox_id)
 
     def staged(self) -> list[str]:
         return self._stager.staged()

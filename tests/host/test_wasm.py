@@ -59,9 +59,7 @@ class Wasm(Native):
 @pytest.fixture(scope="module")
 def wasm(toolkit: Path) -> Iterator[Wasm]:
     managed_was_active = active(MANAGED_SLICE)
-    # Egress is closed by default, and loopback refused unless the operator names it internal:
-    # this operator lets a plugin reach the test's server on 127.0.0.1.
-    made = Wasm('[egress]\ninternal_networks = ["127.0.0.1/32"]\n[[egress.rule]]\n')
+    made = Wasm()
     yield made
     made.cleanup()
     PluginStore().path(digest(toolkit.read_bytes())).unlink(missing_ok=True)

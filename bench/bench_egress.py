@@ -43,6 +43,7 @@ GATEWAY = IPv4Address("10.213.0.1")
 # would (rightly) collect them mid-measurement.
 CONFIG = agent_config("interval_seconds = 3600\n") + (
     f'[egress]\nupstream = ["{w.NAMESERVER}"]\ninternal_networks = ["{w.INTERNAL}"]\n'
+    "[[egress.rule]]\n"  # egress is closed by default: the bench's operator opens it
 )
 LOOP = (
     "read a _ < /proc/uptime; i=0; while [ $i -lt {n} ]; do "
@@ -115,8 +116,9 @@ def _plain(api: docker.APIClient) -> str:
         network="bridge",
         dns=(w.NAMESERVER,),
     )
+    plain = host_config(request) | {"NetworkMode": "bridge"}  # docker0 itself, not slicebox's
     created = api.create_container(
-        TEST_IMAGE, list(KEEP_ALIVE), host_config=host_config(request), user="65534:65534"
+        TEST_IMAGE, list(KEEP_ALIVE), host_config=plain, user="65534:65534"
     )
     api.start(created["Id"])
     return str(created["Id"])

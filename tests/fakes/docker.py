@@ -61,6 +61,7 @@ class FakeDocker(ExecCallsOnLoop):
         self.registry: set[str] = set()
         self.containers: dict[str, SandboxInfo] = {}
         self.requests: dict[str, SandboxRequest] = {}
+        self.released: list[tuple[str, bytes]] = []  # lines written to waiters (release)
         self.removed: list[str] = []
         self.fail_start = False
         self.down: str | None = None  # why the daemon is unreachable, when it is
@@ -202,6 +203,12 @@ class FakeDocker(ExecCallsOnLoop):
 
     def exec_inspect(self, exec_id: str) -> ExecState:
         return self._execs().exec_inspect(exec_id)
+
+    def release(self, backend_id: str, line: bytes) -> None:
+        self.sandbox_pid(backend_id)
+        if not self.requests[backend_id].open_stdin:
+            raise HostError(f"sandbox {backend_id} has no stdin to attach to (not a waiter)")
+        self.released.append((backend_id, line))
 
     async def launch_async(self, backend_id: str, stdin: bytes) -> AsyncExecAttachment:
         self.sandbox_pid(backend_id)

@@ -33,6 +33,9 @@ class FakeEngine:
         self.version: dict[str, Any] = {"ApiVersion": "1.45", "Version": "27.5.1"}
         self.containers: dict[str, dict[str, Any]] = {}
         self.volumes: dict[str, dict[str, Any]] = {}
+        self.networks: dict[str, dict[str, Any]] = {
+            "bridge": {"Name": "bridge", "Driver": "bridge", "IPAM": _ipam("172.17.0.0/16")}
+        }
         self.asked: list[tuple[str, str, dict[str, list[str]], Any]] = []
         self.start_error: tuple[int, str] | None = None
         self.removing: set[str] = set()
@@ -134,6 +137,22 @@ class FakeEngine:
             return 200, {"Id": "sha256:" + "0" * 64, "RepoTags": [image]}
         return 404, {"message": f"No such image: {image}"}
 
+    def _get_networks(self, rest: list[str], query: dict[str, list[str]], _: Any) -> Reply:
+        filters = json.loads(query.get("filters", ["{}"])[0])
+        names, drivers = filters.get("name"), filters.get("driver")
+        return 200, [
+            n
+            for n in self.networks.values()
+            if (not names or n["Name"] in names) and (not drivers or n["Driver"] in drivers)
+        ]
+
+    def _post_networks(self, rest: list[str], query: dict[str, list[str]], body: Any) -> Reply:
+        if body["Name"] in self.networks:
+            return 409, {"message": f"network with name {body['Name']} already exists"}
+        subnet = f"172.{18 + len(self.networks)}.0.0/16"
+        self.networks[body["Name"]] = {"IPAM": _ipam(subnet), **body}
+        return 201, {"Id": body["Name"], "Warning": ""}
+
     def _post_volumes(self, rest: list[str], query: dict[str, list[str]], body: Any) -> Reply:
         name = body["Name"]
         volume = {"Name": name, "Labels": body.get("Labels") or {}, "Mountpoint": f"/v/{name}"}
@@ -173,6 +192,10 @@ class FakeEngine:
 
 
 Reply = tuple[int, Any]
+
+
+def _ipam(subnet: str) -> dict[str, Any]:
+    return {"Config": [{"Subnet": subnet}]}
 
 
 def _has_label(labels: dict[str, str], wanted: str) -> bool:

@@ -20,6 +20,18 @@ def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(argv), capture_output=True, text=True, check=check)
 
 
+def module_as(user: str, module: str, *argv: str) -> subprocess.Popen[str]:
+    """``python3 -m module`` of the checkout, run in the background as ``user``: the agent
+    knows it by SO_PEERCRED."""
+    return subprocess.Popen(
+        ["runuser", "-u", user, "--", "python3", "-m", module, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd="/src",
+    )
+
+
 def unique(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:8]}"
 

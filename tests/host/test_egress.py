@@ -37,6 +37,7 @@ HOST_PORT = 18081
 ALLOW = ["pkgs.test", "*.wild.test", f"{w.LISTED}", "port.test:8080"]
 CONFIG = agent_config() + (
     f'[egress]\nupstream = ["{w.NAMESERVER}"]\ninternal_networks = ["{w.INTERNAL}"]\n'
+    "[[egress.rule]]\n"  # closed by default: this operator lets anyone ask for anything
 )
 
 

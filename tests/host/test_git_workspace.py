@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.host.agentunits import installed_agent
+from tests.host.agentunits import agent_config, installed_agent
 from tests.host.gitserver import README, bridge_gateway, git_server, head_of, repo_path
 from tests.host.helpers import ordinary_user, sh, wait_for
 
@@ -130,7 +130,9 @@ def assert_token_in_no_journal_entry_or_process(rig: Rig, *also: str) -> None:
 @pytest.fixture(scope="module")
 def rig() -> Iterator[Rig]:
     started = time.time()
-    with installed_agent(), ordinary_user(USER):
+    # The clone reaches the host's git server over a bridge network, off by default.
+    bridge = 'allowed_networks = ["none", "bridge"]\n' + agent_config()
+    with installed_agent(bridge), ordinary_user(USER):
         sh("systemctl", "start", "slicebox.socket")
         server_root = Path(tempfile.mkdtemp(prefix="slicebox-git-", dir="/var/tmp"))
         user_dir = Path(tempfile.mkdtemp(prefix="slicebox-git-user-", dir="/var/tmp"))
@@ -151,6 +153,7 @@ def rig() -> Iterator[Rig]:
                 sh("docker", "rm", "-f", container, check=False)
             for volume in user_volumes():
                 sh("docker", "volume", "rm", "-f", volume, check=False)
+            sh("docker", "network", "rm", "slicebox-bridge", check=False)
             shutil.rmtree(server_root, ignore_errors=True)
             shutil.rmtree(user_dir, ignore_errors=True)
 

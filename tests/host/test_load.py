@@ -43,7 +43,7 @@ from slicebox.model.api import CreateSandbox
 from slicebox.model.exec import ExecRequest
 from slicebox.model.labels import MANAGED
 from tests.host.agentunits import SOCKET, agent_config, installed_agent
-from tests.host.helpers import sh, unique, wait_for
+from tests.host.helpers import module_as, sh, unique, wait_for
 from tests.host.sliceboxhost import active, slicebox_units
 
 pytestmark = [pytest.mark.host]
@@ -136,13 +136,7 @@ def agent() -> Iterator[None]:
 
 def as_user(user: str, *argv: str) -> subprocess.Popen[str]:
     """``tests.host.loadclient`` run as ``user``: the agent knows it by SO_PEERCRED."""
-    return subprocess.Popen(
-        ["runuser", "-u", user, "--", "python3", "-m", "tests.host.loadclient", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd="/src",
-    )
+    return module_as(user, "tests.host.loadclient", *argv)
 
 
 def _load() -> dict[str, Any]:

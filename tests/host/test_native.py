@@ -331,6 +331,7 @@ def test_a_host_workspace_runs_as_the_caller_with_their_directory() -> None:
     sh("useradd", "--no-create-home", "--uid", "4321", "--gid", "4321", "sbxnative")
     try:
         (root / "w").mkdir(parents=True)
+        os.chown(root, 4321, 4321)  # the user's own directory of the root is theirs
         os.chown(root / "w", 4321, 4321)
         spec = native.spec("hw", workspace={"kind": "host", "path": str(root / "w")})
         made = native.manager.create(spec, owner=(4321, 4321))

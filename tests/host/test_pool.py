@@ -91,13 +91,15 @@ def _managed() -> list[str]:
 
 @pytest.fixture(scope="module")
 def agent() -> Iterator[None]:
-    with installed_agent(agent_config() + POOLS):
+    # "bridge" is off by default: this operator allows it (a request that differs by it).
+    with installed_agent('allowed_networks = ["none", "bridge"]\n' + agent_config() + POOLS):
         sh("systemctl", "start", "slicebox.socket")
         _client().health()
         try:
             yield
         finally:
             _empty_the_pools()
+            sh("docker", "network", "rm", "slicebox-bridge", check=False)
 
 
 def _empty_the_pools() -> None:

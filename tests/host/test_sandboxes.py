@@ -284,6 +284,9 @@ def test_a_symlink_planted_through_a_writable_bind_cannot_reach_the_hosts_root(e
     (mine / "ws" / "sub").mkdir(parents=True)
     (theirs / "ws").mkdir(parents=True)
     os.chown(mine / "ws", 65534, 65534)  # the sandbox runs as the default non-root uid
+    # The user's own directory of the root is theirs (a user no passwd knows: the default
+    # uid's); the rest of the root's path root's (host.beneath.open_root).
+    os.chown(mine, 65534, 65534)
     boxes: list[Sandbox] = []
     mounted = mine / "ws" / "mnt"
 
@@ -317,9 +320,15 @@ def test_a_symlink_planted_through_a_writable_bind_cannot_reach_the_hosts_root(e
 
         boxes.append(manager.create(bind(mine / "ws" / "sub")))
         inside = env.client.api.inspect_container(boxes[1].container_id)["Mounts"]
+        # Docker got the root-owned staging point (host.staging), gone once the sandbox ran;
+        # what the sandbox has there is the directory that was pinned.
         assert [(m["Type"], m["Source"], m["Destination"]) for m in inside] == [
-            ("bind", str(mine / "ws" / "sub"), "/workspace")
+            ("bind", f"/run/slicebox/stage/{boxes[1].id}/0", "/workspace")
         ]
+        wait_for(lambda: not Path("/run/slicebox/stage", boxes[1].id).exists(), timeout=60)
+        pid = env.client.api.inspect_container(boxes[1].container_id)["State"]["Pid"]
+        seen, sub = os.lstat(f"/proc/{pid}/root/workspace"), os.stat(mine / "ws" / "sub")
+        assert (seen.st_dev, seen.st_ino) == (sub.st_dev, sub.st_ino)
     finally:
         for box in boxes:
             manager.destroy(box.id)

@@ -59,7 +59,9 @@ class Wasm(Native):
 @pytest.fixture(scope="module")
 def wasm(toolkit: Path) -> Iterator[Wasm]:
     managed_was_active = active(MANAGED_SLICE)
-    made = Wasm()
+    # Egress is closed by default, and loopback refused unless the operator names it internal:
+    # this operator lets a plugin reach the test's server on 127.0.0.1.
+    made = Wasm('[egress]\ninternal_networks = ["127.0.0.1/32"]\n[[egress.rule]]\n')
     yield made
     made.cleanup()
     PluginStore().path(digest(toolkit.read_bytes())).unlink(missing_ok=True)

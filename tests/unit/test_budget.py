@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.core.budget import OutputBudget, Reservation, exec_reservation
+from slicebox.core.budget import OutputBudget, exec_reservation
 from slicebox.core.execution import OutputCapture
+from slicebox.core.shares import Reservation
 from slicebox.model.api import CreateSandbox, RunRequest
 from slicebox.model.errors import InvalidRequest, SandboxNotRunning, Unavailable
 from slicebox.model.exec import ExecRequest, ExecResult, OutputStream, StreamChunk

@@ -12,6 +12,7 @@ import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from ipaddress import IPv4Network
 from pathlib import Path
 from typing import Any
 
@@ -397,3 +398,22 @@ def test_the_engine_says_whether_it_is_podman_and_so_how_it_names_scopes(
     podman = backend(engine)
     assert podman.availability().detail.startswith("Podman 5.4.2 (API 1.41) at ")
     assert podman.scope_prefix == "libpod"
+
+
+def test_a_bridge_sandbox_joins_slicebox_s_own_network_where_none_reaches_another(
+    engine: FakeEngine,
+) -> None:
+    """Not docker0 (inter-container traffic on: alice's sandbox reached bob's)."""
+    docker_backend = backend(engine)
+    bridged = REQUEST.model_copy(update={"network": "bridge"})
+    assert host_config(bridged)["NetworkMode"] == "slicebox-bridge"
+    docker_backend.create(bridged)
+    docker_backend.create(bridged.model_copy(update={"name": "sbx-2"}))
+    made = engine.networks["slicebox-bridge"]
+    assert made["Options"]["com.docker.network.bridge.enable_icc"] == "false"
+    assert made["Labels"] == {"slicebox.managed": "true"}
+    assert routes(engine).count("POST /v1.45/networks/create") == 1, "made once, then found"
+    sent = [c["Body"]["HostConfig"]["NetworkMode"] for c in engine.containers.values()]
+    assert sent == ["slicebox-bridge", "slicebox-bridge"]
+    assert IPv4Network("172.17.0.0/16") in docker_backend.bridge_subnets()
+    assert host_config(REQUEST)["NetworkMode"] == "none"

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import pwd
 from collections.abc import Callable
 from pathlib import Path
 
@@ -138,7 +139,24 @@ def test_a_bind_root_below_a_writable_directory_fails_with_the_fix(tmp_path: Pat
     assert "chmod go-w" in check.fix
     missing = check_bind_roots(roots_host(tmp_path, f'["{tmp_path}/absent/{{user}}"]'))
     assert missing.state is State.FAIL
-    assert "cannot be read" in missing.detail
+    assert "absent does not exist" in missing.detail
+
+
+def test_a_users_own_directory_on_a_roots_path_that_is_a_symlink_fails(tmp_path: Path) -> None:
+    # The old check stopped above {user}: /home/{user}/sandboxes with alice's sandboxes a link
+    # to / passed, and the agent admitted / and /etc.
+    me = pwd.getpwuid(os.getuid()).pw_name
+    (tmp_path / "home" / me).mkdir(parents=True)
+    (tmp_path / "home" / "not-a-user-name-here").mkdir()
+    tmp_path.chmod(0o755)
+    (tmp_path / "home").chmod(0o755)
+    host = roots_host(tmp_path, f'["{tmp_path}/home/{{user}}/sandboxes"]')
+    check = check_bind_roots(host)
+    assert check.state is State.OK, "a user without the directory yet has nothing to redirect"
+    (tmp_path / "home" / me / "sandboxes").symlink_to("/")
+    check = check_bind_roots(host)
+    assert check.state is State.FAIL
+    assert f"{tmp_path}/home/{me}/sandboxes is a symlink" in check.detail
 
 
 def test_no_bind_roots_means_bind_mounts_are_refused(tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ from tests.fakes.nft import FakeNftApi
 from tests.fakes.systemd import FakeSystemd
 
 GATEWAY = IPv4Address("10.213.0.1")
+HOST_ADDRESSES = (IPv4Network("192.0.2.10/32"), IPv4Network("10.0.2.15/32"))
 
 
 # --- entries ------------------------------------------------------------------------------
@@ -162,7 +163,7 @@ def test_the_config_reads_egress_and_refuses_a_public_subnet() -> None:
     assert config.egress.gateway == IPv4Address("10.99.0.1")
     assert config.egress.upstream == (IPv4Address("10.77.0.53"),)
     assert config.egress.rule[0].allow == ("*.example.org:443",)
-    assert parse_config("").egress.rule == (EgressRule(),), "by default anyone may ask"
+    assert parse_config("").egress.rule == (), "by default no one may ask"
     with pytest.raises(Exception, match="private IPv4"):
         parse_config('[egress]\nsubnet = "8.8.0.0/16"\n')
 
@@ -231,7 +232,7 @@ def test_a_sandbox_is_added_whole_and_removed_whole() -> None:
     assert len(table.elements["dnsp_sbx_1"]) == 2
     wall.remove_sandbox("sbx-1")
     table = api.table()
-    assert (table.sets, table.counters.keys() - {"stray"}, table.maps["sandboxes"]) == (
+    assert (table.sets, table.counters.keys() - {"stray", "host"}, table.maps["sandboxes"]) == (
         {},
         set(),
         {},
@@ -286,6 +287,9 @@ class Networks:
     ) -> None:
         self.made.append((name, subnet, gateway, bridge))
 
+    def bridge_subnets(self) -> tuple[IPv4Network, ...]:
+        return (IPv4Network("172.17.0.0/16"), IPv4Network("10.213.0.0/16"))
+
 
 class Zone:
     """An upstream nameserver: name -> (type, ttl, value) records, asked queries counted."""
@@ -327,6 +331,7 @@ class Guarded:
             self.zone,
             self.audited.append,
             clock=lambda: self.now,
+            addresses=lambda: HOST_ADDRESSES,
         )
 
     def ask(self, source: IPv4Address, name: str, qtype: int = dnswire.A) -> dnswire.Answer | int:
@@ -498,8 +503,11 @@ def test_the_operators_internal_networks_may_be_answered() -> None:
 # --- through the sandbox manager's create and destroy --------------------------------------
 
 
+GRANTED = "[[egress.rule]]\n"  # anyone may ask for anything: egress is closed by default
+
+
 class Managed:
-    def __init__(self, config: str = "") -> None:
+    def __init__(self, config: str = GRANTED) -> None:
         self.egress = Guarded()
         self.systemd = FakeSystemd()
         self.docker = FakeDocker(self.systemd)
@@ -564,7 +572,11 @@ def test_an_agent_without_egress_refuses_it_clearly() -> None:
     systemd = FakeSystemd()
     docker = FakeDocker(systemd)
     manager = SandboxManager(
-        docker, SliceManager(systemd), config=parse_config(""), host_memory=2**32, instance_id="r"
+        docker,
+        SliceManager(systemd),
+        config=parse_config(GRANTED),
+        host_memory=2**32,
+        instance_id="r",
     )
     with pytest.raises(Unavailable) as refused:
         manager.create(Managed().spec(["pypi.org"]))

@@ -77,7 +77,13 @@ def test_the_credential_directory_is_private_and_goes_whole(tmp_path: Path) -> N
     directory = store.write("sbx-1", GitCredential(token=TOKEN))
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in directory.iterdir()}
-    assert modes == {"askpass": 0o500, "token": 0o400, "username": 0o400, "hosts": 0o400}
+    assert modes == {
+        "askpass": 0o500,
+        "token": 0o400,
+        "username": 0o400,
+        "hosts": 0o400,
+        "user": 0o400,
+    }
     assert store.remove("sbx-1")
     assert not directory.exists()
     assert not store.remove("sbx-1")
@@ -157,7 +163,9 @@ class _Said:
 
 def manager(docker: FakeDocker, state_dir: Path) -> SandboxManager:
     ids = (f"sbx-{n:012x}" for n in itertools.count(1))
-    config = parse_config(f'[reaper]\nstate_dir = "{state_dir}"\n')
+    config = parse_config(
+        f'allowed_networks = ["none", "bridge"]\n[reaper]\nstate_dir = "{state_dir}"\n'
+    )
     return SandboxManager(
         docker,
         SliceManager(docker.systemd),

@@ -17,13 +17,17 @@ class Users:
     def user_name(self, uid: int) -> str | None:
         return self.names.get(uid)
 
-    def group_names(self, user: str, gid: int) -> frozenset[str]:
-        return self.groups.get(user, frozenset())
+    def groups_of(self, user: str) -> tuple[int, frozenset[str]]:
+        return 100, self.groups.get(user, frozenset())
 
 
 USERS = Users(
     {0: "root", 1000: "alice", 1001: "bob", 1002: "orch"},
-    {"alice": frozenset({"alice", "slicebox"}), "orch": frozenset({"slicebox-admin"})},
+    {
+        "alice": frozenset({"alice", "slicebox"}),
+        "bob": frozenset({"bob", "slicebox"}),
+        "orch": frozenset({"slicebox-admin"}),
+    },
 )
 
 
@@ -57,10 +61,10 @@ def test_root_and_admin_group_act_for_anyone(uid: int) -> None:
     assert admin.may_see("carol")
 
 
-def test_unknown_uid_gets_a_stable_name() -> None:
-    nobody = resolve(creds(4242), USERS)
-    assert nobody.user_name == "uid4242"
-    assert not nobody.is_admin
+def test_an_unknown_uid_is_refused() -> None:
+    with pytest.raises(Forbidden) as refused:
+        resolve(creds(4242), USERS)
+    assert refused.value.code == "unknown_user"
 
 
 def test_caller_comm_is_read_from_proc() -> None:
@@ -72,4 +76,6 @@ def test_caller_comm_is_read_from_proc() -> None:
 def test_system_users_resolves_root() -> None:
     users = SystemUsers()
     assert users.user_name(0) == "root"
-    assert "root" in users.group_names("root", 0)
+    assert users.groups_of("root") == (0, users.groups_of("root")[1])
+    assert "root" in users.groups_of("root")[1]
+    assert users.groups_of("no-such-user-here") == (-1, frozenset())

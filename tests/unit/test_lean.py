@@ -80,13 +80,15 @@ def test_importing_the_agent_or_the_cli_builds_only_the_models_it_instantiates()
     # Built at import: only those a module makes an instance of (defaults, the code table).
     assert built == str(
         [
+            "CallersConfig",
             "CeilingConfig",
+            "CredentialsConfig",
             "EgressConfig",
-            "EgressRule",
             "ErrorCode",
             "ExecRequest",
             "PoolLearning",
             "ReaperConfig",
             "SandboxDefaults",
+            "SharesConfig",
         ]
     )

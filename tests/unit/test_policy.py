@@ -9,7 +9,8 @@ from slicebox.model.spec import Mount, MountKind, SandboxSpec, parse_spec
 
 MiB = 1024 * 1024
 CONFIG = parse_config(
-    'bind_roots = ["/srv/ws"]\n[user]\nmemory = "1GB"\ncpus = 2.0\n'
+    'bind_roots = ["/srv/ws"]\nallowed_networks = ["none", "bridge"]\n'
+    '[user]\nmemory = "1GB"\ncpus = 2.0\n'
     '[projects."alice/tight"]\nmemory = "400MB"\npids = 40\n'
 )
 

@@ -38,6 +38,7 @@ MiB = 1024 * 1024
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 ALICE = Identity(uid=1000, gid=1000, pid=11, user_name="alice", is_admin=False)
 POOL = """
+allowed_networks = ["none", "bridge"]
 [projects."alice/web"]
 memory = "1GB"
 [[pool]]

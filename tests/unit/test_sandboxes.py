@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import PurePosixPath
@@ -9,9 +10,10 @@ import pytest
 
 from slicebox.backends.base import SandboxInfo, SandboxState
 from slicebox.core import sandboxes
+from slicebox.core.launch import WAITER_COMMAND
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
-from slicebox.host.beneath import BindGuard, Pinned
+from slicebox.host.beneath import BindGuard, BindRoot, Pinned
 from slicebox.model.config import parse_config
 from slicebox.model.errors import (
     Forbidden,
@@ -251,9 +253,13 @@ class FakeBinds:
         self.verified: list[tuple[int, Pinned]] = []
         self.ids = (1000, 1000)  # what the sandbox's process runs as, per the kernel
         self.owned: list[tuple[str, int, int]] = []
+        self.staging: dict[str, tuple[str, ...]] = {}  # sandbox id -> its staging points
+        self.unstaged: list[str] = []
+        self.waited: list[bool] = []
 
-    def pin(self, source: str, target: str, roots: tuple[PurePosixPath, ...]) -> Pinned:
-        assert roots == (PurePosixPath("/srv/ws/al-ice"),), "the caller's own root"
+    def pin(self, source: str, target: str, roots: tuple[BindRoot, ...]) -> Pinned:
+        assert [root.path for root in roots] == [PurePosixPath("/srv/ws/al-ice")], "their own"
+        assert roots[0].user_part == 3, "al-ice's own directory is theirs, the rest root's"
         return Pinned(source=source.replace("/alias/", "/real/"), target=target, device=1, inode=2)
 
     def verify(self, pid: int, pinned: Pinned) -> None:
@@ -267,6 +273,19 @@ class FakeBinds:
     def own(self, pid: int, target: str, source: str, uid: int, gid: int) -> None:
         assert target == "/workspace"
         self.owned.append((source, uid, gid))
+
+    def stage(self, sandbox_id: str, pinned: tuple[Pinned, ...]) -> tuple[str, ...]:
+        assert sandbox_id not in self.staging
+        self.staging[sandbox_id] = tuple(f"/stage/{sandbox_id}/{n}" for n in range(len(pinned)))
+        return self.staging[sandbox_id]
+
+    def unstage(self, sandbox_id: str, *, wait: bool = False) -> None:
+        self.staging.pop(sandbox_id, None)
+        self.unstaged.append(sandbox_id)
+        self.waited.append(wait)
+
+    def staged(self) -> list[str]:
+        return sorted(self.staging)
 
 
 def bind_world(binds: FakeBinds, extra: str = "") -> World:
@@ -282,22 +301,62 @@ BINDS = [
 ]
 
 
-def test_docker_gets_the_pinned_source_and_the_mount_is_checked_once_running() -> None:
+def test_docker_gets_the_staged_source_and_the_mount_is_checked_once_running() -> None:
+    # Docker used to get the pinned path itself: a name the caller could swap for a symlink
+    # between the check and runc's mount.
     binds = FakeBinds()
     world = bind_world(binds)
-    box = world.manager.create(spec(mounts=BINDS))
+    box = world.manager.create(spec(mounts=BINDS), owner=(1000, 1000))
     request = world.docker.requests[box.container_id]
-    assert [m.source for m in request.mounts] == ["/srv/ws/al-ice/real/src", "cache"]
+    assert [m.source for m in request.mounts] == [f"/stage/{box.id}/0", "cache"]
     pid = world.docker.sandbox_pid(box.container_id)
     assert [(p, pinned.target) for p, pinned in binds.verified] == [(pid, "/workspace")]
+    assert binds.verified[0][1].source == "/srv/ws/al-ice/real/src", "checked against the pin"
+    assert (binds.staging, binds.unstaged) == ({}, [box.id]), "unstaged once running"
 
 
 def test_a_source_swapped_before_the_mount_undoes_the_create() -> None:
-    world = bind_world(FakeBinds(swapped=True))
+    binds = FakeBinds(swapped=True)
+    world = bind_world(binds)
     with pytest.raises(PolicyViolation, match="changed while"):
-        world.manager.create(spec(mounts=BINDS))
+        world.manager.create(spec(mounts=BINDS, command=("evil",)), owner=(1000, 1000))
     assert world.docker.containers == {}
     assert world.user_slices() == set()
+    assert world.docker.released == [], "the caller's command never ran"
+    assert binds.staging == {}
+    assert len(binds.unstaged) == 1
+
+
+def test_a_sandboxs_own_command_waits_for_its_mounts_to_be_checked() -> None:
+    # Its command used to be the container's main process: it ran before the check.
+    binds = FakeBinds()
+    world = bind_world(binds)
+    command = ("sh", "-c", 'printf \'%s|\' "$0" "$1"', "a 'b'\\n", "two\nlines")
+    box = world.manager.create(spec(mounts=BINDS, command=command), owner=(1000, 1000))
+    request = world.docker.requests[box.container_id]
+    assert (request.command, request.open_stdin) == (WAITER_COMMAND, True)
+    assert not box.lineage.launcher, "no one-shot run may launch into it"
+    [(released_in, line)] = world.docker.released
+    assert released_in == box.container_id
+    ran = subprocess.run(WAITER_COMMAND, input=line, capture_output=True, check=True)
+    assert ran.stdout == b"a 'b'\\n|two\nlines|", "the waiter becomes the command, word for word"
+
+
+def test_without_binds_nothing_is_staged_and_the_command_runs_as_before() -> None:
+    binds = FakeBinds()
+    world = bind_world(binds)
+    box = world.manager.create(spec(command=("sleep", "9")))
+    assert world.docker.requests[box.container_id].command == ("sleep", "9")
+    assert (binds.unstaged, world.docker.released) == ([], [])
+
+
+def test_the_reaper_sweep_removes_staging_points_no_create_holds() -> None:
+    binds = FakeBinds()
+    world = bind_world(binds)
+    binds.staging = {"sb-killed": ("/stage/sb-killed/0",)}  # an agent killed mid-create
+    assert world.manager.sweep_staging() == ["sb-killed"]
+    assert binds.staging == {}
+    assert binds.waited == [True], "removed before the pass ends: `slicebox reap` says done"
 
 
 def test_another_users_root_is_refused_before_anything_is_pinned() -> None:
@@ -325,9 +384,11 @@ def test_a_host_workspace_is_bound_at_workspace_and_runs_as_its_owner() -> None:
     request = world.docker.requests[box.container_id]
     assert request.user == "1234:99", "what the sandbox writes there is the caller's"
     assert [(m.kind, m.source, m.target, m.read_only) for m in request.mounts] == [
-        (MountKind.BIND, "/srv/ws/al-ice/real/code", "/workspace", False)
+        (MountKind.BIND, f"/stage/{box.id}/0", "/workspace", False)
     ]
-    assert [pinned.target for _, pinned in binds.verified] == ["/workspace"]
+    assert [(p.source, p.target) for _, p in binds.verified] == [
+        ("/srv/ws/al-ice/real/code", "/workspace")
+    ]
 
 
 def test_a_host_workspace_outside_the_callers_root_is_refused_with_nothing_made() -> None:
@@ -361,11 +422,13 @@ def test_uid_0_is_refused_unless_allowed_and_never_with_a_writable_host_mount(
     assert world.docker.containers == {}
 
 
-def test_uid_0_is_admitted_for_a_root_user_with_a_read_only_host_workspace() -> None:
+def test_uid_0_is_refused_for_a_root_user_with_a_read_only_host_workspace_too() -> None:
     world = bind_world(FakeBinds(), 'root_users = ["al-ice"]\n')
     workspace = {"kind": "host", "path": "/srv/ws/al-ice/code", "read_only": True}
-    box = world.manager.create(spec(run_as="0:0", workspace=workspace))
-    assert world.docker.requests[box.container_id].user == "0:0"
+    with pytest.raises(PolicyViolation) as refused:  # any host bind runs as its owner
+        world.manager.create(spec(run_as="0:0", workspace=workspace), owner=(1234, 99))
+    assert refused.value.code == "policy_run_as"
+    assert world.docker.containers == {}
 
 
 def test_a_user_name_that_is_uid_0_in_the_image_is_found_running_and_undone() -> None:

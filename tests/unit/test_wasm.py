@@ -38,6 +38,7 @@ from slicebox.core.deadlines import Deadlines
 from slicebox.core.pool import WarmPool
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
+from slicebox.host.beneath import BindRoot
 from slicebox.host.plugins import PluginStore, read_plugin
 from slicebox.model.config import parse_config
 from slicebox.model.errors import InvalidRequest, NotFound, PolicyViolation
@@ -219,8 +220,8 @@ def test_a_plugin_path_is_read_beneath_the_caller_s_root_as_they_could(
     plugin = root / "p.wasm"
     plugin.write_bytes(toolkit)
     plugin.chmod(0o600)
-    roots = (PurePosixPath(root),)
     me = os.getuid()
+    roots = (BindRoot(path=PurePosixPath(root), top=str(tmp_path), trusted=me),)
     assert read_plugin(str(plugin), roots, me, set()) == toolkit
     with pytest.raises(PolicyViolation, match="not readable"):
         read_plugin(str(plugin), roots, me + 1, set())
@@ -384,7 +385,7 @@ def test_a_plugin_named_by_sha_or_path_and_pages_that_stop_a_grower(
 def test_an_allow_list_becomes_the_plugin_s_hosts_and_gives_it_the_network(
     tmp_path: Path, toolkit: bytes
 ) -> None:
-    host = Host(tmp_path)
+    host = Host(tmp_path, "[[egress.rule]]\n")  # egress is closed by default
     module = base64.b64encode(toolkit).decode()
     allow = {"egress": {"allow": ["api.example.org", "*.example.net", "10.1.2.3"]}}
     made = host.manager.create(wasm_spec(wasm={"module": module}, network=allow))
@@ -394,7 +395,7 @@ def test_an_allow_list_becomes_the_plugin_s_hosts_and_gives_it_the_network(
     props = host.systemd.services[f"{ANCHOR_PREFIX}{made.id}.service"]
     assert "PrivateNetwork" not in props
     assert props["RestrictAddressFamilies"] == (True, ["AF_UNIX", "AF_INET", "AF_INET6"])
-    for entries, said in ((["api.example.org:443"], "no port"), (["10.0.0.0/8"], "networks")):
+    for entries, said in ((["api.example.org:443"], "no port"), (["10.20.0.0/16"], "networks")):
         with pytest.raises(InvalidRequest, match=said):
             host.manager.create(
                 wasm_spec(wasm={"module": module}, network={"egress": {"allow": entries}})

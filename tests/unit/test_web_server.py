@@ -18,6 +18,7 @@ from typing import TypeVar
 import pytest
 
 from slicebox.web.client import HttpClient
+from slicebox.web.limits import Limits
 from slicebox.web.server import (
     AppKey,
     Application,
@@ -53,8 +54,12 @@ def run(main: Callable[[], Awaitable[T]], within: float = 5.0) -> T:
 
 
 @contextlib.asynccontextmanager
-async def served(tmp_path: Path, app: Application, **options: float) -> AsyncIterator[Serving]:
-    serving = await serve_path(app, str(tmp_path / "web.sock"), **options)
+async def served(
+    tmp_path: Path, app: Application, keepalive_timeout: float = 75.0, limits: Limits | None = None
+) -> AsyncIterator[Serving]:
+    serving = await serve_path(
+        app, str(tmp_path / "web.sock"), keepalive_timeout=keepalive_timeout, limits=limits
+    )
     try:
         yield serving
     finally:
@@ -127,16 +132,20 @@ def test_a_route_matches_whole_decoded_segments_and_parses_the_query(tmp_path: P
     async def main() -> list[dict[str, object]]:
         async with served(tmp_path, echo_app()), client(tmp_path) as http:
             got = []
-            for target in ("/items/a%20b%2Fc?x=1&y=&x=2", "/items/7/parts/p+1?q=a+b%26"):
+            for target in ("/items/a%20b%2Cc?x=1&y=&x=2", "/items/7/parts/p+1?q=a+b%26"):
                 got.append(json.loads(await (await http.request("GET", target)).read()))
+            for target in ("/items/a%2F..%2Fb", "/items/a%2fb", "/items/a%00b"):  # never a/../b
+                smuggled = await http.request("GET", target)
+                assert smuggled.status == 400, target
+                await smuggled.read()
             for target in ("/items/", "/items", "/items/1/other", "/echo/1"):
                 missing = await http.request("GET", target)
                 assert (missing.status, await missing.read()) == (404, b"Not Found")
             return got
 
     first, second = run(main)
-    assert first == {"path": "/items/a b/c", "query": {"x": "2", "y": ""},
-                     "match": {"id": "a b/c"}, "body": "", "method": "GET"}  # fmt: skip
+    assert first == {"path": "/items/a b,c", "query": {"x": "2", "y": ""},
+                     "match": {"id": "a b,c"}, "body": "", "method": "GET"}  # fmt: skip
     assert second["match"] == {"id": "7", "part": "p+1"}
     assert second["query"] == {"q": "a b&"}
 
@@ -167,7 +176,9 @@ def test_an_http_error_no_middleware_answers_goes_through_error_response(tmp_pat
     async def main() -> list[Answer]:
         app = Application(error_response=lambda status, reason: Response(text=f"E{status}"))
         async with served(tmp_path, app), raw(tmp_path) as (reader, writer):
-            writer.write(b"GET /none HTTP/1.1\r\n\r\nGET /none HTTP/1.1\r\n\r\n")
+            writer.write(
+                b"GET /none HTTP/1.1\r\nHost: x\r\n\r\nGET /none HTTP/1.1\r\nHost: x\r\n\r\n"
+            )
             return [await answer(reader), await answer(reader)]
 
     assert [(status, body) for status, _, body in run(main)] == [(200, b"E404")] * 2
@@ -201,7 +212,9 @@ def test_keep_alive_serves_requests_one_after_the_other_and_pipelined(tmp_path: 
         async with served(tmp_path, echo_app()) as serving, raw(tmp_path) as (reader, writer):
             writer.write(GET)
             answers = [await answer(reader)]
-            writer.write(b"POST /echo HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi" + GET)  # one send
+            writer.write(
+                b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi" + GET
+            )  # one send
             answers += [await answer(reader), await answer(reader)]
             assert serving.connections == 1
             return answers
@@ -215,8 +228,8 @@ def test_keep_alive_serves_requests_one_after_the_other_and_pipelined(tmp_path: 
 @pytest.mark.parametrize(
     "request_bytes",
     [
-        b"GET /echo HTTP/1.1\r\nConnection: close\r\n\r\n",
-        b"GET /echo HTTP/1.1\r\nconnection: keep-alive, Close\r\n\r\n",
+        b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        b"GET /echo HTTP/1.1\r\nHost: x\r\nconnection: keep-alive, Close\r\n\r\n",
         b"GET /echo HTTP/1.0\r\n\r\n",
     ],
 )
@@ -248,7 +261,7 @@ def test_a_stream_to_an_http_1_0_client_ends_with_the_connection(tmp_path: Path)
             answers = []
             for version in (b"1.0", b"1.1"):
                 async with raw(tmp_path) as (reader, writer):
-                    writer.write(b"GET / HTTP/%b\r\nConnection: close\r\n\r\n" % version)
+                    writer.write(b"GET / HTTP/%b\r\nHost: x\r\nConnection: close\r\n\r\n" % version)
                     answers.append(await answer(reader))
             return answers
 
@@ -265,8 +278,12 @@ def test_a_json_body_and_a_chunked_body_are_read_whole(tmp_path: Path) -> None:
     async def main() -> list[object]:
         async with served(tmp_path, echo_app()), raw(tmp_path) as (reader, writer):
             payload = json.dumps({"a": [1, 2]}).encode()
-            writer.write(b"POST /echo HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(payload))
-            writer.write(payload + b"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n")
+            writer.write(
+                b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(payload)
+            )
+            writer.write(
+                payload + b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            )
             writer.write(chunked + GET)
             return [json.loads((await answer(reader))[2])["body"] for _ in range(3)]
 
@@ -281,7 +298,7 @@ def test_a_body_over_the_limit_is_refused_unread_and_the_connection_closed(
 ) -> None:
     async def main() -> tuple[Answer, bool]:
         async with served(tmp_path, echo_app(client_max_size=1024)), raw(tmp_path) as (r, w):
-            w.write(b"POST /echo HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (10 * MiB))
+            w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (10 * MiB))
             w.write(b"x" * 1000)  # of 10 MiB: a server reading them would wait for the rest
             return await answer(r), await closed(r)
 
@@ -293,13 +310,13 @@ def test_100_continue_is_sent_only_when_the_handler_reads_the_body(tmp_path: Pat
     async def main() -> tuple[bytes, Answer, Answer]:
         async with served(tmp_path, echo_app(client_max_size=1024)) as serving:
             async with raw(tmp_path) as (reader, writer):
-                writer.write(b"POST /echo HTTP/1.1\r\nExpect: 100-continue\r\n")
+                writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n")
                 writer.write(b"Content-Length: 5\r\n\r\n")
                 interim = await reader.readuntil(b"\r\n\r\n")  # nothing else comes before
                 writer.write(b"hello")
                 read = await answer(reader)
             async with raw(tmp_path) as (reader, writer):
-                writer.write(b"POST /echo HTTP/1.1\r\nExpect: 100-continue\r\n")
+                writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n")
                 writer.write(b"Content-Length: %d\r\n\r\n" % MiB)
                 refused = await answer(reader)
                 assert await closed(reader)
@@ -320,7 +337,9 @@ def test_no_100_continue_when_the_handler_answers_without_the_body(tmp_path: Pat
         app = Application()
         app.router.add_route("PUT", "/", ignore)
         async with served(tmp_path, app), raw(tmp_path) as (reader, writer):
-            writer.write(b"PUT / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 9\r\n\r\n")
+            writer.write(
+                b"PUT / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 9\r\n\r\n"
+            )
             return await answer(reader), await closed(reader)  # the first answer is the final
 
     (status, headers, body), was_closed = run(main)
@@ -336,12 +355,12 @@ def test_a_small_unread_body_is_drained_and_a_large_one_closes(tmp_path: Path) -
         app = Application()
         app.router.add_route("POST", "/", ignore)
         async with served(tmp_path, app), raw(tmp_path) as (reader, writer):
-            writer.write(b"POST / HTTP/1.1\r\nContent-Length: 100\r\n\r\n" + b"x" * 100)
+            writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b"x" * 100)
             small = await answer(reader)
-            writer.write(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n")
+            writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
             writer.write(b"3\r\nabc\r\n0\r\n\r\n")
             chunked = await answer(reader)
-            writer.write(b"POST / HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % MiB)
+            writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % MiB)
             large = await answer(reader)
             return small, chunked, large, await closed(reader)
 
@@ -368,7 +387,7 @@ def test_a_stream_waits_for_a_slow_reader(tmp_path: Path) -> None:
         app = Application()
         app.router.add_get("/", stream)
         async with served(tmp_path, app), raw(tmp_path) as (reader, writer):
-            writer.write(b"GET / HTTP/1.1\r\n\r\n")
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             await asyncio.sleep(0.3)  # the client reads nothing meanwhile
             paused = len(written)
             await asyncio.sleep(0.2)
@@ -401,7 +420,7 @@ def test_a_client_gone_mid_stream_makes_the_next_write_fail(tmp_path: Path) -> N
         app.router.add_get("/", endless)
         async with served(tmp_path, app):
             async with raw(tmp_path) as (reader, writer):
-                writer.write(b"GET / HTTP/1.1\r\n\r\n")
+                writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
                 await reader.readexactly(10_000)
             return await failed
 
@@ -412,21 +431,32 @@ def test_a_client_gone_mid_stream_makes_the_next_write_fail(tmp_path: Path) -> N
     ("request_bytes", "status"),
     [
         (b"GET /echo\r\n\r\n", 400),
-        (b"GET  /echo HTTP/1.1\r\n\r\n", 400),
+        (b"GET  /echo HTTP/1.1\r\nHost: x\r\n\r\n", 400),
         (b"GET /echo HTTP/1.x\r\n\r\n", 400),
-        (b"G(T /echo HTTP/1.1\r\n\r\n", 400),
-        (b"GET echo HTTP/1.1\r\n\r\n", 400),
+        (b"G(T /echo HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+        (b"GET echo HTTP/1.1\r\nHost: x\r\n\r\n", 400),
         (b"GET /echo HTTP/2.0\r\n\r\n", 505),
-        (b"GET /echo HTTP/1.1\r\nNo colon\r\n\r\n", 400),
-        (b"GET /echo HTTP/1.1\r\nBad name: x\r\n\r\n", 400),
-        (b"GET /echo HTTP/1.1\r\nA: 1\r\n folded\r\n\r\n", 400),
-        (b"POST /echo HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
-        (b"POST /echo HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab", 400),
-        (b"POST /echo HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
-        (b"POST /echo HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", 501),
-        (b"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0x1\r\na\r\n0\r\n\r\n", 400),
-        (b"GET /echo HTTP/1.1\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", 431),
-        (b"GET /echo HTTP/1.1\r\n" + b"X: 1\r\n" * 12_000 + b"\r\n", 431),
+        (b"GET /echo HTTP/1.1\r\nHost: x\r\nNo colon\r\n\r\n", 400),
+        (b"GET /echo HTTP/1.1\r\nHost: x\r\nBad name: x\r\n\r\n", 400),
+        (b"GET /echo HTTP/1.1\r\nHost: x\r\nA: 1\r\n folded\r\n\r\n", 400),
+        (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", 400),
+        (
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+            400,
+        ),
+        (
+            b"POST /echo HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n",
+            400,
+        ),
+        (b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", 400),
+        (
+            b"POST /echo HTTP/1.1\r\nHost: x\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n0x1\r\na\r\n0\r\n\r\n",
+            400,
+        ),
+        (b"GET /echo HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+        (b"GET /echo HTTP/1.1\r\nHost: x\r\n" + b"X: 1\r\n" * 12_000 + b"\r\n", 431),
     ],
 )
 def test_a_request_that_is_not_http_is_answered_by_error_response_and_closed(
@@ -455,7 +485,7 @@ def test_a_stream_returned_unended_cuts_the_connection(tmp_path: Path) -> None:
         app = Application()
         app.router.add_get("/", partial)
         async with served(tmp_path, app), raw(tmp_path) as (reader, writer):
-            writer.write(b"GET / HTTP/1.1\r\n\r\n" + GET)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + GET)
             head = await reader.readuntil(b"\r\n\r\n")
             return head, await reader.read()
 
@@ -476,7 +506,10 @@ def test_an_answer_sent_early_is_not_sent_again(tmp_path: Path) -> None:
         app = Application()
         app.router.add_get("/", early)
         async with served(tmp_path, app), raw(tmp_path) as (reader, writer):
-            writer.write(b"GET / HTTP/1.1\r\n\r\nGET / HTTP/1.1\r\nConnection: close\r\n\r\n")
+            writer.write(
+                b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+                b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            )
             return await answer(reader), await answer(reader)
 
     first, second = run(main)
@@ -499,7 +532,9 @@ def test_an_unhandled_exception_is_logged_and_answered_500(
         app.router.add_get("/boom", boom)
         app.router.add_get("/header", bad_header)
         async with served(tmp_path, app), raw(tmp_path) as (reader, writer):
-            writer.write(b"GET /boom HTTP/1.1\r\n\r\nGET /header HTTP/1.1\r\n\r\n")
+            writer.write(
+                b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\nGET /header HTTP/1.1\r\nHost: x\r\n\r\n"
+            )
             return [await answer(reader), await answer(reader)]
 
     with caplog.at_level(logging.ERROR, logger="slicebox.web.server"):
@@ -527,7 +562,7 @@ def test_close_waits_for_an_answer_in_progress_then_cleans_up(tmp_path: Path) ->
         app.on_cleanup.append(clean_up)
         serving = await serve_path(app, str(tmp_path / "web.sock"))
         async with raw(tmp_path) as (reader, writer):
-            writer.write(b"GET / HTTP/1.1\r\n\r\n")
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             await asyncio.sleep(0.05)
             closing = asyncio.create_task(serving.close())
             await asyncio.sleep(0.1)
@@ -561,7 +596,7 @@ def test_close_closes_idle_connections_at_once_and_cuts_stuck_handlers(tmp_path:
         async with raw(tmp_path) as (idle, idle_writer), raw(tmp_path) as (_, busy_writer):
             idle_writer.write(GET)
             await answer(idle)
-            busy_writer.write(b"GET /stuck HTTP/1.1\r\n\r\n")
+            busy_writer.write(b"GET /stuck HTTP/1.1\r\nHost: x\r\n\r\n")
             await asyncio.sleep(0.05)
             started = asyncio.get_running_loop().time()
             closing = asyncio.create_task(serving.close(timeout=0.5))

@@ -185,6 +185,11 @@ class SandboxBackend(ExecApi, Protocol):
     def availability(self) -> Availability:
         """Can this backend run sandboxes now (never raises)."""
 
+    def release(self, backend_id: str, line: bytes) -> None:
+        """Write ``line`` to the running sandbox's waiter (``core.launch``) and close its
+        stdin, reading none of its output (its logs keep it): a sandbox whose own command
+        waits there until its mounts were verified (``core.sandboxes``)."""
+
     def prepare(self, image: str) -> None:
         """Make ``image`` usable (present, or pulled); ImageUnavailable when it cannot be."""
 

@@ -579,6 +579,9 @@ class DaytonaBackend:
     async def launch_async(self, backend_id: str, stdin: bytes) -> AsyncExecAttachment:
         raise InvalidRequest("a daytona sandbox has no waiter to launch into", code=UNSUPPORTED)
 
+    def release(self, backend_id: str, line: bytes) -> None:
+        raise InvalidRequest("a daytona sandbox has no waiter to release", code=UNSUPPORTED)
+
     def _running(self, backend_id: str, sandbox: Any | None) -> Any:
         if sandbox is None:
             raise SandboxNotFound(f"no daytona sandbox {backend_id}")

@@ -29,7 +29,7 @@ import json
 import logging
 import threading
 from collections.abc import Mapping
-from ipaddress import IPv4Address, IPv4Network
+from ipaddress import IPv4Address, IPv4Network, ip_network
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
@@ -52,6 +52,7 @@ from slicebox.backends.dockerstream import (
     attach,
     attach_async,
     attach_request,
+    release,
 )
 from slicebox.backends.engines import FoundEngine, discover
 from slicebox.model.errors import (
@@ -83,6 +84,9 @@ HEAVY_CALLS = 4
 # idle where eight callers of Docker's own API kept them busy.
 REMOVALS = 8
 START_FAILED_CODE = "container_start_failed"
+# What ``"network": "bridge"`` joins: one network of slicebox's with inter-container traffic
+# off, so no sandbox reaches another (alice's not bob's); its bridge device's name.
+BRIDGE_NETWORK, BRIDGE = "slicebox-bridge", "sbx-bridge"
 
 
 class Setting(NamedTuple):
@@ -99,12 +103,13 @@ def host_settings(request: SandboxRequest) -> list[Setting]:
     limits, caps = request.limits, request.cap_add
     mounts = [_mount(m) for m in request.mounts]
     tmpfs = _workspace(request)
+    network = docker_network(request.network)
     return [
         Setting("CapDrop", ["ALL"], "--cap-drop", ("ALL",)),
         Setting("CapAdd", list(caps), "--cap-add", caps),
         Setting("SecurityOpt", [NO_NEW_PRIVILEGES], "--security-opt", (NO_NEW_PRIVILEGES,)),
         Setting("Privileged", False, "--privileged", ()),
-        Setting("NetworkMode", request.network, "--network", (request.network,)),
+        Setting("NetworkMode", network, "--network", (network,)),
         *_egress_settings(request),
         Setting("Init", True, "--init"),
         Setting("PidsLimit", limits.pids, "--pids-limit", (str(limits.pids),)),
@@ -116,6 +121,12 @@ def host_settings(request: SandboxRequest) -> list[Setting]:
         Setting("Mounts", [api for api, _ in mounts], "--mount", tuple(cli for _, cli in mounts)),
         Setting("Tmpfs", tmpfs, "--tmpfs", tuple(f"{k}:{v}" for k, v in tmpfs.items())),
     ]
+
+
+def docker_network(network: str) -> str:
+    """The Docker network a sandbox's network mode joins: ``bridge`` is slicebox's own, whose
+    containers cannot reach each other (docker0 lets every user's sandboxes talk)."""
+    return BRIDGE_NETWORK if network == "bridge" else network
 
 
 def _egress_settings(request: SandboxRequest) -> list[Setting]:
@@ -292,6 +303,8 @@ class DockerBackend:
             raise _unpullable(image, "the pull did not produce it")
 
     def create(self, request: SandboxRequest) -> SandboxInfo:
+        if request.network == "bridge":
+            self._ensure_isolated(BRIDGE_NETWORK, {"com.docker.network.bridge.name": BRIDGE})
         with self._heavy:
             created = self._create(request)
             container_id = str(created["Id"])
@@ -360,27 +373,48 @@ class DockerBackend:
     ) -> None:
         """slicebox's bridge network for egress sandboxes (core.egress), made if missing.
         Containers on it cannot talk to each other (ICC off) whatever the rules say."""
+        ipam: dict[str, object] = {"Config": [{"Subnet": str(subnet), "Gateway": str(gateway)}]}
+        self._ensure_isolated(name, {"com.docker.network.bridge.name": bridge}, ipam)
+
+    def _ensure_isolated(
+        self, name: str, options: dict[str, str], ipam: dict[str, object] | None = None
+    ) -> None:
+        """A bridge network of slicebox's with inter-container traffic off, made if missing."""
         query = {"filters": json.dumps({"name": [name]})}
         found = self._engine.call("GET", "/networks", "the networks", query=query)
         if any(entry.get("Name") == name for entry in found or []):
             return
-        body = {
+        body: dict[str, object] = {
             "Name": name,
             "Driver": "bridge",
             "CheckDuplicate": True,
-            "IPAM": {"Config": [{"Subnet": str(subnet), "Gateway": str(gateway)}]},
-            "Options": {
-                "com.docker.network.bridge.name": bridge,
-                "com.docker.network.bridge.enable_icc": "false",
-            },
+            "Options": {**options, "com.docker.network.bridge.enable_icc": "false"},
             "Labels": {MANAGED: "true"},
         }
+        if ipam is not None:
+            body["IPAM"] = ipam
         try:
             self._engine.call("POST", "/networks/create", f"network {name}", body=body)
         except SliceboxError as exc:
             if "already exists" not in exc.message:
                 raise
-        log.info("made the egress network %s (%s, bridge %s)", name, subnet, bridge)
+        log.info("made the network %s (%s, inter-container traffic off)", name, options)
+
+    def bridge_subnets(self) -> tuple[IPv4Network, ...]:
+        """The IPv4 subnets of Docker's bridge networks: no egress entry or answer reaches
+        them (core.egress)."""
+        query = {"filters": json.dumps({"driver": ["bridge"]})}
+        found = self._engine.call("GET", "/networks", "the networks", query=query)
+        subnets: list[IPv4Network] = []
+        for entry in found or []:
+            for config in (entry.get("IPAM") or {}).get("Config") or []:
+                try:
+                    subnet = ip_network(str(config.get("Subnet", "")))
+                except ValueError:
+                    continue
+                if isinstance(subnet, IPv4Network):
+                    subnets.append(subnet)
+        return tuple(subnets)
 
     # --- volumes ----------------------------------------------------------------------------
 
@@ -448,6 +482,13 @@ class DockerBackend:
             return await attach_async(self._endpoint, version, exec_id, stdin)
         except StartRefused as exc:
             raise map_status(exc.status, exc.text, f"of exec {exec_id}") from exc
+
+    def release(self, backend_id: str, line: bytes) -> None:
+        version = self._engine.version
+        try:
+            release(self._endpoint.connect(), version, _part(backend_id), line)
+        except StartRefused as exc:
+            raise map_status(exc.status, exc.text, backend_id) from exc
 
     async def launch_async(self, backend_id: str, stdin: bytes) -> AsyncRawExecAttachment:
         version = await self._api_version()

@@ -487,6 +487,27 @@ def attach(sock: socket.socket, api_version: str, exec_id: str, stdin: bytes) ->
     return RawExecAttachment(sock, rest, stdin)
 
 
+def release(sock: socket.socket, api_version: str, container_id: str, line: bytes) -> None:
+    """Attach to ``container_id``'s stdin only on ``sock`` (a fresh connection, which this
+    closes), write ``line`` and hang up: with ``StdinOnce`` Docker then closes the process's
+    stdin once it read what was written."""
+    query = "stream=1&stdin=1"
+    request = (
+        f"POST /v{api_version}/containers/{container_id}/attach?{query} HTTP/1.1\r\n"
+        "Host: docker\r\nContent-Length: 0\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n\r\n"
+    ).encode()
+    with sock:
+        sock.settimeout(START_TIMEOUT)
+        try:
+            sock.sendall(request)
+            status, head, rest = _read_head(sock)
+            _check_started(status, head, rest)
+            sock.sendall(line)
+            sock.shutdown(socket.SHUT_WR)  # the end of stdin: Docker reads up to it
+        except TimeoutError as exc:
+            raise _not_started(container_id) from exc
+
+
 async def attach_async(
     endpoint: DockerEndpoint,
     api_version: str,

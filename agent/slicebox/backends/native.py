@@ -792,6 +792,9 @@ class NativeBackend:
     async def launch_async(self, backend_id: str, stdin: bytes) -> AsyncExecAttachment:
         raise InvalidRequest("a native sandbox has no waiter to launch into", code=UNSUPPORTED)
 
+    def release(self, backend_id: str, line: bytes) -> None:
+        raise InvalidRequest("a native sandbox has no waiter to release", code=UNSUPPORTED)
+
     async def _off_loop(self, call: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, call, *args)
 

@@ -303,3 +303,6 @@ class Backends:
 
     async def launch_async(self, backend_id: str, stdin: bytes) -> AsyncExecAttachment:
         return await self._of(backend_id).launch_async(backend_id, stdin)
+
+    def release(self, backend_id: str, line: bytes) -> None:
+        self._of(backend_id).release(backend_id, line)

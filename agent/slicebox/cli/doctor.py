@@ -9,13 +9,12 @@ nor a failure of the host.
 
 from __future__ import annotations
 
-import itertools
 import os
-import stat
+import pwd
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from pydantic import ConfigDict, RootModel, computed_field
@@ -28,6 +27,7 @@ from slicebox.model.paths import AGENT_SOCKET, CGROUP_MOUNT, CONFIG_PATH
 if TYPE_CHECKING:
     from slicebox.backends.base import Availability
     from slicebox.backends.engines import FoundEngine
+    from slicebox.host.beneath import BindRoot
 
 REQUIRED_CONTROLLERS = ("cpu", "memory", "pids", "io")
 
@@ -246,15 +246,17 @@ def check_daytona(host: Host) -> Check:
 
 BIND_ROOTS_FIX = (
     "make each bind root and every directory above it owned by root and writable by nobody "
-    "else (chown root: DIR; chmod go-w DIR); below a root with {user}, each user's own "
-    "directory may be theirs"
+    "else (chown root: DIR; chmod go-w DIR), with no symlink on the way; below a root with "
+    "{user}, each user's own directory must be theirs and nothing on the way a symlink"
 )
 
 
 def check_bind_roots(host: Host) -> Check:
-    """Whether nobody but root can plant a symlink on the way to a bind root: the agent
-    follows the root's own path (the operator's), and only what lies below it is walked
-    without following anything (host.beneath)."""
+    """Whether nobody but root can redirect a bind root: the agent walks each root from ``/``
+    following nothing, and refuses a root with a symlink on its path, a directory above the
+    user's own one that is not root's or is writable by others, or a user's own directory that
+    is not theirs (host.beneath.open_root); this checks the same, for every user's directory
+    already there."""
     from slicebox.model.config import load_config  # only here: every other command skips it
 
     try:
@@ -274,25 +276,53 @@ def check_bind_roots(host: Host) -> Check:
 
 
 def unsafe_root(root: str, host: Host) -> str | None:
-    """What makes ``root`` unsafe: a directory on the way to it (up to the part before
-    ``{user}``) owned by someone else, writable by group or others, or missing."""
-    parts = Path(root).parts
-    fixed = list(itertools.takewhile(lambda p: "{user}" not in p, parts))
-    static = Path(*fixed) if fixed else Path("/")
-    real = Path(os.path.realpath(static))
-    if not real.is_relative_to(host.top):
-        return f"{root}: {real} is outside {host.top}"
-    chain = [real, *real.parents]
-    for directory in reversed([d for d in chain if d.is_relative_to(host.top)]):
+    """What makes ``root`` unsafe (host.beneath.open_root, as the agent walks it): a symlink on
+    its path, a directory above ``{user}`` owned by someone else or writable by its group or
+    others (unless sticky), a missing one, or a user's own directory there that is not theirs
+    or has a symlink below it on the way to the root."""
+    from slicebox.host.beneath import BindRoot, root_problem
+
+    template = PurePosixPath(root)
+    at = next((i for i, part in enumerate(template.parts) if "{user}" in part), None)
+    fixed = PurePosixPath(*template.parts[:at]) if at is not None else template
+    static = BindRoot(path=fixed, top=str(host.top), trusted=host.owner)
+    if found := root_problem(static):
+        return f"{root}: {found[0]}"
+    if at is None:
+        return None
+    problems = [
+        f"{root}: {why}"
+        for name, uid in _users_at(Path(fixed), template.parts[at])
+        if (found := root_problem(_users_root(template, at, name, uid, host)))
+        for why, missing in [found]
+        if not missing
+    ]
+    return "; ".join(problems) or None
+
+
+def _users_root(template: PurePosixPath, at: int, name: str, uid: int, host: Host) -> BindRoot:
+    from slicebox.host.beneath import BindRoot
+
+    path = PurePosixPath(*(part.replace("{user}", name) for part in template.parts))
+    return BindRoot(path=path, user_part=at, uid=uid, top=str(host.top), trusted=host.owner)
+
+
+def _users_at(directory: Path, pattern: str) -> Iterator[tuple[str, int]]:
+    """The users whose own directory ``pattern`` (``{user}`` in it) names in ``directory``: its
+    entries that match, for every name the user database knows."""
+    head, _, tail = pattern.partition("{user}")
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return
+    for entry in names:
+        if not (entry.startswith(head) and entry.endswith(tail)) or len(entry) <= len(head + tail):
+            continue
+        name = entry[len(head) : len(entry) - len(tail)]
         try:
-            found = directory.stat()
-        except OSError as exc:
-            return f"{root}: {directory} cannot be read ({exc.strerror})"
-        if found.st_uid != host.owner:
-            return f"{root}: {directory} is owned by uid {found.st_uid}"
-        if found.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return f"{root}: {directory} is writable by its group or others"
-    return None
+            yield name, pwd.getpwnam(name).pw_uid
+        except KeyError:
+            continue
 
 
 CHECKS: tuple[Callable[[Host], Check], ...] = (

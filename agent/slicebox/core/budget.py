@@ -20,18 +20,21 @@ high-water mark: what waits there are copies of chunks already kept, at most as 
 is kept, and little of it is left when the result is encoded: the final line is the peak. One
 read buffer per exec (64 KiB) is not counted.
 
+Each user (a caller's uid; root and ``slicebox-admin`` excepted) holds at most its share of the
+budget, ``[shares] user_share`` of it (:mod:`slicebox.core.shares`), checked before the budget:
+a user over its share is refused with ``output_share_full`` (429), whoever else holds what.
 Over budget an exec is refused at once with ``busy`` (503), never queued: a queued exec would
-hold its caller's connection for as long as others run. An exec that could not fit
-even in an idle agent is refused with ``output_cap_over_budget`` (400): retrying cannot help.
+hold its caller's connection for as long as others run. Both answer ``Retry-After``. An exec
+that could not fit even in an idle agent (for a user: in its idle share) is refused with
+``output_cap_over_budget`` (400): retrying cannot help.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from types import TracebackType
 
-from slicebox.model.errors import InvalidRequest, Unavailable
+from slicebox.core.shares import Bounds, Full, Holder, Reservation, Standing, Tally
+from slicebox.model.errors import Busy, InvalidRequest, ShareFull
 from slicebox.model.limits import human_bytes
 
 STREAMS = 2  # stdout and stderr, each kept up to the cap
@@ -43,84 +46,78 @@ def exec_reservation(output_cap: int) -> int:
     return STREAMS * output_cap * HELD_PER_KEPT_BYTE
 
 
-class Reservation:
-    """Bytes taken from a budget until :meth:`release` (or the end of a ``with`` block)."""
-
-    def __init__(self, budget: OutputBudget, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self._budget: OutputBudget | None = budget
-
-    def release(self) -> None:
-        """Give the bytes back; releasing twice gives them back once."""
-        budget, self._budget = self._budget, None
-        if budget is not None:
-            budget._give_back(self.nbytes)
-
-    def __enter__(self) -> Reservation:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
-
-
 class OutputBudget:
     """The agent's exec output budget; thread-safe: reservations are taken on worker threads
     and given back on the event loop.
 
-    ``limit`` is read at each reservation, so a reload that changes it takes effect for the
-    next exec; execs already running keep what they reserved.
+    ``limit`` and ``share`` (one user's fraction of it; 1: no share) are read at each
+    reservation, so a reload that changes them takes effect for the next exec; execs already
+    running keep what they reserved.
     """
 
-    def __init__(self, limit: Callable[[], int]) -> None:
+    def __init__(self, limit: Callable[[], int], share: Callable[[], float] = lambda: 1.0) -> None:
         self._limit = limit
-        self._lock = threading.Lock()
-        self._in_use = 0
-        self._holders = 0
+        self._share = share
+        self._tally = Tally()
 
     @classmethod
-    def fixed(cls, nbytes: int) -> OutputBudget:
-        return cls(lambda: nbytes)
+    def fixed(cls, nbytes: int, share: float = 1.0) -> OutputBudget:
+        return cls(lambda: nbytes, lambda: share)
 
     @property
     def in_use(self) -> int:
-        with self._lock:
-            return self._in_use
+        return self._tally.in_use
 
-    def reserve(self, output_cap: int) -> Reservation:
-        """Take what an exec with ``output_cap`` may hold, or refuse it now (busy)."""
-        nbytes, limit = exec_reservation(output_cap), self._limit()
-        if nbytes > limit:
-            raise _never_fits(output_cap, nbytes, limit)
-        with self._lock:
-            if self._in_use + nbytes > limit:
-                raise _busy(nbytes, self._in_use, self._holders, limit)
-            self._in_use += nbytes
-            self._holders += 1
-        return Reservation(self, nbytes)
+    def held_by(self, holder: int) -> int:
+        """What the execs of ``holder`` (a uid) hold now."""
+        return self._tally.held_by(holder)
 
-    def _give_back(self, nbytes: int) -> None:
-        with self._lock:
-            self._in_use -= nbytes
-            self._holders -= 1
+    def reserve(self, output_cap: int, holder: Holder = None) -> Reservation:
+        """Take what an exec with ``output_cap`` may hold for ``holder`` (a uid; None: the
+        budget alone binds), or refuse it now: its share full, or the budget (busy)."""
+        limit = self._limit()
+        bounds = Bounds(total=limit, each=int(limit * self._share()))
+        nbytes, most = exec_reservation(output_cap), limit
+        if holder is not None and bounds.each < limit:
+            most = bounds.each
+        if nbytes > most:
+            raise _never_fits(output_cap, nbytes, most, limit)
+        try:
+            return self._tally.take(holder, nbytes, bounds)
+        except Full as full:
+            raise _refusal(full.standing, holder, nbytes) from None
 
 
-def _busy(nbytes: int, in_use: int, holders: int, limit: int) -> Unavailable:
-    return Unavailable(
-        f"the agent is busy: execs in flight ({holders}) hold {human_bytes(in_use)} of its "
-        f"{human_bytes(limit)} exec output budget and this exec needs {human_bytes(nbytes)}; "
-        "retry later, or ask for a smaller output_cap",
-        code="busy",
+def _refusal(standing: Standing, holder: Holder, nbytes: int) -> ShareFull | Busy:
+    limit = standing.bounds.total
+    if standing.share:
+        return ShareFull(
+            f"your execs in flight ({standing.my_holds}) hold {human_bytes(standing.mine)} of "
+            f"your {human_bytes(standing.bounds.each)} share (uid {holder}) of "
+            f"the agent's {human_bytes(limit)} exec output budget and this exec needs "
+            f"{human_bytes(nbytes)}; wait for one of them to end, ask for a smaller "
+            "output_cap, or retry after a second",
+            code="output_share_full",
+        )
+    return Busy(
+        f"the agent is busy: execs in flight ({standing.holds}) hold "
+        f"{human_bytes(standing.held)} of its {human_bytes(limit)} exec output budget and this "
+        f"exec needs {human_bytes(nbytes)}; retry later, or ask for a smaller output_cap"
     )
 
 
-def _never_fits(output_cap: int, nbytes: int, limit: int) -> InvalidRequest:
-    largest = limit // (STREAMS * HELD_PER_KEPT_BYTE)
+def _never_fits(output_cap: int, nbytes: int, most: int, limit: int) -> InvalidRequest:
+    largest = most // (STREAMS * HELD_PER_KEPT_BYTE)
+    whole = (
+        f"the agent's whole exec output budget ({human_bytes(limit)})"
+        if most == limit
+        else f"one user's share ({human_bytes(most)}) of the agent's {human_bytes(limit)} exec "
+        "output budget"
+    )
     return InvalidRequest(
         f"output_cap {human_bytes(output_cap)} needs {human_bytes(nbytes)} of memory "
-        f"(two streams, kept and encoded), more than the agent's whole exec output budget "
-        f"({human_bytes(limit)}); ask for output_cap at most {largest} bytes",
+        f"(two streams, kept and encoded), more than {whole}; ask for output_cap at most "
+        f"{largest} bytes",
         code="output_cap_over_budget",
         field="output_cap",
     )

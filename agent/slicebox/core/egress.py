@@ -20,13 +20,15 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network
 from typing import NamedTuple, Protocol
 
+from slicebox.core.dnsbounds import TCP_MAX, TCP_PER_SANDBOX, Bucket, DeniedTally, SandboxDns
+from slicebox.core.policy import check_reachable
 from slicebox.core.recent import Recent
+from slicebox.host.addresses import host_addresses
 from slicebox.host.dnswire import (
     IN,
     NXDOMAIN,
@@ -59,6 +61,7 @@ MAX_TTL = 86400
 TTL_GRACE = 30  # past the answer's TTL: a client may connect just as its cache expires
 DENIED_NAMES_KEPT = 20  # distinct denied names a summary lists
 RELEASED_KEPT = 1024
+RESERVED_FOR = 10.0  # seconds the host's addresses and Docker's subnets are taken as known
 
 
 class Networks(Protocol):
@@ -67,6 +70,8 @@ class Networks(Protocol):
     def ensure_network(
         self, name: str, subnet: IPv4Network, gateway: IPv4Address, bridge: str
     ) -> None: ...
+
+    def bridge_subnets(self) -> tuple[IPv4Network, ...]: ...
 
 
 class Upstream(Protocol):
@@ -113,8 +118,11 @@ class EgressGuard:
         audit: Callable[[AuditRecord], None],
         *,
         clock: Callable[[], float] = time.monotonic,
+        addresses: Callable[[], tuple[IPv4Network, ...]] = host_addresses,
     ) -> None:
         self._clock = clock
+        self._addresses = addresses
+        self._found: tuple[float, tuple[IPv4Network, ...]] | None = None
         # Released lately: a listing taken before a release must not bring one back.
         self._released: Recent[str, None] = Recent(RELEASED_KEPT)
         self._config = config
@@ -126,9 +134,9 @@ class EgressGuard:
         self._lock = threading.Lock()
         self._by_address: dict[IPv4Address, Guarded] = {}
         self._by_id: dict[str, Guarded] = {}
-        self._denied: dict[str, Counter[str]] = {}
-        # Per sandbox: (address, ports) -> when its set element times out (monotonic).
-        self._opened: dict[str, dict[tuple[IPv4Address, tuple[int, ...]], float]] = {}
+        # Per sandbox, bounded (core.dnsbounds): its query rate, names denied, answers opened.
+        self._dns: dict[str, SandboxDns] = {}
+        self._tcp: dict[IPv4Address, int] = {}  # resolver TCP connections open, per source
 
     @property
     def config(self) -> EgressConfig:
@@ -150,8 +158,9 @@ class EgressGuard:
 
     def place(self, sandbox_id: str, user: str, project: str, allow: tuple[str, ...]) -> Placement:
         """Its address and rules, before its container exists; ``release`` undoes it."""
-        firewall = self.firewall()
         entries = parse_entries(allow)
+        check_reachable(entries, self._config, *self.found())
+        firewall = self.firewall()
         with self._lock:
             address = sandbox_address(self._config.subnet, sandbox_id, set(self._by_address))
             guarded = Guarded(sandbox_id, user, project, address, entries, self._clock())
@@ -166,10 +175,10 @@ class EgressGuard:
 
     def release(self, sandbox_id: str) -> None:
         """Its rules and resolver state go; what it was denied is audited once."""
+        state = self._dns.get(sandbox_id)
+        denied = state.denied if state is not None else DeniedTally()
         guarded = self._unregister(sandbox_id)
         self._released.put(sandbox_id, None)
-        denied = self._denied.pop(sandbox_id, Counter())
-        self._opened.pop(sandbox_id, None)
         firewall = self._firewall
         counts = firewall.counts(sandbox_id) if firewall else None
         if firewall is not None:
@@ -188,12 +197,15 @@ class EgressGuard:
         counts = firewall.counts(sandbox_id) if firewall and sandbox_id in self._by_id else None
         if counts is None:
             return None
+        state = self._dns.get(sandbox_id)
         return EgressCounters(
             allowed_packets=counts.allowed_packets,
             allowed_bytes=counts.allowed_bytes,
             denied_packets=counts.denied_packets,
             denied_bytes=counts.denied_bytes,
-            denied_names=sum(self._denied.get(sandbox_id, Counter()).values()),
+            denied_names=state.denied.total if state else 0,
+            dropped_queries=state.dropped if state else 0,
+            refused_connections=state.refused if state else 0,
         )
 
     def sync(self, found: Iterable[Labelled], observed_at: float, busy: frozenset[str]) -> None:
@@ -243,14 +255,68 @@ class EgressGuard:
 
     # --- the resolver -------------------------------------------------------------------
 
+    def found(self) -> tuple[IPv4Network, ...]:
+        """The host's own addresses and Docker's bridge subnets, read again every
+        ``RESERVED_FOR`` seconds: no entry or answer may reach them."""
+        now = self._clock()
+        if self._found is None or now - self._found[0] > RESERVED_FOR:
+            subnets = self._networks.bridge_subnets()
+            self._found = (now, (*self._addresses(), *subnets))
+        return self._found[1]
+
+    async def _reserved(self) -> tuple[IPv4Network, ...]:
+        """What no answer may point at; read again off the loop when it is due."""
+        known = self._found
+        if known is not None and self._clock() - known[0] <= RESERVED_FOR:
+            return self._config.reserved(*known[1])
+        try:
+            found = await asyncio.to_thread(self.found)
+        except SliceboxError as exc:  # Docker not answering: its subnets as last known
+            log.info("resolver: Docker's subnets unknown: %s", exc.message)
+            found = known[1] if known else self._addresses()
+        return self._config.reserved(*found)
+
+    def connected(self, source: str) -> bool:
+        """Whether a resolver TCP connection from ``source`` may stay: at most
+        ``TCP_PER_SANDBOX`` from one address and ``TCP_MAX`` in all; the refused is counted."""
+        address = _address(source)
+        if address is None:
+            return False
+        if self._tcp.get(address, 0) >= TCP_PER_SANDBOX or sum(self._tcp.values()) >= TCP_MAX:
+            guarded = self._by_address.get(address)
+            state = self._dns.get(guarded.sandbox_id) if guarded else None
+            if state is not None:
+                state.refused += 1
+            return False
+        self._tcp[address] = self._tcp.get(address, 0) + 1
+        return True
+
+    def disconnected(self, source: str) -> None:
+        address = _address(source)
+        if address is not None and address in self._tcp:
+            self._tcp[address] -= 1
+            if not self._tcp[address]:
+                del self._tcp[address]
+
+    def admitted(self, source: str) -> bool:
+        """Whether a query from ``source`` is within its sandbox's rate; one past it is
+        dropped unanswered (the client retries, as for a lost datagram) and counted."""
+        address = _address(source)
+        guarded = self._by_address.get(address) if address else None
+        state = self._dns.get(guarded.sandbox_id) if guarded else None
+        if state is None or state.bucket.take():
+            return True
+        state.dropped += 1
+        return False
+
     async def answer(self, data: bytes, source: str, tcp: bool = False) -> bytes | None:
         """The reply to one query from ``source``; None for what is no DNS query at all."""
+        address = _address(source)
+        guarded = self._by_address.get(address) if address else None
         try:
             query = parse_query(data)
         except DnsFormatError:
             return None
-        address = _address(source)
-        guarded = self._by_address.get(address) if address else None
         if guarded is None:
             return reply(query, REFUSED)
         name = query.question.name
@@ -271,8 +337,8 @@ class EgressGuard:
         to the sandbox."""
         raw = await self._upstream.ask(query.raw, tcp=tcp)
         answer = parse_response(raw, query)
-        internal = self._config.internal_networks
-        if any(rebinding(a, guarded.entries, internal) for a, _ in answer.addresses):
+        internal, reserved = self._config.internal_networks, await self._reserved()
+        if any(rebinding(a, guarded.entries, internal, reserved) for a, _ in answer.addresses):
             self._deny(guarded, query.question.name)
             log.info("resolver: a private answer for %s refused", guarded.sandbox_id)
             return reply(query, REFUSED)
@@ -286,7 +352,8 @@ class EgressGuard:
             if stale:
                 await asyncio.to_thread(self._allow, guarded.sandbox_id, stale, ports, ttl)
         except SliceboxError:  # not opened: none may be taken for open
-            self._opened.pop(guarded.sandbox_id, None)
+            if (state := self._dns.get(guarded.sandbox_id)) is not None:
+                state.opened.clear()
             raise
         return raw
 
@@ -297,10 +364,13 @@ class EgressGuard:
         half of its elements' timeout costs no nftables call (libnftables reads the table's
         sets for each, and a busy sandbox looks the same name up again and again)."""
         now = self._clock()
-        opened = self._opened.setdefault(sandbox_id, {})
-        stale = [a for a in addresses if opened.get((a, tuple(ports)), 0.0) < now + ttl / 2]
+        state = self._dns.get(sandbox_id)
+        if state is None:  # released meanwhile: its rules are gone, nothing to open
+            return []
+        opened = state.opened
+        stale = [a for a in addresses if opened.get((a, tuple(ports))) < now + ttl / 2]
         for address in stale:
-            opened[(address, tuple(ports))] = now + ttl
+            opened.put((address, tuple(ports)), now + ttl, now)
         return stale
 
     def _allow(
@@ -310,18 +380,22 @@ class EgressGuard:
             self._firewall.allow_resolved(sandbox_id, addresses, ports, ttl)
 
     def _deny(self, guarded: Guarded, name: str) -> None:
-        self._denied.setdefault(guarded.sandbox_id, Counter())[name] += 1
+        if (state := self._dns.get(guarded.sandbox_id)) is not None:
+            state.denied.add(name)
 
     def denied(self, sandbox_id: str) -> dict[str, int]:
-        return dict(self._denied.get(sandbox_id, Counter()))
+        state = self._dns.get(sandbox_id)
+        return dict(state.denied.most_common()) if state else {}
 
     def _register(self, guarded: Guarded) -> None:
         self._by_address[guarded.address] = guarded
         self._by_id[guarded.sandbox_id] = guarded
+        self._dns.setdefault(guarded.sandbox_id, SandboxDns(Bucket(self._clock)))
 
     def _unregister(self, sandbox_id: str) -> Guarded | None:
         with self._lock:
             guarded = self._by_id.pop(sandbox_id, None)
+            self._dns.pop(sandbox_id, None)
             if guarded is not None:
                 self._by_address.pop(guarded.address, None)
             return guarded
@@ -349,8 +423,10 @@ def _address(source: str) -> IPv4Address | None:
         return None
 
 
-def _summary(guarded: Guarded, denied: Counter[str], counts: Counts | None) -> AuditRecord:
+def _summary(guarded: Guarded, denied: DeniedTally, counts: Counts | None) -> AuditRecord:
     names = ", ".join(f"{name} ({n})" for name, n in denied.most_common(DENIED_NAMES_KEPT))
+    if denied.total:
+        names = f"{denied.total} in all; {names}"
     packets = (
         ""
         if counts is None

@@ -18,6 +18,10 @@ The cap (``files_max_bytes``) counts the upload's body or the download's stream;
 transfer stops, the exec's processes are killed and the answer is ``file_too_large`` (a
 download whose head was sent already is cut off instead: its caller sees a short stream).
 
+Transfers in flight are bound for all callers and per user (``[shares] transfers_in_flight``,
+:mod:`slicebox.core.shares`): over either, a transfer is refused before it starts
+(``transfer_share_full`` 429, ``transfers_busy`` 503).
+
 Each transfer is audited once (``file_transfer``: direction, format, path, bytes, duration and
 how it ended; never contents), a refused one as ``request_refused``, like an exec.
 """
@@ -36,6 +40,7 @@ from slicebox.core.blocking import Blocking, settle
 from slicebox.core.execaudit import DETAIL_MAX, refused, subject
 from slicebox.core.execution import ExecEngine, OutputCapture, result_of
 from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.shares import TRANSFERS, Slots
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
 from slicebox.model.audit import AuditEvent, AuditRecord
@@ -250,6 +255,8 @@ class Files:
         self._auditor = auditor
         self._sandboxes = sandboxes
         self._visible = visible
+        # Transfers in flight, bound for all and per user (core/shares.py).
+        self.slots = Slots(TRANSFERS, lambda: sandboxes.config.shares)
 
     def cap(self) -> int:
         """``files_max_bytes`` as the config in force (reloads included) says."""
@@ -336,12 +343,15 @@ class Files:
         query: FilesQuery,
         blocking: Blocking,
     ) -> AsyncIterator[tuple[TransferTally, Sandbox]]:
-        """The sandbox, looked up and marked busy for the block; the one audit record after."""
+        """The sandbox, looked up and marked busy for the block, which holds one of the
+        transfers in flight (the caller's share first); the one audit record after."""
         tally = TransferTally(sandbox_id, direction, query)
         try:
-            sandbox = tally.found(await blocking(functools.partial(self._visible, who, sandbox_id)))
-            with self._sandboxes.operation(sandbox.id):
-                yield tally, sandbox
+            with self.slots.take(who):
+                found = await blocking(functools.partial(self._visible, who, sandbox_id))
+                sandbox = tally.found(found)
+                with self._sandboxes.operation(sandbox.id):
+                    yield tally, sandbox
         except BaseException as exc:
             if (record := tally.ending(who, exc)) is not None:
                 await settle(blocking, functools.partial(self._auditor.record, record))

@@ -77,6 +77,13 @@ def launch_line(request: ExecRequest, nonce: str) -> bytes:
     return script.replace("\\", "\\\\").replace("\n", "\\n").encode() + b"\n"
 
 
+def exec_line(argv: tuple[str, ...]) -> bytes:
+    """The line that makes the waiter become ``argv`` (a sandbox's own command, released
+    once its mounts were verified: ``core.sandboxes``)."""
+    script = "exec " + " ".join(shlex.quote(word) for word in argv)
+    return script.replace("\\", "\\\\").replace("\n", "\\n").encode() + b"\n"
+
+
 class _Cut:
     """One stream up to its marker: what may be released, holding back a tail that could be
     the marker's beginning; then the exit code the marker carries (`` <code>\\n``)."""

@@ -4,13 +4,14 @@ Pure functions of (request, config, host memory) that raise before anything is c
 refusal has its own stable code so a caller can tell them apart:
 
     policy_privileged, policy_host_namespace, policy_network, policy_capability, policy_mount,
-    policy_root, mount_escape (the kernel's checks of a bind source: host.beneath),
+    policy_root, policy_run_as, mount_escape (the kernel's checks of a bind source: host.beneath),
     ttl_too_long, invalid_limit, invalid_name, admission_refused
 """
 
 from __future__ import annotations
 
 import re
+from ipaddress import IPv4Network
 from pathlib import PurePosixPath
 
 from pydantic import ConfigDict
@@ -19,7 +20,7 @@ from slicebox.backends.base import WORKSPACE
 from slicebox.host.beneath import escape, outside_roots, root_for
 from slicebox.model.base import Model
 from slicebox.model.config import Config
-from slicebox.model.egress import NetworkSpec
+from slicebox.model.egress import AllowEntry, EgressConfig, NetworkSpec
 from slicebox.model.errors import AdmissionRefused, PolicyViolation
 from slicebox.model.limits import (
     Ceiling,
@@ -165,6 +166,40 @@ def check_root(user: str, spec: SandboxSpec, config: Config) -> None:
 def check_run_as(spec: SandboxSpec, config: Config) -> None:
     if runs_as_root(spec.run_as):
         check_root(spec.user, spec, config)
+    if _group_of(spec.run_as) in {"0", "root"} and spec.user not in config.root_users:
+        raise PolicyViolation(
+            f"sandboxes of {spec.user!r} may not run with gid 0 (group root); leave 'run_as' "
+            "out or name a non-root uid:gid",
+            code="policy_run_as",
+            field="run_as",
+        )
+
+
+def _group_of(run_as: str | None) -> str | None:
+    _, colon, gid = (run_as or "").partition(":")
+    return gid.strip() if colon else None
+
+
+def host_bound(spec: SandboxSpec) -> bool:
+    """Whether the sandbox sees any host directory (a workspace or a mount, read-only too)."""
+    bind = workspace_mount(spec)
+    return any(m.kind is MountKind.BIND for m in (*spec.mounts, *([bind] if bind else [])))
+
+
+def check_host_run_as(spec: SandboxSpec, owner: tuple[int, int]) -> str:
+    """Who a sandbox with a host bind runs as: its owner's uid and primary gid, always. What it
+    writes there (a set-id file among it) is theirs: a ``run_as`` naming another uid or group
+    (docker's, root's, another user's) is refused before anything is made."""
+    uid, gid = owner
+    ids = f"{uid}:{gid}"
+    if spec.run_as is not None and spec.run_as.replace(" ", "") != ids:
+        raise PolicyViolation(
+            f"a sandbox with a host directory runs as its owner, uid:gid {ids}; leave "
+            f"'run_as' out (or give exactly {ids}), or use a volume workspace to choose the uid",
+            code="policy_run_as",
+            field="run_as",
+        )
+    return ids
 
 
 def _check_network(spec: SandboxSpec, config: Config) -> None:
@@ -263,6 +298,7 @@ def _amounts(field: str, asked: float, cap: float) -> tuple[str, str]:
 
 
 def _check_egress(user: str, project: str, network: NetworkSpec, config: Config) -> None:
+    check_reachable(network.egress.entries(), config.egress)
     refused = config.egress.refused(user, project, network.egress.entries())
     if not refused:
         return
@@ -277,3 +313,19 @@ def _check_egress(user: str, project: str, network: NetworkSpec, config: Config)
         f"{project!r}; leave these out, or ask the operator to allow them ([[egress.rule]])",
         code="policy_egress",
     )
+
+
+def check_reachable(
+    entries: tuple[AllowEntry, ...], egress: EgressConfig, *found: IPv4Network
+) -> None:
+    """Refuse entries that reach into the host, its bridges, loopback or link-local space
+    (``found``: the host's own addresses and Docker's bridge subnets, known at run time)."""
+    unreachable = egress.unreachable(entries, *found)
+    if unreachable:
+        raise PolicyViolation(
+            f"egress to {', '.join(unreachable)} is never allowed: it reaches loopback, "
+            "link-local (metadata) or all space, this host or its sandbox networks; name "
+            "public hosts or networks, or ask the operator to list the network in "
+            "[egress] internal_networks",
+            code="policy_egress",
+        )

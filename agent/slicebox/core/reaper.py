@@ -114,6 +114,7 @@ class Reaper:
         self._empty_since = empty_since
         outcomes = [self._carry_out(action) for action in actions]
         self._sync_egress(observed, listed_at)
+        self._sandboxes.sweep_staging()
         if actions:
             log.info("reaper: %d actions, %d ok", len(actions), _count_ok(outcomes))
         return report.model_copy(update={"outcomes": outcomes})

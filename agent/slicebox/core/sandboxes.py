@@ -40,19 +40,21 @@ from slicebox.core.credentials import GIT_ENV, MOUNTED_AT, CredentialStore
 from slicebox.core.deadlines import Deadlines, Timer, latest
 from slicebox.core.egress import EgressGuard, Labelled, Placement
 from slicebox.core.gitclone import clone
-from slicebox.core.launch import LAUNCHER, WAITER_COMMAND
+from slicebox.core.launch import LAUNCHER, WAITER_COMMAND, exec_line
 from slicebox.core.policy import (
     Admitted,
     admit,
     capability_name,
+    check_host_run_as,
     check_root,
     check_ttl,
+    host_bound,
     runs_as_root,
     workspace_mount,
 )
 from slicebox.core.recent import Recent
 from slicebox.core.slices import SliceManager
-from slicebox.host.beneath import BindGuard, KernelBindGuard, Pinned
+from slicebox.host.beneath import BindGuard, BindRoot, KernelBindGuard, Pinned, bind_roots
 from slicebox.host.plugins import read_plugin
 from slicebox.model.base import Model
 from slicebox.model.config import Config
@@ -346,14 +348,18 @@ class SandboxManager:
         spec = self._check_backend(spec, pool_key=pool_key)
         admitted = self.admitted(spec, owner)
         self._check_volume_mounts(admitted.spec)
-        admitted, pinned = self._pin_binds(admitted)
+        admitted, pinned = self._pin_binds(admitted, owner)
         lineage = self._lineage(admitted, one_shot=one_shot, pool_key=pool_key)
         # A native sandbox runs the host's programs: it has no image to look for.
         known = spec.backend in NO_IMAGE or self._image_known(admitted.image)
         plugin = self._plugin(admitted, owner)
         if not known:  # an image that cannot be had is refused before anything exists
             self._backend.prepare(admitted.image)
-        with self._creating(lineage, hold=one_shot or bool(pool_key)):
+        staging = bool(pinned) and spec.backend is Backend.DOCKER
+        with (
+            self._creating(lineage, hold=one_shot or bool(pool_key)),
+            self._staging(lineage.sandbox_id, staging),
+        ):
             made = self._ensure_slices(admitted, lineage.sandbox_id)
             fresh: VolumeInfo | None = None
             placed: Placement | None = None
@@ -362,9 +368,14 @@ class SandboxManager:
                 lineage = _placed(lineage, placed)
                 fresh = self._ensure_volume(admitted.spec, lineage)
                 self._write_credentials(admitted.spec, lineage.sandbox_id)
-                request = _request(admitted, lineage, self._credentials(), self._config, placed)
+                staged = self._staged(admitted, pinned, lineage) if staging else admitted
+                request = _request(staged, lineage, self._credentials(), self._config, placed)
                 if plugin is not None:
                     request = request.model_copy(update={"wasm": plugin})
+                if staging and spec.command is not None:  # its command waits for the check
+                    request = request.model_copy(
+                        update={"command": WAITER_COMMAND, "open_stdin": True}
+                    )
                 info = self._start(request, image_known=known)
             except BaseException:
                 self._release_egress(placed, lineage.sandbox_id)
@@ -375,6 +386,8 @@ class SandboxManager:
             try:
                 self._check_started(info.id, admitted.spec, pinned, fresh, lineage)
                 self._clone(info.id, admitted.spec)
+                if staging and spec.command is not None:
+                    self._backend.release(info.id, exec_line(spec.command))
                 self._arm(lineage.sandbox_id, info.id, lineage.expires_at, new=True)
             except BaseException:
                 self.remove_container(info.id)
@@ -428,14 +441,14 @@ class SandboxManager:
 
     def _who_runs(self, admitted: Admitted, owner: tuple[int, int] | None) -> Admitted:
         """The spec with its host workspace as a bind at /workspace and ``run_as`` decided:
-        as asked; else the owner's uid:gid with a host workspace (what the sandbox writes
-        there is theirs); else the configured non-root default."""
+        with any host bind the owner's uid:gid and nothing else (what the sandbox writes there
+        is theirs: policy.check_host_run_as); else as asked, or the configured non-root default."""
         spec = admitted.spec
         bind = workspace_mount(spec)
         run_as = spec.run_as
-        if run_as is None and bind is not None:
+        if host_bound(spec):
             uid, gid = owner or self._owner_ids(spec.user)
-            run_as = f"{uid}:{gid}"
+            run_as = check_host_run_as(spec, (uid, gid))
             if uid == 0:
                 check_root(spec.user, spec, self._config)
         update = {
@@ -444,16 +457,23 @@ class SandboxManager:
         }
         return admitted.model_copy(update={"spec": spec.model_copy(update=update)})
 
+    def _bind_roots(self, user: str, owner: tuple[int, int] | None) -> tuple[BindRoot, ...]:
+        """``user``'s bind roots, each with who may own the directories on its path."""
+        uid, _ = owner or self._owner_ids(user)
+        return bind_roots(self._config.bind_roots, user, uid)
+
     def _owner_ids(self, user: str) -> tuple[int, int]:
-        """``user``'s uid and primary gid from the user database; ``uid<N>`` (a caller without
-        a name) is N; a user nobody knows gets the configured default."""
+        """``user``'s uid and primary gid from the user database (an admin acting for them).
+        A user the host does not know has no files a host directory could be given to."""
         try:
             entry = pwd.getpwnam(user)
         except KeyError:
-            if user.startswith("uid") and user[3:].isdigit():
-                return int(user[3:]), int(user[3:])
-            uid, gid = self._config.default_run_as.split(":")
-            return int(uid), int(gid)
+            raise PolicyViolation(
+                f"user {user!r} has no entry on this host, so a sandbox of theirs cannot run "
+                "as them with a host directory; use a volume workspace",
+                code="policy_run_as",
+                field="workspace",
+            ) from None
         return entry.pw_uid, entry.pw_gid
 
     def _plugin(self, admitted: Admitted, owner: tuple[int, int] | None) -> WasmRun | None:
@@ -479,7 +499,7 @@ class SandboxManager:
         else:
             assert wanted.path is not None
             uid, gid = owner or self._owner_ids(spec.user)
-            roots = self._config.bind_roots_for(spec.user)
+            roots = self._bind_roots(spec.user, (uid, gid))
             sha = store.put(read_plugin(wanted.path, roots, uid, {gid}))
         return WasmRun(
             sha256=sha,
@@ -541,12 +561,13 @@ class SandboxManager:
             self._backend.remove_volume(volume.name)
 
     def _credentials(self) -> CredentialStore:
-        return CredentialStore(self._config.reaper.state_dir)
+        share = self._config.credentials.user_share_bytes()
+        return CredentialStore(self._config.reaper.state_dir, share)
 
     def _write_credentials(self, spec: SandboxSpec, sandbox_id: str) -> None:
         git = spec.credentials.git if spec.credentials else None
         if git is not None:
-            self._credentials().write(sandbox_id, git)
+            self._credentials().write(sandbox_id, git, spec.user)
 
     def _clone(self, container_id: str, spec: SandboxSpec) -> None:
         """A git workspace's clone, in the running sandbox (core.gitclone)."""
@@ -598,15 +619,56 @@ class SandboxManager:
                     f"({exc.strerror}); is the agent on the Docker host, as root?"
                 ) from exc
 
-    def _pin_binds(self, admitted: Admitted) -> tuple[Admitted, tuple[Pinned, ...]]:
+    @contextmanager
+    def _staging(self, sandbox_id: str, staging: bool) -> Iterator[None]:
+        """The block's staging points (host.staging) removed after it, whatever its end: the
+        running sandbox has its own mounts by then."""
+        try:
+            yield
+        finally:
+            if staging:
+                self._binds.unstage(sandbox_id)
+
+    def _staged(self, admitted: Admitted, pinned: tuple[Pinned, ...], lineage: Lineage) -> Admitted:
+        """``admitted`` with its bind sources replaced by their staging points: what Docker
+        gets, a path nobody but root can change (host.staging)."""
+        spec = admitted.spec
+        points = iter(self._binds.stage(lineage.sandbox_id, pinned))
+        mounts = tuple(
+            m.model_copy(update={"source": next(points)}) if m.kind is MountKind.BIND else m
+            for m in spec.mounts
+        )
+        return admitted.model_copy(update={"spec": spec.model_copy(update={"mounts": mounts})})
+
+    def sweep_staging(self) -> list[str]:
+        """Remove the staging points no create in flight holds (a killed agent's); their ids.
+        Listed before the creates in flight are read: one that starts staging after the list
+        is not in it."""
+        staged = self._binds.staged()
+        with self._placing:
+            flying = set(self._in_flight)
+        orphans = [sandbox_id for sandbox_id in staged if sandbox_id not in flying]
+        for sandbox_id in orphans:
+            log.info("removing the staging points of %s (no create holds them)", sandbox_id)
+            self._binds.unstage(sandbox_id, wait=True)
+        return orphans
+
+    def _pin_binds(
+        self, admitted: Admitted, owner: tuple[int, int] | None
+    ) -> tuple[Admitted, tuple[Pinned, ...]]:
         """Each bind source opened by the kernel beneath the caller's root (host.beneath),
         and the spec's sources replaced by the paths that were opened."""
         spec = admitted.spec
         binds = [m for m in spec.mounts if m.kind is MountKind.BIND]
         if not binds:
             return admitted, ()
-        roots = self._config.bind_roots_for(spec.user)
-        pinned = tuple(self._binds.pin(m.source, m.target, roots) for m in binds)
+        roots = self._bind_roots(spec.user, owner)
+        try:
+            pinned = tuple(self._binds.pin(m.source, m.target, roots) for m in binds)
+        except PolicyViolation as exc:
+            if exc.code == "bind_root_unsafe":  # the operator's to fix: say it where they look
+                log.warning("refused a bind of %s: %s", spec.user, exc.message)
+            raise
         sources = iter(p.source for p in pinned)
         mounts = tuple(
             m.model_copy(update={"source": next(sources)}) if m.kind is MountKind.BIND else m

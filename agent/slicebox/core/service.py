@@ -6,7 +6,9 @@ answers exactly like one that does not exist (``not_found``). Each action writes
 record, refusals included, with the caller the kernel identified; an exec's record says how it
 ended, abandoned included (:mod:`slicebox.core.execaudit`); a file transfer's, how much it
 moved and how it ended (:mod:`slicebox.core.files`). Every exec reserves the memory its
-output may take from one budget shared by all callers (:mod:`slicebox.core.budget`).
+output may take from one budget shared by all callers (:mod:`slicebox.core.budget`), each user
+within its share; streams and transfers in flight are bound for all and per user too
+(:mod:`slicebox.core.shares`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import PurePosixPath
 
 from slicebox.core.blocking import Aside, Blocking, settle
-from slicebox.core.budget import OutputBudget, Reservation
+from slicebox.core.budget import OutputBudget
 from slicebox.core.egress import EgressGuard
 from slicebox.core.execaudit import audited_aexec, audited_exec, refused, subject
 from slicebox.core.execution import ExecEngine, result_of
@@ -28,6 +30,7 @@ from slicebox.core.launch import LAUNCHER, can_launch
 from slicebox.core.pool import WarmPool
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.shares import STREAMS, Reservation, Slots, holder_of
 from slicebox.core.telemetry import SandboxCgroups, SandboxMeta, TreeReader, UsageReader
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
@@ -132,6 +135,8 @@ class Service:
         self._clock = clock
         # Files in and out (core/files.py): the same look-up, operation mark and engine.
         self.files = Files(engine, auditor, sandboxes, self._visible)
+        # Streamed execs and runs in flight, bound for all and per user (core/shares.py).
+        self.streams = Slots(STREAMS, lambda: sandboxes.config.shares)
 
     # --- sandboxes -------------------------------------------------------------------------
 
@@ -217,7 +222,7 @@ class Service:
                 user = who.acting_user(request.user)
                 spec = SandboxSpec.model_validate({**request.model_dump(), "user": user})
                 # The kernel's word for the caller's own ids; another user's are looked up.
-                owner = (who.uid, who.gid) if user == who.user_name else None
+                owner = who.owner if user == who.user_name else None
                 made = (
                     self._pool.acquire(spec, owner=owner, one_shot=one_shot) if self._pool else None
                 )
@@ -271,14 +276,32 @@ class Service:
     def reserve(
         self, who: Identity, output_cap: int, action: str = "exec", sandbox_id: str = ""
     ) -> Reservation:
-        """Take an exec's share of the output budget before it starts; over budget it is refused
-        now (``busy``) and audited. The HTTP layer holds the reservation until the answer is
-        sent: encoding the answer is when the output takes the most memory."""
+        """Take an exec's part of the output budget before it starts; over the caller's share
+        (``output_share_full``) or the budget (``busy``) it is refused now and audited. The HTTP
+        layer holds the reservation until the answer is sent: encoding the answer is when the
+        output takes the most memory."""
         try:
-            return self._budget.reserve(output_cap)
+            return self._budget.reserve(output_cap, holder_of(who))
         except SliceboxError as exc:
             self._auditor.record(refused(who, action, exc, sandbox_id))
             raise
+
+    def reserve_stream(
+        self, who: Identity, output_cap: int, action: str = "exec", sandbox_id: str = ""
+    ) -> Reservation:
+        """``reserve`` for a streamed exec or run, which also holds one of the streams in
+        flight (``[shares] streams_in_flight``, the caller's share first) until it ends."""
+        try:
+            stream = self.streams.take(who)
+        except SliceboxError as exc:
+            self._auditor.record(refused(who, action, exc, sandbox_id))
+            raise
+        try:
+            held = self.reserve(who, output_cap, action, sandbox_id)
+        except BaseException:
+            stream.release()
+            raise
+        return held.also(stream)
 
     def exec(
         self, who: Identity, sandbox_id: str, request: ExecRequest, held: Reservation | None = None

@@ -10,6 +10,12 @@ the host's ``/``. Here the source is opened the way the kernel sees it:
   ``..``, no ``/proc`` magic link and no other mount on the way; where the kernel has no
   ``openat2`` (before 5.6, or a seccomp filter refusing it) the same walk one component at a
   time with ``O_PATH | O_NOFOLLOW``, refusing a symlink or a change of device at each step;
+- the root itself is reached from ``/`` the same way, one component at a time with
+  ``O_NOFOLLOW`` (:func:`open_root`): no symlink anywhere on its path, each directory above the
+  user's own one (``{user}`` in the configured root) root's and writable by nobody else (or
+  sticky, as ``/tmp``: then nobody can rename root's entries in it), and the user's own
+  directory the user's. A root a user could redirect (``/home/{user}/sandboxes`` with that
+  user swapping ``sandboxes`` for a link to ``/``) is refused, ``bind_root_unsafe``;
 - the path handed to Docker is the root's own path joined with the components walked (none of
   them a symlink, so nothing for Docker to resolve differently), and the device and inode of
   what was opened are kept;
@@ -29,6 +35,7 @@ from typing import Protocol
 
 from pydantic import ConfigDict
 
+from slicebox.host.staging import Stager
 from slicebox.model.base import Model
 from slicebox.model.errors import PolicyViolation
 
@@ -36,6 +43,7 @@ RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_NO_SYMLINKS = 0x04
 RESOLVE_BENEATH = 0x08
+RESOLVE_IN_ROOT = 0x10
 SYS_OPENAT2 = 437  # the same number on every architecture (added after the tables merged)
 O_PATH_FLAGS = os.O_PATH | os.O_CLOEXEC
 
@@ -50,6 +58,48 @@ class _OpenHow(ctypes.Structure):
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
+
+
+class BindRoot(Model):
+    """A caller's bind root and who may hold each directory on its path (``open_root``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: PurePosixPath  # with the caller's name for ``{user}``
+    user_part: int | None = None  # the index in ``path.parts`` of the caller's own directory
+    uid: int | None = None  # the caller's uid: who owns that directory
+    top: str = "/"  # where the walk starts (tests: their own tree)
+    trusted: int = 0  # who owns every directory above the caller's own one
+
+
+def bind_roots(
+    templates: tuple[PurePosixPath, ...], user: str, uid: int | None
+) -> tuple[BindRoot, ...]:
+    """The configured roots (``{user}`` in one component, or none) as ``user``'s."""
+    return tuple(_bind_root(template, user, uid) for template in templates)
+
+
+def _bind_root(template: PurePosixPath, user: str, uid: int | None) -> BindRoot:
+    parts = template.parts
+    at = next((i for i, part in enumerate(parts) if "{user}" in part), None)
+    path = PurePosixPath(*(part.replace("{user}", user) for part in parts))
+    return BindRoot(path=path, user_part=at, uid=uid)
+
+
+def unsafe_roots(
+    templates: tuple[PurePosixPath, ...], top: str = "/", trusted: int = 0
+) -> list[str]:
+    """What is wrong with the part of each configured root above ``{user}`` (the whole root
+    without one), as the agent walks it (``open_root``): said in the log when the config is
+    loaded, since every bind under such a root is refused."""
+    problems = []
+    for template in templates:
+        parts = template.parts
+        at = next((i for i, part in enumerate(parts) if "{user}" in part), len(parts))
+        fixed = BindRoot(path=PurePosixPath(*parts[:at]), top=top, trusted=trusted)
+        if found := root_problem(fixed):
+            problems.append(f"{template}: {found[0]}")
+    return problems
 
 
 class Pinned(Model):
@@ -69,40 +119,164 @@ def root_for(source: PurePosixPath, roots: tuple[PurePosixPath, ...]) -> PurePos
     return max(under, key=lambda root: len(root.parts)) if under else None
 
 
-def pin(source: str, target: str, roots: tuple[PurePosixPath, ...]) -> Pinned:
-    """Open ``source`` beneath its root without following anything; PolicyViolation when it
-    is not under a root, leaves its root, or does not exist."""
+def pin(source: str, target: str, roots: tuple[BindRoot, ...]) -> Pinned:
+    """Open ``source`` beneath its root without following anything, the root itself reached
+    from ``/`` without following anything either (``open_root``); PolicyViolation when it is
+    not under a root, leaves its root, does not exist, or its root is not safe."""
     path = PurePosixPath(source)
-    root = root_for(path, roots) if path.is_absolute() else None
-    if root is None:
-        raise outside_roots(source, roots)
-    relative = path.relative_to(root)
+    paths = tuple(root.path for root in roots)
+    found_root = root_for(path, paths) if path.is_absolute() else None
+    if found_root is None:
+        raise outside_roots(source, paths)
+    relative = path.relative_to(found_root)
     if ".." in relative.parts:
         raise escape(source, "'..'")
-    root_fd = _open(str(root), os.O_PATH | os.O_CLOEXEC | os.O_DIRECTORY, source)
+    root_fd = open_root(roots[paths.index(found_root)], source)
     try:
-        real_root = os.readlink(f"/proc/self/fd/{root_fd}")
         found = _stat_beneath(root_fd, relative, source) if relative.parts else os.fstat(root_fd)
     finally:
         os.close(root_fd)
-    return Pinned(
-        source=str(PurePosixPath(real_root, relative)),
-        target=target,
-        device=found.st_dev,
-        inode=found.st_ino,
-    )
+    return Pinned(source=str(path), target=target, device=found.st_dev, inode=found.st_ino)
+
+
+def open_root(root: BindRoot, source: str) -> int:
+    """An ``O_PATH`` descriptor of ``root``'s directory, reached from its top one component at
+    a time with ``O_NOFOLLOW``, each directory held as ``root`` says (``held_wrongly``)."""
+    try:
+        return _walk_root(root)
+    except _Unsafe as unsafe:
+        raise unsafe_root(source, root.path, unsafe.why) from None
+    except OSError as exc:
+        raise _unreadable(source, str(exc.strerror)) from exc
+
+
+def root_problem(root: BindRoot) -> tuple[str, bool] | None:
+    """What makes ``root`` unsafe, and whether that is only a missing directory (``slicebox
+    doctor``); None when it is safe."""
+    try:
+        os.close(_walk_root(root))
+    except _Unsafe as unsafe:
+        return unsafe.why, unsafe.missing
+    except OSError as exc:
+        return f"{root.path} cannot be read ({exc.strerror})", False
+    return None
+
+
+class _Unsafe(Exception):
+    def __init__(self, why: str, *, missing: bool = False) -> None:
+        super().__init__(why)
+        self.why, self.missing = why, missing
+
+
+def _walk_root(root: BindRoot) -> int:
+    top = PurePosixPath(root.top)
+    if not root.path.is_relative_to(top):
+        raise _Unsafe(f"it is not under {top}")
+    fd = os.open(top, O_PATH_FLAGS | os.O_DIRECTORY)
+    try:
+        found, walked = os.fstat(fd), top
+        for index, part in enumerate(root.path.parts[len(top.parts) :], start=len(top.parts)):
+            if problem := held_wrongly(root, index - 1, found, walked):
+                raise _Unsafe(problem)
+            step = _open_step(part, fd, walked / part)
+            os.close(fd)
+            fd, walked = step, walked / part
+            found = os.fstat(fd)
+            if stat.S_ISLNK(found.st_mode):
+                raise _Unsafe(f"{walked} is a symlink")
+        if problem := held_wrongly(root, len(root.path.parts) - 1, found, walked):
+            raise _Unsafe(problem)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_step(part: str, fd: int, walked: PurePosixPath) -> int:
+    try:
+        return os.open(part, O_PATH_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+    except FileNotFoundError as exc:
+        raise _Unsafe(f"{walked} does not exist", missing=True) from exc
+
+
+def held_wrongly(
+    root: BindRoot, index: int, found: os.stat_result, walked: PurePosixPath
+) -> str | None:
+    """What is wrong with the directory ``walked`` (``root.path.parts[index]``), if anything:
+    not a directory; above the caller's own one, not ``root.trusted``'s or writable by group
+    or others without the sticky bit; the caller's own one, not the caller's."""
+    if not stat.S_ISDIR(found.st_mode):
+        return f"{walked} is not a directory"
+    if root.user_part is not None and index > root.user_part:
+        return None  # the caller's own tree: the walk beneath it follows nothing
+    if root.user_part is not None and index == root.user_part:
+        mine = root.uid is None or found.st_uid == root.uid
+        return None if mine else f"{walked} is owned by uid {found.st_uid}, not the user's"
+    if found.st_uid != root.trusted:
+        return f"{walked} is owned by uid {found.st_uid}, not root"
+    writable = found.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if writable and not found.st_mode & stat.S_ISVTX:
+        return f"{walked} is writable by its group or others"
+    return None
 
 
 def verify(pid: int, pinned: Pinned, proc: Path = Path("/proc")) -> None:
     """The sandbox whose init is ``pid`` sees ``pinned``'s source at its target; a
-    PolicyViolation otherwise (the source changed between the check and the mount)."""
-    inside = proc / str(pid) / "root" / pinned.target.lstrip("/")
+    PolicyViolation otherwise (the source changed between the check and the mount). The target
+    is reached inside the sandbox's root without following any symlink there: a link the image
+    put at the target (an absolute one would resolve against the agent's root, not the
+    sandbox's) is refused, never followed."""
     try:
-        seen = os.stat(inside)
+        seen = _stat_inside(proc / str(pid) / "root", pinned.target)
     except OSError as exc:
         raise _changed(pinned, f"the target cannot be read ({exc.strerror})") from exc
     if (seen.st_dev, seen.st_ino) != (pinned.device, pinned.inode):
         raise _changed(pinned, "another file is mounted there")
+
+
+def _stat_inside(root: Path, target: str) -> os.stat_result:
+    """What ``target`` is in the file tree whose root is ``root``, no symlink followed."""
+    root_fd = os.open(root, O_PATH_FLAGS | os.O_DIRECTORY)
+    try:
+        how = _OpenHow(
+            flags=O_PATH_FLAGS,
+            mode=0,
+            resolve=RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
+        )
+        relative = target.lstrip("/") or "."
+        fd = int(
+            _libc.syscall(
+                SYS_OPENAT2, root_fd, os.fsencode(relative), ctypes.byref(how), ctypes.sizeof(how)
+            )
+        )
+        code = ctypes.get_errno() if fd < 0 else 0
+        if code in (errno.ENOSYS, errno.EPERM):
+            fd = _walk_inside(root_fd, PurePosixPath(relative))
+        elif fd < 0:
+            raise OSError(code, os.strerror(code))
+        try:
+            return os.fstat(fd)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(root_fd)
+
+
+def _walk_inside(root_fd: int, relative: PurePosixPath) -> int:
+    """``_stat_inside``'s walk where the kernel has no ``openat2``: O_NOFOLLOW each step."""
+    if ".." in relative.parts:
+        raise OSError(errno.EXDEV, "'..' in a sandbox's target")
+    fd = os.dup(root_fd)
+    for part in relative.parts:
+        try:
+            step = os.open(part, O_PATH_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = step
+        if stat.S_ISLNK(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.ELOOP, "a symlink")
+    return fd
 
 
 def _open(path: str, flags: int, source: str, dir_fd: int | None = None) -> int:
@@ -174,6 +348,15 @@ def outside_roots(source: str, roots: tuple[PurePosixPath, ...]) -> PolicyViolat
     return _refused(
         f"bind mount {source!r} is outside the allowed roots {where}; mount a directory under "
         "one of them"
+    )
+
+
+def unsafe_root(source: str, root: PurePosixPath, why: str) -> PolicyViolation:
+    return _refused(
+        f"bind mount {source!r} is under the bind root {str(root)!r}, which the agent does not "
+        f"trust: {why}; every directory above the user's own one must be root's and writable "
+        "by nobody else, with no symlink on the way (ask the operator: `slicebox doctor`)",
+        code="bind_root_unsafe",
     )
 
 
@@ -255,7 +438,7 @@ class BindGuard(Protocol):
     """How a create pins its bind sources and checks them once mounted, and the kernel's other
     answers a create needs (fakes in unit tests)."""
 
-    def pin(self, source: str, target: str, roots: tuple[PurePosixPath, ...]) -> Pinned: ...
+    def pin(self, source: str, target: str, roots: tuple[BindRoot, ...]) -> Pinned: ...
 
     def verify(self, pid: int, pinned: Pinned) -> None: ...
 
@@ -266,14 +449,28 @@ class BindGuard(Protocol):
         """Give a fresh volume, ``source`` on the host and mounted at ``target`` in the
         sandbox of process ``pid``, to the sandbox's uid:gid."""
 
+    def stage(self, sandbox_id: str, pinned: tuple[Pinned, ...]) -> tuple[str, ...]:
+        """Each pinned source bound onto a root-owned staging point, the points in order: the
+        paths Docker gets (host.staging); ``mount_changed`` when one is no longer what was
+        pinned."""
+
+    def unstage(self, sandbox_id: str, *, wait: bool = False) -> None:
+        """Remove ``sandbox_id``'s staging points (once its sandbox runs, or failed): after
+        the call returns unless ``wait`` (the reaper's sweep, whose pass says it is done)."""
+
+    def staged(self) -> list[str]:
+        """The sandbox ids that have staging points (the reaper's: orphans of a killed
+        agent)."""
+
 
 class KernelBindGuard:
     """The real one: the functions above, on this host's kernel and ``/proc``."""
 
-    def __init__(self, proc: Path = Path("/proc")) -> None:
+    def __init__(self, proc: Path = Path("/proc"), stager: Stager | None = None) -> None:
         self._proc = proc
+        self._stager = stager or Stager()
 
-    def pin(self, source: str, target: str, roots: tuple[PurePosixPath, ...]) -> Pinned:
+    def pin(self, source: str, target: str, roots: tuple[BindRoot, ...]) -> Pinned:
         return pin(source, target, roots)
 
     def verify(self, pid: int, pinned: Pinned) -> None:
@@ -284,3 +481,15 @@ class KernelBindGuard:
 
     def own(self, pid: int, target: str, source: str, uid: int, gid: int) -> None:
         own_mounted(pid, target, source, (uid, gid), self._proc)
+
+    def stage(self, sandbox_id: str, pinned: tuple[Pinned, ...]) -> tuple[str, ...]:
+        return self._stager.stage(sandbox_id, [(p.source, p.device, p.inode) for p in pinned])
+
+    def unstage(self, sandbox_id: str, *, wait: bool = False) -> None:
+        if wait:
+            self._stager.unstage(sandbox_id)
+        else:
+            self._stager.unstage_later(sandbox_id)
+
+    def staged(self) -> list[str]:
+        return self._stager.staged()

@@ -3,6 +3,14 @@
 The user level of the slice tree defaults to the caller's user name. Root and members of the
 admin group (``slicebox-admin``) may act for any user name, as an orchestrator serving many
 people does. Everyone else acts only for themselves; another user's sandboxes answer 404.
+
+The kernel checks the socket's group when a process connects, against the groups that process
+happened to start with (a login's, however stale). So on every request the agent asks the user
+database itself, by the caller's uid: a uid with no passwd entry is refused ``unknown_user``
+(unless the operator names its range: ``[callers] unknown_uids``), a user who is no member of
+the socket's group (nor of the admin group) ``not_member`` — at most ``USER_CACHE_SECONDS``
+after their removal. Group membership, the admin's included, is the user's in NSS (primary
+and supplementary groups), never the caller's gid or supplementary groups of the moment.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from pydantic import ConfigDict
 
 from slicebox.model.audit import Caller
 from slicebox.model.base import Model
+from slicebox.model.config import CallersConfig
 from slicebox.model.errors import Forbidden
 
 ADMIN_GROUP = "slicebox-admin"
@@ -55,11 +64,14 @@ def peer_credentials(sock: SocketOptions) -> PeerCredentials:
 class UserDirectory(Protocol):
     def user_name(self, uid: int) -> str | None: ...
 
-    def group_names(self, user: str, gid: int) -> frozenset[str]: ...
+    def groups_of(self, user: str) -> tuple[int, frozenset[str]]:
+        """The user's primary gid and the names of all its groups (primary, supplementary);
+        (-1, no groups) for a user the database does not know (any more)."""
+        ...
 
 
 class SystemUsers:
-    """The host's user database (NSS), as the socket's group check sees it."""
+    """The host's user database (NSS), as a login would see it."""
 
     def user_name(self, uid: int) -> str | None:
         try:
@@ -67,14 +79,18 @@ class SystemUsers:
         except KeyError:
             return None
 
-    def group_names(self, user: str, gid: int) -> frozenset[str]:
+    def groups_of(self, user: str) -> tuple[int, frozenset[str]]:
+        try:
+            gid = pwd.getpwnam(user).pw_gid
+        except KeyError:
+            return -1, frozenset()
         names = set()
         for group_id in os.getgrouplist(user, gid):
             try:
                 names.add(grp.getgrgid(group_id).gr_name)
             except KeyError:
                 continue
-        return frozenset(names)
+        return gid, frozenset(names)
 
 
 class CachedUsers:
@@ -91,14 +107,14 @@ class CachedUsers:
         self._ttl = ttl
         self._clock = clock
         self._names: dict[int, tuple[float, str | None]] = {}
-        self._groups: dict[tuple[str, int], tuple[float, frozenset[str]]] = {}
+        self._groups: dict[str, tuple[float, tuple[int, frozenset[str]]]] = {}
         self._lock = threading.Lock()
 
     def user_name(self, uid: int) -> str | None:
         return self._cached(self._names, uid, lambda: self._users.user_name(uid))
 
-    def group_names(self, user: str, gid: int) -> frozenset[str]:
-        return self._cached(self._groups, (user, gid), lambda: self._users.group_names(user, gid))
+    def groups_of(self, user: str) -> tuple[int, frozenset[str]]:
+        return self._cached(self._groups, user, lambda: self._users.groups_of(user))
 
     def _cached(self, table: dict[K, tuple[float, V]], key: K, look_up: Callable[[], V]) -> V:
         now = self._clock()
@@ -116,11 +132,17 @@ class Identity(Model):
     model_config = ConfigDict(frozen=True)
 
     uid: int
-    gid: int
+    gid: int  # the kernel's, for the audit trail; who a sandbox runs as uses ``primary_gid``
     pid: int
     user_name: str
     is_admin: bool
     comm: str = ""
+    primary_gid: int = -1  # the user's in the user database (-1: taken from ``gid``)
+
+    @property
+    def owner(self) -> tuple[int, int]:
+        """The uid and primary gid a sandbox of this caller's with a host directory runs as."""
+        return self.uid, self.primary_gid if self.primary_gid >= 0 else self.gid
 
     @property
     def caller(self) -> Caller:
@@ -142,18 +164,53 @@ class Identity(Model):
 
 
 def resolve(
-    creds: PeerCredentials, users: UserDirectory, admin_group: str = ADMIN_GROUP
+    creds: PeerCredentials,
+    users: UserDirectory,
+    admin_group: str = ADMIN_GROUP,
+    callers: CallersConfig | None = None,
 ) -> Identity:
-    """Turn kernel credentials into an identity. A uid without a name acts as ``uid<N>``."""
+    """Turn kernel credentials into an identity, or refuse the caller: ``unknown_user`` for a
+    uid without a passwd entry, ``not_member`` for a user outside the callers' group."""
+    callers = callers or CallersConfig()
     name = users.user_name(creds.uid)
-    groups = users.group_names(name, creds.gid) if name else frozenset()
+    if creds.uid == 0:  # exempt: root is the host's
+        return _identity(creds, name or "root", admin=True, primary_gid=0)
+    if name is None:
+        return _unknown(creds, callers)
+    gid, groups = users.groups_of(name)
+    admin = admin_group in groups
+    if not admin and callers.group not in groups:
+        raise Forbidden(
+            f"uid {creds.uid} ({name}) is not a member of group {callers.group!r}, whose members "
+            "alone may use slicebox; ask an operator to add you to it",
+            code="not_member",
+        )
+    return _identity(creds, name, admin=admin, primary_gid=gid)
+
+
+def _unknown(creds: PeerCredentials, callers: CallersConfig) -> Identity:
+    """A caller whose uid has no passwd entry: refused, unless the operator allowed its range,
+    whose callers all share one user level (and never act as admins)."""
+    if not callers.admits_unknown(creds.uid):
+        raise Forbidden(
+            f"uid {creds.uid} has no entry in this host's user database, and slicebox serves "
+            "known users only; call as a user of the host, or ask an operator to allow this "
+            "uid range ([callers] unknown_uids)",
+            code="unknown_user",
+        )
+    gid = creds.gid if callers.admits_unknown(creds.gid) else creds.uid
+    return _identity(creds, callers.unknown_user, admin=False, primary_gid=gid)
+
+
+def _identity(creds: PeerCredentials, name: str, *, admin: bool, primary_gid: int) -> Identity:
     return Identity(
         uid=creds.uid,
         gid=creds.gid,
         pid=creds.pid,
-        user_name=name or f"uid{creds.uid}",
-        is_admin=creds.uid == 0 or admin_group in groups,
+        user_name=name,
+        is_admin=admin,
         comm=_comm(creds.pid),
+        primary_gid=primary_gid,
     )
 
 

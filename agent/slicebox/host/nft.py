@@ -5,8 +5,10 @@ Everything is in one table, ``inet slicebox``, written through libnftables' JSON
 and ``input`` at priority -10, before Docker's (0): a drop here is final whatever Docker's
 rules accept afterwards. A packet from the egress bridge goes to ``guard``, which jumps by its
 source address through the ``sandboxes`` verdict map to that sandbox's chain; a source no
-sandbox has (one not yet or no longer mapped, IPv6) is dropped and counted as ``stray``. Only
-the resolver's port on the bridge's own address is open to every sandbox.
+sandbox has (one not yet or no longer mapped, IPv6) is dropped and counted as ``stray``. On the
+host itself (the ``input`` hook: any of its addresses, the bridge's own included) only the
+resolver's port on the bridge's address is open to every sandbox; all else is dropped and
+counted as ``host``, whatever a sandbox's list names.
 
 A sandbox's chain accepts, and counts in its ``ok`` counter, packets of connections already
 established and packets to its four sets: networks and addresses (``net``), the same with a
@@ -106,12 +108,13 @@ class Firewall:
             _add("table", {}),
             _add("map", {"name": "sandboxes", "type": "ipv4_addr", "map": "verdict"}),
             _add("counter", {"name": "stray"}),
+            _add("counter", {"name": "host"}),
             _add("chain", {"name": "guard"}),
             {"flush": {"chain": _obj({"name": "guard"})}},
             _rule("guard", {"vmap": {"key": _payload("ip", "saddr"), "data": "@sandboxes"}}),
             _rule("guard", {"counter": "stray"}, {"drop": None}),
             *_base_chain("forward", [[bridge, *guard]]),
-            *_base_chain("input", [resolver, [bridge, *guard]]),
+            *_base_chain("input", [resolver, [bridge, {"counter": "host"}, {"drop": None}]]),
         )
 
     # --- one sandbox ------------------------------------------------------------------------

@@ -20,9 +20,9 @@ import os
 import stat
 import threading
 from collections.abc import Collection
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
-from slicebox.host.beneath import pin
+from slicebox.host.beneath import BindRoot, pin
 from slicebox.model.errors import InvalidRequest, NotFound, PolicyViolation
 from slicebox.model.wasm import MAX_PLUGIN_BYTES, digest, is_wasm
 
@@ -110,9 +110,7 @@ def missing(sha256: str) -> NotFound:
     )
 
 
-def read_plugin(
-    path: str, roots: tuple[PurePosixPath, ...], uid: int, gids: Collection[int]
-) -> bytes:
+def read_plugin(path: str, roots: tuple[BindRoot, ...], uid: int, gids: Collection[int]) -> bytes:
     """The module at ``path``, read beneath the caller's roots as the caller could read it."""
     pinned = pin(path, "/plugin", roots)  # PolicyViolation: outside the roots, a link, missing
     try:

@@ -97,7 +97,7 @@ CODES: tuple[ErrorCode, ...] = (
         "output_cap_over_budget",
         400,
         "An exec's `output_cap` needs more memory than the agent's whole exec output budget "
-        "(`exec_output_budget`); it could never run.",
+        "(`exec_output_budget`), or than one user's share of it; it could never run.",
         "Ask for output_cap at most the bytes the message names, or an operator raises "
         "exec_output_budget.",
     ),
@@ -124,8 +124,11 @@ CODES: tuple[ErrorCode, ...] = (
         "policy_egress",
         400,
         "An egress allow-list names hosts or networks no `[[egress.rule]]` allows the user and "
-        "project, or none allows them egress at all.",
-        "Leave the named entries out, or ask an operator for a rule that allows them.",
+        "project, or none allows them egress at all (there is none by default); or it names "
+        "loopback, link-local (metadata), `0.0.0.0/0`, the host's own addresses, the egress "
+        "subnet or Docker's bridge subnets, which no rule opens.",
+        "Leave the named entries out, or ask an operator for a rule that allows them (and, for "
+        "an internal network, to list it in `[egress] internal_networks`).",
     ),
     _c(
         "policy_capability",
@@ -147,6 +150,17 @@ CODES: tuple[ErrorCode, ...] = (
         "writable host mount (a root process there could plant setuid-root files on the host).",
         "Leave `run_as` out (a non-root uid), name a non-root user, or mount the host "
         "directory read-only.",
+    ),
+    _c(
+        "policy_run_as",
+        400,
+        "`run_as` names someone the sandbox may not run as: with any host directory (a host "
+        "workspace or a bind mount, read-only too) a sandbox runs as its owner's uid and "
+        "primary gid only (no other uid, no foreign group such as docker's or root's), and "
+        "without one never with gid 0 unless the user is in `root_users`; or the user has no "
+        "entry on the host, so a sandbox with a host directory cannot run as them.",
+        "Leave `run_as` out (a host directory's sandbox then runs as you), or use a volume "
+        "workspace and a non-root uid:gid of your choice.",
     ),
     _c(
         "git_clone_failed",
@@ -176,6 +190,15 @@ CODES: tuple[ErrorCode, ...] = (
         "A bind mount's source leaves its root on the way down: a symlink, '..', another "
         "mount, or a component that is not a directory.",
         "Name the real directory, with no symlink, '..' or other mount below the root.",
+    ),
+    _c(
+        "bind_root_unsafe",
+        400,
+        "The bind root itself cannot be trusted: a symlink on its path from `/`, a directory "
+        "above the user's own one that is not root's or is writable by others, or the user's "
+        "own directory owned by someone else (the agent refuses every bind under it).",
+        "Ask the operator to fix the root (`slicebox doctor` names the directory); never "
+        "replace a directory on a bind root's path by a symlink.",
     ),
     _c(
         "mount_source_missing",
@@ -211,6 +234,22 @@ CODES: tuple[ErrorCode, ...] = (
         403,
         "The agent could not read the caller's identity (not a unix socket connection).",
         "Connect over the agent's unix socket.",
+    ),
+    _c(
+        "unknown_user",
+        403,
+        "The caller's uid has no entry in the host's user database (a process of a user "
+        "namespace, a deleted user), and no `[callers] unknown_uids` range admits it.",
+        "Call as a user of the host, or ask an operator to allow the uid range "
+        "(`[callers] unknown_uids`, served as the one user `[callers] unknown_user`).",
+    ),
+    _c(
+        "not_member",
+        403,
+        "The caller's user is not a member of the callers' group (`slicebox`, or `[callers] "
+        "group`) nor of `slicebox-admin` in the host's user database, checked on every "
+        "request (a removal counts within seconds, whatever groups the caller's process has).",
+        "Ask an operator to add your user to group slicebox.",
     ),
     _c(
         "forbidden",
@@ -249,6 +288,16 @@ CODES: tuple[ErrorCode, ...] = (
         400,
         "The HTTP request itself was refused (the status says why).",
         "Send a well-formed HTTP/1.1 request.",
+    ),
+    _c(
+        "too_many_requests",
+        429,
+        "Your uid holds its share of the agent's socket (64 connections, 32 requests in "
+        "flight, 32 MiB of request bodies being read) or everyone together holds all of it; "
+        "refused at once, with `Retry-After`. Root is held to the totals only. GET /v1/health "
+        "is always answered.",
+        "Finish or close some of your connections and requests, then retry after the "
+        "`Retry-After` seconds.",
     ),
     # Files in and out of a sandbox (PUT/GET /v1/sandboxes/{id}/files, `slicebox cp`).
     _c(
@@ -295,10 +344,42 @@ CODES: tuple[ErrorCode, ...] = (
         "Ask for at most the ceiling the message names, or raise that ceiling in the config.",
     ),
     _c(
+        "credentials_share_exceeded",
+        409,
+        "The git credentials of the caller's sandboxes together would take more than each "
+        "user's share of the agent's credential store (`[credentials] user_share`).",
+        "Destroy sandboxes you no longer need (their credentials go with them), or ask an "
+        "operator to raise `[credentials] user_share`.",
+    ),
+    _c(
         "sandbox_not_running",
         409,
         "The sandbox exists but is stopped or paused.",
         "Destroy it and create a new one.",
+    ),
+    # A user's share of what the agent bounds for all callers (429, with Retry-After).
+    _c(
+        "output_share_full",
+        429,
+        "The caller's execs in flight hold so much of its share of the exec output budget "
+        "(`[shares] user_share` of `exec_output_budget`) that this one does not fit now.",
+        "Wait for one of your execs to end (read its answer), ask for a smaller output_cap, "
+        "or retry after Retry-After seconds.",
+    ),
+    _c(
+        "stream_share_full",
+        429,
+        "The caller has its whole share (`[shares] user_share`) of `streams_in_flight` "
+        "streamed execs and runs answering.",
+        "End one of your streams, or exec without streaming, or retry after Retry-After seconds.",
+    ),
+    _c(
+        "transfer_share_full",
+        429,
+        "The caller has its whole share (`[shares] user_share`) of `transfers_in_flight` file "
+        "transfers moving.",
+        "Let one of your transfers finish, or send several files as one tar, or retry after "
+        "Retry-After seconds.",
     ),
     # The host (5xx): not the caller's fault.
     _c(
@@ -313,6 +394,20 @@ CODES: tuple[ErrorCode, ...] = (
         "Execs in flight hold so much of the agent's exec output budget that this one does not "
         "fit now.",
         "Retry later, or ask for a smaller output_cap.",
+    ),
+    _c(
+        "streams_busy",
+        503,
+        "Streamed execs and runs of all callers take every one of the agent's "
+        "`[shares] streams_in_flight`.",
+        "Retry after Retry-After seconds, or exec without streaming.",
+    ),
+    _c(
+        "transfers_busy",
+        503,
+        "File transfers of all callers take every one of the agent's "
+        "`[shares] transfers_in_flight`.",
+        "Retry after Retry-After seconds.",
     ),
     _c(
         "image_unavailable",

@@ -13,6 +13,10 @@ when the file is loaded, so a bad value is refused at load time, naming its fiel
     root_users = ["ops"]          # users whose sandboxes may run as uid 0 (none by default)
     exec_output_budget = "512MB"  # exec output held at once, all callers; default below
     files_max_bytes = "1GB"       # the most one file transfer (PUT/GET .../files) moves
+    [shares]                      # what one user holds at once (core/shares.py)
+    user_share = 0.5              # of exec_output_budget and of each bound below, per uid
+    streams_in_flight = 64        # streamed execs and runs at once, all users
+    transfers_in_flight = 32      # file transfers at once, all users
     [managed]
     memory = "75%"
     [project]
@@ -64,6 +68,7 @@ from slicebox.model.limits import (
 )
 from slicebox.model.paths import CONFIG_PATH
 from slicebox.model.pool import MAX_POOL_SIZE, PoolConfig
+from slicebox.model.shares import SharesConfig
 from slicebox.model.validation import checked, describe, problems
 
 log = logging.getLogger(__name__)
@@ -109,6 +114,47 @@ class CeilingConfig(_Strict):
             cpus=self.cpus,
             pids=self.pids,
         )
+
+
+class CallersConfig(_Strict):
+    """Who may call the agent beyond the kernel's socket check (host.identity.resolve).
+
+    ``group``: every caller but root must be a member of it in the user database (NSS: the
+    user's primary and supplementary groups, by its uid), checked on every request; the admin
+    group implies it. ``unknown_uids``: a uid range ``[first, last]`` whose callers have no
+    passwd entry yet are served (processes of a user namespace mapped into subordinate ids),
+    all as the one user level ``unknown_user`` (its ``[users.<name>]`` ceilings, if any, are
+    their shared ceilings); left out, such callers are refused ``unknown_user``."""
+
+    group: str = Field(default="slicebox", min_length=1)
+    unknown_uids: tuple[int, int] | None = None
+    unknown_user: str = Field(default="unknown", pattern=r"^[a-z_][a-z0-9_.-]*$")
+
+    @field_validator("unknown_uids")
+    @classmethod
+    def _range(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
+        if value is not None and not 0 < value[0] <= value[1]:
+            raise ValueError("give [first, last] uids, 0 < first <= last")
+        return value
+
+    def admits_unknown(self, uid: int) -> bool:
+        return self.unknown_uids is not None and self.unknown_uids[0] <= uid <= self.unknown_uids[1]
+
+
+class CredentialsConfig(_Strict):
+    """Bounds of the git credentials a create hands over (core.credentials): the bytes each
+    user's sandboxes together may hold in the shared credential tmpfs (16 MiB as installed);
+    a create beyond its user's share is refused ``credentials_share_exceeded``."""
+
+    user_share: RawSize = "2MB"
+
+    @field_validator("user_share")
+    @classmethod
+    def _share(cls, value: RawSize) -> RawSize:
+        return checked(lambda: parse_size("credentials.user_share", value), value)
+
+    def user_share_bytes(self) -> int:
+        return parse_size("credentials.user_share", self.user_share)
 
 
 class SandboxDefaults(_Strict):
@@ -202,7 +248,9 @@ class Config(_Strict):
     # How long a git workspace's clone may take before its create fails (git_clone_failed).
     git_clone_timeout_seconds: float = Field(default=600.0, gt=0)
     allowed_capabilities: frozenset[str] = DEFAULT_CAPABILITIES
-    allowed_networks: frozenset[str] = frozenset({"none", "bridge"})
+    # "bridge" only when an operator adds it: then on slicebox's own bridge network, whose
+    # sandboxes cannot reach each other (backends.docker), not on docker0.
+    allowed_networks: frozenset[str] = frozenset({"none"})
     # Network egress by allow-list: its network, resolver upstream and who may ask for what.
     egress: EgressConfig = EgressConfig()
     # A create for Docker while Docker does not answer runs on the native backend instead
@@ -214,6 +262,10 @@ class Config(_Strict):
     # Remote sandboxes (``"backend": "daytona"``) on this Daytona API; unset: none.
     daytona: DaytonaConfig | None = None
     reaper: ReaperConfig = ReaperConfig()
+    # Who may call (its group, callers without a passwd entry): CallersConfig.
+    callers: CallersConfig = CallersConfig()
+    # Per-user share of the credential tmpfs: CredentialsConfig.
+    credentials: CredentialsConfig = CredentialsConfig()
     # Memory for the output of every exec in flight (core/budget.py); unset: half the agent's
     # own MemoryMax, or DEFAULT_EXEC_OUTPUT_BUDGET when the agent runs without one.
     exec_output_budget: RawSize | None = None
@@ -221,6 +273,9 @@ class Config(_Strict):
     # The most one file transfer moves, either way (core/files.py): what a caller can make
     # the agent stream for it, and make a sandbox's tmpfs hold, at one go.
     files_max_bytes: RawSize = "1GB"
+    # What one user may hold at once of the exec output budget, of streams and of transfers
+    # in flight, and the bounds of the latter two for everyone (model/shares.py).
+    shares: SharesConfig = SharesConfig()
     # Warm pools, one ``[[pool]]`` table each (model.pool.PoolConfig; core.pool keeps them).
     pool: tuple[PoolConfig, ...] = ()
     pool_learning: PoolLearning = PoolLearning()

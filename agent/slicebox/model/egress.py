@@ -11,7 +11,14 @@ agent's resolver, which answers only allowed names and puts their addresses into
 nftables sets (``host.nft``, ``core.egress``); addresses and networks go there at create.
 
 The operator's ``[[egress.rule]]`` tables say which users and projects may ask for which
-entries: patterns written the same way, plus ``*`` for any entry. No rule: no egress for anyone.
+entries: patterns written the same way, plus ``*`` for any entry. No rule (the default): no
+egress for anyone.
+
+Some space is never an entry nor an answer, whatever the rules say (``RESERVED``, the egress
+subnet itself, and at run time the host's own addresses and Docker's bridge subnets): loopback,
+link-local (metadata services), "this network", multicast and the rest of class E, so also
+``0.0.0.0/0``, unless the operator names it in ``[egress] internal_networks``. The host itself is
+out of reach at the packet level whatever is listed (``host.nft``): only the resolver answers.
 """
 
 from __future__ import annotations
@@ -31,6 +38,12 @@ _LABEL = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
 # Answers pointing here are refused unless an allowed network covers them (DNS rebinding):
 # private, loopback, link-local, shared (CGNAT), reserved, multicast and unspecified space.
 _SHARED = ip_network("100.64.0.0/10")
+# Never reached unless the operator names it internal: the host and the services that answer
+# on every host (loopback, link-local metadata), and space that is no one's to ask for.
+RESERVED: tuple[IPv4Network, ...] = tuple(
+    IPv4Network(text)
+    for text in ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "240.0.0.0/4")
+)
 
 
 class EntryKind(StrEnum):
@@ -171,7 +184,8 @@ class EgressConfig(Model):
     # Private networks an allowed name may resolve into (an internal mirror, a company's git
     # host); any other private answer is refused as DNS rebinding unless the list names it.
     internal_networks: tuple[IPv4Network, ...] = ()
-    rule: tuple[EgressRule, ...] = (EgressRule(),)
+    # Closed by default: an operator grants egress per user or project.
+    rule: tuple[EgressRule, ...] = ()
 
     @field_validator("subnet")
     @classmethod
@@ -184,6 +198,22 @@ class EgressConfig(Model):
     def gateway(self) -> IPv4Address:
         """The bridge's address on the host: where the resolver listens."""
         return self.subnet.network_address + 1
+
+    def reserved(self, *found: IPv4Network) -> tuple[IPv4Network, ...]:
+        """Space no entry or answer may fall in: ``RESERVED``, the egress subnet, and what the
+        host has (``found``: its own addresses, Docker's bridge subnets)."""
+        return (*RESERVED, self.subnet, *found)
+
+    def unreachable(self, entries: tuple[AllowEntry, ...], *found: IPv4Network) -> list[str]:
+        """The entries that reach into reserved space and no internal network covers."""
+        reserved = self.reserved(*found)
+        return [
+            e.text
+            for e in entries
+            if e.network is not None
+            and any(e.network.overlaps(r) for r in reserved)
+            and not any(e.network.subnet_of(n) for n in self.internal_networks)
+        ]
 
     def refused(self, user: str, project: str, entries: tuple[AllowEntry, ...]) -> list[str]:
         """The entries no rule for ``user``/``project`` permits (empty: all permitted)."""
@@ -212,11 +242,26 @@ def rebinding(
     address: IPv4Address | IPv6Address,
     entries: tuple[AllowEntry, ...],
     internal: tuple[IPv4Network, ...] = (),
+    reserved: tuple[IPv4Network, ...] = RESERVED,
 ) -> bool:
-    """An answer's address in private-like space that neither an allowed network nor one of
-    the operator's internal networks covers: refused."""
+    """An answer's address in reserved space, or in private-like space that neither an
+    allowed network nor one of the operator's internal networks covers: refused."""
     if not isinstance(address, IPv4Address):
-        return address.is_private or address.is_loopback or address.is_link_local
+        mapped = address.ipv4_mapped or address.sixtofour
+        if mapped is not None:
+            return rebinding(mapped, entries, internal, reserved)
+        return (
+            address.is_private
+            or address.is_loopback
+            or address.is_link_local
+            or address.is_site_local
+            or address.is_multicast
+            or address.is_unspecified
+        )
+    if any(address in n for n in internal):
+        return False
+    if any(address in r for r in reserved):
+        return True
     special = (
         address.is_private
         or address.is_loopback

@@ -19,8 +19,10 @@ with its status and what the caller should do, in :mod:`slicebox.model.codes`.
     ├── SandboxNotRunning         the sandbox exists but is stopped or paused (409)
     ├── NotFound                  no such sandbox, or not the caller's (404)
     │   └── SandboxNotFound       no container with that id (an exec target)
+    ├── ShareFull                 the caller holds its whole share of a bound (429, Retry-After)
     ├── Unavailable               a backend or system service is not reachable (503)
-    │   └── ImageUnavailable      an image is not present and cannot be pulled
+    │   ├── ImageUnavailable      an image is not present and cannot be pulled
+    │   └── Busy                  a bound for all callers is full now (503, Retry-After)
     ├── HostError                 the host misbehaved (a systemd job failed, cgroupfs odd) (500)
     └── ConfigError               the agent's configuration file is unreadable or invalid (500)
 """
@@ -33,6 +35,7 @@ class SliceboxError(Exception):
 
     code = "internal"
     http_status = 500
+    retry_after: int | None = None  # seconds; answered as Retry-After when set
 
     def __init__(self, message: str, *, code: str | None = None, field: str | None = None) -> None:
         super().__init__(message)
@@ -102,6 +105,22 @@ class SandboxNotRunning(SliceboxError):
 class Unavailable(SliceboxError):
     code = "unavailable"
     http_status = 503
+
+
+class ShareFull(SliceboxError):
+    """The caller's requests in flight hold its whole share of something the agent bounds per
+    user (core/shares.py): retrying once one of them ends can succeed."""
+
+    code = "share_full"
+    http_status = 429
+    retry_after = 1
+
+
+class Busy(Unavailable):
+    """Every caller's requests together hold all of a bound: retrying later can succeed."""
+
+    code = "busy"
+    retry_after = 1
 
 
 class HostError(SliceboxError):

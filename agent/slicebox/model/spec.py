@@ -131,6 +131,11 @@ class Workspace(Model):
         return self
 
 
+# The most hosts one git credential names: with the token's and username's bounds, one
+# credential is at most about 25 KiB (the credential tmpfs is shared: core.credentials).
+MAX_GIT_HOSTS = 64
+
+
 class GitCredential(Model):
     """A token for git over HTTP(S), given to git through an askpass helper only: never argv,
     the URL, ``.git/config``, labels, logs or audit. ``hosts`` (``host`` or ``host:port``)
@@ -140,7 +145,9 @@ class GitCredential(Model):
 
     token: SecretStr = Field(min_length=1, max_length=8192)
     username: str = Field(default="x-access-token", pattern=r"^[^\s:]{1,256}$")
-    hosts: tuple[Annotated[str, Field(pattern=r"^[A-Za-z0-9.\[\]:-]{1,261}$")], ...] = ()
+    hosts: tuple[Annotated[str, Field(pattern=r"^[A-Za-z0-9.\[\]:-]{1,261}$")], ...] = Field(
+        default=(), max_length=MAX_GIT_HOSTS
+    )
 
     @field_serializer("token", when_used="json")
     def _token(self, token: SecretStr, info: SerializationInfo) -> str:

@@ -61,13 +61,16 @@ class SandboxInfo(_Strict):
 
 class EgressCounters(_Strict):
     """A sandbox with an egress allow-list: packets and bytes slicebox's nftables rules let
-    through (``allowed_*``) and dropped (``denied_*``); names its resolver refused."""
+    through (``allowed_*``) and dropped (``denied_*``); names its resolver refused; queries
+    its resolver dropped past the sandbox's rate, and TCP connections past its share."""
 
     allowed_packets: Bytes
     allowed_bytes: Bytes
     denied_packets: Bytes
     denied_bytes: Bytes
     denied_names: Bytes
+    dropped_queries: Bytes = 0
+    refused_connections: Bytes = 0
 
 
 class ResourceUsage(_Strict):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 import slicebox
 from slicebox.host.identity import (
+    ADMIN_GROUP,
     CachedUsers,
     Identity,
     PeerCredentials,
@@ -32,10 +33,12 @@ from slicebox.host.identity import (
 )
 from slicebox.model.api import ErrorBody, Health
 from slicebox.model.codes import CODES
+from slicebox.model.config import CallersConfig
 from slicebox.model.errors import InvalidRequest, SliceboxError
 from slicebox.model.limits import human_bytes
 from slicebox.model.validation import refusal
 from slicebox.server.pools import POOLS, Pools, pools_of, run_in
+from slicebox.web.limits import Limits
 from slicebox.web.server import (
     AppKey,
     Application,
@@ -70,6 +73,16 @@ class Route:
     query: type[BaseModel] | None = None  # the query string's model
     raw_body: bool = False  # the body is bytes (a file, a tar stream), not JSON
     raw_answer: bool = False  # so is the success answer
+
+
+@dataclass(frozen=True)
+class Callers:
+    """Who may call, as the configuration in force says (a reload changes it): ``CALLERS``."""
+
+    current: Callable[[], CallersConfig] = CallersConfig
+
+
+CALLERS = AppKey("slicebox.callers", Callers)
 
 
 def error_response(status: int, code: str, message: str, field: str | None = None) -> Response:
@@ -125,10 +138,16 @@ def make_middlewares(users: UserDirectory) -> list[Middleware]:
             if creds is None:
                 return error_response(403, "no_peer_credentials", "connect over the unix socket")
             # NSS may be slow (LDAP, sssd): look-ups run on a worker thread and are cached.
-            request[IDENTITY_KEY] = await run_in(pools_of(request).calls, resolve, creds, users)
+            callers = request.app.get(CALLERS, Callers()).current()
+            request[IDENTITY_KEY] = await run_in(
+                pools_of(request).calls, resolve, creds, users, ADMIN_GROUP, callers
+            )
             return await handler(request)
         except SliceboxError as exc:
-            return error_response(exc.http_status, exc.code, exc.message, exc.field)
+            answer = error_response(exc.http_status, exc.code, exc.message, exc.field)
+            if exc.retry_after is not None:  # a bound that was full (busy, a share)
+                answer.headers["Retry-After"] = str(exc.retry_after)
+            return answer
         except HTTPError as exc:
             return http_error(exc.status, exc.reason)
         except Exception:
@@ -138,7 +157,12 @@ def make_middlewares(users: UserDirectory) -> list[Middleware]:
     return [envelope]
 
 
-_HTTP_CODES = {404: "unknown_route", 405: "method_not_allowed", 413: "body_too_large"}
+_HTTP_CODES = {
+    404: "unknown_route",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    429: "too_many_requests",  # a cap of the socket's (web.limits)
+}
 # Any other status of the HTTP layer's: a request it cannot read as HTTP (a malformed head, a
 # head over 64 KiB, a transfer coding other than chunked), answered before any route sees it.
 _OTHER_HTTP_CODE = "bad_request"
@@ -157,6 +181,9 @@ def http_error(status: int, reason: str) -> Response:
     code = _HTTP_CODES.get(status, _OTHER_HTTP_CODE)
     return error_response(status, code, _HTTP_HINTS.get(status, reason))
 
+
+# The socket's caps and time limits (web.limits); the health is answered over the caps.
+SOCKET_LIMITS = Limits(always=frozenset({("GET", API_PREFIX + "/health")}))
 
 # The container engine the agent uses, as found (``FoundEngine.describe``), for the health.
 ENGINE = AppKey("slicebox.engine", str)

@@ -32,7 +32,7 @@ from slicebox.model.audit import AuditEvent, AuditRecord
 from slicebox.model.config import DEFAULT_PATH as DEFAULT_CONFIG
 from slicebox.model.errors import SliceboxError
 from slicebox.model.paths import AGENT_SOCKET
-from slicebox.server.api import ENGINE, Route, build_app
+from slicebox.server.api import CALLERS, ENGINE, SOCKET_LIMITS, Callers, Route, build_app
 from slicebox.server.pools import POOLS, run_in
 from slicebox.server.resolver import serve_resolver
 from slicebox.server.routes import ROUTES, SERVICE
@@ -111,7 +111,7 @@ class Agent:
 
     async def run(self, socket_path: Path) -> None:
         app = build_app(self._routes, SystemUsers(), self._state)
-        serving = await serve(app, listening_socket(socket_path))
+        serving = await serve(app, listening_socket(socket_path), limits=SOCKET_LIMITS)
         closing = [*[await opener() for opener in self._opening], *self._closing]
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
@@ -247,9 +247,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             (runtime.config.reaper.interval_seconds, runtime.reaper.run),
             (POOL_KICK_SECONDS, runtime.pool.kick),
         ],
-        state={SERVICE: runtime.service, ENGINE: runtime.docker.found.describe()},
+        state={
+            SERVICE: runtime.service,
+            ENGINE: runtime.docker.found.describe(),
+            CALLERS: Callers(lambda: runtime.sandboxes.config.callers),
+        },
         closing=[runtime.docker.aclose],
-        opening=[lambda: serve_resolver(runtime.egress.config.gateway, runtime.egress.answer)],
+        opening=[
+            lambda: serve_resolver(
+                runtime.egress.config.gateway, runtime.egress.answer, gate=runtime.egress
+            )
+        ],
     )
     asyncio.run(agent.run(options.socket))
     return 0

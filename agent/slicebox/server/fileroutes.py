@@ -30,8 +30,8 @@ from slicebox.model.files import FileFormat, FilesQuery, FileStat, Transferred
 from slicebox.model.validation import refusal
 from slicebox.server.api import Route, identity_of, json_ok
 from slicebox.server.pools import pools_of
-from slicebox.web.message import BodyReader, ProtocolError
-from slicebox.web.server import Request, StreamResponse
+from slicebox.web.message import ProtocolError
+from slicebox.web.server import Content, Request, StreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class RequestBody:
     ``ConnectionResetError`` (audited ``abandoned``), and so is a body whose chunked framing
     breaks."""
 
-    def __init__(self, content: BodyReader) -> None:
+    def __init__(self, content: Content) -> None:
         self._content = content
 
     async def read(self) -> bytes:

@@ -3,10 +3,13 @@ address.
 
 Each datagram is answered by ``core.egress.EgressGuard.answer`` on the event loop (the
 upstream's answer is awaited, never a thread's); at most ``IN_FLIGHT`` queries at once, further
-ones are dropped (the client retries, as it does for a lost datagram). An answer too long for a
-datagram comes back truncated, as the upstream sent it, and the client asks again over TCP,
-which is asked upstream over TCP. The sockets are bound with ``IP_FREEBIND``: the agent listens
-before Docker has made the bridge, and across the bridge's removal and making again.
+ones are dropped (the client retries, as it does for a lost datagram), and so are those past
+their sandbox's rate (the ``Gate``'s ``admitted``), before any task is made for them. An
+answer too long for a datagram comes back truncated, as the upstream sent it, and the client
+asks again over TCP, which is asked upstream over TCP. A TCP connection the ``Gate`` refuses
+(too many from one sandbox, or in all: each holds a descriptor) is closed at once. The
+sockets are bound with ``IP_FREEBIND``: the agent listens before Docker has made the bridge,
+and across the bridge's removal and making again.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from ipaddress import IPv4Address
 from pathlib import Path
-from typing import cast
+from typing import Protocol, cast
 
 from slicebox.host.nft import RESOLVER_PORT
 
@@ -28,6 +31,27 @@ UPSTREAM_TIMEOUT = 3.0
 IP_FREEBIND = getattr(socket, "IP_FREEBIND", 15)  # Linux's value; Python does not name it
 TCP_IDLE = 10.0  # a TCP client silent this long is let go
 Answer = Callable[[bytes, str, bool], Awaitable[bytes | None]]  # (query, source, over TCP)
+
+
+class Gate(Protocol):
+    """Whose query is answered, who may hold a TCP connection (``core.egress.EgressGuard``)."""
+
+    def admitted(self, source: str) -> bool: ...
+
+    def connected(self, source: str) -> bool: ...
+
+    def disconnected(self, source: str) -> None: ...
+
+
+class _Open:
+    def admitted(self, source: str) -> bool:
+        return True
+
+    def connected(self, source: str) -> bool:
+        return True
+
+    def disconnected(self, source: str) -> None:
+        return None
 
 
 def resolv_conf(path: Path = Path("/etc/resolv.conf")) -> tuple[IPv4Address, ...]:
@@ -113,8 +137,8 @@ async def _message(reader: asyncio.StreamReader) -> bytes:
 
 
 class _Serve(asyncio.DatagramProtocol):
-    def __init__(self, answer: Answer) -> None:
-        self._answer = answer
+    def __init__(self, answer: Answer, gate: Gate) -> None:
+        self._answer, self._gate = answer, gate
         self._transport: asyncio.DatagramTransport | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -122,7 +146,7 @@ class _Serve(asyncio.DatagramProtocol):
         self._transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
-        if len(self._tasks) >= IN_FLIGHT:
+        if len(self._tasks) >= IN_FLIGHT or not self._gate.admitted(str(addr[0])):
             return
         task = asyncio.get_running_loop().create_task(self._reply(data, addr))
         self._tasks.add(task)
@@ -139,18 +163,25 @@ class _Serve(asyncio.DatagramProtocol):
 
 
 async def serve_resolver(
-    address: IPv4Address, answer: Answer, port: int = RESOLVER_PORT
+    address: IPv4Address, answer: Answer, port: int = RESOLVER_PORT, gate: Gate | None = None
 ) -> Callable[[], Awaitable[None]]:
     """Listen on ``address``:``port``, UDP and TCP; returns what closes both."""
+    gate = gate or _Open()
+    admit: Gate = gate
     transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
-        lambda: _Serve(answer), sock=_bound(socket.SOCK_DGRAM, address, port)
+        lambda: _Serve(answer, admit), sock=_bound(socket.SOCK_DGRAM, address, port)
     )
 
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(writer.get_extra_info("peername")[0])
+        if not gate.connected(peer):
+            writer.transport.abort()  # no goodbye owed: the descriptor goes now
+            return
         try:
             while True:
                 query = await asyncio.wait_for(_message(reader), TCP_IDLE)
+                if not gate.admitted(peer):
+                    continue
                 reply = await answer(query, peer, True)
                 if reply is None:
                     break
@@ -159,6 +190,7 @@ async def serve_resolver(
         except (OSError, TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:
+            gate.disconnected(peer)
             writer.close()
 
     tcp = _bound(socket.SOCK_STREAM, address, port)

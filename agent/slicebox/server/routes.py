@@ -16,8 +16,9 @@ as output is produced, then one ``{"result": {...}}``. Each chunk is written to 
 it comes, and the next output is read only once the socket has taken it (``await
 response.write``), so memory stays flat whatever the command prints. A caller that goes away
 ends the exec (its processes are killed and it is audited ``abandoned``).
-An exec's share of the output budget is reserved before it starts and held until its answer is
-sent (see :mod:`slicebox.core.budget`).
+An exec's part of the output budget is reserved before it starts and held until its answer is
+sent (see :mod:`slicebox.core.budget`); a streamed one holds one of the streams in flight as
+long (:mod:`slicebox.core.shares`).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def _routes() -> list[Route]:
         service, who = _service(request), identity_of(request)
         calls = pools_of(request).call
         with await _call(
-            request, service.reserve, who, body.output_cap, "exec", _id(request)
+            request, service.reserve_stream, who, body.output_cap, "exec", _id(request)
         ) as held:
             events = service.aexec_stream(who, _id(request), body, held, calls)
             return await _stream(request, events)
@@ -133,7 +134,8 @@ def _routes() -> list[Route]:
     async def run_stream(request: Request) -> StreamResponse:
         body = await parse_body(request, RunRequest, MAX_EXEC_BODY_BYTES)
         service, who, pools = _service(request), identity_of(request), pools_of(request)
-        with await _call(request, service.reserve, who, body.exec.output_cap, "run") as held:
+        reserve = service.reserve_stream
+        with await _call(request, reserve, who, body.exec.output_cap, "run") as held:
             events = service.arun_stream(who, body, held, pools.call, pools.aside)
             return await _stream(request, events)
 

@@ -29,6 +29,7 @@ from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.service import Service, cgroups_of
 from slicebox.core.slices import SliceManager
 from slicebox.core.telemetry import MemoryIntegrator, TreeReader, UsageReader, scope_pid
+from slicebox.host.beneath import unsafe_roots
 from slicebox.host.cgroupfs import CgroupFS, populated
 from slicebox.host.journal import Auditor
 from slicebox.host.netstats import NetnsCounters
@@ -100,6 +101,7 @@ class Runtime:
     def reload(self) -> str:
         """Re-read the config and write its ceilings to every running slice, live."""
         config = load_config(self.config_path)
+        warn_unsafe_roots(config)
         self.sandboxes.reconfigure(config)
         self.pool.configure(config)
         self.pool.kick()
@@ -139,8 +141,19 @@ def remote_backend(config: Config) -> DaytonaBackend | None:
     return DaytonaBackend(config.daytona.api_url, key, config.daytona.target)
 
 
+def warn_unsafe_roots(config: Config) -> None:
+    """Say in the log which configured bind roots refuse every bind (host.beneath)."""
+    for problem in unsafe_roots(config.bind_roots):
+        log.warning(
+            "bind root %s; every bind under it is refused (bind_root_unsafe) until the "
+            "operator fixes it: see `slicebox doctor`",
+            problem,
+        )
+
+
 def assemble(config_path: Path, auditor: Auditor) -> Runtime:
     config = load_config(config_path)
+    warn_unsafe_roots(config)
     host_memory = read_host_memory()
     systemd = PystemdSystemd()
     slices = SliceManager(systemd)
@@ -201,7 +214,10 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         pool=pool,
     )
     agent_memory = agent_memory_max()  # read once; the config's budget is re-read on reload
-    budget = OutputBudget(lambda: sandboxes.config.exec_output_budget_bytes(agent_memory))
+    budget = OutputBudget(
+        lambda: sandboxes.config.exec_output_budget_bytes(agent_memory),
+        share=lambda: sandboxes.config.shares.user_share,
+    )
     log.info("exec output budget %s bytes", config.exec_output_budget_bytes(agent_memory))
     service = Service(
         sandboxes,

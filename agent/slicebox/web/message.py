@@ -1,7 +1,8 @@
 """HTTP/1.1 messages on an asyncio stream: the head, the headers, the body's framing.
 
-The server and the client read the same wire format, so they share its parsing here. What the
-peer sends is untrusted (any local user can connect to the agent's socket), so the parse is
+The client (``web.client``) reads answers with it, from the agent and from dockerd; the server
+parses requests with h11 (``web.server``), where any local user is the peer, and shares only
+the errors and helpers here. The parse is
 strict where leniency is a known smuggling or exhaustion risk: a head is bounded, both
 Content-Length and Transfer-Encoding is refused, so is any coding but exactly ``chunked``, and
 conflicting lengths. A body is never held whole by the reader: it hands out what the socket
@@ -20,7 +21,6 @@ import asyncio
 import http
 import re
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
-from urllib.parse import urlsplit
 
 MAX_HEAD_BYTES = 64 * 1024
 READ_SIZE = 64 * 1024  # what one read of a body hands out at most, by default
@@ -111,15 +111,6 @@ async def _head_line(reader: asyncio.StreamReader, started: bool) -> bytes | Non
         return None
 
 
-def parse_request_line(line: bytes) -> tuple[str, str, tuple[int, int]]:
-    """(method, target in origin form, version) of ``GET /path?q HTTP/1.1``."""
-    parts = line.split(b" ")
-    version = _version(parts[-1])
-    if len(parts) != 3 or not is_token(parts[0]) or version is None or not parts[1].isascii():
-        raise ProtocolError(f"malformed request line {line[:100]!r}")
-    return parts[0].decode().upper(), _origin_form(parts[1].decode()), version
-
-
 def parse_status_line(line: bytes) -> tuple[tuple[int, int], int, str]:
     """(version, status, reason) of ``HTTP/1.1 200 OK``; the reason may be empty."""
     parts = line.split(b" ", 2)
@@ -136,15 +127,6 @@ def _version(word: bytes) -> tuple[int, int] | None:
     if matched[1] != b"1":
         raise ProtocolError(f"HTTP version {word.decode()} is not spoken here", 505)
     return 1, int(matched[2])
-
-
-def _origin_form(target: str) -> str:
-    if target.startswith("/"):
-        return target
-    if "://" in target:  # absolute-form, which a server must accept too (RFC 9112 3.2.2)
-        split = urlsplit(target)
-        return (split.path or "/") + (f"?{split.query}" if split.query else "")
-    raise ProtocolError(f"malformed request target {target[:100]!r}")
 
 
 def parse_headers(lines: Iterable[bytes]) -> Headers:

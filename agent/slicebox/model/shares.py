@@ -1,0 +1,32 @@
+"""The ``[shares]`` table of the config: what one user may hold at once of what the agent
+bounds for everyone (:mod:`slicebox.core.shares`).
+
+    [shares]
+    user_share = 0.5            # of each bound below and of exec_output_budget, per user
+    streams_in_flight = 64      # streamed execs and runs answering at once, all users
+    transfers_in_flight = 32    # file transfers (PUT/GET .../files) at once, all users
+"""
+
+from __future__ import annotations
+
+from pydantic import ConfigDict, Field
+
+from slicebox.model.base import Model
+
+DEFAULT_USER_SHARE = 0.5
+DEFAULT_STREAMS_IN_FLIGHT = 64
+DEFAULT_TRANSFERS_IN_FLIGHT = 32
+
+
+class SharesConfig(Model):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # The most of each bound one user (a uid; root and slicebox-admin hold none) holds at once:
+    # of the exec output budget's bytes, of streams and of transfers in flight. 1: no share.
+    user_share: float = Field(default=DEFAULT_USER_SHARE, gt=0, le=1)
+    streams_in_flight: int = Field(default=DEFAULT_STREAMS_IN_FLIGHT, gt=0)
+    transfers_in_flight: int = Field(default=DEFAULT_TRANSFERS_IN_FLIGHT, gt=0)
+
+    def share_of(self, total: int) -> int:
+        """One user's share of ``total`` things (streams, transfers): at least one."""
+        return max(1, int(total * self.user_share))

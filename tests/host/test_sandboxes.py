@@ -253,9 +253,15 @@ REFUSED: list[tuple[dict[str, object], str]] = [
 ]
 
 
+# Who the socket says a caller is (its kernel-given uid and NSS primary gid): a host bind runs as
+# exactly them (policy.check_host_run_as). The test users have no passwd entry, so the default
+# non-root uid stands in.
+NOBODY = (65534, 65534)
+
+
 def create_error(manager: SandboxManager, fields: dict[str, object]) -> str:
     try:
-        box = manager.create(SandboxSpec.model_validate(fields))
+        box = manager.create(SandboxSpec.model_validate(fields), owner=NOBODY)
     except SliceboxError as exc:
         return exc.code
     manager.destroy(box.id)
@@ -266,9 +272,18 @@ def test_every_refused_request_returns_its_error_and_leaves_nothing(env: Env) ->
     user = unique("refused-")
     manager = env.manager()
     outcomes = []
-    for fields, _ in REFUSED:
-        outcomes.append(create_error(manager, {"user": user, "project": "p", **fields}))
-        assert env.leftovers(user) == ([], []), f"{fields} left something behind"
+    # The bind root, as an operator makes it (root's, writable by nobody else): one that is
+    # not there is refused bind_root_unsafe before any source under it is looked at.
+    root = Path("/srv/sbx-roots")
+    made = not root.exists()
+    root.mkdir(mode=0o755, parents=True, exist_ok=True)
+    try:
+        for fields, _ in REFUSED:
+            outcomes.append(create_error(manager, {"user": user, "project": "p", **fields}))
+            assert env.leftovers(user) == ([], []), f"{fields} left something behind"
+    finally:
+        if made:
+            root.rmdir()
     assert outcomes == [code for _, code in REFUSED]
 
 
@@ -296,11 +311,11 @@ def test_a_symlink_planted_through_a_writable_bind_cannot_reach_the_hosts_root(e
 
     def refusal(source: Path) -> tuple[str, str]:
         with pytest.raises(SliceboxError) as refused:
-            boxes.append(manager.create(bind(source, "refused")))
+            boxes.append(manager.create(bind(source, "refused"), owner=NOBODY))
         return refused.value.code, refused.value.message
 
     try:
-        boxes.append(manager.create(bind(mine / "ws")))
+        boxes.append(manager.create(bind(mine / "ws"), owner=NOBODY))
         planted = env.client.containers.get(boxes[0].container_id).exec_run(
             ["ln", "-s", "/", "/workspace/esc"]
         )
@@ -318,7 +333,7 @@ def test_a_symlink_planted_through_a_writable_bind_cannot_reach_the_hosts_root(e
         assert not (mine / "ws" / "absent").exists(), "nothing made the missing source"
         assert env.leftovers(env.user)[0] == [boxes[0].container_id]
 
-        boxes.append(manager.create(bind(mine / "ws" / "sub")))
+        boxes.append(manager.create(bind(mine / "ws" / "sub"), owner=NOBODY))
         inside = env.client.api.inspect_container(boxes[1].container_id)["Mounts"]
         # Docker got the root-owned staging point (host.staging), gone once the sandbox ran;
         # what the sandbox has there is the directory that was pinned.

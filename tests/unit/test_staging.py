@@ -37,6 +37,20 @@ def test_a_source_that_is_no_longer_what_was_pinned_is_refused_and_nothing_stays
     assert stager.staged() == [], "the staging directory went with the refusal"
 
 
+def test_the_stage_is_made_when_the_agent_s_runtime_directory_is_not_there_yet(
+    tmp_path: Path,
+) -> None:
+    # /run/slicebox is made by systemd for the socket; a create in a process of its own (the
+    # guest's in-process tests, a host where the agent never ran) made none before.
+    stager = Stager(root=tmp_path / "run" / "slicebox" / "stage", enter=())
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    with pytest.raises(PolicyViolation) as refused:  # an inode that is not the pinned one
+        stager.stage("sb-0", [(str(mine), 0, 0)])
+    assert refused.value.code == "mount_changed"
+    assert (tmp_path / "run" / "slicebox" / "stage").is_dir()
+
+
 def test_staging_points_are_root_only_and_unstaging_nothing_is_fine(tmp_path: Path) -> None:
     stager = here(tmp_path)
     stager.unstage("sb-none")

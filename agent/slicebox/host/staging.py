@@ -56,6 +56,7 @@ def made(path):
     if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
         sys.exit(f"{path} is not root's own directory")
 def stage(where, entries):
+    os.makedirs(os.path.dirname(os.path.dirname(where)), 0o755, exist_ok=True)
     made(os.path.dirname(where))
     made(where)
     for n in range(0, len(entries), 3):

@@ -20,11 +20,13 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 import docker
 import docker.errors
 import pytest
 
+from slicebox.backends.base import ExecApi
 from slicebox.backends.docker import DockerBackend
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
@@ -245,6 +247,43 @@ def test_timeout_kills_a_fork_bomb_whole_before_answering(no_leftovers: Sandbox)
     assert (result.exit_code, result.timed_out) == (124, True)
     assert no_leftovers.pids() == no_leftovers.baseline, "right after the answer"
     assert peak() >= len(no_leftovers.baseline) + 10, "the bomb forked before the timeout"
+
+
+class ThawOnSecondCreate:
+    """The Docker backend, thawing a frozen scope when the engine creates its second exec."""
+
+    def __init__(self, backend: DockerBackend, freeze: Path) -> None:
+        self._backend = backend
+        self._freeze = freeze
+        self.creates = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._backend, name)
+
+    def exec_create(self, container_id: str, request: ExecRequest, streamed: bool = False) -> str:
+        self.creates += 1
+        if self.creates == 2:
+            self._freeze.write_text("0")
+        return self._backend.exec_create(container_id, request, streamed)
+
+
+def test_an_exec_started_while_a_kill_has_the_sandbox_frozen_runs_once_thawed(
+    no_leftovers: Sandbox,
+) -> None:
+    """An exec's kill freezes its sandbox's scope for milliseconds (host.procs); real runc
+    refuses an exec of the same sandbox starting then ("cannot exec in a paused container",
+    which the five users' load met). The engine runs such an exec again; the caller sees its
+    output alone."""
+    freeze = no_leftovers.cgroup / "cgroup.freeze"
+    api = ThawOnSecondCreate(DockerBackend.from_env(), freeze)
+    engine = ExecEngine(cast(ExecApi, api), CgroupHost())
+    freeze.write_text("1")
+    try:
+        result = engine.run(no_leftovers.id, ExecRequest.parse({"argv": ["echo", "ran"]}))
+    finally:
+        freeze.write_text("0")
+    assert (result.exit_code, result.stdout, result.stderr) == (0, b"ran\n", b"")
+    assert api.creates == 2, "the first exec met the frozen scope and was refused"
 
 
 def test_allocation_past_the_memory_limit_reports_oom_killed(no_leftovers: Sandbox) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from slicebox.backends.base import StdinSource
 from slicebox.core.blocking import Blocking
-from slicebox.core.execution import KILL_GRACE, ExecEngine, OutputCapture
+from slicebox.core.execution import KILL_GRACE, PAUSED_RETRIES, ExecEngine, OutputCapture
 from slicebox.model.errors import SandboxNotFound
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, OutputStream, StreamChunk
 from tests.fakes.exec_fakes import FakeClock, FakeExec, FakeExecApi, FakeSandboxHost
@@ -206,6 +206,80 @@ def test_start_failures_are_moved_to_stderr(
     else:
         assert (result.stdout, result.exit_code) == (b"", explained)
         assert result.stderr == stdout.replace(b"\r\n", b"\n")
+
+
+PAUSED = (
+    b"OCI runtime exec failed: exec failed: cannot exec in a paused container "
+    b"(use --ignore-paused to override): unknown\r\n"
+)
+
+
+class FrozenAtFirst(FakeExecApi):
+    """Docker as it answers while another exec's kill has the scope frozen for a moment: the
+    first ``refusals`` execs never start (runc's refusal on stdout, exit 126)."""
+
+    def __init__(self, clock: FakeClock, run: FakeExec, refusals: int) -> None:
+        super().__init__(clock, FakeSandboxHost(), run)
+        self.wanted = run
+        self.refusals = refusals
+        self.created = 0
+
+    def exec_create(
+        self, container_id: str, request: ExecRequest, streamed_stdin: bool = False
+    ) -> str:
+        self.created += 1
+        if self.created <= self.refusals:
+            self.run = FakeExec([[chunk(OUT, PAUSED)], None], exit_code=126, pid=90 + self.created)
+        else:
+            self.run = self.wanted
+        super().exec_create(container_id, request, streamed_stdin)
+        return f"exec-{self.created}"
+
+
+def frozen_at_first(run: FakeExec, refusals: int) -> tuple[ExecEngine, FrozenAtFirst]:
+    clock = FakeClock()
+    api = FrozenAtFirst(clock, run, refusals)
+    return ExecEngine(api, api.host, clock=clock, sleep=clock.sleep, asleep=clock.asleep), api
+
+
+def test_an_exec_refused_by_a_moment_s_freeze_runs_again_and_its_refusal_is_never_seen(
+    way: Way,
+) -> None:
+    """A kill freezes the sandbox's scope for milliseconds (host.procs); runc refuses an exec
+    of the same sandbox starting then. The command never ran, so the engine runs it again: the
+    caller sees only its real output, stdin given whole each time."""
+    run = FakeExec([[chunk(OUT, b"real")], None], exit_code=0)
+    engine, api = frozen_at_first(run, refusals=2)
+    events = way(engine, request(stdin=b"in"))
+    assert [e for e in events if isinstance(e, StreamChunk)] == [chunk(OUT, b"real")]
+    result = result_of(events)
+    assert (result.stdout, result.stderr, result.exit_code) == (b"real", b"", 0)
+    assert (api.created, run.stdin) == (3, b"in")
+
+
+def test_a_sandbox_that_stays_paused_answers_runc_s_refusal_after_a_few_tries(way: Way) -> None:
+    """A sandbox paused on purpose (docker pause) stays so: after the bounded re-runs the
+    caller gets runc's words, moved to stderr as any start failure."""
+    engine, api = frozen_at_first(FakeExec([None]), refusals=100)
+    result = result_of(way(engine, request()))
+    assert (result.exit_code, result.stdout, result.stderr) == (
+        126,
+        b"",
+        PAUSED.replace(b"\r\n", b"\n"),
+    )
+    assert api.created == 1 + len(PAUSED_RETRIES)
+
+
+def test_output_that_only_looks_like_the_refusal_is_not_run_again(way: Way) -> None:
+    """A command whose own output starts like runc's refusal, then goes on, runs once."""
+    run = FakeExec([[chunk(OUT, PAUSED)], [chunk(OUT, b"more")], None], exit_code=126)
+    engine, api = frozen_at_first(run, refusals=0)
+    events = way(engine, request())
+    assert [e for e in events if isinstance(e, StreamChunk)] == [
+        chunk(OUT, PAUSED),
+        chunk(OUT, b"more"),
+    ]
+    assert api.created == 1
 
 
 PODMAN = b"Error: runc: exec failed: unable to start container process: "

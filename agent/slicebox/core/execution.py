@@ -70,6 +70,10 @@ EXIT_POLL = 0.02
 START_FAILED = 126
 NOT_FOUND_EXIT_CODE = 127
 OCI_START_FAILURE = b"OCI runtime exec failed"
+# runc's refusal of an exec into a frozen scope; the engine's own kill freezes a scope for
+# milliseconds, so an exec starting then is created and started again after these pauses.
+PAUSED_REFUSAL = b"cannot exec in a paused container"
+PAUSED_RETRIES = (0.02, 0.05, 0.1, 0.2, 0.5)
 PODMAN_START_FAILURE = b"OCI runtime attempted to invoke a command that was not found"
 
 
@@ -318,27 +322,74 @@ class ExecEngine:
     ) -> AsyncGenerator[ExecEvent, None]:
         run = await self._begin(container_id, request, scope, stdin is not None, io)
         capture = capture or OutputCapture(request.output_cap)
-        attachment = await io.start(run.exec_id, request.stdin if stdin is None else stdin)
-        try:
-            while (chunks := await self._output(run, attachment, io)) is not None:
-                for chunk in chunks:
-                    if (kept := capture.add(chunk)) is not None:
-                        yield kept
-            run.finished = True
-        finally:
-            attachment.close()
-            if not run.finished:  # shielded: a caller cancelled again still gets the kill
-                await asyncio.shield(self._kill(run, "its stream was abandoned", io))
+        # A re-run is only for a command that never ran, whose stdin can be given again.
+        retries = list(PAUSED_RETRIES) if stdin is None and not io.launched else []
+        while True:
+            attachment = await io.start(run.exec_id, request.stdin if stdin is None else stdin)
+            held: StreamChunk | None = None  # the first chunk, while it may be runc's refusal
+            chunks_seen = 0
+            try:
+                while (chunks := await self._output(run, attachment, io)) is not None:
+                    for chunk in chunks:
+                        chunks_seen += 1
+                        if chunks_seen == 1 and retries and _may_be_paused_refusal(chunk):
+                            held = chunk
+                            continue
+                        for out in (held, chunk) if held is not None else (chunk,):
+                            if (kept := capture.add(out)) is not None:
+                                yield kept
+                        held = None
+                run.finished = True
+            finally:
+                attachment.close()
+                if not run.finished:  # shielded: a caller cancelled again still gets the kill
+                    await asyncio.shield(self._kill(run, "its stream was abandoned", io))
+            if held is not None and _is_paused_refusal(held) and await self._refused(run, io):
+                # runc refused the exec while the scope was frozen for a moment (another
+                # exec's kill, host.procs): the command never ran, so run it again.
+                log.info("exec %s met its sandbox frozen: running it again", run.exec_id)
+                await io.pause(retries.pop(0))
+                run = await self._begin(
+                    container_id,
+                    request,
+                    scope,
+                    False,
+                    io,
+                    started=run.started,
+                    deadline=run.deadline,
+                )
+                continue
+            if held is not None and (kept := capture.add(held)) is not None:
+                yield kept
+            break
         yield await self._finish(run, capture, io)
 
+    async def _refused(self, run: _Run, io: _Io) -> bool:
+        """Whether the exec ended without starting (runc's start failure), not yet timed out."""
+        if run.timed_out or self._clock() >= run.deadline:
+            return False
+        state = await self._inspect(run, io)
+        return not state.running and state.exit_code == START_FAILED
+
     async def _begin(
-        self, container_id: str, request: ExecRequest, scope: str | None, streamed: bool, io: _Io
+        self,
+        container_id: str,
+        request: ExecRequest,
+        scope: str | None,
+        streamed: bool,
+        io: _Io,
+        *,
+        started: float | None = None,
+        deadline: float | None = None,
     ) -> _Run:
+        """A new exec, created; ``started``/``deadline``: an earlier attempt's, kept by a re-run."""
         where = functools.partial(self._where, container_id, scope)
         cgroup, oom_before, since = await io.call(where)
         exec_id = await io.create(container_id, request, streamed)
-        started = self._clock()
-        return _Run(exec_id, cgroup, oom_before, since, started, started + request.timeout)
+        if started is None or deadline is None:
+            started = self._clock()
+            deadline = started + request.timeout
+        return _Run(exec_id, cgroup, oom_before, since, started, deadline)
 
     def _where(self, container_id: str, scope: str | None) -> tuple[Path | None, int | None, int]:
         """The sandbox's cgroup, its OOM count and the process clock, before the exec."""
@@ -475,6 +526,15 @@ def explain_start_failure(result: ExecResult) -> ExecResult:
             "exit_code": NOT_FOUND_EXIT_CODE if missing else START_FAILED,
         }
     )
+
+
+def _may_be_paused_refusal(chunk: StreamChunk) -> bool:
+    """Whether a first chunk may be (the start of) runc's refusal, which Docker puts on stdout."""
+    return chunk.stream is OutputStream.STDOUT and chunk.data.startswith(OCI_START_FAILURE)
+
+
+def _is_paused_refusal(chunk: StreamChunk) -> bool:
+    return PAUSED_REFUSAL in chunk.data[:512]
 
 
 def _podman_no_cwd(stderr: bytes) -> bool:

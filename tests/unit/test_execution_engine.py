@@ -18,7 +18,13 @@ import pytest
 
 from slicebox.backends.base import StdinSource
 from slicebox.core.blocking import Blocking
-from slicebox.core.execution import KILL_GRACE, PAUSED_RETRIES, ExecEngine, OutputCapture
+from slicebox.core.execution import (
+    KILL_GRACE,
+    PAUSED_RETRIES,
+    REFUSAL_WAIT,
+    ExecEngine,
+    OutputCapture,
+)
 from slicebox.model.errors import SandboxNotFound
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, OutputStream, StreamChunk
 from tests.fakes.exec_fakes import FakeClock, FakeExec, FakeExecApi, FakeSandboxHost
@@ -214,42 +220,57 @@ PAUSED = (
 )
 
 
-class FrozenAtFirst(FakeExecApi):
-    """Docker as it answers while another exec's kill has the scope frozen for a moment: the
-    first ``refusals`` execs never start (runc's refusal on stdout, exit 126)."""
+PODMAN_PAUSED = [
+    b"Error: runc: exec failed: cannot exec in a paused container (use --ignore-paused to "
+    b"override): OCI runtime error\n",
+    b"Error: read unixpacket @->/proc/self/fd/13/attach: read: connection reset by peer\n",
+]
 
-    def __init__(self, clock: FakeClock, run: FakeExec, refusals: int) -> None:
+
+class FrozenAtFirst(FakeExecApi):
+    """An engine's API as it answers while another exec's kill has the scope frozen for a
+    moment: the first ``refusals`` execs never start (runc's refusal: through Docker on stdout
+    with 126, through Podman on stderr with 125)."""
+
+    def __init__(self, clock: FakeClock, run: FakeExec, refusals: int, podman: bool) -> None:
         super().__init__(clock, FakeSandboxHost(), run)
         self.wanted = run
         self.refusals = refusals
+        self.podman = podman
         self.created = 0
 
     def exec_create(
         self, container_id: str, request: ExecRequest, streamed_stdin: bool = False
     ) -> str:
         self.created += 1
-        if self.created <= self.refusals:
-            self.run = FakeExec([[chunk(OUT, PAUSED)], None], exit_code=126, pid=90 + self.created)
-        else:
+        if self.created > self.refusals:
             self.run = self.wanted
+        elif self.podman:
+            said = [[chunk(ERR, line)] for line in PODMAN_PAUSED]
+            self.run = FakeExec([*said, None], exit_code=125, pid=90 + self.created)
+        else:
+            self.run = FakeExec([[chunk(OUT, PAUSED)], None], exit_code=126, pid=90 + self.created)
         super().exec_create(container_id, request, streamed_stdin)
         return f"exec-{self.created}"
 
 
-def frozen_at_first(run: FakeExec, refusals: int) -> tuple[ExecEngine, FrozenAtFirst]:
+def frozen_at_first(
+    run: FakeExec, refusals: int, podman: bool = False
+) -> tuple[ExecEngine, FrozenAtFirst]:
     clock = FakeClock()
-    api = FrozenAtFirst(clock, run, refusals)
+    api = FrozenAtFirst(clock, run, refusals, podman)
     return ExecEngine(api, api.host, clock=clock, sleep=clock.sleep, asleep=clock.asleep), api
 
 
+@pytest.mark.parametrize("podman", [False, True], ids=["docker", "podman"])
 def test_an_exec_refused_by_a_moment_s_freeze_runs_again_and_its_refusal_is_never_seen(
-    way: Way,
+    way: Way, podman: bool
 ) -> None:
     """A kill freezes the sandbox's scope for milliseconds (host.procs); runc refuses an exec
     of the same sandbox starting then. The command never ran, so the engine runs it again: the
     caller sees only its real output, stdin given whole each time."""
     run = FakeExec([[chunk(OUT, b"real")], None], exit_code=0)
-    engine, api = frozen_at_first(run, refusals=2)
+    engine, api = frozen_at_first(run, refusals=2, podman=podman)
     events = way(engine, request(stdin=b"in"))
     assert [e for e in events if isinstance(e, StreamChunk)] == [chunk(OUT, b"real")]
     result = result_of(events)
@@ -270,16 +291,47 @@ def test_a_sandbox_that_stays_paused_answers_runc_s_refusal_after_a_few_tries(wa
     assert api.created == 1 + len(PAUSED_RETRIES)
 
 
-def test_output_that_only_looks_like_the_refusal_is_not_run_again(way: Way) -> None:
-    """A command whose own output starts like runc's refusal, then goes on, runs once."""
-    run = FakeExec([[chunk(OUT, PAUSED)], [chunk(OUT, b"more")], None], exit_code=126)
+@pytest.mark.parametrize(
+    ("said", "code"),
+    [
+        # runc's words, then the command's own
+        ([[chunk(OUT, PAUSED)], [chunk(OUT, b"more")]], 126),
+        ([[chunk(OUT, PAUSED)], [chunk(ERR, b"more")]], 126),
+        # a command's own "Error: " lines, and its own exit code
+        ([[chunk(ERR, b"Error: no such thing\n")]], 1),
+        ([[chunk(ERR, PODMAN_PAUSED[0])], [chunk(ERR, b"and my own line\n")]], 125),
+    ],
+)
+def test_output_that_only_looks_like_the_refusal_is_not_run_again(
+    way: Way, said: list[list[StreamChunk]], code: int
+) -> None:
+    run = FakeExec([*said, None], exit_code=code)
     engine, api = frozen_at_first(run, refusals=0)
     events = way(engine, request())
-    assert [e for e in events if isinstance(e, StreamChunk)] == [
-        chunk(OUT, PAUSED),
-        chunk(OUT, b"more"),
-    ]
-    assert api.created == 1
+    assert [e for e in events if isinstance(e, StreamChunk)] == [c for cs in said for c in cs]
+    assert (api.created, result_of(events).exit_code) == (1, code)
+
+
+def test_output_held_as_a_possible_refusal_is_let_go_within_the_wait() -> None:
+    """A command whose first line looks like Podman's refusal and then runs on silent: the line
+    is streamed once REFUSAL_WAIT has passed, not at its end."""
+    run = FakeExec([[chunk(ERR, b"Error: retrying\n")]], exit_code=0, exits_at_eof=False)
+    engine, api = make(run)
+    started = api.clock.now
+    seen: list[float] = []
+
+    async def main() -> None:
+        async with pooled() as blocking:
+            events = engine.astream("box", request(timeout=30), blocking)
+            async with aclosing(events):
+                async for event in events:
+                    if isinstance(event, StreamChunk):
+                        seen.append(api.clock.now - started)
+                        return
+
+    asyncio.run(main())
+    assert len(seen) == 1
+    assert REFUSAL_WAIT <= seen[0] <= REFUSAL_WAIT + 1
 
 
 PODMAN = b"Error: runc: exec failed: unable to start container process: "

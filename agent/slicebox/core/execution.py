@@ -70,10 +70,15 @@ EXIT_POLL = 0.02
 START_FAILED = 126
 NOT_FOUND_EXIT_CODE = 127
 OCI_START_FAILURE = b"OCI runtime exec failed"
-# runc's refusal of an exec into a frozen scope; the engine's own kill freezes a scope for
-# milliseconds, so an exec starting then is created and started again after these pauses.
+# runc's refusal of an exec into a frozen scope (under Docker and Podman); the engine's own kill
+# freezes a scope for milliseconds, so an exec starting then is made again after these pauses.
 PAUSED_REFUSAL = b"cannot exec in a paused container"
 PAUSED_RETRIES = (0.02, 0.05, 0.1, 0.2, 0.5)
+PODMAN_ERROR = b"Error: "
+PODMAN_EXEC_FAILED = 125  # Podman's exit code for an exec its runtime did not start
+REFUSAL_MAX = 4096
+# The refusal comes at once: output is held back at most this long after the start.
+REFUSAL_WAIT = 2.0
 PODMAN_START_FAILURE = b"OCI runtime attempted to invoke a command that was not found"
 
 
@@ -326,27 +331,29 @@ class ExecEngine:
         retries = list(PAUSED_RETRIES) if stdin is None and not io.launched else []
         while True:
             attachment = await io.start(run.exec_id, request.stdin if stdin is None else stdin)
-            held: StreamChunk | None = None  # the first chunk, while it may be runc's refusal
-            chunks_seen = 0
+            # The output so far, while it may be the runtime's refusal to start the command.
+            held: list[StreamChunk] | None = [] if retries else None
+            begun = self._clock()
             try:
                 while (chunks := await self._output(run, attachment, io)) is not None:
-                    for chunk in chunks:
-                        chunks_seen += 1
-                        if chunks_seen == 1 and retries and _may_be_paused_refusal(chunk):
-                            held = chunk
+                    if held is not None:
+                        held.extend(chunks)
+                        if (not held or _may_be_paused_refusal(held)) and (
+                            self._clock() - begun < REFUSAL_WAIT
+                        ):
                             continue
-                        for out in (held, chunk) if held is not None else (chunk,):
-                            if (kept := capture.add(out)) is not None:
-                                yield kept
-                        held = None
+                        chunks, held = held, None
+                    for chunk in chunks:
+                        if (kept := capture.add(chunk)) is not None:
+                            yield kept
                 run.finished = True
             finally:
                 attachment.close()
                 if not run.finished:  # shielded: a caller cancelled again still gets the kill
                     await asyncio.shield(self._kill(run, "its stream was abandoned", io))
-            if held is not None and _is_paused_refusal(held) and await self._refused(run, io):
-                # runc refused the exec while the scope was frozen for a moment (another
-                # exec's kill, host.procs): the command never ran, so run it again.
+            if held and _is_paused_refusal(held) and await self._refused(run, io):
+                # The runtime refused the exec while the scope was frozen for a moment
+                # (another exec's kill, host.procs): the command never ran, so run it again.
                 log.info("exec %s met its sandbox frozen: running it again", run.exec_id)
                 await io.pause(retries.pop(0))
                 run = await self._begin(
@@ -359,8 +366,9 @@ class ExecEngine:
                     deadline=run.deadline,
                 )
                 continue
-            if held is not None and (kept := capture.add(held)) is not None:
-                yield kept
+            for out in held or ():
+                if (kept := capture.add(out)) is not None:
+                    yield kept
             break
         yield await self._finish(run, capture, io)
 
@@ -369,7 +377,7 @@ class ExecEngine:
         if run.timed_out or self._clock() >= run.deadline:
             return False
         state = await self._inspect(run, io)
-        return not state.running and state.exit_code == START_FAILED
+        return not state.running and state.exit_code in {START_FAILED, PODMAN_EXEC_FAILED}
 
     async def _begin(
         self,
@@ -528,13 +536,29 @@ def explain_start_failure(result: ExecResult) -> ExecResult:
     )
 
 
-def _may_be_paused_refusal(chunk: StreamChunk) -> bool:
-    """Whether a first chunk may be (the start of) runc's refusal, which Docker puts on stdout."""
-    return chunk.stream is OutputStream.STDOUT and chunk.data.startswith(OCI_START_FAILURE)
+def _may_be_paused_refusal(held: list[StreamChunk]) -> bool:
+    """Whether the output so far may be (the start of) the runtime's refusal to start: runc's
+    words on stdout through Docker; Podman's "Error: " lines on stderr. A command's own output
+    that only looks like it is held back no more than a few KiB, for REFUSAL_WAIT at most."""
+    first = held[0]
+    return (
+        first.data.startswith(_refusal_prefix(first.stream))
+        and all(chunk.stream is first.stream for chunk in held)
+        and sum(len(chunk.data) for chunk in held) <= REFUSAL_MAX
+    )
 
 
-def _is_paused_refusal(chunk: StreamChunk) -> bool:
-    return PAUSED_REFUSAL in chunk.data[:512]
+def _is_paused_refusal(held: list[StreamChunk]) -> bool:
+    """Whether the whole output was the runtime's refusal to exec into a frozen scope: every
+    line its words, one of them saying so."""
+    data = b"".join(chunk.data for chunk in held)
+    prefix = _refusal_prefix(held[0].stream)
+    lines = data.replace(b"\r\n", b"\n").rstrip(b"\n").split(b"\n")
+    return PAUSED_REFUSAL in data and all(line.startswith(prefix) for line in lines)
+
+
+def _refusal_prefix(stream: OutputStream) -> bytes:
+    return OCI_START_FAILURE if stream is OutputStream.STDOUT else PODMAN_ERROR
 
 
 def _podman_no_cwd(stderr: bytes) -> bool:

@@ -564,7 +564,7 @@ def _refusal_prefix(stream: OutputStream) -> bytes:
 def _podman_no_cwd(stderr: bytes) -> bool:
     """Podman's words for an exec whose cwd is not there (runc's or crun's, after "Error: ")."""
     head = stderr[:4096]
-    return head.startswith(b"Error: ") and PODMAN_START_FAILURE in head and b"chdir to" in head
+    return head.startswith(PODMAN_ERROR) and PODMAN_START_FAILURE in head and b"chdir to" in head
 
 
 def _grew(before: int | None, after: int | None) -> bool:

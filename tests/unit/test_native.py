@@ -400,6 +400,28 @@ def test_docker_s_answer_is_kept_for_a_few_seconds() -> None:
     assert kinds == [Backend.DOCKER, Backend.NATIVE, Backend.WASM, Backend.DAYTONA]
 
 
+def test_the_start_asks_each_backend_once() -> None:
+    """What the agent's start logs: one question to systemd for native and wasm together."""
+    systemd = FakeNativeSystemd()
+    asked: list[str] = []
+    is_active = systemd.is_active
+
+    def counted(unit: str) -> bool:
+        asked.append(unit)
+        return is_active(unit)
+
+    systemd.is_active = counted  # type: ignore[method-assign]
+    backends = Backends(FakeDocker(systemd), NativeBackend(systemd, which=lambda n: n))
+    answers = backends.availabilities()
+    assert [a.kind for a in answers] == [
+        Backend.DOCKER,
+        Backend.NATIVE,
+        Backend.WASM,
+        Backend.DAYTONA,
+    ]
+    assert asked == ["slicebox.slice"]
+
+
 def test_a_listing_with_docker_down_is_the_native_sandboxes(host: Host) -> None:
     native = host.manager.create(spec(backend="native"))
     docker = host.manager.create(spec(project="q"))

@@ -284,6 +284,9 @@ class DockerBackend:
         except SliceboxError as exc:
             detail = f"{exc.message} (the engine: {self._found.describe()})"
             return Availability(kind=self.kind, available=False, detail=detail)
+        # The API version calls use, from this same answer (else the first call asks again).
+        if version.get("ApiVersion"):
+            self._engine.settle(str(version["ApiVersion"]))
         components = version.get("Components") or []
         self._podman = any(str(part.get("Name", "")).startswith("Podman") for part in components)
         engine = "Podman" if self._podman else "Docker"

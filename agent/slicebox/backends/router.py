@@ -72,7 +72,8 @@ class Backends:
         found = [self._available(Backend.DOCKER, fresh=True)]
         if self.native is not None:
             found.append(self._available(Backend.NATIVE, fresh=True))
-            found.append(self._available(Backend.WASM, fresh=True))
+            # wasm runs where native does: its answer is derived from the one just asked
+            found.append(self._available(Backend.WASM, fresh=True, native=found[-1]))
         found.append(self._available(Backend.DAYTONA, fresh=True))
         return found
 
@@ -97,7 +98,9 @@ class Backends:
             code="backend_unavailable",
         )
 
-    def _available(self, kind: Backend, *, fresh: bool = False) -> Availability:
+    def _available(
+        self, kind: Backend, *, fresh: bool = False, native: Availability | None = None
+    ) -> Availability:
         if kind is Backend.DAYTONA and self.daytona is None:
             detail = "not configured on this agent: an operator sets [daytona] in its config"
             return Availability(kind=kind, available=False, detail=detail)
@@ -114,7 +117,7 @@ class Backends:
             answer = self.daytona.availability()
         else:
             assert self.native is not None
-            answer = self.native.availability()
+            answer = self.native.availability() if native is None else native
             if kind is Backend.WASM:  # a wasm sandbox is a native one running the worker
                 answer = wasm.availability(answer)
         with self._lock:

@@ -319,10 +319,14 @@ def build_app(
             pools.shutdown()
 
     app.on_cleanup.append(shut_down)
-    document = openapi_document(routes)
+    # Made at its first request, not at start: it builds every model's JSON schema, which
+    # under emulation was a quarter of the agent's start (issue 39), and few callers ask.
+    document: list[dict[str, Any]] = []
 
     async def openapi(request: Request) -> StreamResponse:
-        return json_response(document)
+        if not document:
+            document.append(openapi_document(routes))
+        return json_response(document[0])
 
     app.router.add_get(API_PREFIX + "/openapi.json", openapi)
     for route in routes:

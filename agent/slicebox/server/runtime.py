@@ -161,7 +161,9 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
     docker_host = docker.endpoint.base_url
     native = NativeBackend(systemd)
     backend = Backends(docker, native, daytona=remote_backend(config))
-    available = docker.availability()
+    # One question to each backend at start (each is a round trip under emulation's cost).
+    answers = backend.availabilities()
+    available = answers[0]
     if not available.available:
         if not config.allow_native_fallback:  # systemd restarts the agent until Docker answers
             raise Unavailable(available.detail)
@@ -169,7 +171,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
             "Docker is unavailable, sandboxes run native until it answers: %s", available.detail
         )
     use_scope_prefix(docker.scope_prefix)
-    for each in backend.availabilities():
+    for each in answers:
         log.info("backend %s: %s", each.kind.value, each.detail)
     egress = EgressGuard(
         config.egress,

@@ -21,6 +21,7 @@ from tests.host.agentunits import (
     TEST_CONFIG,
     WORKSPACE_ROOTS,
     installed_agent,
+    remove_sandboxes,
 )
 from tests.host.helpers import CGROUP_ROOT, sh, unique, wait_for
 
@@ -50,8 +51,7 @@ def agent() -> Iterator[None]:
         try:
             yield
         finally:
-            for sandbox in json.loads(sh("slicebox", "--json", "ps").stdout):
-                sh("slicebox", "rm", sandbox["id"], check=False)
+            remove_sandboxes()
             for user in USERS:
                 sh("userdel", user, check=False)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.host.agentunits import SOCKET, WORKSPACE_ROOTS, installed_agent
+from tests.host.agentunits import SOCKET, WORKSPACE_ROOTS, installed_agent, remove_sandboxes
 from tests.host.helpers import sh, wait_for
 
 pytestmark = pytest.mark.host
@@ -90,9 +90,7 @@ def agent() -> Iterator[Path]:
         try:
             yield workspace
         finally:
-            for box in json.loads(sh("slicebox", "--json", "ps").stdout):
-                if box["user"] in (ALICE, BOB):
-                    sh("slicebox", "rm", box["id"], check=False)
+            remove_sandboxes((ALICE, BOB))
             shutil.rmtree(home, ignore_errors=True)
             for user in (ALICE, BOB, CAROL):
                 sh("userdel", user, check=False)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.host.agentunits import SOCKET, installed_agent
+from tests.host.agentunits import SOCKET, installed_agent, remove_sandboxes
 from tests.host.helpers import ordinary_user, sh, wait_for
 
 pytestmark = pytest.mark.host
@@ -104,8 +104,7 @@ def home() -> Iterator[Home]:
         try:
             yield made
         finally:
-            for box in json.loads(sh("slicebox", "--json", "ps").stdout):
-                sh("slicebox", "rm", box["id"], check=False)
+            remove_sandboxes()
             sh("rm", "-rf", str(BASE))
     sh("docker", "rmi", "-f", LINKED, check=False)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.host.agentunits import SOCKET, curl_health, installed_agent, prop
+from tests.host.agentunits import SOCKET, curl_health, installed_agent, prop, remove_sandboxes
 from tests.host.helpers import module_as, sh, unique, wait_for
 
 pytestmark = pytest.mark.host
@@ -33,8 +33,7 @@ def agent() -> Iterator[None]:
             curl_health()  # the agent started (socket activation: slow under emulation)
             yield
         finally:
-            for sandbox in json.loads(sh("slicebox", "--json", "ps").stdout):
-                sh("slicebox", "rm", sandbox["id"], check=False)
+            remove_sandboxes()
             for user in (MALLORY, VICTIM):
                 sh("userdel", user, check=False)
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.host.agentunits import installed_agent
+from tests.host.agentunits import installed_agent, remove_sandboxes
 from tests.host.helpers import ordinary_user, sh, wait_for
 
 pytestmark = pytest.mark.host
@@ -41,8 +41,7 @@ def box() -> Iterator[str]:
             assert made.returncode == 0, made.stderr
             yield made.stdout.decode().strip()
         finally:
-            for sandbox in json.loads(sh("slicebox", "--json", "ps").stdout):
-                sh("slicebox", "rm", sandbox["id"], check=False)
+            remove_sandboxes()
 
 
 def test_a_mebibyte_of_random_bytes_goes_through_cat_unchanged(box: str) -> None:

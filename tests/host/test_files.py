@@ -7,7 +7,6 @@ every file's sha256 the same; the agent's resident memory grows by far less than
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.host.agentunits import installed_agent, prop
+from tests.host.agentunits import installed_agent, prop, remove_sandboxes
 from tests.host.helpers import journal_records, ordinary_user, sh, wait_for
 
 pytestmark = pytest.mark.host
@@ -106,8 +105,7 @@ def work() -> Iterator[Path]:
             sh("chown", "-R", USER, str(top))
             yield top
         finally:
-            for sandbox in json.loads(sh("slicebox", "--json", "ps").stdout):
-                sh("slicebox", "rm", sandbox["id"], check=False)
+            remove_sandboxes()
             shutil.rmtree(top, ignore_errors=True)
 
 

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.host.agentunits import agent_config, installed_agent
+from tests.host.agentunits import agent_config, installed_agent, remove_sandboxes
 from tests.host.gitserver import README, bridge_gateway, git_server, head_of, repo_path
 from tests.host.helpers import ordinary_user, sh, wait_for
 
@@ -147,8 +147,7 @@ def rig() -> Iterator[Rig]:
             with git_server(server_root, GIT_USERNAME, token, bridge_gateway()) as base:
                 yield Rig(base, server_root, token, token_file, wrong_token_file, started)
         finally:
-            for sandbox in json.loads(sh("slicebox", "--json", "ps").stdout or "[]"):
-                sh("slicebox", "rm", sandbox["id"], check=False)
+            remove_sandboxes()
             for container in user_containers():
                 sh("docker", "rm", "-f", container, check=False)
             for volume in user_volumes():

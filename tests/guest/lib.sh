@@ -62,7 +62,15 @@ guest_ssh() {
 
 guest_alive() {
     local dir=$1
-    [ -f "$dir/pid" ] && kill -0 "$(cat "$dir/pid")" 2>/dev/null
+    [ -f "$dir/pid" ] && pid_alive "$(cat "$dir/pid")"
+}
+
+# A QEMU that exited is reaped by PID 1 (it daemonized), here up to a second later: a zombie is
+# no QEMU.
+pid_alive() {
+    local stat
+    kill -0 "$1" 2>/dev/null && read -r stat < "/proc/$1/stat" 2>/dev/null || return 1
+    stat=${stat##*) }; [ "${stat%% *}" != Z ]
 }
 
 # The exit code of a command whose guest died under it: not a test failure (pytest uses 0-5,
@@ -101,7 +109,7 @@ kill_qemu() {
     [ -f "$dir/pid" ] || return 0
     pid=$(cat "$dir/pid")
     kill "$pid" 2>/dev/null || true
-    for i in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    for i in $(seq 50); do pid_alive "$pid" || break; sleep 0.1; done
     kill -9 "$pid" 2>/dev/null || true
     rm -f "$dir/pid"
 }
@@ -180,7 +188,7 @@ qemu_start() {
     mkdir -p "$dir"
     port=$(free_port)
     echo "$port" > "$dir/port"
-    : > "$dir/console.log"
+    : > "$dir/console.log"; : > "$dir/qemu.log"
     rm -f "$dir/qmp.sock" "$dir/resumed"
     while IFS= read -r arg; do
         arg=${arg//\{image\}/$img}; arg=${arg//\{disk\}/$disk}
@@ -242,8 +250,8 @@ stop_qemu() {
     console_panic "$dir" >/dev/null && { kill_qemu "$dir"; return 0; }
     if kill -0 "$pid" 2>/dev/null; then
         guest_ssh "$dir" 'systemctl poweroff' </dev/null >/dev/null 2>&1 || true
-        for i in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
-        kill -0 "$pid" 2>/dev/null && { say "guest did not power off; killing QEMU"; kill_qemu "$dir"; }
+        for i in $(seq 60); do pid_alive "$pid" || break; sleep 1; done
+        pid_alive "$pid" && { say "guest did not power off; killing QEMU"; kill_qemu "$dir"; }
     fi
     rm -f "$dir/pid"
 }
@@ -344,8 +352,11 @@ resume_once() {
     if ! qemu_start "$dir" "$dir/overlay.qcow2" qcow2 -incoming "exec:cat $(sh_quote "$snap/state")" \
             >/dev/null 2>&1 \
         || ! err=$(python3 "$GUEST_DIR/qmp.py" "$dir/qmp.sock" resume 60 2>&1); then
-        if guest_alive "$dir"; then why="the state did not load: $err"
-        else why="QEMU exited while loading the state"; fi
+        # A QEMU that closed its socket is ending: give it a moment to be gone.
+        for _ in $(seq 20); do guest_alive "$dir" || break; sleep 0.1; done
+        if guest_alive "$dir"; then why="the state did not load: $err"; return 1; fi
+        err=$(tail -n 1 "$dir/qemu.log" 2>/dev/null); err=${err#qemu-system-x86_64: }
+        why="QEMU exited while loading the state${err:+: $err}"
         return 1
     fi
     exec 7>&-  # the state is read and the disk open: the snapshot may be replaced now
@@ -432,8 +443,8 @@ save_snapshot() {
     # A clean quit writes out the overlay's metadata: only then is it the snapshot's disk.
     pid=$(cat "$dir/pid")
     python3 "$GUEST_DIR/qmp.py" "$dir/qmp.sock" quit >/dev/null 2>&1
-    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    if kill -0 "$pid" 2>/dev/null; then
+    for _ in $(seq 100); do pid_alive "$pid" || break; sleep 0.1; done
+    if pid_alive "$pid"; then
         exec 7>&-; rm -rf "$part"; kill_qemu "$dir"; say "snapshot not saved (QEMU did not quit)"
         return 2
     fi

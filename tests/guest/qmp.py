@@ -25,20 +25,25 @@ class QMPError(Exception):
 
 
 class QMP:
-    def __init__(self, path: str, timeout: float = 10.0) -> None:
+    def __init__(self, path: str, timeout: float = 5.0, answer_timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while True:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            # Loading a state keeps QEMU's main loop busy: an answer may wait for seconds.
+            self.sock.settimeout(answer_timeout)
             try:
-                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self.sock.settimeout(timeout)
                 self.sock.connect(path)
                 break
-            except OSError as err:
+            except FileNotFoundError:
+                # QEMU listens before its -daemonize returns: no socket yet is QEMU starting.
                 self.sock.close()
-                # QEMU makes its socket early; a moment without it is QEMU still starting.
                 if time.monotonic() >= deadline:
-                    raise QMPError(f"no QMP socket at {path}: {err.strerror}") from None
-                time.sleep(0.2)
+                    raise QMPError(f"no QMP socket at {path}") from None
+                time.sleep(0.1)
+            except OSError as err:
+                # A socket nobody listens on any more: QEMU is gone.
+                self.sock.close()
+                raise QMPError(f"QEMU does not answer on its QMP socket ({err.strerror})") from None
         self.reader = self.sock.makefile("rb")
         self._read()  # the greeting
         self.command("qmp_capabilities")
@@ -118,6 +123,9 @@ def main(argv: list[str]) -> int:
                 qmp.command("quit")
         else:
             print(json.dumps(qmp.command(verb, **(json.loads(rest[0]) if rest else {}))))
+    except TimeoutError:
+        print("QEMU did not answer on its QMP socket", file=sys.stderr)
+        return 1
     except (QMPError, OSError, ValueError) as err:
         print(err, file=sys.stderr)
         return 1

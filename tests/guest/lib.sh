@@ -270,8 +270,8 @@ PY
 }
 
 # ---- Snapshots: boot once, resume after ----
-# A cold boot under emulation takes 40-60 s to a ready dockerd; resuming the saved state of a
-# booted, idle guest takes a few seconds. The snapshot lives beside the image it was booted
+# A cold boot under emulation takes 40-110 s to a ready dockerd (the more, the busier the build
+# machine); resuming the saved state of a booted, idle guest takes 6-12 s. The snapshot lives beside the image it was booted
 # from (a new image gets a new one), is keyed by what must match at resume (snapshot_key), and
 # is made by the first cold boot that finds none. SLICEBOX_GUEST_SNAPSHOT=0 turns it off.
 
@@ -346,11 +346,12 @@ resume_guest() {
 resume_once() {
     local dir=$1 snap=$2 err
     rm -f "$dir/overlay.qcow2"
-    if ! err=$(qemu-img create -q -f qcow2 -F qcow2 -b "$snap/disk.qcow2" "$dir/overlay.qcow2" 2>&1); then
+    if ! err=$(qemu-img create -q -f qcow2 -F qcow2 -b "$snap/disk.qcow2" \
+                   "$dir/overlay.qcow2" 2>&1); then
         why="no overlay over its disk: ${err##*: }"; return 1
     fi
-    if ! qemu_start "$dir" "$dir/overlay.qcow2" qcow2 -incoming "exec:cat $(sh_quote "$snap/state")" \
-            >/dev/null 2>&1 \
+    if ! qemu_start "$dir" "$dir/overlay.qcow2" qcow2 \
+            -incoming "exec:cat $(sh_quote "$snap/state")" >/dev/null 2>&1 \
         || ! err=$(python3 "$GUEST_DIR/qmp.py" "$dir/qmp.sock" resume 60 2>&1); then
         # A QEMU that closed its socket is ending: give it a moment to be gone.
         for _ in $(seq 20); do guest_alive "$dir" || break; sleep 0.1; done
@@ -370,17 +371,19 @@ resume_once() {
 # resumed from one snapshot starts with the same state; vmgenid reseeds it too, this makes sure).
 # Then /src (unmounted for the save) mounts again, and systemd and dockerd must answer.
 RESYNC_PY='
-import fcntl, os, struct, sys, time
+import fcntl, struct, sys, time
 print("listening", flush=True)
 now, seed = sys.stdin.readline().split()
 time.clock_settime(time.CLOCK_REALTIME, float(now))
 seed = bytes.fromhex(seed)
 with open("/dev/random", "wb") as rnd:
-    fcntl.ioctl(rnd, 0x40085203, struct.pack("ii", 8 * len(seed), len(seed)) + seed)  # RNDADDENTROPY
-    fcntl.ioctl(rnd, 0x5207)  # RNDRESEEDCRNG
+    RNDADDENTROPY, RNDRESEEDCRNG = 0x40085203, 0x5207
+    fcntl.ioctl(rnd, RNDADDENTROPY, struct.pack("ii", 8 * len(seed), len(seed)) + seed)
+    fcntl.ioctl(rnd, RNDRESEEDCRNG)
 '
 resync_script() {
-    printf '%s' "python3 -c $(printf '%q' "$RESYNC_PY") || { echo 'clock and entropy not set'; exit 3; }
+    printf '%s' "python3 -c $(printf '%q' "$RESYNC_PY") \
+            || { echo 'clock and entropy not set'; exit 3; }
         mountpoint -q /src || mount /src 2>&1 || { echo '/src did not mount'; exit 4; }
         systemctl is-system-running --wait >/dev/null 2>&1
         for i in \$(seq 60); do docker info >/dev/null 2>&1 && exit 0; sleep 1; done
@@ -394,21 +397,28 @@ resync_guest() {
     local dir=$1 deadline=$((SECONDS + 60)) fifo=$1/resync w r line out pid rc
     while :; do
         rm -f "$fifo.in" "$fifo.out"; mkfifo "$fifo.in" "$fifo.out"
-        guest_ssh "$dir" "$(resync_script)" < "$fifo.in" > "$fifo.out" 2>&1 7>&- &
+        # shellcheck disable=SC2046  # ssh itself is the job, so that kill ends it
+        ( exec ssh $(ssh_opts "$dir") root@127.0.0.1 "$(resync_script)" ) \
+            < "$fifo.in" > "$fifo.out" 2>&1 7>&- &
         pid=$!
         exec {w}> "$fifo.in" {r}< "$fifo.out"
         if read -r -t 60 line <&"$r" && [ "$line" = listening ]; then
             # In a subshell: should the guest be gone, SIGPIPE ends that, not us.
-            ( printf '%s %s\n' "$(now_real)" "$(od -An -N64 -tx1 /dev/urandom | tr -d ' \n')" >&"$w" ) 2>/dev/null
+            ( printf '%s %s\n' "$(now_real)" \
+                  "$(od -An -N64 -tx1 /dev/urandom | tr -d ' \n')" >&"$w" ) 2>/dev/null
+        else
+            kill "$pid" 2>/dev/null  # a guest that does not answer: no wait on ssh's keep-alives
         fi
         exec {w}>&-
         out=$(cat <&"$r"); exec {r}<&-
         wait "$pid" && rc=0 || rc=$?
         rm -f "$fifo.in" "$fifo.out"
         [ "$rc" = 0 ] && return 0
-        if console_panic "$dir" >/dev/null; then why="the guest's kernel died after resuming"; return 1; fi
+        console_panic "$dir" >/dev/null && { why="the guest's kernel died after resuming"; return 1; }
         guest_alive "$dir" || { why="QEMU exited after resuming"; return 1; }
-        if [ "$rc" != 255 ]; then why=${out##*$'\n'}; why=${why:-"resync ended with $rc"}; return 1; fi
+        if [ "$rc" != 255 ]; then
+            why=${out##*$'\n'}; why=${why:-"resync ended with $rc"}; return 1
+        fi
         [ $SECONDS -ge "$deadline" ] && { why="no ssh 60s after resuming"; return 1; }
         sleep 0.5
     done
@@ -450,8 +460,9 @@ save_snapshot() {
     fi
     rm -f "$dir/pid"
     # The key last, the directory renamed at the end: a half-made snapshot is never resumed.
-    if ! { mv "$dir/overlay.qcow2" "$part/disk.qcow2" && chmod a-w "$part/disk.qcow2" "$part/state" \
-           && snapshot_key > "$part/key" && rm -rf "$snap" && mv "$part" "$snap"; }; then
+    if ! { mv "$dir/overlay.qcow2" "$part/disk.qcow2" \
+           && chmod a-w "$part/disk.qcow2" "$part/state" && snapshot_key > "$part/key" \
+           && rm -rf "$snap" && mv "$part" "$snap"; }; then
         exec 7>&-; rm -rf "$part"; say "snapshot not saved (could not move it in place)"; return 2
     fi
     exec 7>&-
@@ -489,7 +500,8 @@ start_guest() {
     fi
     prepare_guest "$dir" || die "could not install the checkout's scripts in the guest"
     echo "$how $secs" > "$dir/started"
-    say "guest ready ($([ $how = resume ] && echo resumed || echo cold boot) ${secs}s, in all $(since "$start")s)"
+    [ $how = resume ] && how=resumed || how="cold boot"
+    say "guest ready ($how ${secs}s, in all $(since "$start")s)"
 }
 
 stop_guest() {

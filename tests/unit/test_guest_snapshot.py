@@ -88,8 +88,9 @@ def rig(tmp_path: Path) -> dict[str, str]:
 
 
 def bash(env: dict[str, str], script: str) -> subprocess.CompletedProcess[str]:
+    # As tests/guest/up runs the rig: errexit, nounset, pipefail.
     return subprocess.run(
-        ["bash", "-c", f'source "{LIB}"; {script}'],
+        ["bash", "-c", f'set -euo pipefail; source "{LIB}"; {script}'],
         capture_output=True,
         text=True,
         timeout=60,
@@ -110,7 +111,7 @@ def snapshot(env: dict[str, str], key: str = "snapshot_key") -> Path:
 
 
 def resume(env: dict[str, str]) -> tuple[int, list[str]]:
-    result = bash(env, 'resume_guest "$DIR"')
+    result = bash(env, 'if resume_guest "$DIR"; then exit 0; else exit 1; fi')  # as start_guest
     lines = [line.split("] ", 1)[1] for line in result.stderr.splitlines()]
     return result.returncode, lines
 

@@ -77,21 +77,9 @@ def test_importing_the_agent_or_the_cli_builds_only_the_models_it_instantiates()
     count, eager, built = fresh_python(MODELS)
     assert int(count) > 50
     assert eager == "[]", "every model derives from slicebox.model.base.Model"
-    # Built at import: only those a module makes an instance of (defaults, the code table).
-    assert built == str(
-        [
-            "CallersConfig",
-            "CeilingConfig",
-            "CredentialsConfig",
-            "EgressConfig",
-            "ErrorCode",
-            "ExecRequest",
-            "PoolLearning",
-            "ReaperConfig",
-            "SandboxDefaults",
-            "SharesConfig",
-        ]
-    )
+    # Built at import: only those a module makes an instance of (the code table, an exec's
+    # default); the config's tables are dicts its own validator reads (model.config._table).
+    assert built == str(["ErrorCode", "ExecRequest"])
 
 
 # What the agent's start does before its first answer: import the daemon, then build the app
@@ -99,8 +87,8 @@ def test_importing_the_agent_or_the_cli_builds_only_the_models_it_instantiates()
 # import did not (the OpenAPI document, every model's JSON schema, waits for its request).
 START = """
 import sys
-from slicebox.host.lean import skip_package_inits
-skip_package_inits()
+from slicebox.host.lean import lean_process
+lean_process()
 import pydantic
 import slicebox.server.daemon as daemon
 from slicebox.host.identity import SystemUsers
@@ -131,6 +119,7 @@ NOT_AT_START = (
     "urllib3",
     "pyroute2.ndb",
     "pystemd.base",
+    "importlib.metadata",  # pydantic's plugin discovery (slicebox.host.lean), the version
 )
 
 
@@ -141,3 +130,30 @@ def test_the_agents_start_imports_nothing_it_must_not_and_builds_no_further_mode
     built, imported = fresh_python(script)
     assert built == "[]", "building the app built models (the OpenAPI document?)"
     assert imported == "[]"
+
+
+PLUGINS = """
+import sys
+from slicebox.host.lean import without_pydantic_plugins
+print(without_pydantic_plugins(), without_pydantic_plugins())
+from pydantic.plugin._loader import get_plugins
+from slicebox.model.api import CreateSandbox
+CreateSandbox.model_validate({"project": "p"})
+print(list(get_plugins()), "importlib.metadata" in sys.modules)
+"""
+
+
+def test_the_agents_process_runs_no_pydantic_plugin_and_never_looks_for_one() -> None:
+    replaced, plugins = fresh_python(PLUGINS)
+    assert replaced == "True False", "the loader is replaced once, before pydantic imports it"
+    assert plugins == "[] False"
+
+
+def test_sliceboxd_is_made_lean_before_the_daemon_is_imported() -> None:
+    """The console script's module imports nothing of the daemon until its main runs."""
+    imported = fresh_python(
+        "import sys, slicebox.server.entry\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('slicebox.server.daemon', "
+        "'pydantic'))))"
+    )
+    assert imported == ["[]"]

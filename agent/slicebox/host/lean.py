@@ -1,4 +1,5 @@
-"""pystemd's and pyroute2's modules, imported without their packages' ``__init__``.
+"""The agent's process, imported lean: pystemd's and pyroute2's modules without their packages'
+``__init__``, and pydantic without its plugins.
 
 The agent uses a few modules of each: pystemd's D-Bus binding, its unit property table and its
 journal call; pyroute2's ``IPRoute`` and ``setns``. Their packages' ``__init__`` import far more,
@@ -8,17 +9,25 @@ the agent reads). The agent's entry point registers each package as a bare names
 submodules, the way the import system would have left it without an ``__init__``; importing
 ``pystemd.dbuslib`` or ``pyroute2.netns`` then loads that module and what it needs, nothing more.
 
-Only the agent's own process does this (``sliceboxd``): a program that imports slicebox as a
-library keeps the packages as their authors made them, and a package something already imported
-is left as it is.
+pydantic calls its plugins (any installed distribution's entry point in the group ``pydantic``)
+at every validation of every model: third-party code that would see each request the agent
+validates, git tokens included, and whose discovery imports ``importlib.metadata`` and reads the
+metadata of every installed distribution at the first model built (about a twentieth of the
+agent's imports under emulation). The agent's process runs without them.
+
+Only the agent's own process does this (``sliceboxd``, :mod:`slicebox.server.entry`): a program
+that imports slicebox as a library keeps the packages as their authors made them, and a package
+something already imported is left as it is.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import sys
-from collections.abc import Sequence
+import types
+from collections.abc import Iterable, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -42,3 +51,40 @@ def skip_package_inits(packages: Sequence[str] = LEAN_PACKAGES) -> list[str]:
         registered.append(name)
     log.debug("imported without their __init__: %s", registered)
     return registered
+
+
+PYDANTIC_PLUGINS = "pydantic.plugin._loader"  # where pydantic finds its plugins (get_plugins)
+
+
+def _no_plugins() -> Iterable[object]:
+    return ()
+
+
+def without_pydantic_plugins() -> bool:
+    """pydantic without plugins in this process; False when its loader was already imported.
+
+    pydantic's own switch (``PYDANTIC_DISABLE_PLUGINS``) turns them off; its loader module is
+    also replaced by one that finds none, so ``importlib.metadata`` is not imported for it. A
+    pydantic whose loader moved keeps the switch, which is all it documents."""
+    os.environ["PYDANTIC_DISABLE_PLUGINS"] = "__all__"
+    if PYDANTIC_PLUGINS in sys.modules:
+        return False
+    loader = types.ModuleType(PYDANTIC_PLUGINS, "pydantic's plugin loader, finding none")
+    loader.get_plugins = _no_plugins  # type: ignore[attr-defined]
+    sys.modules[PYDANTIC_PLUGINS] = loader
+    return True
+
+
+def without_schema_checks() -> None:
+    """pydantic 2.10 (Debian trixie's) checks every core schema it generates against the schema
+    of core schemas before it compiles it: a self-check of its own output, which pydantic 2.11
+    dropped, and about a twentieth of the agent's start under emulation. Its switch turns it off
+    in this process; the unit tests, run with the pydantic they install, build every model."""
+    os.environ["PYDANTIC_SKIP_VALIDATING_CORE_SCHEMAS"] = "1"
+
+
+def lean_process() -> None:
+    """What ``sliceboxd`` does first, before it imports the rest of slicebox."""
+    skip_package_inits()
+    without_pydantic_plugins()
+    without_schema_checks()

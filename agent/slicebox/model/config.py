@@ -50,6 +50,7 @@ import logging
 import tomllib
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
@@ -84,6 +85,14 @@ TTL_CEILING_SECONDS = 366 * 24 * 3600
 
 # The exec output budget when the config sets none and the agent runs without a MemoryMax.
 DEFAULT_EXEC_OUTPUT_BUDGET = 256 * 1024 * 1024
+
+
+def _table(**fields: object) -> Any:
+    """A nested table's default, as the file would give it: validated by ``Config``'s own
+    validator when the file leaves the table out. (A model instance as the default would build
+    that model's validator when this module is imported: about a tenth of a second of the
+    agent's start under emulation, for ten tables.)"""
+    return Field(default=fields, validate_default=True)
 
 
 class _Strict(Model):
@@ -232,12 +241,12 @@ class Config(_Strict):
     max_ttl_seconds: int = Field(default=24 * 3600, gt=0, le=TTL_CEILING_SECONDS)
     # Checked even when left out: a lowered max_ttl_seconds may be below the built-in default.
     default_ttl_seconds: int | None = Field(default=3600, gt=0, validate_default=True)
-    managed: CeilingConfig = CeilingConfig(memory="75%")
-    user: CeilingConfig = CeilingConfig(memory="4GB", pids=2048)
-    project: CeilingConfig = CeilingConfig(memory="2GB", pids=1024)
+    managed: CeilingConfig = _table(memory="75%")
+    user: CeilingConfig = _table(memory="4GB", pids=2048)
+    project: CeilingConfig = _table(memory="2GB", pids=1024)
     users: dict[str, CeilingConfig] = {}
     projects: dict[str, CeilingConfig] = {}
-    sandbox: SandboxDefaults = SandboxDefaults()
+    sandbox: SandboxDefaults = _table()
     bind_roots: tuple[PurePosixPath, ...] = ()
     # Who a sandbox runs as when its request names no one and it has no host workspace (one
     # with runs as the caller): a fixed non-root uid:gid, numeric so stock images without
@@ -252,7 +261,7 @@ class Config(_Strict):
     # sandboxes cannot reach each other (backends.docker), not on docker0.
     allowed_networks: frozenset[str] = frozenset({"none"})
     # Network egress by allow-list: its network, resolver upstream and who may ask for what.
-    egress: EgressConfig = EgressConfig()
+    egress: EgressConfig = _table()
     # A create for Docker while Docker does not answer runs on the native backend instead
     # (its answer says so); false: it is refused ``backend_unavailable``.
     allow_native_fallback: bool = True
@@ -261,11 +270,11 @@ class Config(_Strict):
     native_allow_jit: bool = False
     # Remote sandboxes (``"backend": "daytona"``) on this Daytona API; unset: none.
     daytona: DaytonaConfig | None = None
-    reaper: ReaperConfig = ReaperConfig()
+    reaper: ReaperConfig = _table()
     # Who may call (its group, callers without a passwd entry): CallersConfig.
-    callers: CallersConfig = CallersConfig()
+    callers: CallersConfig = _table()
     # Per-user share of the credential tmpfs: CredentialsConfig.
-    credentials: CredentialsConfig = CredentialsConfig()
+    credentials: CredentialsConfig = _table()
     # Memory for the output of every exec in flight (core/budget.py); unset: half the agent's
     # own MemoryMax, or DEFAULT_EXEC_OUTPUT_BUDGET when the agent runs without one.
     exec_output_budget: RawSize | None = None
@@ -275,10 +284,10 @@ class Config(_Strict):
     files_max_bytes: RawSize = "1GB"
     # What one user may hold at once of the exec output budget, of streams and of transfers
     # in flight, and the bounds of the latter two for everyone (model/shares.py).
-    shares: SharesConfig = SharesConfig()
+    shares: SharesConfig = _table()
     # Warm pools, one ``[[pool]]`` table each (model.pool.PoolConfig; core.pool keeps them).
     pool: tuple[PoolConfig, ...] = ()
-    pool_learning: PoolLearning = PoolLearning()
+    pool_learning: PoolLearning = _table()
 
     @field_validator("pool")
     @classmethod

@@ -26,7 +26,6 @@ import slicebox
 from slicebox import VersionAction
 from slicebox.host.identity import SystemUsers
 from slicebox.host.journal import Auditor, SystemJournal
-from slicebox.host.lean import skip_package_inits
 from slicebox.host.listen import listening_socket
 from slicebox.model.audit import AuditEvent, AuditRecord
 from slicebox.model.config import DEFAULT_PATH as DEFAULT_CONFIG
@@ -207,13 +206,6 @@ def expire(options: argparse.Namespace) -> int:
         return 1
     log.info("%s: %s", options.sandbox_id, result.value)
     return 0
-
-
-def entry() -> int:
-    """The program ``sliceboxd``: :func:`main` in a process of its own, whose libraries are
-    imported lean (:mod:`slicebox.host.lean`)."""
-    skip_package_inits()
-    return main()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -245,21 +245,23 @@ BURN = "i=0; while [ $i -lt 5000 ]; do i=$((i+1)); done"  # light: an emulated g
 def test_deadlines_hold_while_the_agent_is_stopped_an_expiry_by_its_timer_an_extension_too(
     agent: Client,
 ) -> None:
-    """One minute of real time for two deadlines. ``doomed``'s timer runs ``sliceboxd expire``:
-    the final usage read from the live cgroup, one ``expired`` record, the container removed,
-    with no agent running. ``kept`` was extended before the agent stopped: the new deadline
-    lives in systemd alone (the label keeps the original), so the original passes, agent or no
-    agent, and nothing expires it.
-    A minute of TTL leaves an emulated guest time to create, exec and stop the agent."""
-    doomed = agent.request("POST", "/sandboxes", {"project": "ttl", "ttl_seconds": 60})
-    kept = agent.request("POST", "/sandboxes", {"project": "ext", "ttl_seconds": 60})
+    """Two deadlines in well under a minute of real time. ``doomed``'s timer runs ``sliceboxd
+    expire``: the final usage read from the live cgroup, one ``expired`` record, the container
+    removed, with no agent running. ``kept`` was extended before the agent stopped: the new
+    deadline lives in systemd alone (the label keeps the original), so the original passes,
+    agent or no agent, and nothing expires it.
+    Each TTL leaves an emulated guest about three times what comes after its create before the
+    agent is stopped (``kept``: its extension, ``doomed``'s create, an exec, the stop; ``doomed``:
+    the exec and the stop); the wait after the stop is what is left of them."""
+    kept = agent.request("POST", "/sandboxes", {"project": "ext", "ttl_seconds": 40})
+    extended = agent.request("POST", f"/sandboxes/{kept['id']}/deadline", {"ttl_seconds": 600})
+    doomed = agent.request("POST", "/sandboxes", {"project": "ttl", "ttl_seconds": 25})
     sandbox_id, container = doomed["id"], doomed["container_id"]
     expires = datetime.fromisoformat(doomed["expires_at"])
     [timer] = timers_of(sandbox_id)
     service = timer.removesuffix(".timer") + ".service"
     assert "sliceboxd expire " + sandbox_id in prop(service, "ExecStart")
 
-    extended = agent.request("POST", f"/sandboxes/{kept['id']}/deadline", {"ttl_seconds": 600})
     assert datetime.fromisoformat(extended["expires_at"]) > datetime.now(UTC) + timedelta(
         seconds=500
     )
@@ -273,6 +275,7 @@ def test_deadlines_hold_while_the_agent_is_stopped_an_expiry_by_its_timer_an_ext
     sh("systemctl", "stop", "slicebox.service", "slicebox.socket")
     try:
         assert datetime.now(UTC) < expires, "the agent must be stopped before the deadline"
+        assert datetime.now(UTC) < labelled, "and before the extended one's original deadline"
         wait_for(lambda: not container_exists(container), timeout=180, step=1)
         wait_for(lambda: not timers_of(sandbox_id) and not active(service), timeout=60, step=1)
         time.sleep(max((labelled - datetime.now(UTC)).total_seconds() + 5, 0))

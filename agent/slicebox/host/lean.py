@@ -1,5 +1,5 @@
 """The agent's process, imported lean: pystemd's and pyroute2's modules without their packages'
-``__init__``, and pydantic without its plugins.
+``__init__``, and pydantic without its plugins and without its 2.10 self-check of every schema.
 
 The agent uses a few modules of each: pystemd's D-Bus binding, its unit property table and its
 journal call; pyroute2's ``IPRoute`` and ``setns``. Their packages' ``__init__`` import far more,
@@ -79,7 +79,8 @@ def without_schema_checks() -> None:
     """pydantic 2.10 (Debian trixie's) checks every core schema it generates against the schema
     of core schemas before it compiles it: a self-check of its own output, which pydantic 2.11
     dropped, and about a twentieth of the agent's start under emulation. Its switch turns it off
-    in this process; the unit tests, run with the pydantic they install, build every model."""
+    in this process only; the guest tests' own processes, on the same pydantic, still build the
+    models with the check."""
     os.environ["PYDANTIC_SKIP_VALIDATING_CORE_SCHEMAS"] = "1"
 
 

@@ -90,13 +90,16 @@ def _managed() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def agent() -> Iterator[None]:
+def agent() -> Iterator[str]:
+    """The agent with the pools above; the time it started, as ``journalctl --since`` takes it
+    (the pools start filling at once, before any test of them runs)."""
     # "bridge" is off by default: this operator allows it (a request that differs by it).
     with installed_agent('allowed_networks = ["none", "bridge"]\n' + agent_config() + POOLS):
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
         sh("systemctl", "start", "slicebox.socket")
         _client().health()
         try:
-            yield
+            yield started
         finally:
             _empty_the_pools()
             sh("docker", "network", "rm", "slicebox-bridge", check=False)
@@ -116,7 +119,7 @@ def _empty_the_pools() -> None:
     assert timers.stdout.strip() == "", "no lease or deadline timer is left"
 
 
-def test_a_pool_never_fills_its_project_past_its_memory_ceiling(agent: None) -> None:
+def test_a_pool_never_fills_its_project_past_its_memory_ceiling(agent: str) -> None:
     _filled("tight", 2)
     wait_for(lambda: _pool("tight").creating == 0, timeout=FILL_SECONDS)
     tight = _pool("tight")
@@ -131,8 +134,10 @@ def test_a_pool_never_fills_its_project_past_its_memory_ceiling(agent: None) -> 
         assert (scope / f"docker-{member.container_id}.scope").is_dir(), "in its project slice"
 
 
-def test_a_pool_whose_image_is_missing_says_why_once_and_makes_nothing(agent: None) -> None:
-    since = time.strftime("%Y-%m-%d %H:%M:%S")
+def test_a_pool_whose_image_is_missing_says_why_once_and_makes_nothing(agent: str) -> None:
+    # Since the agent started: the pool may have been refused its image before this test began
+    # (a rehearsal's agent said it while the previous test ran, and a later `since` saw nothing).
+    since = agent
     wait_for(lambda: "image_unavailable" in _pool("absent").held_back, timeout=FILL_SECONDS)
     _client().reap()  # a pass refills every pool: the refusal again, said no second time
     absent = _pool("absent")
@@ -146,7 +151,7 @@ def test_a_pool_whose_image_is_missing_says_why_once_and_makes_nothing(agent: No
     assert [s.id for s in _client().list_sandboxes() if s.project == "absent"] == []
 
 
-def test_thirty_runs_from_a_pool_of_three_each_in_a_fresh_container(agent: None) -> None:
+def test_thirty_runs_from_a_pool_of_three_each_in_a_fresh_container(agent: str) -> None:
     """Each run waits until the pool says it has a member ready: under emulation a pooled run
     takes ~3 s and a refill 5-8 s, so back-to-back runs would measure the emulator's speed, not
     whether a ready member is taken. What must hold is that every run that finds one gets it,
@@ -169,7 +174,7 @@ def test_thirty_runs_from_a_pool_of_three_each_in_a_fresh_container(agent: None)
     assert fresh.acquire_seconds_p50 is not None
 
 
-def test_a_request_of_another_memory_network_or_project_gets_no_member(agent: None) -> None:
+def test_a_request_of_another_memory_network_or_project_gets_no_member(agent: str) -> None:
     _filled("fresh", 1)
     idle = {s.id for s in _client().list_sandboxes() if s.pool == "idle"}
     for differs in ({"memory": "96MB"}, {"network": "bridge"}, {"project": "other"}):
@@ -184,7 +189,7 @@ def test_a_request_of_another_memory_network_or_project_gets_no_member(agent: No
             _client().destroy(made.id)
 
 
-def test_reuse_kills_what_the_last_run_left_running(agent: None) -> None:
+def test_reuse_kills_what_the_last_run_left_running(agent: str) -> None:
     _filled("reuse", 1)
     client = _client()
     leave = RunRequest(
@@ -204,7 +209,7 @@ def test_reuse_kills_what_the_last_run_left_running(agent: None) -> None:
 
 
 def test_after_a_kill_9_acquired_members_keep_their_lineage_and_idle_ones_come_back(
-    agent: None,
+    agent: str,
 ) -> None:
     _filled("kill", 2)
     client = _client()
@@ -237,7 +242,7 @@ def test_after_a_kill_9_acquired_members_keep_their_lineage_and_idle_ones_come_b
     assert all(s["pool"] == "idle" for s in listed if s["project"] == "kill")
 
 
-def test_members_killed_while_idle_are_replaced_never_handed_out(agent: None) -> None:
+def test_members_killed_while_idle_are_replaced_never_handed_out(agent: str) -> None:
     """Every idle member of a pool killed behind the agent's back (as the OOM killer or an
     operator would): the next run of that key finds no live member, is created cold and runs,
     and the dead members are removed and replaced."""
@@ -260,7 +265,7 @@ def test_members_killed_while_idle_are_replaced_never_handed_out(agent: None) ->
 
 
 def test_a_key_run_twice_gets_a_learned_pool_whose_member_serves_the_third_run(
-    agent: None,
+    agent: str,
 ) -> None:
     client = _client()
     request = RunRequest(

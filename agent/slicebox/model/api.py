@@ -1,8 +1,6 @@
 """The agent's API as data: every request and answer body of ``/v1``, shared by the server,
 the OpenAPI document and the Python client (which imports nothing but this layer)."""
 
-from __future__ import annotations
-
 from datetime import datetime
 
 from pydantic import ConfigDict, Field, JsonValue, RootModel

@@ -12,8 +12,6 @@ credentials, output or file contents. Free text (`detail`) is limited and scrubb
 that looks like a token before it is written.
 """
 
-from __future__ import annotations
-
 import logging
 import re
 from collections.abc import Mapping

@@ -7,8 +7,6 @@ the agent answers what it is asked). Deferred, each model is built once, at its 
 validation or serialization, and the models a process never uses cost it no memory.
 """
 
-from __future__ import annotations
-
 from pydantic import BaseModel, ConfigDict
 
 

@@ -6,8 +6,6 @@ scans the code base and fails when a code is raised but missing here, or listed 
 raised. ``python3 -m slicebox.model.codes > docs/errors.md`` regenerates the table.
 """
 
-from __future__ import annotations
-
 from pydantic import ConfigDict
 
 from slicebox.model.base import Model

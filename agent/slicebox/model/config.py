@@ -44,8 +44,6 @@ when the file is loaded, so a bad value is refused at load time, naming its fiel
     max_pools = 8            # learned pools at once, all users
 """
 
-from __future__ import annotations
-
 import logging
 import tomllib
 from enum import StrEnum
@@ -112,7 +110,7 @@ class CeilingConfig(_Strict):
     def _size(cls, value: RawSize | None) -> RawSize | None:
         return checked(lambda: value is None or parse_size("size", value, _ANY_TOTAL), value)
 
-    def over(self, base: CeilingConfig) -> CeilingConfig:
+    def over(self, base: "CeilingConfig") -> "CeilingConfig":
         """This override laid over ``base``: fields set here win."""
         return base.model_copy(update=self.model_dump(exclude_none=True))
 

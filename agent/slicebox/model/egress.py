@@ -21,13 +21,11 @@ link-local (metadata services), "this network", multicast and the rest of class 
 out of reach at the packet level whatever is listed (``host.nft``): only the resolver answers.
 """
 
-from __future__ import annotations
-
 import hashlib
 import re
-from dataclasses import dataclass
 from enum import StrEnum
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, ip_network
+from typing import NamedTuple
 
 from pydantic import ConfigDict, Field, field_validator
 
@@ -52,8 +50,7 @@ class EntryKind(StrEnum):
     NETWORK = "network"
 
 
-@dataclass(frozen=True)
-class AllowEntry:
+class AllowEntry(NamedTuple):
     """One parsed entry; ``text`` is its normal form (lower case, a network in CIDR form)."""
 
     kind: EntryKind

@@ -27,8 +27,6 @@ with its status and what the caller should do, in :mod:`slicebox.model.codes`.
     └── ConfigError               the agent's configuration file is unreadable or invalid (500)
 """
 
-from __future__ import annotations
-
 
 class SliceboxError(Exception):
     """Root of every slicebox error: a stable ``code`` and a message saying what to do."""

@@ -5,8 +5,6 @@ that field's own stable code (``invalid_command``, ``invalid_timeout``, ...). Ou
 as base64 in JSON.
 """
 
-from __future__ import annotations
-
 import math
 from collections.abc import Mapping
 from enum import StrEnum
@@ -90,7 +88,7 @@ class ExecRequest(Model):
         return value
 
     @classmethod
-    def parse(cls, data: Mapping[str, object]) -> ExecRequest:
+    def parse(cls, data: Mapping[str, object]) -> "ExecRequest":
         """The edge: untrusted input to a request, or a SliceboxError naming the field."""
         try:
             return cls.model_validate(data)
@@ -98,7 +96,7 @@ class ExecRequest(Model):
             raise refusal(exc) from exc
 
     @classmethod
-    def parse_json(cls, raw: str | bytes) -> ExecRequest:
+    def parse_json(cls, raw: str | bytes) -> "ExecRequest":
         """Like ``parse``, from JSON (``stdin`` base64-encoded)."""
         try:
             return cls.model_validate_json(raw)

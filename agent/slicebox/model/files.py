@@ -7,8 +7,6 @@ checked against a list: it is resolved inside the sandbox's own mount namespace,
 sandbox's own user (:mod:`slicebox.core.files`), so the container confines it.
 """
 
-from __future__ import annotations
-
 import posixpath
 from enum import StrEnum
 from typing import Annotated

@@ -5,8 +5,6 @@ from the flat string labels Docker stores. Secrets never go here: labels are vis
 who can inspect the container.
 """
 
-from __future__ import annotations
-
 from collections.abc import Mapping
 from datetime import UTC, datetime
 

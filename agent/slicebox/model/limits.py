@@ -10,8 +10,6 @@ list that is table-tested before anything touches systemd. An unset value is wri
 ``infinity`` so that removing a limit from the config lifts it live.
 """
 
-from __future__ import annotations
-
 import math
 import re
 from typing import Annotated

@@ -7,8 +7,6 @@ inside a user or project name is escaped as ``\\x2d``, exactly as ``systemd-esca
 escaped, so a name always reads back the same on the host, in labels and in logs.
 """
 
-from __future__ import annotations
-
 import re
 from pathlib import PurePosixPath
 
@@ -57,7 +55,7 @@ class SliceNames(Model):
     user: str
     project: str
 
-    def cgroups(self, root: PurePosixPath = CGROUP_ROOT) -> SliceCgroups:
+    def cgroups(self, root: PurePosixPath = CGROUP_ROOT) -> "SliceCgroups":
         managed = root / self.managed
         user = managed / self.user
         return SliceCgroups(managed=managed, user=user, project=user / self.project)

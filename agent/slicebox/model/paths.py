@@ -1,7 +1,5 @@
 """Where things are on a host: one definition each, so no two modules can disagree."""
 
-from __future__ import annotations
-
 from pathlib import Path, PurePosixPath
 
 AGENT_SOCKET = "/run/slicebox/slicebox.sock"

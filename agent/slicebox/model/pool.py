@@ -15,8 +15,6 @@ lives in the Description of the member's deadline timer in systemd (``docs/pool.
 reaper and a restarted agent read it from systemd alone.
 """
 
-from __future__ import annotations
-
 import hashlib
 import re
 from typing import Annotated
@@ -61,7 +59,7 @@ class PoolConfig(Model):
     wasm_sha256: Sha256 | None = None
 
     @model_validator(mode="after")
-    def _kind(self) -> PoolConfig:
+    def _kind(self) -> "PoolConfig":
         if self.backend not in (Backend.DOCKER, Backend.WASM):
             raise ValueError("a pool's backend is docker or wasm")
         if (self.backend is Backend.WASM) != (self.wasm_sha256 is not None):

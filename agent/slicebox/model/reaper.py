@@ -1,7 +1,5 @@
 """What a reaper pass planned and did, as the API answers it (``POST /v1/reaper``)."""
 
-from __future__ import annotations
-
 from datetime import datetime
 from enum import StrEnum
 

@@ -7,8 +7,6 @@ bounds for everyone (:mod:`slicebox.core.shares`).
     transfers_in_flight = 32    # file transfers (PUT/GET .../files) at once, all users
 """
 
-from __future__ import annotations
-
 from pydantic import ConfigDict, Field
 
 from slicebox.model.base import Model

@@ -5,8 +5,6 @@ unparsable value like ``'lots'`` gets the stable ``invalid_limit`` code naming t
 errors get their field's code too (:mod:`slicebox.model.validation`).
 """
 
-from __future__ import annotations
-
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated
@@ -110,7 +108,7 @@ class Workspace(Model):
         return url
 
     @model_validator(mode="after")
-    def _fits_kind(self) -> Workspace:
+    def _fits_kind(self) -> "Workspace":
         given = {
             name for name in ("path", "name", "url", "ref") if getattr(self, name) is not None
         } | ({"keep"} if self.keep else set())
@@ -205,7 +203,7 @@ class SandboxSpec(Model):
     reuse: bool = False
 
     @model_validator(mode="after")
-    def _plugin(self) -> SandboxSpec:
+    def _plugin(self) -> "SandboxSpec":
         if (self.backend is Backend.WASM) != (self.wasm is not None):
             raise ValueError(
                 'backend wasm takes its plugin in \'wasm\' ({"path": ...}, {"module": '

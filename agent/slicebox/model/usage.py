@@ -5,8 +5,6 @@ omitted rather than ``null`` on the wire, timestamps are UTC ISO-8601 with ``Z``
 the optional ``memory_seconds``, ``disk_bytes_written``, ``network_bytes`` and ``egress``.
 """
 
-from __future__ import annotations
-
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -124,7 +122,7 @@ class LevelNode(_Strict):
     ooms_caused: NonNegativeInt | None = None
     memory_max_hits: NonNegativeInt | None = None
     egress: EgressCounters | None = None  # a sandbox node's, with an egress allow-list
-    children: tuple[LevelNode, ...] = ()
+    children: tuple["LevelNode", ...] = ()
 
     @property
     def caused_oom(self) -> bool:
@@ -134,22 +132,22 @@ class LevelNode(_Strict):
     def caused_throttling(self) -> bool:
         return bool(self.cpu_nr_throttled)
 
-    def with_egress(self, by_unit: dict[str, EgressCounters]) -> LevelNode:
+    def with_egress(self, by_unit: dict[str, EgressCounters]) -> "LevelNode":
         """The tree with each sandbox node in ``by_unit`` given its egress counters."""
         if not by_unit:
             return self
         children = tuple(child.with_egress(by_unit) for child in self.children)
         return self.model_copy(update={"egress": by_unit.get(self.unit), "children": children})
 
-    def walk(self) -> Iterator[LevelNode]:
+    def walk(self) -> Iterator["LevelNode"]:
         yield self
         for child in self.children:
             yield from child.walk()
 
-    def find(self, cgroup: str) -> LevelNode | None:
+    def find(self, cgroup: str) -> "LevelNode | None":
         return next((n for n in self.walk() if n.cgroup == cgroup.strip("/")), None)
 
-    def path_to(self, cgroup: str) -> list[LevelNode]:
+    def path_to(self, cgroup: str) -> list["LevelNode"]:
         """The nodes from this one down to ``cgroup`` (empty when it is not in the tree)."""
         if self.cgroup == cgroup.strip("/"):
             return [self]

@@ -7,8 +7,6 @@ the innermost part of the error's location that is a known field, so ``sandbox.m
 request is ``invalid_limit`` like ``memory`` in a create.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 

@@ -11,8 +11,6 @@ pages), each exec's timeout its ``timeout_ms``, and its network its ``allowed_ho
 (``none``: no host; an egress allow-list: the names on it).
 """
 
-from __future__ import annotations
-
 import base64
 import binascii
 import hashlib
@@ -47,7 +45,7 @@ class WasmSpec(Model):
     sha256: Sha256 | None = None
 
     @model_validator(mode="after")
-    def _one(self) -> WasmSpec:
+    def _one(self) -> "WasmSpec":
         given = [name for name in ("path", "module", "sha256") if getattr(self, name)]
         if len(given) != 1:
             raise ValueError(

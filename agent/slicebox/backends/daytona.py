@@ -46,7 +46,6 @@ import secrets
 import shlex
 import threading
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from slicebox.backends.base import (
@@ -257,17 +256,17 @@ class _Key:
     __str__ = __repr__
 
 
-@dataclass
 class _Exec:
     """One exec: where it runs and, once started, how it is doing."""
 
-    daytona_id: str
-    request: ExecRequest
-    sandbox: Any  # the SDK's Sandbox (or AsyncSandbox) its create found running
-    started: bool = False
-    running: bool = False
-    exit_code: int | None = None
-    verdict: str | None = None
+    def __init__(self, daytona_id: str, request: ExecRequest, sandbox: Any) -> None:
+        self.daytona_id = daytona_id
+        self.request = request
+        self.sandbox = sandbox  # the SDK's Sandbox (or AsyncSandbox) its create found running
+        self.started = False
+        self.running = False
+        self.exit_code: int | None = None
+        self.verdict: str | None = None
 
 
 class DaytonaBackend:

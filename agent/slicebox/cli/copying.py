@@ -28,8 +28,8 @@ import sys
 import tarfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from slicebox.cli.client import Client
 from slicebox.model.errors import InvalidRequest, NotFound
@@ -41,8 +41,7 @@ BLOCK = tarfile.BLOCKSIZE
 PROGRESS_EVERY = 0.25  # seconds between progress lines
 
 
-@dataclass(frozen=True)
-class Location:
+class Location(NamedTuple):
     """One side of a copy: ``sandbox`` None is this machine (``path`` ``-``: stdin/stdout)."""
 
     path: str

@@ -12,10 +12,9 @@ from __future__ import annotations
 import os
 import pwd
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from pydantic import ConfigDict, RootModel, computed_field
 
@@ -80,8 +79,7 @@ def _native() -> Availability:
     return NativeBackend(PystemdSystemd(), workers=1).availability()
 
 
-@dataclass(frozen=True)
-class Host:
+class Host(NamedTuple):
     proc: Path = Path("/proc")
     cgroup: Path = CGROUP_MOUNT
     agent_socket: str = AGENT_SOCKET

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 from urllib.parse import quote, urlencode
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
@@ -55,8 +54,7 @@ T = TypeVar("T", bound=BaseModel)
 ErrorClass = type[errors.SliceboxError]
 
 
-@dataclass(frozen=True)
-class Call(Generic[T]):
+class Call(NamedTuple, Generic[T]):
     """One request to the agent and the model its success answer is."""
 
     method: str

@@ -13,7 +13,6 @@ sends what it likes to port 53, so nothing it sends may grow the agent without e
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from ipaddress import IPv4Address
 
 QUERY_RATE = 100.0  # queries a second, per sandbox
@@ -86,13 +85,13 @@ class Opened:
         return len(self._until)
 
 
-@dataclass
 class SandboxDns:
     """One sandbox's resolver state; ``dropped`` counts queries past its rate, ``refused``
     TCP connections past its share."""
 
-    bucket: Bucket
-    denied: DeniedTally = field(default_factory=DeniedTally)
-    opened: Opened = field(default_factory=Opened)
-    dropped: int = 0
-    refused: int = 0
+    def __init__(self, bucket: Bucket) -> None:
+        self.bucket = bucket
+        self.denied = DeniedTally()
+        self.opened = Opened()
+        self.dropped = 0
+        self.refused = 0

@@ -21,7 +21,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network
 from typing import NamedTuple, Protocol
 
@@ -78,8 +77,7 @@ class Upstream(Protocol):
     async def ask(self, query: bytes, *, tcp: bool = False) -> bytes: ...
 
 
-@dataclass(frozen=True)
-class Placement:
+class Placement(NamedTuple):
     """Where a sandbox with egress sits: what its create request and labels carry."""
 
     network: str
@@ -88,8 +86,7 @@ class Placement:
     allow: str  # its entries, comma-separated (the ``slicebox.egress`` label)
 
 
-@dataclass(frozen=True)
-class Guarded:
+class Guarded(NamedTuple):
     sandbox_id: str
     user: str
     project: str

@@ -41,9 +41,8 @@ import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from slicebox.backends.base import AsyncExecAttachment, ExecApi, ExecAttachment, StdinSource
 from slicebox.core.blocking import Blocking, inline
@@ -154,23 +153,31 @@ class OutputCapture:
         )
 
 
-@dataclass
 class _Run:
     """The state of one exec while its output is pumped."""
 
-    exec_id: str
-    cgroup: Path | None  # None: a remote sandbox (no cgroup here; its backend kills)
-    oom_before: int | None
-    since: int  # the host's process clock before the exec was created
-    started: float
-    deadline: float
-    timed_out: bool = False
-    finished: bool = False
-    verdict: str | None = None  # the backend's word on how it ended (ExecState.verdict)
+    def __init__(
+        self,
+        exec_id: str,
+        cgroup: Path | None,
+        *,
+        oom_before: int | None,
+        since: int,
+        started: float,
+        deadline: float,
+    ) -> None:
+        self.exec_id = exec_id
+        self.cgroup = cgroup  # None: a remote sandbox (no cgroup here; its backend kills)
+        self.oom_before = oom_before
+        self.since = since  # the host's process clock before the exec was created
+        self.started = started
+        self.deadline = deadline
+        self.timed_out = False
+        self.finished = False
+        self.verdict: str | None = None  # the backend's word on how it ended (ExecState.verdict)
 
 
-@dataclass(frozen=True)
-class _Io:
+class _Io(NamedTuple):
     """How one exec's steps reach the world: its short blocking steps, its pauses, and its
     three calls to the backend (create, start, inspect). ``launched``: the command was handed
     to the sandbox's waiter (``core.launch``), so every process of the sandbox started since
@@ -397,7 +404,9 @@ class ExecEngine:
         if started is None or deadline is None:
             started = self._clock()
             deadline = started + request.timeout
-        return _Run(exec_id, cgroup, oom_before, since, started, deadline)
+        return _Run(
+            exec_id, cgroup, oom_before=oom_before, since=since, started=started, deadline=deadline
+        )
 
     def _where(self, container_id: str, scope: str | None) -> tuple[Path | None, int | None, int]:
         """The sandbox's cgroup, its OOM count and the process clock, before the exec."""

@@ -41,7 +41,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
 
@@ -131,22 +130,23 @@ def spec_of(pool: PoolConfig) -> SandboxSpec:
     return SandboxSpec.model_validate(fields)
 
 
-@dataclass
 class _Pool:
-    config: PoolConfig
-    key: PoolKey
-    admitted: Admitted
-    ready: list[Sandbox] = field(default_factory=list)
-    acquiring: set[str] = field(default_factory=set)
-    creating: int = 0
-    hits: int = 0
-    misses: int = 0
-    held_back: str = ""
-    failing: str = ""  # why its last member could not be made (a create's refusal), until one is
-    refills: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
-    acquires: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
-    learned: bool = False  # made for demand (``[pool_learning]``), not declared
-    last_asked: float = 0.0  # when a request of its key last came (the pool's clock)
+    def __init__(self, config: PoolConfig, key: PoolKey, admitted: Admitted) -> None:
+        self.config = config
+        self.key = key
+        self.admitted = admitted
+        self.ready: list[Sandbox] = []
+        self.acquiring: set[str] = set()
+        self.creating = 0
+        self.hits = 0
+        self.misses = 0
+        self.held_back = ""
+        # Why its last member could not be made (a create's refusal), until one is.
+        self.failing = ""
+        self.refills: deque[float] = deque(maxlen=SAMPLES)
+        self.acquires: deque[float] = deque(maxlen=SAMPLES)
+        self.learned = False  # made for demand (``[pool_learning]``), not declared
+        self.last_asked = 0.0  # when a request of its key last came (the pool's clock)
 
 
 class WarmPool:

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
+from typing import NamedTuple
 
 from slicebox.host.identity import Identity
 from slicebox.model.errors import Busy, ShareFull
@@ -68,14 +68,12 @@ class Reservation:
         self.release()
 
 
-@dataclass(frozen=True)
-class Bounds:
+class Bounds(NamedTuple):
     total: int  # every holder together
     each: int  # one holder (a uid); a holder None is bound by the total only
 
 
-@dataclass(frozen=True)
-class Standing:
+class Standing(NamedTuple):
     """What was held when a take was refused, for the refusal's message."""
 
     share: bool  # the holder's own share was full (else the total)
@@ -137,8 +135,7 @@ class Tally:
                 self._by[holder] = (mine - amount, my_holds - 1)
 
 
-@dataclass(frozen=True)
-class Kind:
+class Kind(NamedTuple):
     """One kind of request bounded by count, as its refusals name it."""
 
     noun: str  # "streamed execs and runs"

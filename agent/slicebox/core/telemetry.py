@@ -16,9 +16,8 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from slicebox.host.cgroupfs import CgroupFiles, CgroupReader
 from slicebox.host.netstats import NetCounters
@@ -40,8 +39,7 @@ MANAGED_SLICE = "slicebox.slice"
 # --- where a sandbox lives and what it was given -----------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class SandboxCgroups:
+class SandboxCgroups(NamedTuple):
     """Cgroup paths (relative to the cgroup root) of a sandbox scope and its three slices."""
 
     scope: str
@@ -59,8 +57,7 @@ class SandboxCgroups:
         return cls("/".join(parts), *up)
 
 
-@dataclass(frozen=True, slots=True)
-class SandboxMeta:
+class SandboxMeta(NamedTuple):
     """What the lifecycle knows about a sandbox (from its labels)."""
 
     backend: str
@@ -196,7 +193,7 @@ class UsageReader:
         the kernel's; only the ``sandbox`` part and ``network_bytes`` are left out."""
         if self.integrator is not None:
             self.integrator.sample(where.scope, self.cgroups.memory_current(where.scope))
-        dated = None if meta is None else replace(meta, deleted_at=now)
+        dated = None if meta is None else meta._replace(deleted_at=now)
         usage = self._usage(where, dated, self.cgroups.memory_current)
         if self.integrator is not None:
             self.integrator.forget(where.scope)

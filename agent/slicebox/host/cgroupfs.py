@@ -15,9 +15,8 @@ import errno
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from slicebox.model.paths import CGROUP_MOUNT
 
@@ -136,8 +135,7 @@ def parse_io_stat(text: str | None) -> dict[str, dict[str, int]] | None:
 # --- typed readings ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class MemoryEvents:
+class MemoryEvents(NamedTuple):
     """memory.events or memory.events.local: how often each boundary was hit."""
 
     low: int = 0
@@ -165,8 +163,7 @@ _CPU_STAT_KEYS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class CpuStat:
+class CpuStat(NamedTuple):
     """cpu.stat. ``nr_throttled``/``throttled_usec`` count throttling by THIS level's quota."""
 
     usage_usec: int

@@ -21,8 +21,7 @@ import logging
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from slicebox.model.errors import HostError
 
@@ -34,15 +33,14 @@ STATS_LINK_64 = 1 << (IFLA_STATS_LINK_64 - 1)  # IFLA_STATS_FILTER_BIT: these st
 _GONE = frozenset({errno.ENOENT, errno.ESRCH})
 
 
-@dataclass(frozen=True, slots=True)
-class LinkCounters:
-    index: int
+class LinkCounters(NamedTuple):
+    ifindex: int  # the link's index (``index`` is the tuple's own method)
     rx_bytes: int
     tx_bytes: int
 
     @property
     def loopback(self) -> bool:
-        return self.index == LOOPBACK_INDEX
+        return self.ifindex == LOOPBACK_INDEX
 
 
 class NetCounters(Protocol):

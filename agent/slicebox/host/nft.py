@@ -22,9 +22,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from slicebox.model.errors import HostError, Unavailable
 
@@ -59,16 +58,14 @@ def libnftables() -> NftApi:
     return api  # type: ignore[no-any-return]
 
 
-@dataclass(frozen=True)
-class Allowed:
+class Allowed(NamedTuple):
     """What a sandbox may reach without its resolver: networks, some with a port."""
 
     networks: tuple[IPv4Network, ...] = ()
     with_port: tuple[tuple[IPv4Network, int], ...] = ()
 
 
-@dataclass(frozen=True)
-class Counts:
+class Counts(NamedTuple):
     allowed_packets: int
     allowed_bytes: int
     denied_packets: int

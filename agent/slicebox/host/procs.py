@@ -39,8 +39,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from slicebox.model.errors import HostError
 from slicebox.model.paths import CGROUP_MOUNT
@@ -55,8 +55,7 @@ FREEZE_POLL = 0.005
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-@dataclass(frozen=True)
-class ProcInfo:
+class ProcInfo(NamedTuple):
     pid: int
     ppid: int
     session: int

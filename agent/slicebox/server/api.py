@@ -15,8 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -62,8 +61,7 @@ IDENTITY_KEY = "slicebox.identity"  # the caller's, in each request's state
 Model = TypeVar("Model", bound=BaseModel)
 
 
-@dataclass(frozen=True)
-class Route:
+class Route(NamedTuple):
     method: str
     path: str
     handler: Handler
@@ -75,8 +73,7 @@ class Route:
     raw_answer: bool = False  # so is the success answer
 
 
-@dataclass(frozen=True)
-class Callers:
+class Callers(NamedTuple):
     """Who may call, as the configuration in force says (a reload changes it): ``CALLERS``."""
 
     current: Callable[[], CallersConfig] = CallersConfig

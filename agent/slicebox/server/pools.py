@@ -29,7 +29,6 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from slicebox.web.server import AppKey, Request
@@ -99,13 +98,11 @@ def _pool(size: int, name: str) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=size, thread_name_prefix=f"slicebox-{name}")
 
 
-@dataclass(frozen=True)
 class Pools:
-    calls: ThreadPoolExecutor = field(default_factory=lambda: _pool(CALL_THREADS, "call"))
-    background: ThreadPoolExecutor = field(
-        default_factory=lambda: _pool(BACKGROUND_THREADS, "background")
-    )
-    after_answer: AfterAnswer = field(default_factory=AfterAnswer)
+    def __init__(self) -> None:
+        self.calls = _pool(CALL_THREADS, "call")
+        self.background = _pool(BACKGROUND_THREADS, "background")
+        self.after_answer = AfterAnswer()
 
     async def call(self, function: Callable[[], T]) -> T:
         """``function()`` on the calls pool, awaited: the core's

@@ -10,7 +10,6 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 from slicebox.backends.daytona import DaytonaBackend
@@ -68,22 +67,39 @@ def decode_unit(level: Level, unit: str) -> str | None:
     return user if level == Level.USER else project
 
 
-@dataclass
 class Runtime:
-    config_path: Path
-    config: Config
-    host_memory: int
-    slices: SliceManager
-    sandboxes: SandboxManager
-    integrator: MemoryIntegrator
-    usage: UsageReader
-    service: Service
-    auditor: Auditor
-    reaper: Reaper
-    pool: WarmPool
-    backend: Backends
-    docker: DockerBackend
-    egress: EgressGuard
+    def __init__(
+        self,
+        *,
+        config_path: Path,
+        config: Config,
+        host_memory: int,
+        slices: SliceManager,
+        sandboxes: SandboxManager,
+        integrator: MemoryIntegrator,
+        usage: UsageReader,
+        service: Service,
+        auditor: Auditor,
+        reaper: Reaper,
+        pool: WarmPool,
+        backend: Backends,
+        docker: DockerBackend,
+        egress: EgressGuard,
+    ) -> None:
+        self.config_path = config_path
+        self.config = config
+        self.host_memory = host_memory
+        self.slices = slices
+        self.sandboxes = sandboxes
+        self.integrator = integrator
+        self.usage = usage
+        self.service = service
+        self.auditor = auditor
+        self.reaper = reaper
+        self.pool = pool
+        self.backend = backend
+        self.docker = docker
+        self.egress = egress
 
     def reconcile(self) -> str:
         """The start-up pass: rebuild the view from labels and systemd before answering, then
@@ -234,20 +250,20 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         egress=egress,
     )
     return Runtime(
-        config_path,
-        config,
-        host_memory,
-        slices,
-        sandboxes,
-        integrator,
-        usage,
-        service,
-        auditor,
-        reaper,
-        pool,
-        backend,
-        docker,
-        egress,
+        config_path=config_path,
+        config=config,
+        host_memory=host_memory,
+        slices=slices,
+        sandboxes=sandboxes,
+        integrator=integrator,
+        usage=usage,
+        service=service,
+        auditor=auditor,
+        reaper=reaper,
+        pool=pool,
+        backend=backend,
+        docker=docker,
+        egress=egress,
     )
 
 

@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 log = logging.getLogger("slicebox.web.server")
 
@@ -26,8 +26,7 @@ LOG_EVERY = 10.0  # seconds between two log lines about one uid's refusals
 _REMEMBERED = 4096  # uids whose last refusal log line is remembered (older ones forgotten)
 
 
-@dataclass(frozen=True)
-class Limits:
+class Limits(NamedTuple):
     """The socket's caps and time limits (the defaults never refuse honest use: the load test
     runs 8 clients per user, the benches 8 as one user)."""
 
@@ -50,7 +49,7 @@ class Limits:
     retry_after: int = 1  # seconds, in a refusal's Retry-After
     exempt_uids: frozenset[int] = frozenset({0})
     # Routes answered even over the caps (method, path as sent): the agent's health.
-    always: frozenset[tuple[str, str]] = field(default_factory=frozenset)
+    always: frozenset[tuple[str, str]] = frozenset()
 
 
 class Gate:

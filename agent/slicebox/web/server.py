@@ -27,7 +27,6 @@ import socket
 import stat
 import struct
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -407,18 +406,20 @@ class BodyStalled(BodyCutOff):
     """The client sent nothing of a body for longer than the server waits."""
 
 
-@dataclass
 class _Exchange:
     """Where one request and its answer stand on their connection."""
 
-    body: Content | None = None
-    expect: bool = False  # the client waits for 100 Continue before it sends the body
-    continued: bool = False
-    answered: bool = False  # the answer's head went out
-    broken: bool = False  # the body's framing broke, or the client left: no next request
-    refused: bool = False  # refused before a handler: the client may still be sending
-    counted: bool = False  # counted in the requests in flight
-    held: int = 0  # body bytes counted against the body budget
+    def __init__(
+        self, *, body: Content | None = None, expect: bool = False, refused: bool = False
+    ) -> None:
+        self.body = body
+        self.expect = expect  # the client waits for 100 Continue before it sends the body
+        self.continued = False
+        self.answered = False  # the answer's head went out
+        self.broken = False  # the body's framing broke, or the client left: no next request
+        self.refused = refused  # refused before a handler: the client may still be sending
+        self.counted = False  # counted in the requests in flight
+        self.held = 0  # body bytes counted against the body budget
 
 
 _METHOD = re.compile(rb"[A-Z]+")

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
+import site
 import stat
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +79,56 @@ def test_doctor_names_what_is_missing_when_the_agent_is_down() -> None:
     assert doctor.returncode == 1
     assert not checks["agent"]["ok"]
     assert all(check["ok"] for name, check in checks.items() if name != "agent")
+
+
+PLUGIN = "sbxtest_pydantic_plugin"
+LOADED = "SBXTEST-PYDANTIC-PLUGIN-LOADED"
+
+
+@contextmanager
+def pydantic_plugin_installed() -> Iterator[None]:
+    """A pydantic plugin installed on the host as a distribution installs one (its module and an
+    entry point in the group ``pydantic``, in the site directory both the agent's and anyone's
+    Python read); imported, it says so on stderr."""
+    packages = Path(site.getsitepackages()[0])
+    module, info = packages / f"{PLUGIN}.py", packages / f"{PLUGIN}-1.0.dist-info"
+    info.mkdir()
+    try:
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {PLUGIN}\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text(f"[pydantic]\nsbxtest = {PLUGIN}:plugin\n")
+        module.write_text(
+            f"import sys\nprint({LOADED!r}, sys.argv, file=sys.stderr, flush=True)\n"
+            "class Plugin:\n"
+            "    def new_schema_validator(self, *args, **kwargs):\n"
+            "        return None, None, None\n"
+            "plugin = Plugin()\n"
+        )
+        yield
+    finally:
+        shutil.rmtree(info)
+        module.unlink(missing_ok=True)
+
+
+def test_a_pydantic_plugin_on_the_host_runs_in_python_but_not_in_the_agent_nor_the_cli(
+    installed: None,
+) -> None:
+    """Third-party code that would see every request validated (git tokens included): the
+    agent and the CLI start without pydantic's plugins (slicebox.host.lean)."""
+    model = "import pydantic\nclass M(pydantic.BaseModel):\n    x: int\nM(x=1)\n"
+    with pydantic_plugin_installed():
+        assert LOADED in sh("python3", "-c", model).stderr, "any other Python process loads it"
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        # The first call starts the agent: its config validated, its app built, a request
+        # answered; then the CLI validates its request and the agent's answer.
+        assert curl_health()["status"] == "ok"
+        listed = sh("slicebox", "--json", "ps")
+        assert listed.returncode == 0, listed.stderr
+        assert LOADED not in listed.stderr
+
+        def agent_said() -> str:
+            argv = ["journalctl", "--no-pager", "-o", "cat", "-u", "slicebox.service"]
+            return sh(*argv, "--since", since).stdout
+
+        # Its stderr is read up to the line it logs after its config was validated.
+        wait_for(lambda: "reconciled:" in agent_said(), timeout=60)
+        assert LOADED not in agent_said()

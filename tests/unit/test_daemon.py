@@ -58,9 +58,14 @@ def test_watchdog_interval_is_half_of_watchdog_sec_for_us_only() -> None:
     assert watchdog_interval({}, 7) is None
 
 
-def test_agent_serves_reloads_and_stops_on_signals(tmp_path: Path) -> None:
+def test_agent_serves_reloads_and_stops_on_signals(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "agent.sock"
     notes, journal = Notes(), Journal()
+    # The collector paused while the agent started (slicebox.host.lean) resumes once it is READY.
+    resumed: list[list[str]] = []
+    monkeypatch.setattr(daemon, "started", lambda: resumed.append(list(notes.states)))
     reloads: list[int] = []
 
     async def reload() -> str:
@@ -88,6 +93,8 @@ def test_agent_serves_reloads_and_stops_on_signals(tmp_path: Path) -> None:
     driver.join()
     assert health == ["ok"]
     assert notes.states[0].startswith("READY=1")
+    assert len(resumed) == 1
+    assert [state[:7] for state in resumed[0]] == ["READY=1"]
     assert any("configuration reloaded (test)" in state for state in notes.states)
     assert notes.states[-1].startswith("STOPPING=1")
     assert journal.events == ["agent_started", "agent_stopping"]

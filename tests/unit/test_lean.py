@@ -149,11 +149,132 @@ def test_the_agents_process_runs_no_pydantic_plugin_and_never_looks_for_one() ->
     assert plugins == "[] False"
 
 
-def test_sliceboxd_is_made_lean_before_the_daemon_is_imported() -> None:
-    """The console script's module imports nothing of the daemon until its main runs."""
+@pytest.mark.parametrize(
+    ("entry", "program"),
+    [
+        ("slicebox.server.entry", "slicebox.server.daemon"),
+        ("slicebox.cli.entry", "slicebox.cli.main"),
+    ],
+)
+def test_each_program_is_made_lean_before_the_rest_is_imported(entry: str, program: str) -> None:
+    """The console script's module imports nothing of its program until its main runs."""
     imported = fresh_python(
-        "import sys, slicebox.server.entry\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('slicebox.server.daemon', "
-        "'pydantic'))))"
+        f"import sys, {entry}\n"
+        f"print(sorted(m for m in sys.modules if m.startswith(({program!r}, 'pydantic'))))"
     )
     assert imported == ["[]"]
+
+
+LEAN_CLI = """
+import sys
+# A create's request is a model validated in this process; no agent answers at that socket.
+sys.argv = ["slicebox", "--socket", "/nonexistent/sock", "create", "--project", "p"]
+from slicebox.cli.entry import main
+assert main() == 2, "refused: no agent at that socket"
+print(sorted({"importlib.metadata", "pydantic.plugin._loader"} & set(sys.modules)))
+loader = sys.modules["pydantic.plugin._loader"]
+print(type(loader).__name__, loader.__doc__)
+"""
+
+
+def test_the_cli_runs_without_pydantic_plugins_too() -> None:
+    modules, loader = fresh_python(LEAN_CLI)
+    assert modules == "['pydantic.plugin._loader']", "the stub only: no metadata was read"
+    assert loader == "module pydantic's plugin loader, finding none"
+
+
+def test_the_model_layer_has_its_annotations_evaluated_once_not_compiled_by_pydantic() -> None:
+    """See slicebox.model's docstring: no module of it postpones its annotations."""
+    postponed = [
+        path.name
+        for path in sorted((AGENT / "slicebox" / "model").glob("*.py"))
+        if "\nfrom __future__ import annotations\n" in path.read_text()
+    ]
+    assert postponed == []
+
+
+FORWARD_REFS = """
+import pkgutil, tomllib, typing  # tomllib's parser makes forward refs of its own
+import pydantic
+import slicebox.model
+
+# pydantic's own first-use imports, and their forward refs (RootModel's ``root``, ...)
+class Warm(pydantic.BaseModel):
+    x: int | None = None
+
+class WarmRoot(pydantic.RootModel[int]):
+    pass
+
+made = []
+init = typing.ForwardRef.__init__
+def counting(self, arg, *args, **kwargs):
+    made.append(arg)
+    init(self, arg, *args, **kwargs)
+typing.ForwardRef.__init__ = counting
+for module in pkgutil.iter_modules(slicebox.model.__path__):
+    __import__(f"slicebox.model.{module.name}")
+print(sorted(set(made)))
+"""
+
+
+def test_the_models_are_made_without_compiling_their_annotations() -> None:
+    """Only the names written in quotes (a class not made yet) are forward references."""
+    (made,) = fresh_python(FORWARD_REFS)
+    assert made == "['LevelNode']"
+
+
+COLLECTOR = """
+import gc
+from slicebox.host.lean import lean_process, started
+lean_process()
+print(gc.isenabled())
+import slicebox.server.daemon
+frozen_before = gc.get_freeze_count()
+started()
+print(gc.isenabled(), gc.get_freeze_count() > frozen_before + 10000)
+started()
+gc.disable()
+lean_process()  # a collector turned off by someone else stays off
+started()
+print(gc.isenabled())
+"""
+
+
+def test_the_collector_waits_while_a_program_starts_then_leaves_its_start_frozen() -> None:
+    paused, resumed, left_off = fresh_python(COLLECTOR)
+    assert paused == "False"
+    assert resumed == "True True", "the start's objects are out of the collector's reach"
+    assert left_off == "False"
+
+
+def test_each_program_resumes_collection_once_it_has_started() -> None:
+    (enabled,) = fresh_python(
+        "import gc, sys\n"
+        "sys.argv = ['slicebox', '--socket', '/nonexistent/sock', 'ps']\n"
+        "from slicebox.cli.entry import main\n"
+        "assert main() == 2\n"
+        "print(gc.isenabled())"
+    )
+    assert enabled == "True"
+
+
+DATACLASSES = """
+import dataclasses
+made = []
+process = dataclasses._process_class
+def counting(cls, *args, **kwargs):
+    made.append(f"{cls.__module__}.{cls.__qualname__}")
+    return process(cls, *args, **kwargs)
+dataclasses._process_class = counting
+from slicebox.host.lean import lean_process
+lean_process()
+import slicebox.server.daemon, slicebox.cli.main
+print(sorted(name for name in made if name.startswith("slicebox.")))
+"""
+
+
+def test_the_agent_and_the_cli_make_no_dataclass_as_they_start() -> None:
+    """A dataclass compiles its methods' source as its class is made (about 5 ms each under
+    emulation): what the agent and the CLI import at start uses NamedTuples and classes."""
+    (made,) = fresh_python(DATACLASSES)
+    assert made == "[]"

@@ -15,13 +15,20 @@ validates, git tokens included, and whose discovery imports ``importlib.metadata
 metadata of every installed distribution at the first model built (about a twentieth of the
 agent's imports under emulation). The agent's process runs without them.
 
-Only the agent's own process does this (``sliceboxd``, :mod:`slicebox.server.entry`): a program
-that imports slicebox as a library keeps the packages as their authors made them, and a package
-something already imported is left as it is.
+Python's cyclic garbage collector is paused while the program starts: imports and the models
+they build make some hundred thousand objects that live as long as the process, and every
+collection meanwhile walks them again (about a twentieth of the agent's imports under
+emulation). Once started, they are moved out of the collector's way (``gc.freeze``) and
+collection resumes for what the program makes from then on.
+
+Only slicebox's own programs do this, first thing (``sliceboxd``, :mod:`slicebox.server.entry`;
+``slicebox``, :mod:`slicebox.cli.entry`): a program that imports slicebox as a library keeps the
+packages as their authors made them, and a package something already imported is left as it is.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import logging
 import os
@@ -84,8 +91,31 @@ def without_schema_checks() -> None:
     os.environ["PYDANTIC_SKIP_VALIDATING_CORE_SCHEMAS"] = "1"
 
 
+_paused: list[bool] = []  # set while this module paused the collector
+
+
+def pause_collection() -> None:
+    """No cyclic garbage collection until :func:`started`: the program's start is all objects
+    that stay. A collector something else turned off is left off."""
+    if gc.isenabled():
+        gc.disable()
+        _paused.append(True)
+
+
+def started() -> None:
+    """The program has started: what it made so far is frozen out of the collector's reach (it
+    stays for the process's life) and collection resumes. Only where :func:`pause_collection`
+    paused it; once."""
+    if _paused:
+        _paused.clear()
+        gc.freeze()
+        gc.enable()
+
+
 def lean_process() -> None:
-    """What ``sliceboxd`` does first, before it imports the rest of slicebox."""
+    """What ``sliceboxd`` and ``slicebox`` do first, before they import the rest of slicebox;
+    each calls :func:`started` once it has."""
+    pause_collection()
     skip_package_inits()
     without_pydantic_plugins()
     without_schema_checks()

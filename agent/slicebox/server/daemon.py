@@ -26,6 +26,7 @@ import slicebox
 from slicebox import VersionAction
 from slicebox.host.identity import SystemUsers
 from slicebox.host.journal import Auditor, SystemJournal
+from slicebox.host.lean import started
 from slicebox.host.listen import listening_socket
 from slicebox.model.audit import AuditEvent, AuditRecord
 from slicebox.model.config import DEFAULT_PATH as DEFAULT_CONFIG
@@ -122,6 +123,7 @@ class Agent:
         ]
         watchdog = self._start_watchdog()
         self._notifier.notify(f"READY=1\nSTATUS=answering on {socket_path}")
+        started()  # the collector, paused by slicebox.host.lean while the agent started
         self._auditor.record(
             AuditRecord(event=AuditEvent.AGENT_STARTED, detail=slicebox.__version__)
         )
@@ -212,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = build_parser().parse_args(argv)
     logging.basicConfig(level=options.log_level, format="%(levelname)s %(name)s: %(message)s")
     if options.command == "expire":
+        started()
         return expire(options)
     auditor = Auditor(SystemJournal())
     notifier = SystemdNotifier()

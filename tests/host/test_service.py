@@ -120,6 +120,7 @@ def test_a_pydantic_plugin_on_the_host_runs_in_python_but_not_in_the_agent_nor_t
         since = time.strftime("%Y-%m-%d %H:%M:%S")
         # The first call starts the agent: its config validated, its app built, a request
         # answered; then the CLI validates its request and the agent's answer.
+        sh("systemctl", "start", "slicebox.socket")
         assert curl_health()["status"] == "ok"
         listed = sh("slicebox", "--json", "ps")
         assert listed.returncode == 0, listed.stderr

@@ -104,14 +104,14 @@ def run(agent: Client, sandbox: SandboxView, command: str, timeout: float = 30) 
     return Ran(result.exit_code, result.stdout.decode(errors="replace"))
 
 
-def fetch(agent: Client, sandbox: SandboxView, url: str) -> Ran:
-    return run(agent, sandbox, f"wget -q -O - -T 4 {url} 2>&1")
+def fetch(agent: Client, sandbox: SandboxView, url: str, seconds: int = 4) -> Ran:
+    return run(agent, sandbox, f"wget -q -O - -T {seconds} {url} 2>&1")
 
 
 def dropped(agent: Client, sandbox: SandboxView, url: str) -> Ran:
     """A fetch the rules are to drop: given up after 2 s (an answered one, on this guest's own
     bridge, takes well under a second even under emulation), each a wait the suite pays."""
-    return run(agent, sandbox, f"wget -q -O - -T 2 {url} 2>&1")
+    return fetch(agent, sandbox, url, seconds=2)
 
 
 def address(agent: Client, sandbox: SandboxView) -> str:

@@ -1,5 +1,6 @@
-"""The agent's process, imported lean: pystemd's and pyroute2's modules without their packages'
-``__init__``, and pydantic without its plugins and without its 2.10 self-check of every schema.
+"""slicebox's own programs, imported lean: pystemd's and pyroute2's modules without their
+packages' ``__init__``, pydantic without its plugins and without its 2.10 self-check of every
+schema, and no garbage collection while they start.
 
 The agent uses a few modules of each: pystemd's D-Bus binding, its unit property table and its
 journal call; pyroute2's ``IPRoute`` and ``setns``. Their packages' ``__init__`` import far more,
@@ -13,7 +14,7 @@ pydantic calls its plugins (any installed distribution's entry point in the grou
 at every validation of every model: third-party code that would see each request the agent
 validates, git tokens included, and whose discovery imports ``importlib.metadata`` and reads the
 metadata of every installed distribution at the first model built (about a twentieth of the
-agent's imports under emulation). The agent's process runs without them.
+agent's imports under emulation). slicebox's programs run without them.
 
 Python's cyclic garbage collector is paused while the program starts: imports and the models
 they build make some hundred thousand objects that live as long as the process, and every

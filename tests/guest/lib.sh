@@ -22,8 +22,13 @@ image_key() {
 
 image_dir() { echo "$CACHE_ROOT/guest/$(image_key)"; }
 
-# One running guest per checkout: its state lives under a directory named after the checkout.
-run_dir() { echo "$CACHE_ROOT/run/$(echo "$REPO_ROOT" | sha256sum | cut -c1-12)"; }
+# One running guest per checkout and lane: its state lives under a directory named after the
+# checkout, and after the lane (SLICEBOX_GUEST_LANE) for each of tests/run-all's lanes.
+run_dir() {
+    local lane=${SLICEBOX_GUEST_LANE:-}
+    [[ $lane =~ ^[a-z0-9]*$ ]] || die "SLICEBOX_GUEST_LANE must be letters and digits: $lane"
+    echo "$CACHE_ROOT/run/$(echo "$REPO_ROOT" | sha256sum | cut -c1-12)${lane:+-$lane}"
+}
 
 # PVM (kvm_pvm) exposes /dev/kvm but cannot run a stock Debian kernel: use TCG there.
 qemu_accel() {

@@ -106,10 +106,11 @@ print(sorted(name for name in NOT_AT_START if name in sys.modules))
 
 # Modules the agent must not import at start (later issues keep this list green): optional
 # backends' SDKs and workers, the CLI, the HTTP libraries the agent does without, the
-# OpenAPI generator.
+# OpenAPI and configuration documents' generators.
 NOT_AT_START = (
     "slicebox.cli",
     "slicebox.server.openapi",
+    "slicebox.model.configdoc",
     "extism",
     "daytona",
     "daytona_sdk",

@@ -85,12 +85,12 @@ TTL_CEILING_SECONDS = 366 * 24 * 3600
 DEFAULT_EXEC_OUTPUT_BUDGET = 256 * 1024 * 1024
 
 
-def _table(**fields: object) -> Any:
+def _table(description: str, **fields: object) -> Any:
     """A nested table's default, as the file would give it: validated by ``Config``'s own
     validator when the file leaves the table out. (A model instance as the default would build
     that model's validator when this module is imported: about a tenth of a second of the
     agent's start under emulation, for ten tables.)"""
-    return Field(default=fields, validate_default=True)
+    return Field(default=fields, validate_default=True, description=description)
 
 
 class _Strict(Model):
@@ -100,10 +100,14 @@ class _Strict(Model):
 class CeilingConfig(_Strict):
     """One level's ceilings as written in the file; ``None`` leaves the field to the default."""
 
-    memory: RawSize | None = None
-    memory_high: RawSize | None = None
-    cpus: OptionalCpus = None
-    pids: OptionalPids = None
+    memory: RawSize | None = Field(
+        default=None, description="MemoryMax: the kernel's hard limit (a size, or a % of RAM)"
+    )
+    memory_high: RawSize | None = Field(
+        default=None, description="MemoryHigh: where the kernel starts reclaiming and throttling"
+    )
+    cpus: OptionalCpus = Field(default=None, description="CPUQuota, in CPUs (1.5 = 150%)")
+    pids: OptionalPids = Field(default=None, description="TasksMax: processes and threads")
 
     @field_validator("memory", "memory_high")
     @classmethod
@@ -133,9 +137,21 @@ class CallersConfig(_Strict):
     all as the one user level ``unknown_user`` (its ``[users.<name>]`` ceilings, if any, are
     their shared ceilings); left out, such callers are refused ``unknown_user``."""
 
-    group: str = Field(default="slicebox", min_length=1)
-    unknown_uids: tuple[int, int] | None = None
-    unknown_user: str = Field(default="unknown", pattern=r"^[a-z_][a-z0-9_.-]*$")
+    group: str = Field(
+        default="slicebox",
+        min_length=1,
+        description="every caller but root must be a member (checked on every request)",
+    )
+    unknown_uids: tuple[int, int] | None = Field(
+        default=None,
+        description="[first, last]: uids without a passwd entry that are served (user "
+        "namespaces); unset: refused unknown_user",
+    )
+    unknown_user: str = Field(
+        default="unknown",
+        pattern=r"^[a-z_][a-z0-9_.-]*$",
+        description="the one user level all such callers share",
+    )
 
     @field_validator("unknown_uids")
     @classmethod
@@ -153,7 +169,10 @@ class CredentialsConfig(_Strict):
     user's sandboxes together may hold in the shared credential tmpfs (16 MiB as installed);
     a create beyond its user's share is refused ``credentials_share_exceeded``."""
 
-    user_share: RawSize = "2MB"
+    user_share: RawSize = Field(
+        default="2MB",
+        description="the bytes one user's sandboxes together may hold in the credential tmpfs",
+    )
 
     @field_validator("user_share")
     @classmethod
@@ -167,9 +186,9 @@ class CredentialsConfig(_Strict):
 class SandboxDefaults(_Strict):
     """What a sandbox gets when its request leaves a limit out."""
 
-    memory: RawSize = "256MB"
-    cpus: float = 0.5
-    pids: int = 100
+    memory: RawSize = Field(default="256MB", description="a sandbox's memory limit")
+    cpus: float = Field(default=0.5, description="a sandbox's CPUs")
+    pids: int = Field(default=100, description="a sandbox's processes and threads")
 
     def limits(self) -> Limits:
         return Limits(
@@ -185,15 +204,28 @@ class OrphanPolicy(StrEnum):
 
 
 class ReaperConfig(_Strict):
-    interval_seconds: float = Field(default=30.0, gt=0)
-    orphans: OrphanPolicy = OrphanPolicy.ADOPT
-    # Idle members kept of a key no [[pool]] declares (one a removed table left): 0 trims them.
-    pool_size: int = Field(default=0, ge=0)
-    # An empty user or project slice is stopped only once it has been empty this long, so the
-    # next sandbox of a project that comes and goes (one-shot runs) finds its slices in place.
-    empty_slice_grace_seconds: float = Field(default=300.0, ge=0)
-    # Per-sandbox files (credential helpers, sockets) live in <state_dir>/<sandbox id>/.
-    state_dir: Path = Path("/run/slicebox/sandboxes")
+    interval_seconds: float = Field(default=30.0, gt=0, description="time between passes")
+    orphans: OrphanPolicy = Field(
+        default=OrphanPolicy.ADOPT,
+        description="what becomes of another agent run's sandboxes: adopted (their deadlines "
+        "still hold) or reaped",
+    )
+    pool_size: int = Field(
+        default=0,
+        ge=0,
+        description="idle members kept of a key no [[pool]] declares (one a removed table "
+        "left); 0 trims them",
+    )
+    empty_slice_grace_seconds: float = Field(
+        default=300.0,
+        ge=0,
+        description="an empty user or project slice is stopped once empty this long, so the "
+        "next sandbox of a project that comes and goes finds its slices in place",
+    )
+    state_dir: Path = Field(
+        default=Path("/run/slicebox/sandboxes"),
+        description="per-sandbox files (credential helpers, sockets) live in <state_dir>/<id>/",
+    )
 
 
 class PoolLearning(_Strict):
@@ -202,11 +234,15 @@ class PoolLearning(_Strict):
     is asked for within the window; off unless enabled (its members are running containers in
     the project's slice, and count against its ceilings)."""
 
-    enabled: bool = False
-    uses: int = Field(default=3, ge=1)
-    window_seconds: float = Field(default=600.0, gt=0)
-    size: int = Field(default=1, ge=1, le=MAX_POOL_SIZE)
-    max_pools: int = Field(default=8, ge=1)  # learned pools at once, all users
+    enabled: bool = Field(default=False, description="learn pools from demand")
+    uses: int = Field(default=3, ge=1, description="how many asks for one key make it a pool")
+    window_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="within this long; a learned pool not asked for within it is trimmed",
+    )
+    size: int = Field(default=1, ge=1, le=MAX_POOL_SIZE, description="members per learned key")
+    max_pools: int = Field(default=8, ge=1, description="learned pools at once, all users")
 
 
 class DaytonaConfig(_Strict):
@@ -214,9 +250,11 @@ class DaytonaConfig(_Strict):
     read from ``api_key_file`` (root's, mode 0600) when the agent starts: never in this file,
     which any local user may read."""
 
-    api_url: str = Field(pattern=r"^https?://")
-    api_key_file: PurePosixPath
-    target: str | None = None
+    api_url: str = Field(pattern=r"^https?://", description="the Daytona API's URL")
+    api_key_file: PurePosixPath = Field(
+        description="root's file (mode 0600) holding the API key, read at the agent's start"
+    )
+    target: str | None = Field(default=None, description="the Daytona target (region)")
 
     def api_key(self) -> str:
         path = Path(str(self.api_key_file))
@@ -235,57 +273,99 @@ class DaytonaConfig(_Strict):
 
 
 class Config(_Strict):
-    default_image: str = "alpine:3.19"
-    max_ttl_seconds: int = Field(default=24 * 3600, gt=0, le=TTL_CEILING_SECONDS)
+    default_image: str = Field(
+        default="alpine:3.19", description="the image of a request that names none"
+    )
+    max_ttl_seconds: int = Field(
+        default=24 * 3600,
+        gt=0,
+        le=TTL_CEILING_SECONDS,
+        description="the most a create or an extend may ask (at most a year)",
+    )
     # Checked even when left out: a lowered max_ttl_seconds may be below the built-in default.
-    default_ttl_seconds: int | None = Field(default=3600, gt=0, validate_default=True)
-    managed: CeilingConfig = _table(memory="75%")
-    user: CeilingConfig = _table(memory="4GB", pids=2048)
-    project: CeilingConfig = _table(memory="2GB", pids=1024)
-    users: dict[str, CeilingConfig] = {}
-    projects: dict[str, CeilingConfig] = {}
-    sandbox: SandboxDefaults = _table()
-    bind_roots: tuple[PurePosixPath, ...] = ()
-    # Who a sandbox runs as when its request names no one and it has no host workspace (one
-    # with runs as the caller): a fixed non-root uid:gid, numeric so stock images without
-    # such a user run it all the same.
-    default_run_as: str = Field(default="65534:65534", pattern=r"^[1-9][0-9]*:[1-9][0-9]*$")
-    # The only users whose sandboxes may run as uid 0, and never with a writable host mount.
-    root_users: frozenset[str] = frozenset()
-    # How long a git workspace's clone may take before its create fails (git_clone_failed).
-    git_clone_timeout_seconds: float = Field(default=600.0, gt=0)
-    allowed_capabilities: frozenset[str] = DEFAULT_CAPABILITIES
-    # "bridge" only when an operator adds it: then on slicebox's own bridge network, whose
-    # sandboxes cannot reach each other (backends.docker), not on docker0.
-    allowed_networks: frozenset[str] = frozenset({"none"})
-    # Network egress by allow-list: its network, resolver upstream and who may ask for what.
-    egress: EgressConfig = _table()
-    # A create for Docker while Docker does not answer runs on the native backend instead
-    # (its answer says so); false: it is refused ``backend_unavailable``.
-    allow_native_fallback: bool = True
-    # Native sandboxes may map memory writable and executable (JIT runtimes: node, java,
-    # pypy), i.e. run without MemoryDenyWriteExecute; off, such a runtime fails to start.
-    native_allow_jit: bool = False
-    # Remote sandboxes (``"backend": "daytona"``) on this Daytona API; unset: none.
-    daytona: DaytonaConfig | None = None
-    reaper: ReaperConfig = _table()
-    # Who may call (its group, callers without a passwd entry): CallersConfig.
-    callers: CallersConfig = _table()
-    # Per-user share of the credential tmpfs: CredentialsConfig.
-    credentials: CredentialsConfig = _table()
-    # Memory for the output of every exec in flight (core/budget.py); unset: half the agent's
-    # own MemoryMax, or DEFAULT_EXEC_OUTPUT_BUDGET when the agent runs without one.
-    exec_output_budget: RawSize | None = None
-
-    # The most one file transfer moves, either way (core/files.py): what a caller can make
-    # the agent stream for it, and make a sandbox's tmpfs hold, at one go.
-    files_max_bytes: RawSize = "1GB"
-    # What one user may hold at once of the exec output budget, of streams and of transfers
-    # in flight, and the bounds of the latter two for everyone (model/shares.py).
-    shares: SharesConfig = _table()
-    # Warm pools, one ``[[pool]]`` table each (model.pool.PoolConfig; core.pool keeps them).
-    pool: tuple[PoolConfig, ...] = ()
-    pool_learning: PoolLearning = _table()
+    default_ttl_seconds: int | None = Field(
+        default=3600,
+        gt=0,
+        validate_default=True,
+        description="a sandbox's TTL when its request gives none",
+    )
+    managed: CeilingConfig = _table("ceilings of everything slicebox runs", memory="75%")
+    user: CeilingConfig = _table("ceilings of each user's slice", memory="4GB", pids=2048)
+    project: CeilingConfig = _table("ceilings of each project's slice", memory="2GB", pids=1024)
+    users: dict[str, CeilingConfig] = Field(
+        default={}, description="one user's ceilings: only the fields set replace [user]'s"
+    )
+    projects: dict[str, CeilingConfig] = Field(
+        default={},
+        description='one project\'s ceilings, as [projects."user/project"]: only the fields '
+        "set replace [project]'s",
+    )
+    sandbox: SandboxDefaults = _table("what a sandbox gets when its request leaves a limit out")
+    bind_roots: tuple[PurePosixPath, ...] = Field(
+        default=(),
+        description="the roots a caller may bind from and use as host workspaces; {user} is "
+        "the caller's own name",
+    )
+    default_run_as: str = Field(
+        default="65534:65534",
+        pattern=r"^[1-9][0-9]*:[1-9][0-9]*$",
+        description="uid:gid of a sandbox whose request names no one and that has no host "
+        "workspace (one with runs as the caller); numeric, so stock images run it",
+    )
+    root_users: frozenset[str] = Field(
+        default=frozenset(),
+        description="the only users whose sandboxes may run as uid 0, never with a writable "
+        "host mount",
+    )
+    git_clone_timeout_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="how long a git workspace's clone may take before its create fails "
+        "(git_clone_failed)",
+    )
+    allowed_capabilities: frozenset[str] = Field(
+        default=DEFAULT_CAPABILITIES,
+        description="the capabilities a request may add (a sandbox starts with none)",
+    )
+    allowed_networks: frozenset[str] = Field(
+        default=frozenset({"none"}),
+        description='the networks a request may ask for; "bridge" only when an operator adds '
+        "it, and then on slicebox's own bridge, whose sandboxes cannot reach each other",
+    )
+    egress: EgressConfig = _table("network egress by allow-list: its network, resolver, rules")
+    allow_native_fallback: bool = Field(
+        default=True,
+        description="a create for Docker while Docker does not answer runs on the native "
+        "backend instead (its answer says so); false: refused backend_unavailable",
+    )
+    native_allow_jit: bool = Field(
+        default=False,
+        description="native sandboxes may map memory writable and executable (node, java, "
+        "pypy); off, such runtimes fail to start",
+    )
+    daytona: DaytonaConfig | None = Field(
+        default=None,
+        description='the Daytona API that "backend": "daytona" sandboxes run on; unset: none',
+    )
+    reaper: ReaperConfig = _table("the reaper: its pace, orphans, empty slices")
+    callers: CallersConfig = _table("who may call the agent beyond the kernel's socket check")
+    credentials: CredentialsConfig = _table("bounds of the git credentials a create hands over")
+    exec_output_budget: RawSize | None = Field(
+        default=None,
+        description="memory for the output of every exec in flight, all callers; unset: half "
+        "the agent's own MemoryMax, or 256 MiB without one",
+    )
+    files_max_bytes: RawSize = Field(
+        default="1GB",
+        description="the most one file transfer moves, either way (more is file_too_large)",
+    )
+    shares: SharesConfig = _table(
+        "what one user may hold at once of the output budget, streams and transfers"
+    )
+    pool: tuple[PoolConfig, ...] = Field(
+        default=(), description="warm pools, one [[pool]] table each (docs/pool.md)"
+    )
+    pool_learning: PoolLearning = _table("pools learned from demand, for keys no [[pool]] names")
 
     @field_validator("pool")
     @classmethod

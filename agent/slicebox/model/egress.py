@@ -157,9 +157,17 @@ class EgressRule(Model):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    users: frozenset[str] = frozenset({"*"})
-    projects: frozenset[str] = frozenset({"*"})
-    allow: tuple[str, ...] = ("*",)
+    users: frozenset[str] = Field(
+        default=frozenset({"*"}), description='the users it applies to ("*": every user)'
+    )
+    projects: frozenset[str] = Field(
+        default=frozenset({"*"}), description='the projects it applies to ("*": every project)'
+    )
+    allow: tuple[str, ...] = Field(
+        default=("*",),
+        description="what they may ask for: names, *.domain, IPv4 addresses or networks, each "
+        'with an optional :port; "*": anything',
+    )
 
     @field_validator("allow")
     @classmethod
@@ -175,14 +183,26 @@ class EgressConfig(Model):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    subnet: IPv4Network = IPv4Network("10.213.0.0/16")
-    # Where the resolver asks; empty: the nameservers of the host's /etc/resolv.conf.
-    upstream: tuple[IPv4Address, ...] = ()
-    # Private networks an allowed name may resolve into (an internal mirror, a company's git
-    # host); any other private answer is refused as DNS rebinding unless the list names it.
-    internal_networks: tuple[IPv4Network, ...] = ()
-    # Closed by default: an operator grants egress per user or project.
-    rule: tuple[EgressRule, ...] = ()
+    subnet: IPv4Network = Field(
+        default=IPv4Network("10.213.0.0/16"),
+        description="slicebox's bridge network (private, /8 to /24); the resolver listens on "
+        "its first address",
+    )
+    upstream: tuple[IPv4Address, ...] = Field(
+        default=(),
+        description="where the resolver asks; empty: the nameservers of the host's "
+        "/etc/resolv.conf",
+    )
+    internal_networks: tuple[IPv4Network, ...] = Field(
+        default=(),
+        description="private networks an allowed name may resolve into (an internal mirror); "
+        "any other private answer is refused as DNS rebinding",
+    )
+    rule: tuple[EgressRule, ...] = Field(
+        default=(),
+        description="who may ask for what, one [[egress.rule]] table each; none: no egress "
+        "for anyone",
+    )
 
     @field_validator("subnet")
     @classmethod

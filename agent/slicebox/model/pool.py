@@ -38,25 +38,34 @@ class PoolConfig(Model):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    user: str
-    project: str
-    size: int = Field(ge=1, le=MAX_POOL_SIZE)
-    image: str | None = None
-    memory: RawSize | None = None
-    cpus: OptionalCpus = None
-    pids: OptionalPids = None
-    network: str = "none"
-    run_as: str | None = Field(default=None, pattern=r"^[1-9][0-9]*:[1-9][0-9]*$")
-    # A member nobody acquired for this long is removed by the reaper (``pool_idle``), and the
-    # refill makes a fresh one: an image updated meanwhile is then what members run.
-    idle_timeout_seconds: float = Field(default=1800.0, gt=0)
-    # Members are reset and handed out again after a release, to requests that ask for
-    # ``reuse`` only; without it every release destroys its member and a fresh one replaces it.
-    reuse: bool = False
-    # A pool of wasm sandboxes (their workers started, Extism loaded) for one plugin the agent
-    # holds: ``backend = "wasm"`` with its ``wasm_sha256``.
-    backend: Backend = Backend.DOCKER
-    wasm_sha256: Sha256 | None = None
+    user: str = Field(description="the user whose requests it serves")
+    project: str = Field(description="and the project")
+    size: int = Field(ge=1, le=MAX_POOL_SIZE, description="members kept ready")
+    image: str | None = Field(default=None, description="unset: default_image")
+    memory: RawSize | None = Field(default=None, description="unset: [sandbox]'s")
+    cpus: OptionalCpus = Field(default=None, description="unset: [sandbox]'s")
+    pids: OptionalPids = Field(default=None, description="unset: [sandbox]'s")
+    network: str = Field(default="none", description="one of allowed_networks")
+    run_as: str | None = Field(
+        default=None,
+        pattern=r"^[1-9][0-9]*:[1-9][0-9]*$",
+        description="uid:gid; unset: default_run_as",
+    )
+    idle_timeout_seconds: float = Field(
+        default=1800.0,
+        gt=0,
+        description="a member nobody acquired for this long is removed (pool_idle) and a "
+        "fresh one made, so an image updated meanwhile is what members run",
+    )
+    reuse: bool = Field(
+        default=False,
+        description="members are reset and handed out again after a release, to requests "
+        "that ask for reuse; false: every release destroys its member",
+    )
+    backend: Backend = Field(default=Backend.DOCKER, description="docker, or wasm")
+    wasm_sha256: Sha256 | None = Field(
+        default=None, description="a wasm pool's plugin (one the agent holds)"
+    )
 
     @model_validator(mode="after")
     def _kind(self) -> "PoolConfig":

@@ -19,11 +19,23 @@ DEFAULT_TRANSFERS_IN_FLIGHT = 32
 class SharesConfig(Model):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # The most of each bound one user (a uid; root and slicebox-admin hold none) holds at once:
-    # of the exec output budget's bytes, of streams and of transfers in flight. 1: no share.
-    user_share: float = Field(default=DEFAULT_USER_SHARE, gt=0, le=1)
-    streams_in_flight: int = Field(default=DEFAULT_STREAMS_IN_FLIGHT, gt=0)
-    transfers_in_flight: int = Field(default=DEFAULT_TRANSFERS_IN_FLIGHT, gt=0)
+    user_share: float = Field(
+        default=DEFAULT_USER_SHARE,
+        gt=0,
+        le=1,
+        description="the most of each bound one user (root and slicebox-admin excepted) holds "
+        "at once: of the exec output budget, of streams and of transfers in flight; 1: no share",
+    )
+    streams_in_flight: int = Field(
+        default=DEFAULT_STREAMS_IN_FLIGHT,
+        gt=0,
+        description="streamed execs and runs answering at once, all users",
+    )
+    transfers_in_flight: int = Field(
+        default=DEFAULT_TRANSFERS_IN_FLIGHT,
+        gt=0,
+        description="file transfers at once, all users",
+    )
 
     def share_of(self, total: int) -> int:
         """One user's share of ``total`` things (streams, transfers): at least one."""

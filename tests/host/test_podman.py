@@ -11,13 +11,13 @@ tests read the kernel's); an exec whose cwd is not there exits 127 under Podman,
 Docker (slicebox answers 126 for both).
 
 Where it differs and slicebox does not handle it (the fork bomb's test is left out below;
-both said in the README):
+both said in docs/backends.md):
 the monitor and the runtime's create run inside the project slice, so they count against its
 TasksMax, and a project whose processes fill its TasksMax cannot start another sandbox (under
 Docker they run in the daemon's own cgroup). And an exec session started through Podman's API
 keeps its monitor for ``exit_command_delay`` after the command ends (300 s by default, so a
 client can still inspect it): in the project slice, which cannot be collected until then.
-The guest sets it to 10 s in containers.conf, as the README advises a Podman host."""
+The guest sets it to 10 s in containers.conf, as docs/backends.md advises a Podman host."""
 
 from __future__ import annotations
 

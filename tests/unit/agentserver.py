@@ -72,11 +72,22 @@ def served(tmp: Path, world: World | None = None) -> Iterator[Agent]:
         yield Agent(str(path), world, pools)
     finally:
         asyncio.run_coroutine_threadsafe(serving.close(), loop).result(10)
+        asyncio.run_coroutine_threadsafe(_settle(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
         sock.close()
         pools.shutdown()
+
+
+async def _settle() -> None:
+    """End what requests left on the loop (a fake exec's reaper of its process, whose pipes it
+    closes), as ``asyncio.run`` would: a task destroyed with its loop leaves a subprocess
+    transport to the collector, which then complains of a closed loop."""
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 10.0) -> None:

@@ -29,7 +29,7 @@ from tests.host.helpers import TEST_IMAGE, sh
 
 from slicebox.backends.base import SandboxRequest
 from slicebox.backends.docker import host_config
-from slicebox.cli.client import Client
+from slicebox.client import Client
 from slicebox.core.egress import BRIDGE
 from slicebox.core.sandboxes import KEEP_ALIVE
 from slicebox.host.nft import Allowed, Firewall, libnftables

@@ -36,7 +36,7 @@ from tests.host.sliceboxhost import cleanup_slices
 from tests.wasm.build import TOOLKIT, build
 
 from bench.bench_pool import POOL, PROJECT, USER, run_request, timed
-from slicebox.cli.client import Client
+from slicebox.client import Client
 from slicebox.model.api import CreateSandbox, RunRequest
 from slicebox.model.exec import ExecRequest
 from slicebox.model.names import slice_names

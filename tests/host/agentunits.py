@@ -8,7 +8,7 @@ from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from slicebox.cli.client import Client
+from slicebox.client import Client
 from slicebox.model.errors import SliceboxError
 from tests.host.helpers import sh
 

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from slicebox.cli.client import Client
+from slicebox.client import Client
 from slicebox.model.api import CreateSandbox
 from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import ExecRequest, ExecResult

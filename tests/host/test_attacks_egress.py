@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.cli.client import Client
+from slicebox.client import Client
 from slicebox.model.api import CreateSandbox, SandboxView
 from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import ExecRequest

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import pytest
 
-from slicebox.cli.client import Client
+from slicebox.client import Client
 from slicebox.host.nft import key_of
 from slicebox.model.api import CreateSandbox, SandboxView
 from slicebox.model.exec import ExecRequest

@@ -36,7 +36,7 @@ from typing import Any
 import docker
 import pytest
 
-from slicebox.cli.client import Client
+from slicebox.client import Client
 from slicebox.core.deadlines import Deadlines
 from slicebox.host.systemd import PystemdSystemd
 from slicebox.model.api import CreateSandbox

@@ -26,7 +26,7 @@ import pytest
 from slicebox.backends.docker import DockerBackend
 from slicebox.backends.native import ANCHOR_PREFIX, EXEC_PREFIX, NativeBackend
 from slicebox.backends.router import Backends
-from slicebox.cli.client import Client
+from slicebox.client import Client
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
 from slicebox.core.sandboxes import Sandbox, SandboxManager

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from slicebox.cli.client import Client
+from slicebox.client import Client
 from slicebox.model.api import CreateSandbox, RunRequest
 from slicebox.model.exec import ExecRequest
 from slicebox.model.pool import PoolStats

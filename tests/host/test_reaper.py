@@ -20,7 +20,7 @@ import docker
 import pytest
 
 from slicebox.backends.docker import DockerBackend
-from slicebox.cli.client import Client
+from slicebox.client import Client
 from slicebox.core.deadlines import PATTERN as TIMERS
 from slicebox.core.deadlines import Deadlines, parse_timer, timer_unit
 from slicebox.core.reaper import Reaper

@@ -26,7 +26,7 @@ import pytest
 
 from slicebox.backends.native import ANCHOR_PREFIX
 from slicebox.backends.wasmrun import EXIT_NO_FUNCTION
-from slicebox.cli.client import Client
+from slicebox.client import Client
 from slicebox.core.sandboxes import Sandbox
 from slicebox.host.plugins import PluginStore
 from slicebox.model.api import CreateSandbox, RunRequest

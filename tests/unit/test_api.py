@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from slicebox.cli.client import Client
+from slicebox.client import Client
 from slicebox.host.identity import SystemUsers
 from slicebox.host.listen import activated_sockets, bind_unix
 from slicebox.model import errors

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import aclosing
@@ -12,9 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.cli import wire
-from slicebox.cli.asyncclient import AsyncClient
-from slicebox.cli.client import Client
+from slicebox.client import AsyncClient, Client, wire
 from slicebox.core.budget import OutputBudget, exec_reservation
 from slicebox.host.listen import bind_unix
 from slicebox.model import errors
@@ -408,3 +408,26 @@ def test_async_no_agent_and_a_silent_agent_are_unavailable(tmp_path: Path) -> No
     with bind_unix(tmp_path / "silent.sock", group=None), pytest.raises(errors.Unavailable) as mute:
         asyncio.run(call(tmp_path / "silent.sock", 0.5))
     assert mute.value.code == "agent_no_answer"
+
+
+def test_the_clients_old_names_stay_for_one_release() -> None:
+    import slicebox.cli.asyncclient
+    import slicebox.cli.client
+
+    assert slicebox.cli.client.Client is Client
+    assert slicebox.cli.asyncclient.AsyncClient is AsyncClient
+
+
+def test_the_sync_client_alone_does_not_import_asyncio() -> None:
+    """The CLI imports ``slicebox.client`` for ``Client``: ``AsyncClient`` (asyncio, the async
+    HTTP client) comes only when asked for."""
+    script = (
+        "import sys\nfrom slicebox.client import Client\n"
+        "print(sorted(m for m in ('asyncio', 'slicebox.client.aio', 'slicebox.web.client') "
+        "if m in sys.modules))\n"
+        "from slicebox.client import AsyncClient\nprint('slicebox.client.aio' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.split("\n")[:2] == ["[]", "True"]

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.cli.asyncclient import AsyncClient
-from slicebox.cli.client import Client
+from slicebox.client import AsyncClient, Client
 from slicebox.host.identity import CachedUsers, PeerCredentials, SystemUsers, resolve
 from slicebox.model.api import CreateSandbox
 from slicebox.model.exec import (

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from slicebox.cli import main
-from slicebox.cli.asyncclient import AsyncClient
-from slicebox.cli.client import Client, _UnixConnection
 from slicebox.cli.copying import Location, parse_location
+from slicebox.client import AsyncClient
+from slicebox.client.sync import Client, _UnixConnection
 from slicebox.model import errors
 from slicebox.model.api import CreateSandbox
 from slicebox.model.files import FileFormat

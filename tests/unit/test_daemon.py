@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.cli.client import Client
+from slicebox.client import Client
 from slicebox.core.expiry import Result
 from slicebox.host.journal import Auditor
 from slicebox.model.api import CreateSandbox, RunRequest

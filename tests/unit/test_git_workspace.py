@@ -15,7 +15,7 @@ import pytest
 
 from slicebox.backends.base import SandboxRequest
 from slicebox.cli import main as cli
-from slicebox.cli import wire
+from slicebox.client import wire
 from slicebox.core.credentials import ASKPASS, ASKPASS_SCRIPT, MOUNTED_AT, CredentialStore
 from slicebox.core.gitclone import clone_argv
 from slicebox.core.sandboxes import SandboxManager

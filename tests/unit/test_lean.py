@@ -17,7 +17,7 @@ USED = """
 import sys
 from slicebox.host.lean import skip_package_inits
 print(skip_package_inits())
-import slicebox.server.daemon, slicebox.cli.asyncclient
+import slicebox.server.daemon, slicebox.client.aio
 from pystemd.dbuslib import DBus, apply_signature, path_encode
 from pystemd.dbusexc import DBusBaseError, DBusNoSuchUnitError
 from pystemd.systemd1.unit_signatures import KNOWN_UNIT_SIGNATURES, signature_array
@@ -109,6 +109,7 @@ print(sorted(name for name in NOT_AT_START if name in sys.modules))
 # OpenAPI and configuration documents' generators.
 NOT_AT_START = (
     "slicebox.cli",
+    "slicebox.client",
     "slicebox.server.openapi",
     "slicebox.model.configdoc",
     "extism",

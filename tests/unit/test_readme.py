@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-import slicebox.cli.client
-from slicebox.cli.client import Client
+import slicebox.client
 from slicebox.cli.main import build_parser
+from slicebox.client import Client
 from slicebox.model.exec import OutputStream
 from tests.unit.agentserver import Agent, served
 
@@ -107,7 +107,7 @@ def test_the_readmes_python_example_runs(
         def __init__(self) -> None:
             super().__init__(agent.socket)
 
-    monkeypatch.setattr(slicebox.cli.client, "Client", Here)
+    monkeypatch.setattr(slicebox.client, "Client", Here)
     agent.script((OutputStream.STDOUT, b"1\n"))
     exec(compile(example, "README.md", "exec"), {})
     assert capsys.readouterr().out == "0 1\n"

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.cli import wire
-from slicebox.cli.client import Client
+from slicebox.client import Client, wire
 from slicebox.core.blocking import inline
 from slicebox.core.budget import OutputBudget, exec_reservation
 from slicebox.core.shares import Bounds, Full, Tally

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from slicebox.cli.client import Client
+from slicebox.client import Client
 from slicebox.model.errors import InvalidRequest, NotFound
 from slicebox.model.files import FileKind
 from slicebox.model.limits import human_bytes

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from pydantic import ConfigDict, RootModel, computed_field
 
-from slicebox.cli.client import Client
+from slicebox.client import Client
 from slicebox.model.base import Model
 from slicebox.model.errors import SliceboxError
 from slicebox.model.paths import AGENT_SOCKET, CGROUP_MOUNT, CONFIG_PATH

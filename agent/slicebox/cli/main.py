@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from slicebox import VersionAction
 from slicebox.cli import copying, doctor, tables
-from slicebox.cli.client import DEFAULT_SOCKET, Client
+from slicebox.client import DEFAULT_SOCKET, Client
 from slicebox.model.api import (
     CreateSandbox,
     Extend,

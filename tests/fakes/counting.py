@@ -14,6 +14,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
+# A backend's questions about itself, answered from what it knows without a call through its
+# boundary: which kind of backend runs a request, whether a sandbox is on this host.
+ANSWERED_HERE = frozenset({"resolve", "has_host"})
 
 
 class _Counting:
@@ -25,7 +28,7 @@ class _Counting:
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._inner, name)
-        if name.startswith("_") or not callable(value):
+        if name.startswith("_") or not callable(value) or name in ANSWERED_HERE:
             return value
         return self._counted(f"{self._prefix}.{name}", value)
 

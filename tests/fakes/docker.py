@@ -28,7 +28,9 @@ from slicebox.backends.base import (
     SandboxState,
     StdinSource,
     VolumeInfo,
+    resolve_own,
 )
+from slicebox.host.plugins import PluginStore
 from slicebox.model.errors import (
     HostError,
     ImageUnavailable,
@@ -68,6 +70,13 @@ class FakeDocker(ExecCallsOnLoop):
         self.created = 0
         self.volume_table: dict[str, VolumeInfo] = {}
         self.volume_root = ""  # where volumes' data is said to live; "": no local directory
+
+    def resolve(self, kind: Backend, *, fallback: bool) -> Backend:
+        return resolve_own(self.kind, kind)
+
+    @property
+    def wasm_plugins(self) -> PluginStore | None:
+        return None
 
     def availability(self) -> Availability:
         if self.down is not None:

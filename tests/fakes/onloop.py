@@ -22,3 +22,12 @@ class ExecCallsOnLoop:
 
     async def exec_inspect_async(self, exec_id: str) -> ExecState:
         return self.exec_inspect(exec_id)
+
+    def has_host(self, backend_id: str) -> bool:
+        return True
+
+    def exec_kill(self, exec_id: str) -> bool:
+        return False  # as Docker: the engine kills the exec's processes through the host
+
+    async def exec_kill_async(self, exec_id: str) -> bool:
+        return self.exec_kill(exec_id)

@@ -18,15 +18,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pydantic import ConfigDict
 
 from slicebox.model.base import Model
+from slicebox.model.errors import Unavailable
 from slicebox.model.exec import ExecRequest, ExecState, StreamChunk
 from slicebox.model.limits import Limits
 from slicebox.model.spec import Backend, Mount
 from slicebox.model.wasm import WasmRun
+
+if TYPE_CHECKING:
+    from slicebox.host.plugins import PluginStore
 
 # The default exec cwd (``ExecRequest.cwd``): every backend makes it exist and writable.
 WORKSPACE = "/workspace"
@@ -175,6 +179,18 @@ class ExecApi(Protocol):
         """Attach to the running sandbox's main process (a waiter, ``core.launch``), write
         ``stdin`` to it and close it, and return its output as an exec's attachment."""
 
+    def has_host(self, backend_id: str) -> bool:
+        """Whether the sandbox runs on this host (a cgroup, processes): a remote one does not,
+        and nothing of it is looked for here (its cgroup, its deadline's timer)."""
+
+    def exec_kill(self, exec_id: str) -> bool:
+        """Kill the exec, if this backend kills its own (a unit stopped, a remote call): True.
+        False: it cannot (Docker cannot kill an exec), and the engine kills its processes in
+        the sandbox's cgroup through the host."""
+
+    async def exec_kill_async(self, exec_id: str) -> bool:
+        """``exec_kill`` on the running event loop."""
+
 
 class SandboxBackend(ExecApi, Protocol):
     """A kind of sandbox: its lifecycle and listing, plus the exec primitives."""
@@ -184,6 +200,14 @@ class SandboxBackend(ExecApi, Protocol):
 
     def availability(self) -> Availability:
         """Can this backend run sandboxes now (never raises)."""
+
+    def resolve(self, kind: Backend, *, fallback: bool) -> Backend:
+        """The kind of backend a create asking for ``kind`` runs on; ``backend_unavailable``
+        when none can. ``fallback``: native in Docker's place when Docker is unavailable."""
+
+    @property
+    def wasm_plugins(self) -> PluginStore | None:
+        """The wasm plugins the agent holds, when it runs wasm sandboxes; else None."""
 
     def release(self, backend_id: str, line: bytes) -> None:
         """Write ``line`` to the running sandbox's waiter (``core.launch``) and close its
@@ -222,3 +246,13 @@ class SandboxBackend(ExecApi, Protocol):
 
     def volumes(self, labels: Mapping[str, str]) -> list[VolumeInfo]:
         """Every volume carrying all of ``labels``, in one listing call."""
+
+
+def resolve_own(own: Backend, kind: Backend) -> Backend:
+    """``SandboxBackend.resolve`` of a backend that runs one kind only: ``own``."""
+    if kind is not own:
+        raise Unavailable(
+            f"backend {kind.value!r} is not available on this host; use {own.value!r}",
+            code="backend_unavailable",
+        )
+    return own

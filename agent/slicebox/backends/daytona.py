@@ -46,7 +46,7 @@ import secrets
 import shlex
 import threading
 from collections.abc import AsyncIterator, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from slicebox.backends.base import (
     WORKSPACE,
@@ -58,6 +58,7 @@ from slicebox.backends.base import (
     SandboxState,
     StdinSource,
     VolumeInfo,
+    resolve_own,
 )
 from slicebox.model.errors import (
     HostError,
@@ -70,6 +71,9 @@ from slicebox.model.errors import (
 from slicebox.model.exec import TIMEOUT_EXIT_CODE, ExecRequest, ExecState, OutputStream, StreamChunk
 from slicebox.model.limits import INFINITY, Limits
 from slicebox.model.spec import Backend
+
+if TYPE_CHECKING:
+    from slicebox.host.plugins import PluginStore
 
 log = logging.getLogger(__name__)
 
@@ -366,6 +370,17 @@ class DaytonaBackend:
         return HostError(f"the Daytona API failed on {what}{where}: {text}")
 
     # --- availability ---------------------------------------------------------------------------
+
+    def resolve(self, kind: Backend, *, fallback: bool) -> Backend:
+        return resolve_own(self.kind, kind)
+
+    @property
+    def wasm_plugins(self) -> PluginStore | None:
+        return None
+
+    def has_host(self, backend_id: str) -> bool:
+        """A remote sandbox: no cgroup, no process, no timer of it on this host."""
+        return False
 
     def availability(self) -> Availability:
         try:

@@ -30,7 +30,7 @@ import logging
 import threading
 from collections.abc import Mapping
 from ipaddress import IPv4Address, IPv4Network, ip_network
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import quote
 
 from slicebox.backends.base import (
@@ -41,6 +41,7 @@ from slicebox.backends.base import (
     SandboxState,
     StdinSource,
     VolumeInfo,
+    resolve_own,
 )
 from slicebox.backends.dockerapi import EngineApi, answer_json, message_of
 from slicebox.backends.dockerjson import DockerJsonApi
@@ -69,6 +70,9 @@ from slicebox.model.labels import MANAGED
 from slicebox.model.limits import nano_cpus
 from slicebox.model.names import DOCKER_SCOPES, PODMAN_SCOPES
 from slicebox.model.spec import Backend, Mount, MountKind
+
+if TYPE_CHECKING:
+    from slicebox.host.plugins import PluginStore
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +281,23 @@ class DockerBackend:
     def found(self) -> FoundEngine:
         """The engine in use and how it was found."""
         return self._found
+
+    def resolve(self, kind: Backend, *, fallback: bool) -> Backend:
+        return resolve_own(self.kind, kind)
+
+    @property
+    def wasm_plugins(self) -> PluginStore | None:
+        return None
+
+    def has_host(self, backend_id: str) -> bool:
+        return True
+
+    def exec_kill(self, exec_id: str) -> bool:
+        """Docker cannot kill an exec: the engine kills its processes through the host."""
+        return False
+
+    async def exec_kill_async(self, exec_id: str) -> bool:
+        return False
 
     def availability(self) -> Availability:
         try:

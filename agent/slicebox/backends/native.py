@@ -59,6 +59,7 @@ from slicebox.backends.base import (
     SandboxState,
     StdinSource,
     VolumeInfo,
+    resolve_own,
 )
 from slicebox.host.plugins import PluginStore
 from slicebox.host.systemd import ListedUnit, ServiceStatus
@@ -385,6 +386,16 @@ class NativeBackend:
     @property
     def kind(self) -> Backend:
         return Backend.NATIVE
+
+    def resolve(self, kind: Backend, *, fallback: bool) -> Backend:
+        return resolve_own(self.kind, kind)
+
+    @property
+    def wasm_plugins(self) -> PluginStore | None:
+        return self.plugins
+
+    def has_host(self, backend_id: str) -> bool:
+        return True
 
     def availability(self) -> Availability:
         if self._which("sleep") is None or not Path(SHELL).exists():

@@ -36,6 +36,7 @@ from slicebox.backends.base import (
 )
 from slicebox.backends.daytona import DaytonaBackend, is_daytona_exec, is_daytona_id
 from slicebox.backends.native import NativeBackend, is_native_exec, is_native_id
+from slicebox.host.plugins import PluginStore
 from slicebox.model.errors import Unavailable
 from slicebox.model.exec import ExecRequest, ExecState
 from slicebox.model.spec import Backend
@@ -173,6 +174,10 @@ class Backends:
         if is_daytona_exec(exec_id):
             return self._daytona()
         return self._native() if is_native_exec(exec_id) else self.docker
+
+    @property
+    def wasm_plugins(self) -> PluginStore | None:
+        return self.native.plugins if self.native is not None else None
 
     def has_host(self, backend_id: str) -> bool:
         """Whether the sandbox runs on this host (a cgroup, processes): a remote one does not."""

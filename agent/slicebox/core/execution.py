@@ -189,8 +189,9 @@ class _Io(NamedTuple):
     start: Callable[[str, bytes | StdinSource], Awaitable[AsyncExecAttachment]]
     inspect: Callable[[str], Awaitable[ExecState]]
     launched: bool = False
-    # The backend's own kill of an exec, where it has one (the native backend's: its unit's
-    # stop); None: the engine kills the exec's processes through the host.
+    # The backend's own kill of an exec (``ExecApi.exec_kill``: the native backend stops its
+    # unit); when it answers False, or is None, the engine kills the exec's processes through
+    # the host.
     kill: Callable[[str], Awaitable[bool]] | None = None
 
 
@@ -262,12 +263,10 @@ class ExecEngine:
         async def inspect(exec_id: str) -> ExecState:
             return self._api.exec_inspect(exec_id)
 
-        own_kill = getattr(self._api, "exec_kill", None)
-
         async def kill(exec_id: str) -> bool:
-            return bool(own_kill(exec_id)) if own_kill is not None else False
+            return self._api.exec_kill(exec_id)
 
-        io = _Io(inline, pause, create, start, inspect, kill=kill if own_kill else None)
+        io = _Io(inline, pause, create, start, inspect, kill=kill)
         return _in_thread(self._events(container_id, request, io, scope))
 
     def astream(
@@ -294,7 +293,7 @@ class ExecEngine:
             api.exec_create_async,
             api.exec_start_async,
             api.exec_inspect_async,
-            kill=getattr(api, "exec_kill_async", None),
+            kill=api.exec_kill_async,
         )
         return self._events(container_id, request, io, scope, stdin=stdin, capture=capture)
 
@@ -410,8 +409,7 @@ class ExecEngine:
 
     def _where(self, container_id: str, scope: str | None) -> tuple[Path | None, int | None, int]:
         """The sandbox's cgroup, its OOM count and the process clock, before the exec."""
-        has_host: Callable[[str], bool] | None = getattr(self._api, "has_host", None)
-        if has_host is not None and not has_host(container_id):
+        if not self._api.has_host(container_id):
             return None, None, self._host.process_clock()  # remote: nothing of it here
         if scope is None:
             cgroup = self._host.cgroup_of(self._api.sandbox_pid(container_id))

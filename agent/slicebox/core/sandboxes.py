@@ -34,8 +34,6 @@ from slicebox.backends.base import (
     SandboxState,
     VolumeInfo,
 )
-from slicebox.backends.daytona import is_daytona_id
-from slicebox.backends.router import Backends
 from slicebox.core.credentials import GIT_ENV, MOUNTED_AT, CredentialStore
 from slicebox.core.deadlines import Deadlines, Timer, latest
 from slicebox.core.egress import EgressGuard, Labelled, Placement
@@ -482,10 +480,9 @@ class SandboxManager:
         spec = admitted.spec
         if spec.backend is not Backend.WASM or spec.wasm is None:
             return None
-        backend = self._backend
-        if not isinstance(backend, Backends) or backend.native is None:
+        store = self._backend.wasm_plugins
+        if store is None:
             raise Unavailable("the wasm backend is not enabled", code="backend_unavailable")
-        store = backend.native.plugins
         wanted = spec.wasm
         if wanted.sha256 is not None:
             store.require(wanted.sha256)
@@ -918,7 +915,7 @@ class SandboxManager:
         """Arm the deadline ``at``, if any; ``new``: of a sandbox this call is creating. A
         remote sandbox has no unit here to bind a timer to: its label's deadline is the
         reaper's to enforce (due at once, as any deadline no timer holds)."""
-        if self._deadlines is None or at is None or is_daytona_id(container_id):
+        if self._deadlines is None or at is None or not self._backend.has_host(container_id):
             return
         try:
             if new:
@@ -999,17 +996,8 @@ class SandboxManager:
         place when Docker is unavailable and the configuration allows the fallback (never
         for a pool member); refused ``backend_unavailable`` when none can run it, and
         ``backend_unsupported`` when the native backend cannot give what it asks."""
-        backend = self._backend
-        if not isinstance(backend, Backends):
-            if spec.backend != backend.kind:
-                raise Unavailable(
-                    f"backend {spec.backend.value!r} is not available on this host; "
-                    f"use {backend.kind.value!r}",
-                    code="backend_unavailable",
-                )
-            return spec
         fallback = self._config.allow_native_fallback and not pool_key
-        kind = backend.resolve(spec.backend, fallback=fallback)
+        kind = self._backend.resolve(spec.backend, fallback=fallback)
         if kind is Backend.NATIVE:
             _check_native(spec, pool_key)
         if kind is Backend.WASM:  # a pool of wasm workers is one: their plugin is their key's

@@ -1,0 +1,64 @@
+"""The package's layers, read from its imports: the core is backend-neutral, and the agent
+does not reach into the CLI or the clients.
+
+Read from each module's own import statements (``ast``), lazy ones inside functions and those
+under ``TYPE_CHECKING`` included: a layer that imports what it must not, however late, depends
+on it.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "agent" / "slicebox"
+
+
+def imports(path: Path) -> Iterator[str]:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+
+
+def modules(layer: str) -> list[Path]:
+    return sorted((PACKAGE / layer).rglob("*.py"))
+
+
+def test_the_core_imports_no_backend_but_the_interface() -> None:
+    """Everything the core asks of a backend is on ``backends.base``'s protocols."""
+    found = {
+        f"{path.relative_to(PACKAGE)}: {name}"
+        for path in modules("core")
+        for name in imports(path)
+        if name.startswith("slicebox.backends")
+        and not name.startswith("slicebox.backends.base")
+        and name != "slicebox.backends"
+    }
+    assert not found
+
+
+@pytest.mark.parametrize("layer", ["model", "host", "web", "backends", "core", "server"])
+def test_the_agents_layers_import_neither_the_cli_nor_the_clients(layer: str) -> None:
+    found = {
+        f"{path.relative_to(PACKAGE)}: {name}"
+        for path in modules(layer)
+        for name in imports(path)
+        if name.startswith(("slicebox.cli", "slicebox.client"))
+    }
+    assert not found
+
+
+def test_the_model_imports_nothing_of_the_rest() -> None:
+    found = {
+        f"{path.relative_to(PACKAGE)}: {name}"
+        for path in modules("model")
+        for name in imports(path)
+        if name.startswith("slicebox.") and not name.startswith("slicebox.model")
+    }
+    assert not found

@@ -62,3 +62,24 @@ def test_the_model_imports_nothing_of_the_rest() -> None:
         if name.startswith("slicebox.") and not name.startswith("slicebox.model")
     }
     assert not found
+
+
+BACKEND_MAKERS = (
+    "Backends(",
+    "DockerBackend(",
+    "DockerBackend.from_env(",
+    "NativeBackend(",
+    "DaytonaBackend(",
+)
+
+
+def test_the_agents_backends_are_made_in_one_place() -> None:
+    """One composition root: the daemon, the expiry command and doctor build their backends
+    with ``slicebox.server.backends``; a backend's own module may make its like (a copy)."""
+    makers = {
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if path.parent.name != "backends"
+        and any(maker in path.read_text() for maker in BACKEND_MAKERS)
+    }
+    assert makers == {"server/backends.py"}

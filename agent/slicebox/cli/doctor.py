@@ -73,10 +73,9 @@ def _discover() -> FoundEngine:
 
 
 def _native() -> Availability:
-    from slicebox.backends.native import NativeBackend
-    from slicebox.host.systemd import PystemdSystemd
+    from slicebox.server.backends import native_backend  # the agent's own composition
 
-    return NativeBackend(PystemdSystemd(), workers=1).availability()
+    return native_backend(workers=1).availability()
 
 
 class Host(NamedTuple):
@@ -234,9 +233,9 @@ def check_daytona(host: Host) -> Check:
         key = remote.api_key()
     except ValueError as exc:
         return verdict("daytona backend", False, str(exc), "fix the key file (root's, mode 0600)")
-    from slicebox.backends.daytona import DaytonaBackend
+    from slicebox.server.backends import daytona_backend
 
-    answer = DaytonaBackend(remote.api_url, key, remote.target).availability()
+    answer = daytona_backend(remote, key).availability()
     return verdict(
         "daytona backend", answer.available, answer.detail, "check [daytona] and the network"
     )

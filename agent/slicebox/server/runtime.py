@@ -12,9 +12,7 @@ import time
 import uuid
 from pathlib import Path
 
-from slicebox.backends.daytona import DaytonaBackend
 from slicebox.backends.docker import DockerBackend
-from slicebox.backends.native import NativeBackend
 from slicebox.backends.router import Backends
 from slicebox.core.budget import OutputBudget
 from slicebox.core.deadlines import Deadlines, find_program
@@ -49,6 +47,7 @@ from slicebox.model.names import (
 from slicebox.model.paths import CGROUP_MOUNT
 from slicebox.model.reaper import Kind
 from slicebox.model.usage import Level
+from slicebox.server.backends import backends, docker_backend
 from slicebox.server.resolver import UdpUpstream, resolv_conf
 
 log = logging.getLogger(__name__)
@@ -144,19 +143,6 @@ class Runtime:
         self.integrator.sample_all(self.usage.cgroups, scopes)
 
 
-def remote_backend(config: Config) -> DaytonaBackend | None:
-    """The Daytona API the config names, if any; its key read from its file now. A key that
-    cannot be read leaves the backend out (and says why): the rest of the agent runs on."""
-    if config.daytona is None:
-        return None
-    try:
-        key = config.daytona.api_key()
-    except ValueError as exc:
-        log.error("the daytona backend is not enabled: %s", exc)
-        return None
-    return DaytonaBackend(config.daytona.api_url, key, config.daytona.target)
-
-
 def warn_unsafe_roots(config: Config) -> None:
     """Say in the log which configured bind roots refuse every bind (host.beneath)."""
     for problem in unsafe_roots(config.bind_roots):
@@ -173,10 +159,9 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
     host_memory = read_host_memory()
     systemd = PystemdSystemd()
     slices = SliceManager(systemd)
-    docker = DockerBackend.from_env()
+    docker = docker_backend()
     docker_host = docker.endpoint.base_url
-    native = NativeBackend(systemd)
-    backend = Backends(docker, native, daytona=remote_backend(config))
+    backend = backends(config, systemd, docker)
     # One question to each backend at start (each is a round trip under emulation's cost).
     answers = backend.availabilities()
     available = answers[0]
@@ -271,8 +256,8 @@ def assemble_expiry(auditor: Auditor) -> Expiry:
     """What ``sliceboxd expire`` needs, and no more: no config (a removal uses none), no agent
     run id, no reaper. Docker may be down; the expiry copes with that itself."""
     systemd = PystemdSystemd()
-    docker = DockerBackend.from_env()
-    backend = Backends(docker, NativeBackend(systemd))
+    docker = docker_backend()
+    backend = backends(None, systemd, docker)
     # Docker may be down: the agent that armed the timer said how its engine names scopes.
     use_scope_prefix(os.environ.get(SCOPE_PREFIX_ENV) or DOCKER_SCOPES)
     sandboxes = SandboxManager(

@@ -72,153 +72,155 @@ def _service(request: Request) -> Service:
     return request.app[SERVICE]
 
 
-def _routes() -> list[Route]:
-    """Every route of the agent: data; the app they are served by holds the Service."""
+# The handlers, one a route; the table below names each with its method, path and models.
 
-    async def create(request: Request) -> StreamResponse:
-        body = await parse_body(request, CreateSandbox)
-        view = await _call(request, _service(request).create, identity_of(request), body)
-        return json_ok(view, status=201)
 
-    async def list_sandboxes(request: Request) -> StreamResponse:
-        return json_ok(
-            SandboxList(
-                await _call(request, _service(request).list_sandboxes, identity_of(request))
-            )
+async def create(request: Request) -> StreamResponse:
+    body = await parse_body(request, CreateSandbox)
+    view = await _call(request, _service(request).create, identity_of(request), body)
+    return json_ok(view, status=201)
+
+
+async def list_sandboxes(request: Request) -> StreamResponse:
+    return json_ok(
+        SandboxList(await _call(request, _service(request).list_sandboxes, identity_of(request)))
+    )
+
+
+async def get(request: Request) -> StreamResponse:
+    return json_ok(await _call(request, _service(request).get, identity_of(request), _id(request)))
+
+
+async def destroy(request: Request) -> StreamResponse:
+    service, calls = _service(request), pools_of(request).call
+    return json_ok(await service.adestroy(identity_of(request), _id(request), calls))
+
+
+async def destroy_task(request: Request) -> StreamResponse:
+    root = request.match_info["root_task_id"]
+    return json_ok(
+        DestroyedList(
+            await _call(request, _service(request).destroy_tree, identity_of(request), root)
         )
-
-    async def get(request: Request) -> StreamResponse:
-        return json_ok(
-            await _call(request, _service(request).get, identity_of(request), _id(request))
-        )
-
-    async def destroy(request: Request) -> StreamResponse:
-        service, calls = _service(request), pools_of(request).call
-        return json_ok(await service.adestroy(identity_of(request), _id(request), calls))
-
-    async def destroy_task(request: Request) -> StreamResponse:
-        root = request.match_info["root_task_id"]
-        return json_ok(
-            DestroyedList(
-                await _call(request, _service(request).destroy_tree, identity_of(request), root)
-            )
-        )
-
-    async def exec_(request: Request) -> StreamResponse:
-        body = await parse_body(request, ExecRequest, MAX_EXEC_BODY_BYTES)
-        service, who = _service(request), identity_of(request)
-        calls = pools_of(request).call
-        with await _call(
-            request, service.reserve, who, body.output_cap, "exec", _id(request)
-        ) as held:
-            result = await service.aexec(who, _id(request), body, held, calls)
-            return await _sent(request, json_ok(result))
-
-    async def exec_stream(request: Request) -> StreamResponse:
-        body = await parse_body(request, ExecRequest, MAX_EXEC_BODY_BYTES)
-        service, who = _service(request), identity_of(request)
-        calls = pools_of(request).call
-        with await _call(
-            request, service.reserve_stream, who, body.output_cap, "exec", _id(request)
-        ) as held:
-            events = service.aexec_stream(who, _id(request), body, held, calls)
-            return await _stream(request, events)
-
-    async def run(request: Request) -> StreamResponse:
-        body = await parse_body(request, RunRequest, MAX_EXEC_BODY_BYTES)
-        service, who, pools = _service(request), identity_of(request), pools_of(request)
-        with await _call(request, service.reserve, who, body.exec.output_cap, "run") as held:
-            ran = await service.arun(who, body, held, pools.call, pools.aside)
-            return await _sent(request, json_ok(ran))
-
-    async def run_stream(request: Request) -> StreamResponse:
-        body = await parse_body(request, RunRequest, MAX_EXEC_BODY_BYTES)
-        service, who, pools = _service(request), identity_of(request), pools_of(request)
-        reserve = service.reserve_stream
-        with await _call(request, reserve, who, body.exec.output_cap, "run") as held:
-            events = service.arun_stream(who, body, held, pools.call, pools.aside)
-            return await _stream(request, events)
-
-    async def usage(request: Request) -> StreamResponse:
-        found = await _call(request, _service(request).usage, identity_of(request), _id(request))
-        return json_ok(UsageAnswer(usage=found))
-
-    async def tree(request: Request) -> StreamResponse:
-        return json_ok(await _call(request, _service(request).level_tree, identity_of(request)))
-
-    async def extend(request: Request) -> StreamResponse:
-        body = await parse_body(request, Extend)
-        return json_ok(
-            await _call(request, _service(request).extend, identity_of(request), _id(request), body)
-        )
-
-    async def pools(request: Request) -> StreamResponse:
-        return json_ok(await _call(request, _service(request).pools, identity_of(request)))
-
-    async def reap(request: Request) -> StreamResponse:
-        body = await parse_body(request, ReapRequest)
-        return json_ok(await _call(request, _service(request).reap, identity_of(request), body))
-
-    return [
-        *base_routes(),
-        Route("POST", "/sandboxes", create, "Create a sandbox", CreateSandbox, SandboxView),
-        Route("GET", "/sandboxes", list_sandboxes, "Your sandboxes", None, SandboxList),
-        Route("GET", "/sandboxes/{id}", get, "One sandbox", None, SandboxView),
-        Route("DELETE", "/sandboxes/{id}", destroy, "Destroy; final usage", None, Destroyed),
-        Route("POST", "/sandboxes/{id}/exec", exec_, "Run a command", ExecRequest, ExecResult),
-        Route(
-            "POST",
-            "/sandboxes/{id}/exec/stream",
-            exec_stream,
-            "Run a command, output as NDJSON chunks then the result",
-            ExecRequest,
-            StreamChunk,
-        ),
-        *file_routes(_service),
-        Route("GET", "/sandboxes/{id}/usage", usage, "ResourceUsage", None, UsageAnswer),
-        Route(
-            "POST",
-            "/sandboxes/{id}/deadline",
-            extend,
-            "Move the deadline to ttl_seconds from now",
-            Extend,
-            SandboxView,
-        ),
-        Route(
-            "DELETE",
-            "/tasks/{root_task_id}",
-            destroy_task,
-            "Destroy a root task's sandboxes, deepest first",
-            None,
-            DestroyedList,
-        ),
-        Route("POST", "/run", run, "One-shot: create, exec, destroy", RunRequest, RunResult),
-        Route(
-            "POST",
-            "/run/stream",
-            run_stream,
-            "One-shot, its output as NDJSON chunks, then the run's result",
-            RunRequest,
-            StreamChunk,
-        ),
-        Route(
-            "GET", "/usage/tree", tree, "The level tree with OOM/throttle blame", None, LevelNode
-        ),
-        Route(
-            "GET", "/pool", pools, "Warm pools: key, ready/busy, hit rate, refill", None, PoolList
-        ),
-        Route(
-            "POST",
-            "/reaper",
-            reap,
-            "One reaper pass now (admins); dry_run only plans",
-            ReapRequest,
-            Report,
-        ),
-    ]
+    )
 
 
-ROUTES = _routes()
+async def exec_(request: Request) -> StreamResponse:
+    body = await parse_body(request, ExecRequest, MAX_EXEC_BODY_BYTES)
+    service, who = _service(request), identity_of(request)
+    calls = pools_of(request).call
+    with await _call(request, service.reserve, who, body.output_cap, "exec", _id(request)) as held:
+        result = await service.aexec(who, _id(request), body, held, calls)
+        return await _sent(request, json_ok(result))
+
+
+async def exec_stream(request: Request) -> StreamResponse:
+    body = await parse_body(request, ExecRequest, MAX_EXEC_BODY_BYTES)
+    service, who = _service(request), identity_of(request)
+    calls = pools_of(request).call
+    with await _call(
+        request, service.reserve_stream, who, body.output_cap, "exec", _id(request)
+    ) as held:
+        events = service.aexec_stream(who, _id(request), body, held, calls)
+        return await _stream(request, events)
+
+
+async def run(request: Request) -> StreamResponse:
+    body = await parse_body(request, RunRequest, MAX_EXEC_BODY_BYTES)
+    service, who, pools = _service(request), identity_of(request), pools_of(request)
+    with await _call(request, service.reserve, who, body.exec.output_cap, "run") as held:
+        ran = await service.arun(who, body, held, pools.call, pools.aside)
+        return await _sent(request, json_ok(ran))
+
+
+async def run_stream(request: Request) -> StreamResponse:
+    body = await parse_body(request, RunRequest, MAX_EXEC_BODY_BYTES)
+    service, who, pools = _service(request), identity_of(request), pools_of(request)
+    reserve = service.reserve_stream
+    with await _call(request, reserve, who, body.exec.output_cap, "run") as held:
+        events = service.arun_stream(who, body, held, pools.call, pools.aside)
+        return await _stream(request, events)
+
+
+async def usage(request: Request) -> StreamResponse:
+    found = await _call(request, _service(request).usage, identity_of(request), _id(request))
+    return json_ok(UsageAnswer(usage=found))
+
+
+async def tree(request: Request) -> StreamResponse:
+    return json_ok(await _call(request, _service(request).level_tree, identity_of(request)))
+
+
+async def extend(request: Request) -> StreamResponse:
+    body = await parse_body(request, Extend)
+    return json_ok(
+        await _call(request, _service(request).extend, identity_of(request), _id(request), body)
+    )
+
+
+async def pools(request: Request) -> StreamResponse:
+    return json_ok(await _call(request, _service(request).pools, identity_of(request)))
+
+
+async def reap(request: Request) -> StreamResponse:
+    body = await parse_body(request, ReapRequest)
+    return json_ok(await _call(request, _service(request).reap, identity_of(request), body))
+
+
+# Every route of the agent: data; the app they are served by holds the Service.
+ROUTES: list[Route] = [
+    *base_routes(),
+    Route("POST", "/sandboxes", create, "Create a sandbox", CreateSandbox, SandboxView),
+    Route("GET", "/sandboxes", list_sandboxes, "Your sandboxes", None, SandboxList),
+    Route("GET", "/sandboxes/{id}", get, "One sandbox", None, SandboxView),
+    Route("DELETE", "/sandboxes/{id}", destroy, "Destroy; final usage", None, Destroyed),
+    Route("POST", "/sandboxes/{id}/exec", exec_, "Run a command", ExecRequest, ExecResult),
+    Route(
+        "POST",
+        "/sandboxes/{id}/exec/stream",
+        exec_stream,
+        "Run a command, output as NDJSON chunks then the result",
+        ExecRequest,
+        StreamChunk,
+    ),
+    *file_routes(_service),
+    Route("GET", "/sandboxes/{id}/usage", usage, "ResourceUsage", None, UsageAnswer),
+    Route(
+        "POST",
+        "/sandboxes/{id}/deadline",
+        extend,
+        "Move the deadline to ttl_seconds from now",
+        Extend,
+        SandboxView,
+    ),
+    Route(
+        "DELETE",
+        "/tasks/{root_task_id}",
+        destroy_task,
+        "Destroy a root task's sandboxes, deepest first",
+        None,
+        DestroyedList,
+    ),
+    Route("POST", "/run", run, "One-shot: create, exec, destroy", RunRequest, RunResult),
+    Route(
+        "POST",
+        "/run/stream",
+        run_stream,
+        "One-shot, its output as NDJSON chunks, then the run's result",
+        RunRequest,
+        StreamChunk,
+    ),
+    Route("GET", "/usage/tree", tree, "The level tree with OOM/throttle blame", None, LevelNode),
+    Route("GET", "/pool", pools, "Warm pools: key, ready/busy, hit rate, refill", None, PoolList),
+    Route(
+        "POST",
+        "/reaper",
+        reap,
+        "One reaper pass now (admins); dry_run only plans",
+        ReapRequest,
+        Report,
+    ),
+]
 
 
 def _id(request: Request) -> str:

@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from slicebox.host import dnswire
+from slicebox.model import dnswire
 
 NETNS = "sbxt-world"
 HOST_SIDE, WORLD_SIDE = "sbxt-h", "sbxt-w"

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from slicebox.host import dnswire as d
+from slicebox.model import dnswire as d
 
 
 def query(name: str = "PyPI.org", qtype: int = d.A, query_id: int = 4242) -> d.Query:

@@ -15,8 +15,8 @@ from slicebox.core.egress import BRIDGE, NETWORK, EgressGuard, Labelled
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.service import view_of
 from slicebox.core.slices import SliceManager
-from slicebox.host import dnswire
 from slicebox.host.nft import Allowed, Firewall, key_of
+from slicebox.model import dnswire
 from slicebox.model.audit import AuditEvent, AuditRecord
 from slicebox.model.config import parse_config
 from slicebox.model.egress import (

@@ -21,8 +21,8 @@ from slicebox.core.dnsbounds import (
     Opened,
 )
 from slicebox.core.policy import admit
-from slicebox.host import dnswire
 from slicebox.host.addresses import host_addresses, local_addresses
+from slicebox.model import dnswire
 from slicebox.model.config import parse_config
 from slicebox.model.egress import EgressConfig, parse_entries, rebinding
 from slicebox.model.errors import PolicyViolation

@@ -28,7 +28,9 @@ from slicebox.core.dnsbounds import TCP_MAX, TCP_PER_SANDBOX, Bucket, DeniedTall
 from slicebox.core.policy import check_reachable
 from slicebox.core.recent import Recent
 from slicebox.host.addresses import host_addresses
-from slicebox.host.dnswire import (
+from slicebox.host.nft import Allowed, Counts, Firewall, key_of
+from slicebox.model.audit import AuditEvent, AuditRecord
+from slicebox.model.dnswire import (
     IN,
     NXDOMAIN,
     REFUSED,
@@ -39,8 +41,6 @@ from slicebox.host.dnswire import (
     parse_response,
     reply,
 )
-from slicebox.host.nft import Allowed, Counts, Firewall, key_of
-from slicebox.model.audit import AuditEvent, AuditRecord
 from slicebox.model.egress import (
     AllowEntry,
     EgressConfig,

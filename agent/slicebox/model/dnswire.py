@@ -4,8 +4,6 @@ build an answer (the test zone's). Standard library only; anything malformed is
 ``DnsFormatError``, never an ``IndexError`` or ``struct.error``.
 """
 
-from __future__ import annotations
-
 import struct
 from collections.abc import Sequence
 from ipaddress import IPv4Address, IPv6Address

@@ -83,3 +83,30 @@ def test_the_agents_backends_are_made_in_one_place() -> None:
         and any(maker in path.read_text() for maker in BACKEND_MAKERS)
     }
     assert makers == {"server/backends.py"}
+
+
+# A room holds one concern: no module over 500 lines. The error-code registry is a data table.
+# Those still over it, each at most as long as it is now, until issue 40 splits them.
+MOST_LINES = 500
+DATA_TABLES = {"model/codes.py"}
+STILL_OVER = {
+    "core/sandboxes.py": 1217,
+    "web/server.py": 1046,
+    "backends/native.py": 946,
+    "backends/daytona.py": 854,
+    "backends/docker.py": 684,
+    "core/service.py": 622,
+    "core/execution.py": 578,
+    "backends/dockerstream.py": 543,
+    "host/systemd.py": 535,
+}
+
+
+def test_no_module_grows_past_its_room() -> None:
+    long = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = str(path.relative_to(PACKAGE))
+        lines = len(path.read_text().splitlines())
+        if name not in DATA_TABLES and lines > STILL_OVER.get(name, MOST_LINES):
+            long[name] = lines
+    assert not long, f"split these (at most {MOST_LINES} lines a module): {long}"

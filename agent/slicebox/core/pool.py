@@ -11,11 +11,7 @@ lease, the lineage and deadline the request gives, is armed on its first deadlin
 systemd call) and the member is the request's sandbox. Anything else, and a key whose pool
 has nothing ready, is created cold.
 
-Pools are also learned from demand, when ``[pool_learning]`` is on: a key no table declares,
-asked for ``uses`` times within ``window_seconds``, gets a pool of ``size`` as if a table
-declared it, at most ``max_pools`` of them; one nobody asks for within the window is
-forgotten, and its idle members are the reaper's (``pool_surplus``). What was learned is
-memory only: a restarted agent learns again, and trims the members an earlier run learned.
+Pools are also learned from demand, when ``[pool_learning]`` is on (``core.demand``).
 
 Refills run on the pool's own threads, never on a request's: an acquire only asks for one.
 They make members up to each pool's size, and never past its project's headroom: what the
@@ -44,14 +40,15 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Protocol
 
-from slicebox.core.policy import Admitted, capability_name
+from slicebox.core.demand import Demand
+from slicebox.core.policy import Admitted
+from slicebox.core.poolkeys import key_of, learned_table, spec_of
 from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.model.config import Config, PoolLearning
 from slicebox.model.errors import SliceboxError
 from slicebox.model.limits import human_bytes
 from slicebox.model.pool import PoolConfig, PoolKey, PoolList, PoolStats
-from slicebox.model.spec import Backend, SandboxSpec
-from slicebox.model.wasm import digest
+from slicebox.model.spec import SandboxSpec
 
 log = logging.getLogger(__name__)
 
@@ -68,66 +65,6 @@ class Reset(Protocol):
     def reset(self, sandbox: Sandbox, since: int) -> bool:
         """Kill every process of the sandbox started since ``since`` and empty its scratch
         places; whether it is healthy after."""
-
-
-def key_of(admitted: Admitted) -> PoolKey | None:
-    """The pool key of an admitted spec; None for one no pool may serve (it sets what a
-    member cannot have been made with: a command, env, a workspace, credentials, mounts, a
-    working directory). Requests and pools get theirs here alike."""
-    spec = admitted.spec
-    extras = (spec.command, spec.env, spec.workdir, spec.workspace, spec.credentials, spec.mounts)
-    # An egress sandbox's address and rules are its own, made with it: no pool serves it.
-    if any(extras) or not isinstance(spec.network, str):
-        return None
-    if spec.backend is Backend.WASM:
-        return _wasm_key(admitted)
-    if spec.backend is not Backend.DOCKER:
-        return None
-    return PoolKey(
-        user=spec.user,
-        project=spec.project,
-        image=admitted.image,
-        limits=admitted.limits,
-        network=spec.network,
-        run_as=spec.run_as or "",
-        cap_add=tuple(sorted({capability_name(cap) for cap in spec.cap_add})),
-        mounts=spec.mounts,
-        reuse=spec.reuse,
-    )
-
-
-def _wasm_key(admitted: Admitted) -> PoolKey | None:
-    """A wasm sandbox's key: its plugin is part of it (a member's worker is made for one), so
-    only a plugin named by sha256 or uploaded (its digest known without reading a file) has
-    one; no network but none (an allow-list is the plugin's own)."""
-    spec = admitted.spec
-    plugin = spec.wasm
-    if plugin is None or plugin.path is not None or spec.network != "none":
-        return None
-    try:
-        sha = plugin.sha256 or digest(plugin.module_bytes())
-    except ValueError:
-        return None  # the create says what is wrong with it
-    return PoolKey(
-        user=spec.user,
-        project=spec.project,
-        image="",
-        limits=admitted.limits,
-        network="none",
-        run_as="",
-        backend=Backend.WASM.value,
-        plugin=sha,
-    )
-
-
-def spec_of(pool: PoolConfig) -> SandboxSpec:
-    """A member's create request: the pool's settings, the rest the defaults."""
-    fields = pool.model_dump(
-        include={"user", "project", "image", "memory", "cpus", "pids", "network", "run_as", "reuse"}
-    )
-    if pool.backend is Backend.WASM:
-        fields |= {"backend": "wasm", "wasm": {"sha256": pool.wasm_sha256}, "image": None}
-    return SandboxSpec.model_validate(fields)
 
 
 class _Pool:
@@ -183,7 +120,7 @@ class WarmPool:
         self._ready_since: dict[str, datetime] = {}  # member back from a reuse -> since when
         self._learning = PoolLearning()
         # A key no pool serves -> when it was asked for, within the learning window.
-        self._demand: dict[PoolKey, deque[float]] = {}
+        self._demand = Demand()
         self.configure(manager.config)
 
     # --- configuration and start-up -----------------------------------------------------------
@@ -273,57 +210,24 @@ class WarmPool:
             if pool is not None and poolable:
                 return pool
             self._cold += 1
-            learn = key is not None and pool is None and poolable and self._asked_enough(key)
+            learned = sum(p.learned for p in self._pools.values())
+            learn = (
+                key is not None
+                and pool is None
+                and poolable
+                and self._demand.asked_enough(key, self._learning, self._clock(), learned)
+            )
         if learn and key is not None:
             self._learn(key)
         return None
 
     # --- pools learned from demand -------------------------------------------------------------
 
-    def _asked_enough(self, key: PoolKey) -> bool:
-        """Count a request of ``key``, which no pool serves; whether it now deserves one:
-        asked for ``uses`` times within the window, and room for another learned pool. Under
-        the lock."""
-        learning, now = self._learning, self._clock()
-        if not learning.enabled or key.cap_add or key.mounts or key.reuse:
-            return False  # a [[pool]] table could not say them: such keys are declared only
-        asked = self._demand.setdefault(key, deque())
-        asked.append(now)
-        for times in self._demand.values():
-            while times and times[0] < now - learning.window_seconds:
-                times.popleft()
-        self._demand = {k: times for k, times in self._demand.items() if times}
-        if len(asked) < learning.uses:
-            return False
-        if sum(p.learned for p in self._pools.values()) >= learning.max_pools:
-            log.info(
-                "pool for %s/%s not learned: %s learned pools already (max_pools)",
-                key.user,
-                key.project,
-                learning.max_pools,
-            )
-            return False
-        del self._demand[key]
-        return True
-
     def _learn(self, key: PoolKey) -> None:
         """Make ``key`` a pool of its own, as a ``[[pool]]`` table would (its members are
         made by the next refill); nothing when the table would not give back the same key."""
         learning = self._learning
-        table = PoolConfig(
-            user=key.user,
-            project=key.project,
-            size=learning.size,
-            image=key.image,
-            memory=key.limits.memory_bytes,
-            cpus=key.limits.cpus,
-            pids=key.limits.pids,
-            network=key.network,
-            run_as=key.run_as or None,
-            idle_timeout_seconds=learning.window_seconds,
-            backend=Backend(key.backend),
-            wasm_sha256=key.plugin or None,
-        )
+        table = learned_table(key, learning)
         made = self._pool_of(table)
         if made is None or made.key != key:
             log.info(

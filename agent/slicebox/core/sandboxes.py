@@ -405,7 +405,7 @@ class SandboxManager:
 
     def admitted(self, spec: SandboxSpec, owner: tuple[int, int] | None = None) -> Admitted:
         """The spec through policy and admission, with who it runs as decided: what a create
-        makes, and what a warm pool's key is read from (core.pool.key_of)."""
+        makes, and what a warm pool's key is read from (core.poolkeys.key_of)."""
         return self._who_runs(admit(spec, self._config, self._host_memory), owner)
 
     def lease(self, member: Sandbox, spec: SandboxSpec, *, one_shot: bool) -> Sandbox:

@@ -7,7 +7,7 @@ project: the project slice is its cgroup parent, which cannot change), image, li
 the uid it runs as, added capabilities, mounts, and whether it is reused. Anything a request
 sets beyond them (a command, env, a workspace, credentials, a working directory) makes it no
 pool's: it is created cold. Requests and pools get their keys from the same function
-(``core.pool.key_of``), after the same admission, so equal keys mean equal containers.
+(``core.poolkeys.key_of``), after the same admission, so equal keys mean equal containers.
 
 A :class:`Lease` is what an acquired member's labels cannot say (they were written before its
 task was known): its task, root task, parent and depth, and whether a one-shot run holds it. It

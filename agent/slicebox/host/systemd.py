@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 
 from pydantic import ConfigDict
 
+from slicebox.host import dbustypes as dbus
 from slicebox.model.base import Model
 from slicebox.model.errors import HostError
 from slicebox.model.limits import Property
@@ -180,7 +181,7 @@ class PystemdSystemd:
 
         def read() -> bool:
             try:
-                path = _method(b"GetUnit", _typed(b"s", unit.encode()))
+                path = _method(b"GetUnit", dbus.typed(b"s", unit.encode()))
             except DBusNoSuchUnitError:
                 return False
             state = _bus().get_property(SYSTEMD, path, UNIT_INTERFACE, b"ActiveState", b"s")
@@ -189,11 +190,11 @@ class PystemdSystemd:
         return _call(unit, read)
 
     def start_transient(self, unit: str, properties: Sequence[Property], description: str) -> None:
-        props: dict[bytes, Any] = _props(properties)
+        props: dict[bytes, Any] = dbus.named(properties)
         props[b"Description"] = description.encode()
 
         def args() -> list[Any]:
-            return _typed(b"ss", unit.encode(), b"fail") + _array(props) + _aux([])
+            return dbus.typed(b"ss", unit.encode(), b"fail") + dbus.array(props) + dbus.aux([])
 
         self._run_retrying(unit, b"StartTransientUnit", args)
 
@@ -202,21 +203,24 @@ class PystemdSystemd:
             unit,
             lambda: _method(
                 b"SetUnitProperties",
-                _typed(b"sb", unit.encode(), True) + _array(_props(properties)),
+                dbus.typed(b"sb", unit.encode(), True) + dbus.array(dbus.named(properties)),
             ),
         )
 
     def start(self, unit: str) -> None:
-        self._run_retrying(unit, b"StartUnit", lambda: _typed(b"ss", unit.encode(), b"fail"))
+        self._run_retrying(unit, b"StartUnit", lambda: dbus.typed(b"ss", unit.encode(), b"fail"))
 
     def stop(self, unit: str) -> None:
-        self._run(unit, b"StopUnit", lambda: _typed(b"ss", unit.encode(), b"fail"))
+        self._run(unit, b"StopUnit", lambda: dbus.typed(b"ss", unit.encode(), b"fail"))
         if self.is_active(unit):  # a stopped transient unit is soon unloaded: not loaded again
             raise HostError(f"systemd did not stop {unit}; see `systemctl status {unit}`")
 
     def kill(self, unit: str, signal: int) -> None:
         try:
-            _call(unit, lambda: _method(b"KillUnit", _typed(b"ssi", unit.encode(), b"all", signal)))
+            _call(
+                unit,
+                lambda: _method(b"KillUnit", dbus.typed(b"ssi", unit.encode(), b"all", signal)),
+            )
         except HostError as exc:
             if _NO_PROCESS not in exc.message:
                 raise
@@ -263,16 +267,16 @@ class PystemdSystemd:
             b"ExecStart": command,
             b"CollectMode": b"inactive-or-failed",
         }
-        _known_signatures()
+        dbus.known_signatures()
         # A ``bound_to`` unit that is not loaded: systemd answers NoSuchUnit ("Unit ... not
         # found"), which ``_call`` maps to ``no_such_unit``; the caller says what it means.
         self._run(
             timer,
             b"StartTransientUnit",
             lambda: (
-                _typed(b"ss", timer.encode(), b"fail")
-                + _array(props)
-                + _aux([(service.encode(), aux)])
+                dbus.typed(b"ss", timer.encode(), b"fail")
+                + dbus.array(props)
+                + dbus.aux([(service.encode(), aux)])
             ),
         )
         if _state(timer) not in ACTIVE:
@@ -281,11 +285,11 @@ class PystemdSystemd:
     def start_service(self, unit: str, properties: Mapping[str, Any], *, wait: bool) -> None:
         """Start a transient unit with ``properties`` typed by systemd's property table (file
         descriptors as ints, passed on to systemd); ``wait``: until its start job is done."""
-        _known_signatures()
+        dbus.known_signatures()
         props = {name.encode(): value for name, value in properties.items()}
 
         def args() -> list[Any]:
-            return _typed(b"ss", unit.encode(), b"fail") + _array(props) + _aux([])
+            return dbus.typed(b"ss", unit.encode(), b"fail") + dbus.array(props) + dbus.aux([])
 
         if wait:
             self._run(unit, b"StartTransientUnit", args)
@@ -299,7 +303,7 @@ class PystemdSystemd:
 
         def read() -> ServiceStatus | None:
             try:
-                path = _method(b"GetUnit", _typed(b"s", unit.encode()))
+                path = _method(b"GetUnit", dbus.typed(b"s", unit.encode()))
             except DBusNoSuchUnitError:
                 return None
             bus = _bus()
@@ -325,7 +329,7 @@ class PystemdSystemd:
         globs = [pattern.encode() for pattern in patterns]
         entries = _call(
             " ".join(patterns),
-            lambda: _method(b"ListUnitsByPatterns", _typed(b"asas", [], globs)),
+            lambda: _method(b"ListUnitsByPatterns", dbus.typed(b"asas", [], globs)),
         )
         return [
             ListedUnit(
@@ -342,7 +346,7 @@ class PystemdSystemd:
         from pystemd.dbusexc import DBusBaseError
 
         try:
-            _method(b"ResetFailedUnit", _typed(b"s", unit.encode()))
+            _method(b"ResetFailedUnit", dbus.typed(b"s", unit.encode()))
         except DBusBaseError:  # not loaded or not failed: nothing to forget
             return
 
@@ -351,7 +355,7 @@ class PystemdSystemd:
         if _state(unit) != "failed":
             return
         log.warning("%s failed to start; resetting it and retrying once", unit)
-        _call(unit, lambda: _method(b"ResetFailedUnit", _typed(b"s", unit.encode())))
+        _call(unit, lambda: _method(b"ResetFailedUnit", dbus.typed(b"s", unit.encode())))
         self._run(unit, method, args)
         if _state(unit) not in ACTIVE:
             raise HostError(f"systemd could not start {unit}; see `journalctl -u {unit}`")
@@ -369,90 +373,11 @@ class PystemdSystemd:
             self._sleep(0.05)
 
 
-def _known_signatures() -> None:
-    """Teach pystemd the D-Bus types of the timer properties its table lacks."""
-    from pystemd.systemd1.unit_signatures import KNOWN_UNIT_SIGNATURES
-
-    for name, signature in _SIGNATURES.items():
-        KNOWN_UNIT_SIGNATURES.setdefault(name, signature)
-
-
-# The D-Bus types of the unit properties slicebox sets that pystemd's table lacks (systemd's
-# own, from org.freedesktop.systemd1(5)).
-_SIGNATURES = {
-    b"AccuracyUSec": b"t",
-    b"CapabilityBoundingSet": b"t",
-    b"AmbientCapabilities": b"t",
-    b"RestrictNamespaces": b"t",
-    b"RestrictAddressFamilies": b"(bas)",
-    b"SystemCallArchitectures": b"as",
-    b"SystemCallErrorNumber": b"i",
-    b"ProtectHome": b"s",
-    b"ProtectProc": b"s",
-    b"ProcSubset": b"s",
-    b"PrivateTmp": b"b",
-    b"PrivateDevices": b"b",
-    b"PrivateIPC": b"b",
-    b"PrivateUsers": b"b",
-    b"NoNewPrivileges": b"b",
-    b"LockPersonality": b"b",
-    b"ProtectKernelTunables": b"b",
-    b"ProtectKernelModules": b"b",
-    b"ProtectKernelLogs": b"b",
-    b"ProtectControlGroups": b"b",
-    b"ProtectClock": b"b",
-    b"ProtectHostname": b"b",
-    b"RestrictRealtime": b"b",
-    b"RestrictSUIDSGID": b"b",
-    b"RemoveIPC": b"b",
-    b"RemainAfterExit": b"b",
-    b"KillMode": b"s",
-    b"KillSignal": b"i",
-    b"OOMPolicy": b"s",
-    b"DevicePolicy": b"s",
-    b"KeyringMode": b"s",
-    b"UMask": b"u",
-    b"RuntimeDirectoryMode": b"u",
-    b"RuntimeDirectoryPreserve": b"s",
-    b"IPAddressDeny": b"a(iayu)",
-    b"MemorySwapMax": b"t",
-    b"Type": b"s",
-}
-
-
-def _props(properties: Sequence[Property]) -> dict[bytes, Any]:
-    return {name.encode(): value for name, value in properties}
-
-
-def _typed(signature: bytes, *values: Any) -> list[Any]:
-    """Arguments of a D-Bus call, each paired with its type as pystemd's bus takes them."""
-    from pystemd.dbuslib import apply_signature
-
-    return list(apply_signature(signature, list(values)))
-
-
-def _array(properties: dict[bytes, Any]) -> list[Any]:
-    """Unit properties as an ``a(sv)`` argument, each value typed by systemd's property
-    table (pystemd's)."""
-    from pystemd.systemd1.unit_signatures import signature_array
-
-    return list(signature_array(properties))
-
-
-def _aux(units: list[tuple[bytes, dict[bytes, Any]]]) -> list[Any]:
-    """The auxiliary units of a ``StartTransientUnit``, an ``a(sa(sv))`` argument: the
-    encoding pystemd's own ``StartTransientUnit`` writes."""
-    args: list[Any] = [(ord("a"), b"(sa(sv))")]
-    for name, properties in units:
-        args += [(ord("r"), b"sa(sv)"), *_typed(b"s", name), *_array(properties), (-1, None)]
-    return [*args, (-1, None)]
-
-
 def _units(pattern: str, states: list[bytes]) -> Any:
     """``ListUnitsByPatterns``: one entry (name, description, ...) per loaded unit."""
     return _call(
         pattern,
-        lambda: _method(b"ListUnitsByPatterns", _typed(b"asas", states, [pattern.encode()])),
+        lambda: _method(b"ListUnitsByPatterns", dbus.typed(b"asas", states, [pattern.encode()])),
     )
 
 

@@ -32,7 +32,7 @@ from slicebox.backends.docker import (
     run_flags,
     workspace_bytes,
 )
-from slicebox.backends.dockerstream import DockerEndpoint, endpoint_from_env, parse_docker_host
+from slicebox.backends.dockerendpoint import DockerEndpoint, endpoint_from_env, parse_docker_host
 from slicebox.model.errors import (
     HostError,
     ImageUnavailable,

@@ -15,7 +15,7 @@ import pytest
 
 from slicebox.backends.base import SandboxState
 from slicebox.backends.docker import DockerBackend, exec_body
-from slicebox.backends.dockerstream import DockerEndpoint
+from slicebox.backends.dockerendpoint import DockerEndpoint
 from slicebox.model.errors import SandboxNotFound, SandboxNotRunning, Unavailable
 from slicebox.model.exec import ExecRequest
 from slicebox.web.server import Application, Handler, Request, Response, json_response, serve_path

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from slicebox.backends.base import Availability
-from slicebox.backends.dockerstream import parse_docker_host
+from slicebox.backends.dockerendpoint import parse_docker_host
 from slicebox.backends.engines import CONTEXT_CODE, FoundEngine
 from slicebox.cli import main as cli
 from slicebox.cli.doctor import (

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.backends.dockerstream import DockerEndpoint
+from slicebox.backends.dockerendpoint import DockerEndpoint
 from slicebox.backends.engines import (
     accepts,
     discover,

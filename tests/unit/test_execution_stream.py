@@ -19,9 +19,9 @@ import pytest
 
 from slicebox.backends import dockerstream as execstream
 from slicebox.backends.docker import DockerBackend
+from slicebox.backends.dockerendpoint import DockerEndpoint
 from slicebox.backends.dockerstream import (
     AsyncRawExecAttachment,
-    DockerEndpoint,
     FrameDecoder,
     RawExecAttachment,
     split_response_head,

@@ -44,10 +44,10 @@ from slicebox.backends.base import (
     resolve_own,
 )
 from slicebox.backends.dockerapi import EngineApi, answer_json, message_of
+from slicebox.backends.dockerendpoint import DockerEndpoint
 from slicebox.backends.dockerjson import DockerJsonApi
 from slicebox.backends.dockerstream import (
     AsyncRawExecAttachment,
-    DockerEndpoint,
     RawExecAttachment,
     StartRefused,
     attach,

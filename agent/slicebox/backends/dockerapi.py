@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlencode
 
-from slicebox.backends.dockerstream import DockerEndpoint
+from slicebox.backends.dockerendpoint import DockerEndpoint
 from slicebox.model.errors import HostError, SliceboxError
 
 StatusMapper = Callable[[int, str, str], SliceboxError]

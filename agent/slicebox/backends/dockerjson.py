@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from slicebox.backends.dockerapi import StatusMapper, answer_json, call_failed
-from slicebox.backends.dockerstream import DockerEndpoint
+from slicebox.backends.dockerendpoint import DockerEndpoint
 from slicebox.web.client import HttpClient
 from slicebox.web.message import ProtocolError
 

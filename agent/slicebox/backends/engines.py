@@ -32,7 +32,7 @@ from typing import Any
 
 from pydantic import ConfigDict
 
-from slicebox.backends.dockerstream import DockerEndpoint, endpoint_from_env, parse_docker_host
+from slicebox.backends.dockerendpoint import DockerEndpoint, endpoint_from_env, parse_docker_host
 from slicebox.model.base import Model
 from slicebox.model.errors import Unavailable
 from slicebox.model.paths import DOCKER_SOCKET

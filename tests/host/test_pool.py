@@ -139,7 +139,10 @@ def test_a_pool_whose_image_is_missing_says_why_once_and_makes_nothing(agent: st
     # (a rehearsal's agent said it while the previous test ran, and a later `since` saw nothing).
     since = agent
     wait_for(lambda: "image_unavailable" in _pool("absent").held_back, timeout=FILL_SECONDS)
-    _client().reap()  # a pass refills every pool: the refusal again, said no second time
+    _client().reap()  # the reaper's pass, and the agent's periodic refills, try again...
+    # ... each attempt on the pool's own threads, counted in ``creating`` while it runs: read
+    # the pool between attempts (one was caught in flight on a busy guest).
+    wait_for(lambda: _pool("absent").creating == 0, timeout=FILL_SECONDS)
     absent = _pool("absent")
     assert (absent.ready, absent.creating) == (0, 0)
     assert ABSENT in absent.held_back, absent.held_back

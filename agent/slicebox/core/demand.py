@@ -10,6 +10,7 @@ again, and trims the members an earlier run learned."""
 
 import logging
 from collections import deque
+from collections.abc import Callable
 
 from slicebox.model.config import PoolLearning
 from slicebox.model.pool import PoolKey
@@ -27,9 +28,12 @@ class Demand:
     def clear(self) -> None:
         self._asked.clear()
 
-    def asked_enough(self, key: PoolKey, learning: PoolLearning, now: float, learned: int) -> bool:
+    def asked_enough(
+        self, key: PoolKey, learning: PoolLearning, now: float, learned: Callable[[], int]
+    ) -> bool:
         """Count a request of ``key`` at ``now``; whether it now deserves a pool: asked for
-        ``uses`` times within the window, and room beside the ``learned`` pools there are."""
+        ``uses`` times within the window, and room beside the ``learned()`` pools there are
+        (counted only then: every cold request comes here)."""
         if not learning.enabled or key.cap_add or key.mounts or key.reuse:
             return False  # a [[pool]] table could not say them: such keys are declared only
         asked = self._asked.setdefault(key, deque())
@@ -40,7 +44,7 @@ class Demand:
         self._asked = {k: times for k, times in self._asked.items() if times}
         if len(asked) < learning.uses:
             return False
-        if learned >= learning.max_pools:
+        if learned() >= learning.max_pools:
             log.info(
                 "pool for %s/%s not learned: %s learned pools already (max_pools)",
                 key.user,

@@ -5,13 +5,11 @@ slice (a cgroup parent cannot change, so a member can only ever serve that proje
 that key's image, limits, network and uid, running the waiter a one-shot run hands its command
 to (``core.launch``; a ``reuse`` pool's members run ``sleep infinity``, as a created sandbox
 does: a waiter serves one command), labelled ``slicebox.pool=true`` and
-``slicebox.pool_key=<fingerprint>``. A create or one-shot run whose key (:func:`key_of`, after
+``slicebox.pool_key=<fingerprint>``. A create or one-shot run whose key (``poolkeys.key_of``, after
 the same admission a cold create has) equals a pool's takes one of its ready members: its
 lease, the lineage and deadline the request gives, is armed on its first deadline timer (one
 systemd call) and the member is the request's sandbox. Anything else, and a key whose pool
-has nothing ready, is created cold.
-
-Pools are also learned from demand, when ``[pool_learning]`` is on (``core.demand``).
+has nothing ready, is created cold. Pools are also learned from demand (``core.demand``).
 
 Refills run on the pool's own threads, never on a request's: an acquire only asks for one.
 They make members up to each pool's size, and never past its project's headroom: what the
@@ -210,18 +208,20 @@ class WarmPool:
             if pool is not None and poolable:
                 return pool
             self._cold += 1
-            learned = sum(p.learned for p in self._pools.values())
             learn = (
                 key is not None
                 and pool is None
                 and poolable
-                and self._demand.asked_enough(key, self._learning, self._clock(), learned)
+                and self._demand.asked_enough(key, self._learning, self._clock(), self._learned)
             )
         if learn and key is not None:
             self._learn(key)
         return None
 
     # --- pools learned from demand -------------------------------------------------------------
+
+    def _learned(self) -> int:  # pools learned from demand; under the lock
+        return sum(p.learned for p in self._pools.values())
 
     def _learn(self, key: PoolKey) -> None:
         """Make ``key`` a pool of its own, as a ``[[pool]]`` table would (its members are

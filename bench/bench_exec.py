@@ -27,6 +27,7 @@ import docker
 
 from slicebox.backends.base import SandboxRequest
 from slicebox.backends.docker import DockerBackend, run_flags
+from slicebox.core.blocking import from_thread
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
 from slicebox.core.sandboxes import KEEP_ALIVE, SandboxManager
@@ -124,7 +125,13 @@ def bench_oneshot(agent: Agent, config: Config, count: int) -> None:
     run = RunRequest(sandbox=CreateSandbox(user=USER, project=PROJECT), exec=ECHO)
     ours, bare = [], []
     for _ in range(count):
-        ours.append(timed(lambda: agent.service.run(agent.who, run).result.stdout))
+        ours.append(
+            timed(
+                lambda: (
+                    from_thread(lambda b: agent.service.run(agent.who, run, None, b)).result.stdout
+                )
+            )
+        )
         bare.append(timed(lambda: subprocess.run(argv, capture_output=True, check=True).stdout))
     report("one-shot run", ours, bare)
 

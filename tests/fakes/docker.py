@@ -22,7 +22,6 @@ from datetime import UTC, datetime
 from slicebox.backends.base import (
     AsyncExecAttachment,
     Availability,
-    ExecAttachment,
     SandboxInfo,
     SandboxRequest,
     SandboxState,
@@ -110,7 +109,8 @@ class FakeDocker(ExecCallsOnLoop):
         self.systemd.children.setdefault(request.slice, set()).add(scope_name(container_id))
         return self.containers[container_id]
 
-    def inspect(self, backend_id: str) -> SandboxInfo | None:
+    def look(self, backend_id: str) -> SandboxInfo | None:
+        """``inspect``'s answer, at once (the fake's own look-ups and the tests')."""
         self._reachable()
         if backend_id in self.containers:
             return self.containers[backend_id]
@@ -189,31 +189,24 @@ class FakeDocker(ExecCallsOnLoop):
     # --- exec primitives ------------------------------------------------------------------
 
     def sandbox_pid(self, backend_id: str) -> int:
-        info = self.inspect(backend_id)
+        info = self.look(backend_id)
         if info is None:
             raise SandboxNotFound(f"no sandbox {backend_id}: check the id")
         if info.state is not SandboxState.RUNNING:
             raise SandboxNotRunning(f"sandbox {backend_id} is not running ({info.state})")
         return 100
 
-    def exec_create(
-        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
-    ) -> str:
+    def make_exec(self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False) -> str:
         self.sandbox_pid(backend_id)
-        return self._execs().exec_create(backend_id, request, streamed_stdin)
+        return self._execs().make_exec(backend_id, request, streamed_stdin)
 
-    def exec_start(self, exec_id: str, stdin: bytes) -> ExecAttachment:
-        return self._execs().exec_start(exec_id, stdin)
+    async def exec_start(self, exec_id: str, stdin: bytes | StdinSource) -> AsyncExecAttachment:
+        return await self._execs().exec_start(exec_id, stdin)
 
-    async def exec_start_async(
-        self, exec_id: str, stdin: bytes | StdinSource
-    ) -> AsyncExecAttachment:
-        return await self._execs().exec_start_async(exec_id, stdin)
+    def exec_state(self, exec_id: str) -> ExecState:
+        return self._execs().exec_state(exec_id)
 
-    def exec_inspect(self, exec_id: str) -> ExecState:
-        return self._execs().exec_inspect(exec_id)
-
-    def release(self, backend_id: str, line: bytes) -> None:
+    async def release(self, backend_id: str, line: bytes) -> None:
         self.sandbox_pid(backend_id)
         if not self.requests[backend_id].open_stdin:
             raise HostError(f"sandbox {backend_id} has no stdin to attach to (not a waiter)")
@@ -225,8 +218,8 @@ class FakeDocker(ExecCallsOnLoop):
             raise HostError(f"sandbox {backend_id} has no stdin to attach to (not a waiter)")
         return await self._execs().launch_async(backend_id, stdin)
 
-    async def inspect_async(self, backend_id: str) -> SandboxInfo | None:
-        return self.inspect(backend_id)
+    async def inspect(self, backend_id: str) -> SandboxInfo | None:
+        return self.look(backend_id)
 
     def _execs(self) -> FakeExecApi:
         if self.execs is None:

@@ -1,4 +1,4 @@
-"""Fakes of the exec engine's interfaces (backends.base.ExecApi, ExecAttachment, SandboxHost).
+"""Fakes of the exec engine's interfaces (backends.base.ExecApi, AsyncExecAttachment, SandboxHost).
 
 They keep a tiny model of a sandbox: a table of processes in its cgroup, an OOM counter, and a
 scripted output stream. Time is a FakeClock that reads advance, so timeouts need no sleeping.
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slicebox.backends.base import StdinSource
+from slicebox.backends.base import AsyncExecAttachment, StdinSource
 from slicebox.model.errors import SandboxNotFound
 from slicebox.model.exec import ExecRequest, ExecState, OutputStream, StreamChunk
 from tests.fakes.onloop import ExecCallsOnLoop
@@ -151,24 +151,22 @@ class FakeExecApi(ExecCallsOnLoop):
             raise SandboxNotFound(f"no sandbox {container_id}")
         return self.containers[container_id]
 
-    def exec_create(
+    def make_exec(
         self, container_id: str, request: ExecRequest, streamed_stdin: bool = False
     ) -> str:
         self.run.request = request
         return "exec-1"
 
-    def exec_start(self, exec_id: str, stdin: bytes) -> FakeAttachment:
+    def attach_run(self, exec_id: str, stdin: bytes) -> FakeAttachment:
         self.run.stdin = stdin
         self.host.procs.setdefault(self.run.pid, 100)
         self.host.started.setdefault(self.run.pid, self.host.process_clock())
         return FakeAttachment(self.run, self.clock, self.host)
 
-    async def exec_start_async(
-        self, exec_id: str, stdin: bytes | StdinSource
-    ) -> FakeAsyncAttachment:
+    async def exec_start(self, exec_id: str, stdin: bytes | StdinSource) -> AsyncExecAttachment:
         if not isinstance(stdin, bytes):  # a streamed stdin is read whole, then the script runs
             stdin = b"".join([chunk async for chunk in _chunks(stdin)])
-        return FakeAsyncAttachment(self.exec_start(exec_id, stdin))
+        return FakeAsyncAttachment(self.attach_run(exec_id, stdin))
 
     async def launch_async(self, container_id: str, stdin: bytes) -> FakeAsyncAttachment:
         """The script as the sandbox's waiter would run it (``core.launch``): the line is
@@ -183,9 +181,9 @@ class FakeExecApi(ExecCallsOnLoop):
             marker = nonce.group(1) + b" %d\n" % self.run.exit_code
             markers = [StreamChunk(stream=s, data=marker) for s in OutputStream]
             self.run.script[end:end] = [markers]
-        return FakeAsyncAttachment(self.exec_start(container_id, stdin))
+        return FakeAsyncAttachment(self.attach_run(container_id, stdin))
 
-    def exec_inspect(self, exec_id: str) -> ExecState:
+    def exec_state(self, exec_id: str) -> ExecState:
         run = self.run
         run.inspects += 1
         run.killed = run.pid not in self.host.procs

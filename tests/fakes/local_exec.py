@@ -18,7 +18,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slicebox.backends.base import ExecAttachment, StdinSource
+from slicebox.backends.base import StdinSource
 from slicebox.core.launch import WAITER_COMMAND
 from slicebox.model.exec import ExecRequest, ExecState, OutputStream, StreamChunk
 from tests.fakes.onloop import ExecCallsOnLoop
@@ -156,17 +156,12 @@ class LocalExecs(ExecCallsOnLoop):
     def sandbox_pid(self, backend_id: str) -> int:
         return 1
 
-    def exec_create(
-        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
-    ) -> str:
+    def make_exec(self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False) -> str:
         exec_id = f"local-{len(self.argv)}"
         self.argv[exec_id] = self._rooted(request.argv)
         return exec_id
 
-    def exec_start(self, exec_id: str, stdin: bytes) -> ExecAttachment:
-        raise NotImplementedError("local execs run on the event loop only")
-
-    async def exec_start_async(self, exec_id: str, stdin: bytes | StdinSource) -> LocalAttachment:
+    async def exec_start(self, exec_id: str, stdin: bytes | StdinSource) -> LocalAttachment:
         process = await asyncio.create_subprocess_exec(
             *self.argv[exec_id],
             stdin=asyncio.subprocess.PIPE,
@@ -189,7 +184,7 @@ class LocalExecs(ExecCallsOnLoop):
         self.host.waiters.append(process.pid)
         return LocalWaiter(process, stdin)
 
-    def exec_inspect(self, exec_id: str) -> ExecState:
+    def exec_state(self, exec_id: str) -> ExecState:
         process = self.processes[exec_id]
         code = process.returncode
         if code is not None and code < 0:

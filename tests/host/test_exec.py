@@ -17,7 +17,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import cast
@@ -28,6 +28,7 @@ import pytest
 
 from slicebox.backends.base import ExecApi
 from slicebox.backends.docker import DockerBackend
+from slicebox.core.blocking import from_thread
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
 from slicebox.core.sandboxes import SandboxManager
@@ -42,10 +43,11 @@ from slicebox.host.systemd import PystemdSystemd
 from slicebox.model.api import CreateSandbox, RunRequest
 from slicebox.model.config import parse_config, read_host_memory
 from slicebox.model.errors import InvalidCommand, InvalidTimeout, SandboxNotFound
-from slicebox.model.exec import ExecRequest, ExecResult, OutputStream, StreamChunk
+from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, OutputStream, StreamChunk
 from slicebox.model.names import MANAGED_SLICE, slice_names
 from slicebox.model.spec import SandboxSpec
 from tests.fakes.journal import ListJournal
+from tests.fakes.threadside import ThreadSide
 from tests.host.helpers import TEST_IMAGE, unique
 from tests.host.sliceboxhost import active, cleanup_slices, reap_empty_slices, slicebox_units
 
@@ -188,6 +190,10 @@ def test_stdin_round_trips_every_byte_value(no_leftovers: Sandbox) -> None:
     assert result.exit_code == 0
 
 
+async def _events(events: AsyncIterator[ExecEvent]) -> list[ExecEvent]:
+    return [event async for event in events]
+
+
 def test_ten_megabytes_per_stream_keeps_the_head_and_memory_flat(no_leftovers: Sandbox) -> None:
     command = f"head -c {TEN_MB} /dev/zero | tr '\\0' o & head -c {TEN_MB} /dev/zero >&2; wait"
     request = ExecRequest(argv=command, shell=True, timeout=600)
@@ -195,7 +201,9 @@ def test_ten_megabytes_per_stream_keeps_the_head_and_memory_flat(no_leftovers: S
     before = _rss_kib("VmRSS")
     chunks: list[StreamChunk] = []
     result: ExecResult | None = None
-    for event in no_leftovers.engine.stream(no_leftovers.id, request):
+    for event in from_thread(
+        lambda b: _events(no_leftovers.engine.stream(no_leftovers.id, request, b))
+    ):
         if isinstance(event, StreamChunk):
             chunks.append(event)
         else:
@@ -260,11 +268,13 @@ class ThawOnSecondCreate:
     def __getattr__(self, name: str) -> object:
         return getattr(self._backend, name)
 
-    def exec_create(self, container_id: str, request: ExecRequest, streamed: bool = False) -> str:
+    async def exec_create(
+        self, container_id: str, request: ExecRequest, streamed: bool = False
+    ) -> str:
         self.creates += 1
         if self.creates == 2:
             self._freeze.write_text("0")
-        return self._backend.exec_create(container_id, request, streamed)
+        return await self._backend.exec_create(container_id, request, streamed)
 
 
 def test_an_exec_started_while_a_kill_has_the_sandbox_frozen_runs_once_thawed(
@@ -349,7 +359,7 @@ def test_one_shot_run_destroys_its_sandbox_even_on_timeout(
         sandbox=CreateSandbox(project="oneshot"),
         exec=ExecRequest(argv="echo started; sleep 60", shell=True, timeout=6),
     )
-    ran = agent.service.run(agent.who, request)
+    ran = ThreadSide(agent.service).run(agent.who, request)
     assert ran.result.stdout == b"started\n"
     assert (ran.result.exit_code, ran.result.timed_out) == (124, True)
     assert ran.usage is not None, "the final usage of the one-shot's sandbox"

@@ -266,8 +266,10 @@ def test_its_usage_reads_like_a_docker_sandbox_s(native: Native, clean_box: Sand
 def test_an_exec_unit_s_exposure_is_at_most_2(native: Native, clean_box: Sandbox) -> None:
     """``systemd-analyze security`` of an exec's unit while it runs."""
     request = ExecRequest(argv=("sleep", "30"), timeout=60)
-    events = native.engine.stream(clean_box.container_id, request, clean_box.running_scope())
-    runner = threading.Thread(target=lambda: list(events), daemon=True)
+    scope = clean_box.running_scope()
+    runner = threading.Thread(
+        target=lambda: native.engine.run(clean_box.container_id, request, scope), daemon=True
+    )
     runner.start()
     pattern = f"{EXEC_PREFIX}{clean_box.id}-*.service"
     wait_for(lambda: bool(slicebox_units(pattern)), timeout=30, step=0.2)

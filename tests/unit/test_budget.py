@@ -20,6 +20,7 @@ from slicebox.model.exec import ExecRequest, ExecResult, OutputStream, StreamChu
 from slicebox.server.api import json_ok
 from slicebox.server.routes import _line
 from slicebox.web.server import Response
+from tests.fakes.threadside import ThreadSide
 from tests.unit.test_service import ALICE, World
 
 MiB = 1024 * 1024
@@ -120,11 +121,11 @@ def world(tmp_path: Path) -> World:
 
 def test_an_exec_gives_its_share_back_when_it_ends_or_fails(world: World) -> None:
     box = world.create(ALICE)
-    world.service.exec(ALICE, box, ExecRequest(argv=("x",), output_cap=CAP))
+    ThreadSide(world.service).exec(ALICE, box, ExecRequest(argv=("x",), output_cap=CAP))
     assert world.budget.in_use == 0
     world.docker.stop(world.service.get(ALICE, box).container_id)
     with pytest.raises(SandboxNotRunning):
-        world.service.exec(ALICE, box, ExecRequest(argv=("x",), output_cap=CAP))
+        ThreadSide(world.service).exec(ALICE, box, ExecRequest(argv=("x",), output_cap=CAP))
     assert world.budget.in_use == 0
 
 
@@ -132,7 +133,9 @@ def test_a_stream_holds_its_share_until_it_is_abandoned(world: World) -> None:
     box = world.create(ALICE)
     world.run.script = [[StreamChunk(stream=OutputStream.STDOUT, data=b"y")]] * 5
     world.host.procs[world.run.pid] = 100
-    events = world.service.exec_stream(ALICE, box, ExecRequest(argv=("yes",), output_cap=CAP))
+    events = ThreadSide(world.service).exec_stream(
+        ALICE, box, ExecRequest(argv=("yes",), output_cap=CAP)
+    )
     next(events)
     assert world.budget.in_use == ONE
     events.close()
@@ -143,9 +146,13 @@ def test_a_busy_exec_is_refused_and_audited(world: World) -> None:
     box = world.create(ALICE)
     with world.budget.reserve(2 * CAP):
         with pytest.raises(Unavailable) as caught:
-            world.service.exec(ALICE, box, ExecRequest(argv=("x",), output_cap=CAP))
+            ThreadSide(world.service).exec(ALICE, box, ExecRequest(argv=("x",), output_cap=CAP))
         with pytest.raises(Unavailable):
-            next(world.service.exec_stream(ALICE, box, ExecRequest(argv=("x",), output_cap=CAP)))
+            next(
+                ThreadSide(world.service).exec_stream(
+                    ALICE, box, ExecRequest(argv=("x",), output_cap=CAP)
+                )
+            )
     assert caught.value.code == "busy"
     refusals = [e for e in world.journal.entries if e["SLICEBOX_EVENT"] == "request_refused"]
     assert [(e["SLICEBOX_RESULT"], e["SLICEBOX_SANDBOX_ID"]) for e in refusals] == [
@@ -160,10 +167,12 @@ def test_a_busy_run_creates_nothing_and_a_run_reserves_once(world: World) -> Non
     run = RunRequest(sandbox=CreateSandbox(project="web"), exec=ExecRequest(argv=("x",)))
     tight = run.model_copy(update={"exec": ExecRequest(argv=("x",), output_cap=2 * CAP)})
     with world.budget.reserve(CAP), pytest.raises(Unavailable):
-        world.service.run(ALICE, tight)
+        ThreadSide(world.service).run(ALICE, tight)
     assert world.journal.events() == [("request_refused", "busy")]
     assert world.journal.entries[0]["SLICEBOX_DETAIL"].startswith("run refused:")
-    assert world.service.run(ALICE, tight).result.exit_code == 0  # the whole budget, once
+    assert (
+        ThreadSide(world.service).run(ALICE, tight).result.exit_code == 0
+    )  # the whole budget, once
     assert world.budget.in_use == 0
     assert [event for event, _ in world.journal.events()[1:]] == [
         "sandbox_created",

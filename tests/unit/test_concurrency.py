@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from slicebox.backends.base import StdinSource
 from slicebox.client import AsyncClient, Client
 from slicebox.host.identity import CachedUsers, PeerCredentials, SystemUsers, resolve
 from slicebox.model.api import CreateSandbox
@@ -49,15 +50,15 @@ class GatedExecs(FakeExecApi):
         self.started = 0  # counted on the agent's loop thread only
         self._ids = itertools.count()
 
-    def exec_create(
+    def make_exec(
         self, container_id: str, request: ExecRequest, streamed_stdin: bool = False
     ) -> str:
         return f"exec-{next(self._ids)}"
 
-    async def exec_start_async(self, exec_id: str, stdin: bytes) -> GatedAttachment:  # type: ignore[override]
+    async def exec_start(self, exec_id: str, stdin: bytes | StdinSource) -> GatedAttachment:
         return GatedAttachment(self)
 
-    def exec_inspect(self, exec_id: str) -> ExecState:
+    def exec_state(self, exec_id: str) -> ExecState:
         return ExecState(pid=4242, running=False, exit_code=0)
 
 

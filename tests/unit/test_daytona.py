@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TypeVar
 
 import pytest
 
@@ -39,6 +40,9 @@ from tests.fakes.daytona import FAILING_IMAGE, StandIn, running
 
 KEY = "dtn_test-key-0123456789abcdef"  # a secret: never in a message, a detail or a repr
 ALICE = {"slicebox.user": "alice", "slicebox.project": "p1", "slicebox.expires_at": "1700000000"}
+
+
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -78,18 +82,33 @@ def output(chunks: list[StreamChunk]) -> bytes:
     return b"".join(chunk.data for chunk in chunks)
 
 
+def awaited(backend: DaytonaBackend, make: Callable[[], Awaitable[T]]) -> T:
+    """``make()`` awaited on a loop of its own, whose asyncio client is closed after."""
+
+    async def main() -> T:
+        try:
+            return await make()
+        finally:
+            await backend.aclose()
+
+    return asyncio.run(main())
+
+
 def run(
     backend: DaytonaBackend, backend_id: str, exec_request: ExecRequest, stdin: bytes = b""
 ) -> tuple[bytes, int | None]:
-    exec_id = backend.exec_create(backend_id, exec_request)
-    attachment = backend.exec_start(exec_id, stdin)
-    chunks: list[StreamChunk] = []
-    while (read := attachment.read(5)) is not None:
-        chunks += read
-    attachment.close()
-    state = backend.exec_inspect(exec_id)
-    assert not state.running
-    return output(chunks), state.exit_code
+    async def main() -> tuple[bytes, int | None]:
+        exec_id = await backend.exec_create(backend_id, exec_request)
+        attachment = await backend.exec_start(exec_id, stdin)
+        chunks: list[StreamChunk] = []
+        while (read := await attachment.read(5)) is not None:
+            chunks += read
+        attachment.close()
+        state = await backend.exec_inspect(exec_id)
+        assert not state.running
+        return output(chunks), state.exit_code
+
+    return awaited(backend, main)
 
 
 def closed_port() -> int:
@@ -167,18 +186,11 @@ def test_find_by_a_subset_of_labels_gives_all_of_them(backend: DaytonaBackend) -
 def test_inspect_by_id_or_name(backend: DaytonaBackend) -> None:
     info = backend.create(request())
 
-    assert backend.inspect(info.id) == info
-    assert backend.inspect("sbx-0a1b2c") == info
-    assert asyncio.run(_inspect_async(backend, info.id)) == info
-    assert backend.inspect("daytona-00000000-0000-0000-0000-000000000000") is None
-    assert backend.inspect("sbx-nobody") is None
-
-
-async def _inspect_async(backend: DaytonaBackend, backend_id: str) -> object:
-    try:
-        return await backend.inspect_async(backend_id)
-    finally:
-        await backend.aclose()
+    assert awaited(backend, lambda: backend.inspect(info.id)) == info
+    assert awaited(backend, lambda: backend.inspect("sbx-0a1b2c")) == info
+    missing = "daytona-00000000-0000-0000-0000-000000000000"
+    assert awaited(backend, lambda: backend.inspect(missing)) is None
+    assert awaited(backend, lambda: backend.inspect("sbx-nobody")) is None
 
 
 def test_remove_twice_is_true_then_false(backend: DaytonaBackend, stand_in: StandIn) -> None:
@@ -187,7 +199,7 @@ def test_remove_twice_is_true_then_false(backend: DaytonaBackend, stand_in: Stan
     assert backend.remove(info.id) is True
     assert backend.remove(info.id) is False
     assert stand_in.boxes == {}
-    assert backend.inspect(info.id) is None
+    assert awaited(backend, lambda: backend.inspect(info.id)) is None
 
 
 def test_a_sandbox_that_fails_to_start_leaves_nothing(
@@ -304,17 +316,17 @@ def test_exec_on_the_event_loop_with_a_streamed_stdin(backend: DaytonaBackend) -
 
     async def scenario() -> tuple[bytes, int | None, bool]:
         try:
-            exec_id = await backend.exec_create_async(
+            exec_id = await backend.exec_create(
                 info.id, ExecRequest(argv=("sh", "-c", "cat; exit 3")), streamed_stdin=True
             )
             assert is_daytona_exec(exec_id)
-            assert (await backend.exec_inspect_async(exec_id)).exit_code is None
-            attachment = await backend.exec_start_async(exec_id, Source([b"one ", b"two"]))
+            assert (await backend.exec_inspect(exec_id)).exit_code is None
+            attachment = await backend.exec_start(exec_id, Source([b"one ", b"two"]))
             chunks: list[StreamChunk] = []
             while (read := await attachment.read(5)) is not None:
                 chunks += read
             attachment.close()
-            state = await backend.exec_inspect_async(exec_id)
+            state = await backend.exec_inspect(exec_id)
             return output(chunks), state.exit_code, state.running
         finally:
             await backend.aclose()
@@ -332,8 +344,8 @@ def test_an_exec_that_fails_after_its_stdin_went_up_leaves_no_stdin_file(
 
     async def on_the_loop() -> None:
         try:
-            exec_id = await backend.exec_create_async(info.id, ExecRequest(argv=("cat",)))
-            attachment = await backend.exec_start_async(exec_id, b"secret input")
+            exec_id = await backend.exec_create(info.id, ExecRequest(argv=("cat",)))
+            attachment = await backend.exec_start(exec_id, b"secret input")
             while await attachment.read(5) is not None:
                 pass
         finally:
@@ -352,14 +364,14 @@ def test_kill_ends_a_running_exec(backend: DaytonaBackend) -> None:
 
     async def scenario() -> tuple[bool, int | None, bool]:
         try:
-            exec_id = await backend.exec_create_async(info.id, ExecRequest(argv=("sleep", "30")))
-            attachment = await backend.exec_start_async(exec_id, b"")
+            exec_id = await backend.exec_create(info.id, ExecRequest(argv=("sleep", "30")))
+            attachment = await backend.exec_start(exec_id, b"")
             assert await attachment.read(0.3) == []
-            killed = await backend.exec_kill_async(exec_id)
+            killed = await backend.exec_kill(exec_id)
             while await attachment.read(5) is not None:
                 pass
-            state = await backend.exec_inspect_async(exec_id)
-            again = await backend.exec_kill_async(exec_id)
+            state = await backend.exec_inspect(exec_id)
+            again = await backend.exec_kill(exec_id)
             return killed, state.exit_code, again
         finally:
             await backend.aclose()
@@ -368,12 +380,11 @@ def test_kill_ends_a_running_exec(backend: DaytonaBackend) -> None:
 
 
 def test_exec_in_a_missing_sandbox(backend: DaytonaBackend) -> None:
+    missing = "daytona-00000000-0000-0000-0000-000000000000"
     with pytest.raises(SandboxNotFound):
-        backend.exec_create(
-            "daytona-00000000-0000-0000-0000-000000000000", ExecRequest(argv=("true",))
-        )
+        awaited(backend, lambda: backend.exec_create(missing, ExecRequest(argv=("true",))))
     with pytest.raises(SandboxNotFound):
-        backend.exec_inspect("daytona-exec-unknown")
+        awaited(backend, lambda: backend.exec_inspect("daytona-exec-unknown"))
 
 
 # --- the SDK missing ----------------------------------------------------------------------------
@@ -390,10 +401,10 @@ def test_without_the_sdk_it_is_unavailable(
     assert answer.detail == NO_SDK
     calls: list[Callable[[], object]] = [
         lambda: backend.create(request()),
-        lambda: backend.inspect("daytona-x"),
+        lambda: asyncio.run(backend.inspect("daytona-x")),
         lambda: backend.find(ALICE),
         lambda: backend.remove("daytona-x"),
-        lambda: backend.exec_create("daytona-x", ExecRequest(argv=("true",))),
+        lambda: asyncio.run(backend.exec_create("daytona-x", ExecRequest(argv=("true",)))),
     ]
     for call in calls:
         with pytest.raises(Unavailable) as raised:

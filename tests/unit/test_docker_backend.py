@@ -7,6 +7,7 @@ image pull raises now, are mapped by ``map_error``.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import time
@@ -20,7 +21,7 @@ import docker.errors
 import pytest
 import requests
 
-from slicebox.backends.base import SandboxRequest, SandboxState
+from slicebox.backends.base import SandboxInfo, SandboxRequest, SandboxState
 from slicebox.backends.docker import (
     HEAVY_CALLS,
     REMOVALS,
@@ -292,7 +293,15 @@ def test_a_taken_name_is_its_own_conflict(engine: FakeEngine) -> None:
 
 
 def test_inspect_of_a_missing_container_is_none(engine: FakeEngine) -> None:
-    assert backend(engine).inspect("gone") is None
+    docker_backend = backend(engine)
+
+    async def inspected() -> SandboxInfo | None:
+        try:
+            return await docker_backend.inspect("gone")
+        finally:
+            await docker_backend.aclose()
+
+    assert asyncio.run(inspected()) is None
     assert backend(engine).volume("gone") is None
 
 
@@ -314,11 +323,11 @@ def test_a_thread_keeps_one_connection_and_survives_the_daemon_closing_it(
 ) -> None:
     docker_backend = backend(engine)
     for _ in range(20):
-        assert docker_backend.inspect("gone") is None
+        assert docker_backend.volume("gone") is None
     assert engine.connections == 1
     engine.drop_idle_connections()  # as a restarted daemon: the kept connection is dead
     time.sleep(0.05)
-    assert docker_backend.inspect("gone") is None  # no error: a new connection
+    assert docker_backend.volume("gone") is None  # no error: a new connection
     assert engine.connections == 2
     assert docker_backend.availability().available
 

@@ -74,13 +74,13 @@ def with_daemon(test: Callable[[DockerBackend, Daemon], Awaitable[None]]) -> Dae
 
 def test_an_exec_s_calls_go_to_the_daemon_s_paths_at_its_api_version() -> None:
     async def calls(backend: DockerBackend, daemon: Daemon) -> None:
-        info = await backend.inspect_async("c" * 64)
+        info = await backend.inspect("c" * 64)
         assert info is not None
         assert (info.name, info.state) == ("sbx-1", SandboxState.RUNNING)
         assert info.labels == {"slicebox.sandbox_id": "sbx-1"}
         request = ExecRequest(argv=("echo", "hi"), env={"A": "1"}, cwd="/w")
-        assert await backend.exec_create_async("c" * 64, request) == "e1"
-        state = await backend.exec_inspect_async("e1")
+        assert await backend.exec_create("c" * 64, request) == "e1"
+        state = await backend.exec_inspect("e1")
         assert (state.running, state.exit_code, state.pid) == (False, 3, 77)
 
     asked = with_daemon(calls).asked
@@ -96,11 +96,11 @@ def test_an_exec_s_calls_go_to_the_daemon_s_paths_at_its_api_version() -> None:
 
 def test_the_daemon_s_refusals_mean_what_they_mean_through_docker_py() -> None:
     async def refusals(backend: DockerBackend, daemon: Daemon) -> None:
-        assert await backend.inspect_async("gone") is None
+        assert await backend.inspect("gone") is None
         with pytest.raises(SandboxNotRunning, match="is not running"):
-            await backend.exec_create_async("stopped", ExecRequest(argv=("x",)))
+            await backend.exec_create("stopped", ExecRequest(argv=("x",)))
         with pytest.raises(SandboxNotFound):
-            await backend.exec_inspect_async("e-gone")
+            await backend.exec_inspect("e-gone")
 
     with_daemon(refusals)
 
@@ -110,7 +110,7 @@ def test_no_daemon_is_unavailable_with_what_to_check() -> None:
         backend = DockerBackend(DockerEndpoint(scheme="unix", address="/nonexistent/docker.sock"))
         try:
             with pytest.raises(Unavailable, match=r"is docker\.service running"):
-                await backend.inspect_async("sbx-1")
+                await backend.inspect("sbx-1")
         finally:
             await backend.aclose()
 

@@ -17,7 +17,7 @@ from typing import Protocol, TypeVar
 import pytest
 
 from slicebox.backends.base import StdinSource
-from slicebox.core.blocking import Blocking
+from slicebox.core.blocking import Blocking, from_thread
 from slicebox.core.execution import (
     KILL_GRACE,
     PAUSED_RETRIES,
@@ -46,7 +46,7 @@ def chunk(stream: OutputStream, data: bytes) -> StreamChunk:
 def make(run: FakeExec, host: FakeSandboxHost | None = None) -> tuple[ExecEngine, FakeExecApi]:
     clock = FakeClock()
     api = FakeExecApi(clock, host or FakeSandboxHost(), run)
-    engine = ExecEngine(api, api.host, clock=clock, sleep=clock.sleep, asleep=clock.asleep)
+    engine = ExecEngine(api, api.host, clock=clock, asleep=clock.asleep)
     return engine, api
 
 
@@ -55,13 +55,18 @@ def request(**fields: object) -> ExecRequest:
 
 
 def in_thread(engine: ExecEngine, req: ExecRequest, container: str = "box") -> list[ExecEvent]:
-    return list(engine.stream(container, req))
+    """The events as a worker thread sees them (``from_thread``, as ``ExecEngine.run``)."""
+
+    async def events(blocking: Blocking) -> list[ExecEvent]:
+        return [e async for e in engine.stream(container, req, blocking)]
+
+    return from_thread(events)
 
 
 def on_loop(engine: ExecEngine, req: ExecRequest, container: str = "box") -> list[ExecEvent]:
     async def main() -> list[ExecEvent]:
         async with pooled() as blocking:
-            return [e async for e in engine.astream(container, req, blocking)]
+            return [e async for e in engine.stream(container, req, blocking)]
 
     return asyncio.run(main())
 
@@ -239,7 +244,7 @@ class FrozenAtFirst(FakeExecApi):
         self.podman = podman
         self.created = 0
 
-    def exec_create(
+    def make_exec(
         self, container_id: str, request: ExecRequest, streamed_stdin: bool = False
     ) -> str:
         self.created += 1
@@ -250,7 +255,7 @@ class FrozenAtFirst(FakeExecApi):
             self.run = FakeExec([*said, None], exit_code=125, pid=90 + self.created)
         else:
             self.run = FakeExec([[chunk(OUT, PAUSED)], None], exit_code=126, pid=90 + self.created)
-        super().exec_create(container_id, request, streamed_stdin)
+        super().make_exec(container_id, request, streamed_stdin)
         return f"exec-{self.created}"
 
 
@@ -259,7 +264,7 @@ def frozen_at_first(
 ) -> tuple[ExecEngine, FrozenAtFirst]:
     clock = FakeClock()
     api = FrozenAtFirst(clock, run, refusals, podman)
-    return ExecEngine(api, api.host, clock=clock, sleep=clock.sleep, asleep=clock.asleep), api
+    return ExecEngine(api, api.host, clock=clock, asleep=clock.asleep), api
 
 
 @pytest.mark.parametrize("podman", [False, True], ids=["docker", "podman"])
@@ -322,7 +327,7 @@ def test_output_held_as_a_possible_refusal_is_let_go_within_the_wait() -> None:
 
     async def main() -> None:
         async with pooled() as blocking:
-            events = engine.astream("box", request(timeout=30), blocking)
+            events = engine.stream("box", request(timeout=30), blocking)
             async with aclosing(events):
                 async for event in events:
                     if isinstance(event, StreamChunk):
@@ -385,9 +390,14 @@ def endless(pid: int) -> tuple[ExecEngine, FakeExec, FakeSandboxHost]:
 
 def test_abandoning_the_stream_kills_the_exec() -> None:
     engine, run, host = endless(9)
-    events = engine.stream("box", request())
-    assert next(events) == chunk(OUT, b"y")
-    events.close()
+
+    async def first(blocking: Blocking) -> ExecEvent:
+        events = engine.stream("box", request(), blocking)
+        event = await anext(events)
+        await events.aclose()
+        return event
+
+    assert from_thread(first) == chunk(OUT, b"y")
     assert host.kill_calls == [9]
     assert run.closed
 
@@ -397,7 +407,7 @@ def test_closing_the_async_stream_kills_the_exec() -> None:
 
     async def main() -> None:
         async with pooled() as blocking:
-            events = engine.astream("box", request(), blocking)
+            events = engine.stream("box", request(), blocking)
             assert await anext(events) == chunk(OUT, b"y")
             await events.aclose()
 
@@ -416,7 +426,7 @@ def test_cancelling_the_reader_of_the_async_stream_kills_the_exec() -> None:
             began = asyncio.Event()
 
             async def read() -> None:
-                async with aclosing(engine.astream("box", request(), blocking)) as events:
+                async with aclosing(engine.stream("box", request(), blocking)) as events:
                     async for _ in events:
                         began.set()
 
@@ -451,8 +461,8 @@ class SilentAttachment:
 
 
 class SilentExecs(FakeExecApi):
-    async def exec_start_async(self, exec_id: str, stdin: bytes | StdinSource) -> SilentAttachment:  # type: ignore[override]
-        self.exec_start(exec_id, b"")
+    async def exec_start(self, exec_id: str, stdin: bytes | StdinSource) -> SilentAttachment:
+        self.attach_run(exec_id, b"")
         return SilentAttachment(self.run, self.host)
 
 
@@ -473,7 +483,7 @@ def test_an_exec_that_waits_holds_no_thread_and_times_out_on_the_real_clock() ->
         ticker = asyncio.create_task(tick())
         async with pooled() as blocking:
             began = time.monotonic()
-            events = [e async for e in engine.astream("box", request(timeout=0.3), blocking)]
+            events = [e async for e in engine.stream("box", request(timeout=0.3), blocking)]
             took = time.monotonic() - began
         ticker.cancel()
         return result_of(events), took, ticks

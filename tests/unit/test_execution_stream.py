@@ -23,7 +23,6 @@ from slicebox.backends.dockerendpoint import DockerEndpoint
 from slicebox.backends.dockerstream import (
     AsyncRawExecAttachment,
     FrameDecoder,
-    RawExecAttachment,
     split_response_head,
     start_request,
 )
@@ -91,63 +90,52 @@ def test_start_request_asks_for_an_upgrade() -> None:
     assert text.endswith('{"Detach": false, "Tty": false}')
 
 
-def read_all(attachment: RawExecAttachment) -> list[StreamChunk]:
+async def read_all(attachment: AsyncRawExecAttachment) -> list[StreamChunk]:
     chunks: list[StreamChunk] = []
-    while (got := attachment.read(1.0)) is not None:
+    while (got := await attachment.read(1.0)) is not None:
         chunks += got
     return chunks
 
 
 def test_attachment_decodes_first_bytes_then_socket_until_eof() -> None:
-    ours, daemon = socket.socketpair()
-    with daemon:
-        attachment = RawExecAttachment(ours, frame(1, b"early "), b"")
-        daemon.sendall(frame(1, b"late") + frame(2, b"err"))
-        daemon.shutdown(socket.SHUT_WR)
-        chunks = read_all(attachment)
-    attachment.close()
-    assert joined(chunks) == {OUT: b"early late", ERR: b"err"}
+    async def main() -> list[StreamChunk]:
+        ours, daemon = socket.socketpair()
+        with daemon:
+            attachment = AsyncRawExecAttachment(ours, frame(1, b"early "), b"")
+            daemon.sendall(frame(1, b"late") + frame(2, b"err"))
+            daemon.shutdown(socket.SHUT_WR)
+            chunks = await read_all(attachment)
+        attachment.close()
+        return chunks
+
+    assert joined(asyncio.run(main())) == {OUT: b"early late", ERR: b"err"}
 
 
 def test_attachment_writes_all_stdin_then_half_closes() -> None:
-    ours, daemon = socket.socketpair()
     data = bytes(range(256)) * 2000  # more than one socket buffer
-    attachment = RawExecAttachment(ours, b"", data)
-    received = b""
-    with daemon:
-        daemon.settimeout(5)
-        while True:
-            attachment.read(0.01)
-            piece = daemon.recv(1 << 16)
-            if not piece:
-                break
-            received += piece
-        daemon.sendall(frame(1, b"done"))
-        daemon.shutdown(socket.SHUT_WR)
-        chunks = read_all(attachment)
-    attachment.close()
+
+    async def main() -> tuple[bytes, list[StreamChunk]]:
+        ours, daemon = socket.socketpair()
+        attachment = AsyncRawExecAttachment(ours, b"", data)
+        received = b""
+        with daemon:
+            daemon.setblocking(False)
+            loop = asyncio.get_running_loop()
+            while piece := await asyncio.wait_for(loop.sock_recv(daemon, 1 << 16), 5):
+                received += piece
+            await loop.sock_sendall(daemon, frame(1, b"done"))
+            daemon.shutdown(socket.SHUT_WR)
+            chunks = await read_all(attachment)
+        attachment.close()
+        return received, chunks
+
+    received, chunks = asyncio.run(main())
     assert received == data
     assert joined(chunks)[OUT] == b"done"
 
 
-def test_attachment_read_times_out_with_nothing() -> None:
-    ours, daemon = socket.socketpair()
-    with daemon:
-        attachment = RawExecAttachment(ours, b"", b"")
-        assert attachment.read(0.05) == []
-    attachment.close()
-
-
 def backend(path: str) -> DockerBackend:
     return DockerBackend(DockerEndpoint(scheme="unix", address=path), version="1.45")
-
-
-def serve_once(path: str, reply: bytes) -> threading.Thread:
-    """A daemon stand-in: answers one request with ``reply`` in a single write, then EOF."""
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(1)
-    return _answer_once(server, reply)
 
 
 def _answer_once(server: socket.socket, reply: bytes) -> threading.Thread:
@@ -162,56 +150,6 @@ def _answer_once(server: socket.socket, reply: bytes) -> threading.Thread:
     thread = threading.Thread(target=answer)
     thread.start()
     return thread
-
-
-def test_output_sent_with_the_upgrade_response_is_not_lost(tmp_path: Path) -> None:
-    path = str(tmp_path / "docker.sock")
-    head = b"HTTP/1.1 101 UPGRADED\r\nContent-Type: application/vnd.docker.raw-stream\r\n\r\n"
-    thread = serve_once(path, head + frame(1, b"hi\n") + frame(2, b"!"))
-    attachment = backend(path).exec_start("e1", b"")
-    chunks = read_all(attachment)
-    attachment.close()
-    thread.join()
-    assert joined(chunks) == {OUT: b"hi\n", ERR: b"!"}
-
-
-def test_the_exec_stream_works_over_plain_tcp_too() -> None:
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
-    head = b"HTTP/1.1 101 UPGRADED\r\nContent-Type: application/vnd.docker.raw-stream\r\n\r\n"
-    thread = _answer_once(server, head + frame(1, b"over tcp\n"))
-    endpoint = DockerEndpoint(scheme="tcp", address="127.0.0.1", port=port)
-    attachment = DockerBackend(endpoint, version="1.45").exec_start("e1", b"")
-    chunks = read_all(attachment)
-    attachment.close()
-    thread.join()
-    assert joined(chunks) == {OUT: b"over tcp\n", ERR: b""}
-
-
-@pytest.mark.parametrize(("status", "error"), [(404, SandboxNotFound), (409, SandboxNotRunning)])
-def test_start_refusals_are_mapped(tmp_path: Path, status: int, error: type[Exception]) -> None:
-    path = str(tmp_path / "docker.sock")
-    thread = serve_once(path, f"HTTP/1.1 {status} No\r\n\r\n{{}}".encode())
-    with pytest.raises(error):
-        backend(path).exec_start("e1", b"")
-    thread.join()
-
-
-def test_no_daemon_is_unavailable(tmp_path: Path) -> None:
-    with pytest.raises(Unavailable, match="not reachable"):
-        backend(str(tmp_path / "none.sock")).exec_start("e1", b"")
-
-
-def test_a_daemon_that_never_answers_is_unavailable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(execstream, "START_TIMEOUT", 0.2)
-    path = str(tmp_path / "silent.sock")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
-        silent.bind(path)
-        silent.listen(1)
-        with pytest.raises(Unavailable, match="in time"):
-            backend(path).exec_start("e1", b"")
 
 
 # --- the attachment on the event loop: a stand-in daemon that speaks Docker's protocol -------
@@ -243,7 +181,7 @@ def exec_on_loop(path: str, stdin: bytes = b"") -> list[StreamChunk]:
     """Start exec e1 through the backend's async primitive and read it to its end."""
 
     async def main() -> list[StreamChunk]:
-        attachment = await backend(path).exec_start_async("e1", stdin)
+        attachment = await backend(path).exec_start("e1", stdin)
         chunks: list[StreamChunk] = []
         try:
             while (got := await attachment.read(1.0)) is not None:
@@ -305,7 +243,7 @@ def test_on_the_loop_the_exec_stream_works_over_plain_tcp_too() -> None:
     endpoint = DockerEndpoint(scheme="tcp", address="127.0.0.1", port=port)
 
     async def main() -> list[StreamChunk]:
-        attachment = await DockerBackend(endpoint, version="1.45").exec_start_async("e1", b"")
+        attachment = await DockerBackend(endpoint, version="1.45").exec_start("e1", b"")
         chunks: list[StreamChunk] = []
         while (got := await attachment.read(1.0)) is not None:
             chunks += got
@@ -359,8 +297,7 @@ def test_on_the_loop_a_read_times_out_with_nothing_and_closing_twice_is_once() -
     assert (quiet, closed) == ([], None)
 
 
-@pytest.mark.parametrize("way", ["in-thread", "on-loop"])
-def test_a_command_that_leaves_its_stdin_unread_loses_no_output(tmp_path: Path, way: str) -> None:
+def test_a_command_that_leaves_its_stdin_unread_loses_no_output(tmp_path: Path) -> None:
     """``echo`` fed a megabyte: Docker stops reading stdin when the process exits and closes the
     connection with it unread, which the kernel reports as a reset after the output, not EOF."""
     stdin = b"x" * 1_000_000
@@ -371,11 +308,6 @@ def test_a_command_that_leaves_its_stdin_unread_loses_no_output(tmp_path: Path, 
 
     path = str(tmp_path / "docker.sock")
     thread = serve(path, echo)
-    if way == "on-loop":
-        chunks = exec_on_loop(path, stdin=stdin)
-    else:
-        attachment = backend(path).exec_start("e1", stdin)
-        chunks = read_all(attachment)
-        attachment.close()
+    chunks = exec_on_loop(path, stdin=stdin)
     thread.join()
     assert joined(chunks) == {OUT: b"hi\n", ERR: b""}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.backends.base import SandboxRequest
+from slicebox.backends.base import SandboxRequest, StdinSource
 from slicebox.cli import main as cli
 from slicebox.client import wire
 from slicebox.core.credentials import ASKPASS, ASKPASS_SCRIPT, MOUNTED_AT, CredentialStore
@@ -136,17 +136,15 @@ class CloningDocker(FakeDocker):
         self.code, self.stderr = code, stderr
         self.ran: list[ExecRequest] = []
 
-    def exec_create(
-        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
-    ) -> str:
+    def make_exec(self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False) -> str:
         self.sandbox_pid(backend_id)
         self.ran.append(request)
         return f"exec-{len(self.ran)}"
 
-    def exec_start(self, exec_id: str, stdin: bytes) -> _Said:
+    async def exec_start(self, exec_id: str, stdin: bytes | StdinSource) -> _Said:
         return _Said([StreamChunk(stream=OutputStream.STDERR, data=self.stderr)])
 
-    def exec_inspect(self, exec_id: str) -> ExecState:
+    def exec_state(self, exec_id: str) -> ExecState:
         return ExecState(pid=5, running=False, exit_code=self.code)
 
 
@@ -154,7 +152,7 @@ class _Said:
     def __init__(self, chunks: list[StreamChunk]) -> None:
         self._chunks: list[list[StreamChunk] | None] = [chunks, None]
 
-    def read(self, timeout: float) -> list[StreamChunk] | None:
+    async def read(self, timeout: float) -> list[StreamChunk] | None:
         return self._chunks.pop(0)
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ NONCE = "0123456789abcdef0123456789abcdef"
 def launched(tmp_path: Path, request: ExecRequest) -> tuple[ExecResult, LocalHost]:
     host = LocalHost()
     engine = ExecEngine(LocalExecs(tmp_path, host), host)
-    return asyncio.run(result_of(engine.alaunch("box", request, inline))), host
+    return asyncio.run(result_of(engine.launch("box", request, inline))), host
 
 
 def test_argv_env_cwd_and_stdin_reach_the_command_as_given(tmp_path: Path) -> None:

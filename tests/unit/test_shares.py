@@ -21,6 +21,7 @@ from slicebox.model.errors import Busy, InvalidRequest, ShareFull
 from slicebox.model.exec import MAX_OUTPUT_CAP, ExecRequest, OutputStream, StreamChunk
 from slicebox.model.files import FileFormat, FilesQuery
 from slicebox.model.shares import DEFAULT_USER_SHARE, SharesConfig
+from tests.fakes.threadside import ThreadSide
 from tests.unit.agentserver import served, wait_for
 from tests.unit.filesworld import FilesWorld
 from tests.unit.test_client import _endless, raw_request
@@ -108,13 +109,17 @@ def test_alice_holding_her_share_leaves_bobs_exec_served(tmp_path: Path) -> None
     world = World(tmp_path, budget=OutputBudget.fixed(4 * ONE, share=0.5))
     mine, his = world.create(ALICE), world.create(BOB)
     endless(world)
-    holding = world.service.exec_stream(ALICE, mine, ExecRequest(argv=("yes",), output_cap=2 * CAP))
+    holding = ThreadSide(world.service).exec_stream(
+        ALICE, mine, ExecRequest(argv=("yes",), output_cap=2 * CAP)
+    )
     next(holding)  # her whole share, held while her stream runs
     with pytest.raises(ShareFull) as caught:
-        world.service.exec(ALICE, mine, ExecRequest(argv=("x",), output_cap=CAP))
+        ThreadSide(world.service).exec(ALICE, mine, ExecRequest(argv=("x",), output_cap=CAP))
     assert caught.value.code == "output_share_full"
     world.run.script = [[StreamChunk(stream=OutputStream.STDOUT, data=b"hi\n")], None]
-    served_bob = world.service.exec(BOB, his, ExecRequest(argv=("x",), output_cap=2 * CAP))
+    served_bob = ThreadSide(world.service).exec(
+        BOB, his, ExecRequest(argv=("x",), output_cap=2 * CAP)
+    )
     assert served_bob.stdout == b"hi\n"
     holding.close()
     assert world.budget.in_use == 0

@@ -71,17 +71,24 @@ def test_a_helper_that_cannot_run_is_a_host_error(tmp_path: Path) -> None:
         stager.stage("sb-3", [("/srv/x", 1, 2)])
 
 
-def test_release_writes_the_line_to_the_waiters_stdin_and_hangs_up() -> None:
-    # A fake daemon on a socket pair: the attach (stdin only), then the line, then EOF.
+def test_release_writes_the_line_to_the_waiters_stdin_and_hangs_up(tmp_path: Path) -> None:
+    # A fake daemon on a unix socket: the attach (stdin only), then the line, then EOF.
+    import asyncio
     import socket
     import threading
 
+    from slicebox.backends.dockerendpoint import DockerEndpoint
     from slicebox.backends.dockerstream import release
 
-    ours, daemons = socket.socketpair()
+    path = str(tmp_path / "docker.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
     seen: list[bytes] = []
 
     def daemon() -> None:
+        daemons, _ = server.accept()
+        server.close()
         head = b""
         while b"\r\n\r\n" not in head:
             head += daemons.recv(4096)
@@ -95,7 +102,8 @@ def test_release_writes_the_line_to_the_waiters_stdin_and_hangs_up() -> None:
 
     thread = threading.Thread(target=daemon)
     thread.start()
-    release(ours, "1.45", "abc", b"exec sleep 1\n")
+    endpoint = DockerEndpoint(scheme="unix", address=path)
+    asyncio.run(release(endpoint, "1.45", "abc", b"exec sleep 1\n"))
     thread.join(10)
     assert seen[0].startswith(b"POST /v1.45/containers/abc/attach?stream=1&stdin=1 HTTP/1.1")
     assert seen[1] == b"exec sleep 1\n"

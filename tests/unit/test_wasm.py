@@ -13,7 +13,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -306,18 +305,23 @@ class Host:
         self, container_id: str, function: str, data: bytes = b"", timeout: float = 5.0
     ) -> tuple[ExecState, bytes, bytes, str]:
         request = ExecRequest(argv=(function,), timeout=timeout)
-        exec_id = self.native.exec_create(container_id, request)
-        attachment = self.native.exec_start(exec_id, data)
-        out = dict.fromkeys(OutputStream, b"")
-        while (chunks := attachment.read(5.0)) is not None:
-            for chunk in chunks:
-                out[chunk.stream] += chunk.data
-        for _ in range(100):
-            state = self.native.exec_inspect(exec_id)
-            if not state.running:
-                break
-            threading.Event().wait(0.01)
-        return state, out[OutputStream.STDOUT], out[OutputStream.STDERR], exec_id
+        native = self.native
+
+        async def main() -> tuple[ExecState, bytes, bytes, str]:
+            exec_id = await native.exec_create(container_id, request)
+            attachment = await native.exec_start(exec_id, data)
+            out = dict.fromkeys(OutputStream, b"")
+            while (chunks := await attachment.read(5.0)) is not None:
+                for chunk in chunks:
+                    out[chunk.stream] += chunk.data
+            for _ in range(100):
+                state = await native.exec_inspect(exec_id)
+                if not state.running:
+                    break
+                await asyncio.sleep(0.01)
+            return state, out[OutputStream.STDOUT], out[OutputStream.STDERR], exec_id
+
+        return asyncio.run(main())
 
 
 def wasm_spec(**fields: object) -> SandboxSpec:
@@ -461,22 +465,22 @@ def test_concurrent_calls_into_one_sandbox_each_get_their_own_answer(
 
     async def one(n: int) -> tuple[int | None, bytes]:
         request = ExecRequest(argv=("echo",), timeout=30)
-        exec_id = await host.native.exec_create_async(made.container_id, request)
-        attachment = await host.native.exec_start_async(exec_id, b"call %d" % n)
+        exec_id = await host.native.exec_create(made.container_id, request)
+        attachment = await host.native.exec_start(exec_id, b"call %d" % n)
         out = b""
         while (chunks := await attachment.read(5.0)) is not None:
             out += b"".join(c.data for c in chunks if c.stream is OutputStream.STDOUT)
-        return (await host.native.exec_inspect_async(exec_id)).exit_code, out
+        return (await host.native.exec_inspect(exec_id)).exit_code, out
 
     async def many() -> list[tuple[int | None, bytes]]:
         spinning = ExecRequest(argv=("spin",), timeout=30)
-        spin_id = await host.native.exec_create_async(made.container_id, spinning)
-        spin = await host.native.exec_start_async(spin_id, b"")
+        spin_id = await host.native.exec_create(made.container_id, spinning)
+        spin = await host.native.exec_start(spin_id, b"")
         answers = await asyncio.gather(*(one(n) for n in range(16)))
-        assert await host.native.exec_kill_async(spin_id), "a call is killed by hanging up"
+        assert await host.native.exec_kill(spin_id), "a call is killed by hanging up"
         while await spin.read(1.0) is not None:  # its connection closed: the read ends
             pass
-        assert (await host.native.exec_inspect_async(spin_id)).exit_code == 137
+        assert (await host.native.exec_inspect(spin_id)).exit_code == 137
         return answers
 
     answers = asyncio.run(many())

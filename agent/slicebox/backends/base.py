@@ -16,9 +16,9 @@ obtainable ``ImageUnavailable``, a sandbox that cannot start ``InvalidRequest`` 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from pydantic import ConfigDict
 
@@ -32,8 +32,19 @@ from slicebox.model.wasm import WasmRun
 if TYPE_CHECKING:
     from slicebox.host.plugins import PluginStore
 
+T = TypeVar("T")
+
 # The default exec cwd (``ExecRequest.cwd``): every backend makes it exist and writable.
 WORKSPACE = "/workspace"
+
+
+class Portal(Protocol):
+    """How a backend that is async inside answers the blocking calls of
+    :class:`SandboxBackend` (a create, a listing), which come from worker threads: it awaits
+    ``make()`` on the agent's core loop and returns its result (``core.blocking.on_core_loop``,
+    given by the composition root)."""
+
+    def __call__(self, make: Callable[[], Awaitable[T]], /) -> T: ...
 
 
 class Availability(Model):
@@ -115,15 +126,9 @@ class VolumeInfo(Model):
     mountpoint: str  # the host directory (a local volume's); "" when the driver has none
 
 
-class ExecAttachment(Protocol):
-    def read(self, timeout: float) -> list[StreamChunk] | None:
-        """Output that arrived within ``timeout`` seconds ([] if none); None at end of stream."""
-
-    def close(self) -> None: ...
-
-
 class AsyncExecAttachment(Protocol):
-    """:class:`ExecAttachment` for the event loop: a read waits without holding a thread."""
+    """One exec's attached output, already demultiplexed: a read waits on the event loop,
+    holding no thread."""
 
     async def read(self, timeout: float) -> list[StreamChunk] | None:
         """Output that arrived within ``timeout`` seconds ([] if none); None at end of stream."""
@@ -142,38 +147,25 @@ class StdinSource(Protocol):
 
 
 class ExecApi(Protocol):
-    """The exec primitives :class:`slicebox.core.execution.ExecEngine` drives. The plain ones
-    block (briefly: none waits for the command), for in-process callers; the agent uses the
-    ``_async`` ones on its event loop, which hold no thread."""
+    """The exec primitives :class:`slicebox.core.execution.ExecEngine` drives, each awaited on
+    the running event loop: none holds a thread while it waits, and none waits for the command.
+    A backend whose own calls block runs them off the loop behind these methods."""
 
     def sandbox_pid(self, backend_id: str) -> int:
         """Host pid of the running sandbox's init; SandboxNotFound / SandboxNotRunning."""
 
-    def exec_create(
+    async def exec_create(
         self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
     ) -> str:
         """Create an exec (not started) and return its id; ``streamed_stdin``: attach its stdin
         although ``request.stdin`` is empty, for a :class:`StdinSource` given at the start."""
 
-    def exec_start(self, exec_id: str, stdin: bytes) -> ExecAttachment:
-        """Start the exec, feed ``stdin`` (then EOF) and return its attached output."""
+    async def exec_start(self, exec_id: str, stdin: bytes | StdinSource) -> AsyncExecAttachment:
+        """Start the exec created by ``exec_create``, feed ``stdin`` (then EOF) and return its
+        attached output. A :class:`StdinSource` is read as the command takes its stdin; its
+        failure ends the attachment's next read with that error."""
 
-    async def exec_start_async(
-        self, exec_id: str, stdin: bytes | StdinSource
-    ) -> AsyncExecAttachment:
-        """``exec_start`` on the running event loop: nothing in it blocks the loop. Called after
-        ``exec_create`` of the same exec. A :class:`StdinSource` is read as the command takes
-        its stdin; its failure ends the attachment's next read with that error."""
-
-    def exec_inspect(self, exec_id: str) -> ExecState: ...
-
-    async def exec_create_async(
-        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
-    ) -> str:
-        """``exec_create`` on the running event loop, holding no thread."""
-
-    async def exec_inspect_async(self, exec_id: str) -> ExecState:
-        """``exec_inspect`` on the running event loop, holding no thread."""
+    async def exec_inspect(self, exec_id: str) -> ExecState: ...
 
     async def launch_async(self, backend_id: str, stdin: bytes) -> AsyncExecAttachment:
         """Attach to the running sandbox's main process (a waiter, ``core.launch``), write
@@ -183,13 +175,10 @@ class ExecApi(Protocol):
         """Whether the sandbox runs on this host (a cgroup, processes): a remote one does not,
         and nothing of it is looked for here (its cgroup, its deadline's timer)."""
 
-    def exec_kill(self, exec_id: str) -> bool:
+    async def exec_kill(self, exec_id: str) -> bool:
         """Kill the exec, if this backend kills its own (a unit stopped, a remote call): True.
         False: it cannot (Docker cannot kill an exec), and the engine kills its processes in
         the sandbox's cgroup through the host."""
-
-    async def exec_kill_async(self, exec_id: str) -> bool:
-        """``exec_kill`` on the running event loop."""
 
 
 class SandboxBackend(ExecApi, Protocol):
@@ -209,7 +198,7 @@ class SandboxBackend(ExecApi, Protocol):
     def wasm_plugins(self) -> PluginStore | None:
         """The wasm plugins the agent holds, when it runs wasm sandboxes; else None."""
 
-    def release(self, backend_id: str, line: bytes) -> None:
+    async def release(self, backend_id: str, line: bytes) -> None:
         """Write ``line`` to the running sandbox's waiter (``core.launch``) and close its
         stdin, reading none of its output (its logs keep it): a sandbox whose own command
         waits there until its mounts were verified (``core.sandboxes``)."""
@@ -223,11 +212,9 @@ class SandboxBackend(ExecApi, Protocol):
         ``prepare`` only for an image it has not seen present, and again when a create says
         the image is gone."""
 
-    def inspect(self, backend_id: str) -> SandboxInfo | None:
-        """A sandbox by backend id or name; None when there is none."""
-
-    async def inspect_async(self, backend_id: str) -> SandboxInfo | None:
-        """``inspect`` on the running event loop, holding no thread."""
+    async def inspect(self, backend_id: str) -> SandboxInfo | None:
+        """A sandbox by backend id or name; None when there is none. Awaited on the loop: an
+        exec looks its sandbox up first, and holds no thread for it."""
 
     def find(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
         """Every sandbox (running or not) carrying all of ``labels``, in one listing call."""

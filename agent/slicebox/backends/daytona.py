@@ -37,7 +37,6 @@ event loop, so that nothing waits on the agent's loop.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import importlib
 import logging
@@ -52,7 +51,6 @@ from slicebox.backends.base import (
     WORKSPACE,
     AsyncExecAttachment,
     Availability,
-    ExecAttachment,
     SandboxInfo,
     SandboxRequest,
     SandboxState,
@@ -514,11 +512,7 @@ class DaytonaBackend:
                 return None
             raise self._failure(exc, f"a look-up of {backend_id}") from None
 
-    def inspect(self, backend_id: str) -> SandboxInfo | None:
-        sandbox = self._get(backend_id)
-        return None if sandbox is None else self._info(sandbox)
-
-    async def inspect_async(self, backend_id: str) -> SandboxInfo | None:
+    async def inspect(self, backend_id: str) -> SandboxInfo | None:
         sandbox = await self._aget(backend_id)
         return None if sandbox is None else self._info(sandbox)
 
@@ -593,7 +587,7 @@ class DaytonaBackend:
     async def launch_async(self, backend_id: str, stdin: bytes) -> AsyncExecAttachment:
         raise InvalidRequest("a daytona sandbox has no waiter to launch into", code=UNSUPPORTED)
 
-    def release(self, backend_id: str, line: bytes) -> None:
+    async def release(self, backend_id: str, line: bytes) -> None:
         raise InvalidRequest("a daytona sandbox has no waiter to release", code=UNSUPPORTED)
 
     def _running(self, backend_id: str, sandbox: Any | None) -> Any:
@@ -609,12 +603,7 @@ class DaytonaBackend:
             self._execs[exec_id] = _Exec(str(sandbox.id), request, sandbox)
         return exec_id
 
-    def exec_create(
-        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
-    ) -> str:
-        return self._mint(self._running(backend_id, self._get(backend_id)), request)
-
-    async def exec_create_async(
+    async def exec_create(
         self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
     ) -> str:
         return self._mint(self._running(backend_id, await self._aget(backend_id)), request)
@@ -651,39 +640,7 @@ class DaytonaBackend:
             return True
         return False
 
-    def exec_start(self, exec_id: str, stdin: bytes) -> ExecAttachment:
-        run = self._start(exec_id)
-        sandbox = run.sandbox
-        if _is_async_sandbox(sandbox):  # created on the loop, started here: the blocking one
-            sandbox = self._running(exec_id, self._get(ID_PREFIX + run.daytona_id))
-        future: concurrent.futures.Future[bytes] = concurrent.futures.Future()
-
-        def work() -> None:
-            stdin_file = f"{STDIN_DIR}/.slicebox-stdin-{secrets.token_hex(8)}" if stdin else None
-            try:
-                if stdin_file is not None:
-                    sandbox.fs.upload_file(stdin, stdin_file)
-                script = exec_script(exec_id, run.request, stdin_file)
-                answer = sandbox.process.exec(
-                    script, cwd="/", env=run.request.env or None, timeout=_exec_timeout(run)
-                )
-                future.set_result(self._answer(run, answer))
-            except Exception as exc:
-                if stdin_file is not None:  # the command may never have read (and removed) it
-                    with contextlib.suppress(Exception):
-                        sandbox.fs.delete_file(stdin_file)
-                if self._timed_out(run, exc):
-                    future.set_result(b"")
-                    return
-                self._end(run, None)
-                future.set_exception(self._failure(exc, f"exec {exec_id}"))
-
-        threading.Thread(target=work, name="daytona-exec", daemon=True).start()
-        return _ThreadRun(future)
-
-    async def exec_start_async(
-        self, exec_id: str, stdin: bytes | StdinSource
-    ) -> AsyncExecAttachment:
+    async def exec_start(self, exec_id: str, stdin: bytes | StdinSource) -> AsyncExecAttachment:
         run = self._start(exec_id)
         sandbox = run.sandbox
         if not _is_async_sandbox(sandbox):  # created by a blocking call: the loop's one
@@ -737,10 +694,7 @@ class DaytonaBackend:
                 pid=0, running=run.running, exit_code=run.exit_code, verdict=run.verdict
             )
 
-    def exec_inspect(self, exec_id: str) -> ExecState:
-        return self._state(exec_id)
-
-    async def exec_inspect_async(self, exec_id: str) -> ExecState:
+    async def exec_inspect(self, exec_id: str) -> ExecState:
         return self._state(exec_id)
 
     def _killable(self, exec_id: str) -> _Exec | None:
@@ -748,21 +702,9 @@ class DaytonaBackend:
             run = self._execs.get(exec_id)
         return run if run is not None and run.running else None
 
-    def exec_kill(self, exec_id: str) -> bool:
+    async def exec_kill(self, exec_id: str) -> bool:
         """Best effort: another exec kills every process carrying the exec's mark; the exec's
         own call then answers with the killed command's code. False when that could not run."""
-        run = self._killable(exec_id)
-        if run is None:
-            return False
-        try:
-            sandbox = self._client().get(run.daytona_id, request_timeout=CALL_TIMEOUT)
-            answer = sandbox.process.exec(kill_script(exec_id), cwd="/", timeout=KILL_TIMEOUT)
-        except Exception as exc:
-            log.warning("daytona exec %s could not be killed: %s", exec_id, self._scrub(str(exc)))
-            return False
-        return bool(answer.exit_code == 0)
-
-    async def exec_kill_async(self, exec_id: str) -> bool:
         run = self._killable(exec_id)
         if run is None:
             return False
@@ -830,25 +772,3 @@ class _TaskRun:
     def close(self) -> None:
         if not self._task.done():
             self._task.cancel()
-
-
-class _ThreadRun:
-    """An exec's answer awaited in the calling thread (``ExecAttachment``)."""
-
-    def __init__(self, future: concurrent.futures.Future[bytes]) -> None:
-        self._future = future
-        self._ended = False
-
-    def read(self, timeout: float) -> list[StreamChunk] | None:
-        if self._ended:
-            return None
-        try:
-            output = self._future.result(timeout=max(timeout, 0))
-        except concurrent.futures.TimeoutError:
-            return []
-        finally:
-            self._ended = self._future.done()
-        return _output(output) or None
-
-    def close(self) -> None:
-        """The call runs on to its end in its thread; a kill is what stops the command."""

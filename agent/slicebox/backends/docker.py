@@ -48,10 +48,8 @@ from slicebox.backends.dockerendpoint import DockerEndpoint
 from slicebox.backends.dockerjson import DockerJsonApi
 from slicebox.backends.dockerstream import (
     AsyncRawExecAttachment,
-    RawExecAttachment,
     StartRefused,
     attach,
-    attach_async,
     attach_request,
     release,
 )
@@ -292,11 +290,8 @@ class DockerBackend:
     def has_host(self, backend_id: str) -> bool:
         return True
 
-    def exec_kill(self, exec_id: str) -> bool:
+    async def exec_kill(self, exec_id: str) -> bool:
         """Docker cannot kill an exec: the engine kills its processes through the host."""
-        return False
-
-    async def exec_kill_async(self, exec_id: str) -> bool:
         return False
 
     def availability(self) -> Availability:
@@ -360,13 +355,6 @@ class DockerBackend:
                 "pull or load it, or choose another"
             )
         return answer_json(status, text, request.name, map_status)
-
-    def inspect(self, backend_id: str) -> SandboxInfo | None:
-        try:
-            attrs = self._engine.call("GET", f"/containers/{_part(backend_id)}/json", backend_id)
-        except SandboxNotFound:
-            return None
-        return _inspected(attrs)
 
     def find(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
         found = self._engine.call(
@@ -482,35 +470,17 @@ class DockerBackend:
             )
         return int(state["Pid"])
 
-    def exec_create(
-        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
-    ) -> str:
-        path = f"/containers/{_part(backend_id)}/exec"
-        created = self._engine.call(
-            "POST", path, backend_id, body=exec_body(request, streamed_stdin)
-        )
-        return str(created["Id"])
-
-    def exec_start(self, exec_id: str, stdin: bytes) -> RawExecAttachment:
-        version = self._engine.version
-        try:
-            return attach(self._endpoint.connect(), version, exec_id, stdin)
-        except StartRefused as exc:
-            raise map_status(exc.status, exc.text, f"of exec {exec_id}") from exc
-
-    async def exec_start_async(
-        self, exec_id: str, stdin: bytes | StdinSource
-    ) -> AsyncRawExecAttachment:
+    async def exec_start(self, exec_id: str, stdin: bytes | StdinSource) -> AsyncRawExecAttachment:
         version = await self._api_version()
         try:
-            return await attach_async(self._endpoint, version, exec_id, stdin)
+            return await attach(self._endpoint, version, exec_id, stdin)
         except StartRefused as exc:
             raise map_status(exc.status, exc.text, f"of exec {exec_id}") from exc
 
-    def release(self, backend_id: str, line: bytes) -> None:
-        version = self._engine.version
+    async def release(self, backend_id: str, line: bytes) -> None:
+        version = await self._api_version()
         try:
-            release(self._endpoint.connect(), version, _part(backend_id), line)
+            await release(self._endpoint, version, _part(backend_id), line)
         except StartRefused as exc:
             raise map_status(exc.status, exc.text, backend_id) from exc
 
@@ -518,16 +488,13 @@ class DockerBackend:
         version = await self._api_version()
         request = attach_request(version, _part(backend_id))
         try:
-            return await attach_async(self._endpoint, version, backend_id, stdin, request=request)
+            return await attach(self._endpoint, version, backend_id, stdin, request=request)
         except StartRefused as exc:
             raise map_status(exc.status, exc.text, backend_id) from exc
 
-    def exec_inspect(self, exec_id: str) -> ExecState:
-        return _exec_state(self._engine.call("GET", f"/exec/{_part(exec_id)}/json", exec_id))
+    # --- the calls on the event loop (backends.dockerjson) ---------------------------------
 
-    # --- the same calls on the event loop (backends.dockerjson) ---------------------------
-
-    async def inspect_async(self, backend_id: str) -> SandboxInfo | None:
+    async def inspect(self, backend_id: str) -> SandboxInfo | None:
         path = f"/containers/{_part(backend_id)}/json"
         try:
             attrs = await self._json.get(await self._versioned(path), backend_id)
@@ -535,14 +502,14 @@ class DockerBackend:
             return None
         return _inspected(attrs)
 
-    async def exec_create_async(
+    async def exec_create(
         self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
     ) -> str:
         path = await self._versioned(f"/containers/{_part(backend_id)}/exec")
         created = await self._json.post(path, backend_id, exec_body(request, streamed_stdin))
         return str(created["Id"])
 
-    async def exec_inspect_async(self, exec_id: str) -> ExecState:
+    async def exec_inspect(self, exec_id: str) -> ExecState:
         path = await self._versioned(f"/exec/{_part(exec_id)}/json")
         return _exec_state(await self._json.get(path, exec_id))
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlencode
 
-from slicebox.backends.dockerendpoint import DockerEndpoint
+from slicebox.backends.dockerendpoint import DockerEndpoint, closed_on_error
 from slicebox.model.errors import HostError, SliceboxError
 
 StatusMapper = Callable[[int, str, str], SliceboxError]
@@ -41,7 +41,13 @@ class _UnixConnection(http.client.HTTPConnection):
         self._endpoint = endpoint
 
     def connect(self) -> None:
-        sock = self._endpoint.connect()
+        """A blocking connection, for this thread's calls: Unavailable when nothing answers."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with closed_on_error(sock):
+                sock.connect(self._endpoint.address)
+        except OSError as exc:
+            raise self._endpoint.unreachable(exc) from exc
         sock.settimeout(self.timeout)
         self.sock = sock
 

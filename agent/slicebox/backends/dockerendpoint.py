@@ -43,20 +43,9 @@ class DockerEndpoint(Model):
         host = f"[{self.address}]" if ":" in self.address else self.address
         return f"tcp://{host}:{self.port}"
 
-    def connect(self) -> socket.socket:
-        """A new connection to the daemon; Unavailable when nothing answers there."""
-        try:
-            if self.scheme == "unix":
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                with closed_on_error(sock):
-                    sock.connect(self.address)
-                return sock
-            return socket.create_connection((self.address, self.port), timeout=START_TIMEOUT)
-        except OSError as exc:
-            raise self.unreachable(exc) from exc
-
-    async def aconnect(self) -> socket.socket:
-        """``connect`` on the event loop: a new non-blocking connection, or Unavailable."""
+    async def connect(self) -> socket.socket:
+        """A new non-blocking connection to the daemon, made on the event loop; Unavailable
+        when nothing answers there. (The threads' client makes its own: ``dockerapi``.)"""
         try:
             async with asyncio.timeout(START_TIMEOUT):
                 if self.scheme == "unix":

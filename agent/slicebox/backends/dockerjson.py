@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,14 +31,17 @@ KEPT_CONNECTIONS = 16
 
 
 class DockerJsonApi:
-    """JSON calls to the daemon at ``endpoint``; the connection pool is made on the running loop
-    at the first call, and ``aclose`` ends it (the agent's shutdown)."""
+    """JSON calls to the daemon at ``endpoint``. Each event loop that calls gets its own
+    connection pool, made at its first call (a pool's connections belong to their loop): the
+    agent's loop and the core loop its worker threads call through
+    (:func:`slicebox.core.blocking.from_thread`). ``aclose`` ends the running loop's."""
 
     def __init__(self, endpoint: DockerEndpoint, refusal: StatusMapper) -> None:
         self._endpoint = endpoint
         self._refusal = refusal
-        self._client: HttpClient | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, HttpClient]
+        self._clients = weakref.WeakKeyDictionary()
 
     async def get(self, path: str, what: str) -> Any:
         """The JSON answer to GET ``path`` (``/v1.45/...``; ``/version`` has no version)."""
@@ -46,7 +51,8 @@ class DockerJsonApi:
         return await self._call("POST", path, what, body)
 
     async def aclose(self) -> None:
-        client, self._client = self._client, None
+        with self._lock:
+            client = self._clients.pop(asyncio.get_running_loop(), None)
         if client is not None:
             await client.close()
 
@@ -63,13 +69,13 @@ class DockerJsonApi:
 
     def _pool(self) -> HttpClient:
         loop = asyncio.get_running_loop()
-        if self._client is None or self._loop is not loop:
-            endpoint = self._endpoint
-            if endpoint.scheme == "unix":
-                self._client = HttpClient.unix(endpoint.address, limit=KEPT_CONNECTIONS)
-            else:
-                self._client = HttpClient.tcp(
-                    endpoint.address, endpoint.port, limit=KEPT_CONNECTIONS
-                )
-            self._loop = loop
-        return self._client
+        with self._lock:
+            client = self._clients.get(loop)
+            if client is None:
+                endpoint = self._endpoint
+                if endpoint.scheme == "unix":
+                    client = HttpClient.unix(endpoint.address, limit=KEPT_CONNECTIONS)
+                else:
+                    client = HttpClient.tcp(endpoint.address, endpoint.port, limit=KEPT_CONNECTIONS)
+                self._clients[loop] = client
+        return client

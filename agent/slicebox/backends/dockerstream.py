@@ -17,15 +17,13 @@ payloads as they arrive, even mid-frame, so memory stays bounded by one read buf
 Stdin is written on the same connection, then the write side is shut down: Docker closes the
 process's stdin at that half-close.
 
-Two attachments share that socket logic (``_ExecSocket``) and differ only in how they wait:
-``RawExecAttachment`` blocks its thread in ``select`` (for in-process callers: the guest tests,
-the bench); ``AsyncRawExecAttachment`` is what the agent uses: the event loop says when the
-socket is readable or writable (``add_reader``/``add_writer``), so an exec that runs for an hour
-holds no thread. It reads the raw socket itself rather than through an asyncio transport and
-stream reader: a transport that fails to write stdin (the command exited without reading it)
-closes its read side too, and output still in the kernel's buffer would be lost; here a failed
-stdin write only ends the stdin, as in the blocking attachment. A wait that times out or is
-cancelled has read nothing, so it loses nothing either.
+The attachment (``AsyncRawExecAttachment``) waits on the event loop, which says when the socket
+is readable or writable (``add_reader``/``add_writer``), so an exec that runs for an hour holds
+no thread. It reads the raw socket itself rather than through an asyncio transport and stream
+reader: a transport that fails to write stdin (the command exited without reading it) closes its
+read side too, and output still in the kernel's buffer would be lost; here a failed stdin write
+only ends the stdin. A wait that times out or is cancelled has read nothing, so it loses nothing
+either.
 """
 
 from __future__ import annotations
@@ -34,10 +32,8 @@ import asyncio
 import contextlib
 import json
 import logging
-import select
 import socket
 import struct
-import time
 
 from slicebox.backends.base import StdinSource
 from slicebox.backends.dockerendpoint import START_TIMEOUT, DockerEndpoint, closed_on_error
@@ -120,7 +116,7 @@ def attach_request(api_version: str, container_id: str) -> bytes:
 
 class _ExecSocket:
     """One started exec's connection, non-blocking: decodes what is received, writes stdin in
-    pieces and half-closes after it. The attachments below only differ in how they wait."""
+    pieces and half-closes after it."""
 
     def __init__(self, sock: socket.socket, first_bytes: bytes, stdin: bytes) -> None:
         self._sock = sock
@@ -169,35 +165,6 @@ class _ExecSocket:
     def _half_close(self) -> None:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_WR)
-
-
-class RawExecAttachment(_ExecSocket):
-    """One started exec, read by a thread that blocks in ``select``; stdin is written while it
-    waits for output."""
-
-    def read(self, timeout: float) -> list[StreamChunk] | None:
-        if self._pending:
-            data, self._pending = self._pending, b""
-            return self._decoder.feed(data)
-        if self._eof:
-            return None
-        deadline = time.monotonic() + timeout
-        while True:
-            readable = self._wait(max(deadline - time.monotonic(), 0.0))
-            if readable:
-                return self._receive()
-            if time.monotonic() >= deadline:
-                return []
-
-    def _wait(self, timeout: float) -> bool:
-        writers = [self._sock] if self._stdin is not None else []
-        readable, writable, _ = select.select([self._sock], writers, [], timeout)
-        if writable:
-            self._write_stdin()
-        return bool(readable)
-
-    def close(self) -> None:
-        self._sock.close()
 
 
 class AsyncRawExecAttachment(_ExecSocket):
@@ -292,14 +259,7 @@ def _wake(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-def _read_head(sock: socket.socket) -> tuple[int, bytes, bytes]:
-    buffer = b""
-    while (parsed := split_response_head(buffer)) is None:
-        buffer = _more_head(buffer, sock.recv(READ_SIZE))
-    return parsed
-
-
-async def _aread_head(sock: socket.socket) -> tuple[int, bytes, bytes]:
+async def _read_head(sock: socket.socket) -> tuple[int, bytes, bytes]:
     loop, buffer = asyncio.get_running_loop(), b""
     while (parsed := split_response_head(buffer)) is None:
         buffer = _more_head(buffer, await loop.sock_recv(sock, READ_SIZE))
@@ -321,42 +281,32 @@ class StartRefused(Exception):
         self.text = text
 
 
-def attach(sock: socket.socket, api_version: str, exec_id: str, stdin: bytes) -> RawExecAttachment:
-    """Start exec ``exec_id`` on ``sock`` (a fresh connection, which this takes over) and
-    return its attachment; StartRefused, or Unavailable when the daemon does not answer."""
-    with closed_on_error(sock):
-        sock.settimeout(START_TIMEOUT)  # a daemon that never answers must not hang us
-        sock.sendall(start_request(api_version, exec_id))
-        try:
-            status, head, rest = _read_head(sock)
-        except TimeoutError as exc:
-            raise _not_started(exec_id) from exc
-        _check_started(status, head, rest)
-    return RawExecAttachment(sock, rest, stdin)
-
-
-def release(sock: socket.socket, api_version: str, container_id: str, line: bytes) -> None:
-    """Attach to ``container_id``'s stdin only on ``sock`` (a fresh connection, which this
-    closes), write ``line`` and hang up: with ``StdinOnce`` Docker then closes the process's
-    stdin once it read what was written."""
+async def release(
+    endpoint: DockerEndpoint, api_version: str, container_id: str, line: bytes
+) -> None:
+    """Attach to ``container_id``'s stdin only, on a new connection to ``endpoint``, write
+    ``line`` and hang up: with ``StdinOnce`` Docker then closes the process's stdin once it
+    read what was written."""
     query = "stream=1&stdin=1"
     request = (
         f"POST /v{api_version}/containers/{container_id}/attach?{query} HTTP/1.1\r\n"
         "Host: docker\r\nContent-Length: 0\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n\r\n"
     ).encode()
+    loop = asyncio.get_running_loop()
+    sock = await endpoint.connect()
     with sock:
-        sock.settimeout(START_TIMEOUT)
         try:
-            sock.sendall(request)
-            status, head, rest = _read_head(sock)
-            _check_started(status, head, rest)
-            sock.sendall(line)
-            sock.shutdown(socket.SHUT_WR)  # the end of stdin: Docker reads up to it
+            async with asyncio.timeout(START_TIMEOUT):
+                await loop.sock_sendall(sock, request)
+                status, head, rest = await _read_head(sock)
+                _check_started(status, head, rest)
+                await loop.sock_sendall(sock, line)
         except TimeoutError as exc:
             raise _not_started(container_id) from exc
+        sock.shutdown(socket.SHUT_WR)  # the end of stdin: Docker reads up to it
 
 
-async def attach_async(
+async def attach(
     endpoint: DockerEndpoint,
     api_version: str,
     exec_id: str,
@@ -364,17 +314,18 @@ async def attach_async(
     *,
     request: bytes | None = None,
 ) -> AsyncRawExecAttachment:
-    """``attach`` on the event loop, on a new connection to ``endpoint``: the same request, the
-    head parsed by hand the same way, every byte after it the start of the stream.
+    """Start exec ``exec_id`` on a new connection to ``endpoint`` and return its attachment:
+    the head parsed by hand, every byte after it the start of the stream; StartRefused, or
+    Unavailable when the daemon does not answer.
     ``request``: another request whose answer is such a stream (``attach_request``: then
     ``exec_id`` is the container's id)."""
     loop = asyncio.get_running_loop()
-    sock = await endpoint.aconnect()
+    sock = await endpoint.connect()
     with closed_on_error(sock):
         try:
             async with asyncio.timeout(START_TIMEOUT):
                 await loop.sock_sendall(sock, request or start_request(api_version, exec_id))
-                status, head, rest = await _aread_head(sock)
+                status, head, rest = await _read_head(sock)
         except TimeoutError as exc:
             raise _not_started(exec_id) from exc
         _check_started(status, head, rest)

@@ -39,7 +39,6 @@ import logging
 import os
 import re
 import secrets
-import select
 import shutil
 import socket
 import threading
@@ -53,7 +52,6 @@ from slicebox.backends import wasm
 from slicebox.backends.base import (
     AsyncExecAttachment,
     Availability,
-    ExecAttachment,
     SandboxInfo,
     SandboxRequest,
     SandboxState,
@@ -373,7 +371,7 @@ class NativeBackend:
         self._systemd = systemd
         self.plugins = plugins or PluginStore()
         self._wasm_runtime = wasm_runtime  # where each wasm sandbox's worker listens
-        self._calls: dict[str, wasm.Call | wasm.BlockingCall] = {}  # wasm calls not ended
+        self._calls: dict[str, wasm.Call] = {}  # wasm calls not ended
         self._env_dir = env_dir
         self._which = which
         self._pending: dict[str, tuple[str, ExecRequest]] = {}  # created, not started
@@ -497,7 +495,7 @@ class NativeBackend:
         if status != 0:
             raise InvalidRequest(f"the plugin cannot be run: {message}", code="wasm_invalid")
 
-    def inspect(self, backend_id: str) -> SandboxInfo | None:
+    def _inspect(self, backend_id: str) -> SandboxInfo | None:
         if is_native_id(backend_id):
             patterns = [glob_literal(backend_id), glob_literal(anchor_unit(name_of(backend_id)))]
             name = name_of(backend_id)
@@ -508,8 +506,8 @@ class NativeBackend:
         found = [info for info in self._listed(patterns) if info.name == name]
         return found[0] if found else None
 
-    async def inspect_async(self, backend_id: str) -> SandboxInfo | None:
-        return await self._off_loop(self.inspect, backend_id)
+    async def inspect(self, backend_id: str) -> SandboxInfo | None:
+        return await self._off_loop(self._inspect, backend_id)
 
     def find(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
         found = self._listed(["slicebox-*.slice", f"{ANCHOR_PREFIX}*.service"])
@@ -600,9 +598,7 @@ class NativeBackend:
             raise SandboxNotRunning(f"native sandbox {name} is not running")
         return status.main_pid
 
-    def exec_create(
-        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
-    ) -> str:
+    def _exec_create(self, backend_id: str, request: ExecRequest) -> str:
         self.sandbox_pid(backend_id)  # SandboxNotFound / SandboxNotRunning, as Docker's
         if self._run_as_of(backend_id).wasm is not None:
             wasm.function_of(request)  # wasm_invalid before anything starts
@@ -612,10 +608,10 @@ class NativeBackend:
             self._pending[exec_id] = (backend_id, request)
         return exec_id
 
-    async def exec_create_async(
+    async def exec_create(
         self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
     ) -> str:
-        return await self._off_loop(self.exec_create, backend_id, request, streamed_stdin)
+        return await self._off_loop(self._exec_create, backend_id, request)
 
     def _start(self, exec_id: str, stdin: bool) -> tuple[int | None, int, int]:
         """Start the exec's unit with fresh pipes; (stdin's write end, stdout's and stderr's
@@ -710,23 +706,7 @@ class NativeBackend:
 
         return ended
 
-    def exec_start(self, exec_id: str, stdin: bytes) -> ExecAttachment:
-        if self._call_of(exec_id) is not None:
-            path, payload = self._wasm_request(exec_id, stdin)
-            call = wasm.BlockingCall(path, payload, self._ended_call(exec_id))
-            with self._lock:
-                self._calls[exec_id] = call
-            return call
-        stdin_fd, out_fd, err_fd = self._start(exec_id, bool(stdin))
-        if stdin_fd is not None:
-            threading.Thread(
-                target=_write_all, args=(stdin_fd, stdin), name="native-stdin", daemon=True
-            ).start()
-        return _BlockingPipes(out_fd, err_fd)
-
-    async def exec_start_async(
-        self, exec_id: str, stdin: bytes | StdinSource
-    ) -> AsyncExecAttachment:
+    async def exec_start(self, exec_id: str, stdin: bytes | StdinSource) -> AsyncExecAttachment:
         if await self._off_loop(self._call_of, exec_id) is not None:
             data = stdin if isinstance(stdin, bytes) else await _whole(stdin, wasm.MAX_INPUT)
             path, payload = await self._off_loop(self._wasm_request, exec_id, data)
@@ -741,7 +721,7 @@ class NativeBackend:
             pipes.feed(stdin_fd, stdin)
         return pipes
 
-    def exec_inspect(self, exec_id: str) -> ExecState:
+    def _exec_state(self, exec_id: str) -> ExecState:
         with self._lock:
             ended = self._ended.get(exec_id)
             calling = exec_id in self._calls
@@ -760,10 +740,10 @@ class NativeBackend:
         self._systemd.reset_failed(exec_id)
         return self._end(exec_id, state)
 
-    async def exec_inspect_async(self, exec_id: str) -> ExecState:
-        return await self._off_loop(self.exec_inspect, exec_id)
+    async def exec_inspect(self, exec_id: str) -> ExecState:
+        return await self._off_loop(self._exec_state, exec_id)
 
-    def exec_kill(self, exec_id: str) -> bool:
+    def _stop_exec(self, exec_id: str) -> bool:
         """Stop the exec's unit: systemd kills every process in its cgroup (a fork bomb's
         included, ``KillMode=control-group`` with SIGKILL) and returns once they are gone. A
         wasm call's connection is closed instead: its worker cancels the call."""
@@ -782,12 +762,12 @@ class NativeBackend:
         self._end(exec_id, ExecState(pid=0, running=False, exit_code=137))
         return True
 
-    async def exec_kill_async(self, exec_id: str) -> bool:
+    async def exec_kill(self, exec_id: str) -> bool:
         with self._lock:
             calling = exec_id in self._calls
         if calling:  # closing a call's connection is the loop's to do
-            return self.exec_kill(exec_id)
-        return await self._off_loop(self.exec_kill, exec_id)
+            return self._stop_exec(exec_id)
+        return await self._off_loop(self._stop_exec, exec_id)
 
     def _end(self, exec_id: str, state: ExecState) -> ExecState:
         self._exec_env_file(exec_id).unlink(missing_ok=True)
@@ -803,7 +783,7 @@ class NativeBackend:
     async def launch_async(self, backend_id: str, stdin: bytes) -> AsyncExecAttachment:
         raise InvalidRequest("a native sandbox has no waiter to launch into", code=UNSUPPORTED)
 
-    def release(self, backend_id: str, line: bytes) -> None:
+    async def release(self, backend_id: str, line: bytes) -> None:
         raise InvalidRequest("a native sandbox has no waiter to release", code=UNSUPPORTED)
 
     async def _off_loop(self, call: Callable[..., T], *args: Any) -> T:
@@ -811,17 +791,6 @@ class NativeBackend:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    except BrokenPipeError:
-        pass
-    finally:
-        os.close(fd)
 
 
 async def _whole(source: StdinSource, cap: int) -> bytes:
@@ -835,32 +804,6 @@ async def _whole(source: StdinSource, cap: int) -> bytes:
             )
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-class _BlockingPipes:
-    """An exec's output pipes read in the calling thread (``ExecAttachment``)."""
-
-    def __init__(self, out_fd: int, err_fd: int) -> None:
-        self._open = {out_fd: OutputStream.STDOUT, err_fd: OutputStream.STDERR}
-
-    def read(self, timeout: float) -> list[StreamChunk] | None:
-        if not self._open:
-            return None
-        ready, _, _ = select.select(list(self._open), [], [], timeout)
-        chunks = []
-        for fd in ready:
-            data = os.read(fd, READ_SIZE)
-            if data:
-                chunks.append(StreamChunk(stream=self._open[fd], data=data))
-            else:
-                os.close(fd)
-                del self._open[fd]
-        return chunks if chunks or self._open else None
-
-    def close(self) -> None:
-        for fd in self._open:
-            os.close(fd)
-        self._open.clear()
 
 
 class _AsyncPipes:

@@ -27,7 +27,6 @@ from slicebox.backends import wasm
 from slicebox.backends.base import (
     AsyncExecAttachment,
     Availability,
-    ExecAttachment,
     SandboxBackend,
     SandboxInfo,
     SandboxRequest,
@@ -183,47 +182,22 @@ class Backends:
         """Whether the sandbox runs on this host (a cgroup, processes): a remote one does not."""
         return not is_daytona_id(backend_id)
 
-    def inspect(self, backend_id: str) -> SandboxInfo | None:
+    async def inspect(self, backend_id: str) -> SandboxInfo | None:
         if is_daytona_id(backend_id):
-            return self._daytona().inspect(backend_id)
+            return await self._daytona().inspect(backend_id)
         if is_native_id(backend_id):
-            return self._native().inspect(backend_id)
+            return await self._native().inspect(backend_id)
         try:
-            found = self.docker.inspect(backend_id)
+            found = await self.docker.inspect(backend_id)
         except Unavailable:
             if self.native is None:
                 raise
             found = None
         if found is None and self.native is not None:
-            found = self.native.inspect(backend_id)
-        if found is None and self.daytona is not None:
-            found = self._remote_named(backend_id)
-        return found
-
-    def _remote_named(self, name: str) -> SandboxInfo | None:
-        assert self.daytona is not None
-        try:
-            return self.daytona.inspect(name)
-        except Unavailable as exc:
-            log.warning("Daytona is unavailable, %s is not looked for there: %s", name, exc)
-            return None
-
-    async def inspect_async(self, backend_id: str) -> SandboxInfo | None:
-        if is_daytona_id(backend_id):
-            return await self._daytona().inspect_async(backend_id)
-        if is_native_id(backend_id):
-            return await self._native().inspect_async(backend_id)
-        try:
-            found = await self.docker.inspect_async(backend_id)
-        except Unavailable:
-            if self.native is None:
-                raise
-            found = None
-        if found is None and self.native is not None:
-            found = await self.native.inspect_async(backend_id)
+            found = await self.native.inspect(backend_id)
         if found is None and self.daytona is not None:
             try:
-                found = await self.daytona.inspect_async(backend_id)
+                found = await self.daytona.inspect(backend_id)
             except Unavailable as exc:
                 log.warning(
                     "Daytona is unavailable, %s is not looked for there: %s", backend_id, exc
@@ -277,45 +251,26 @@ class Backends:
     def sandbox_pid(self, backend_id: str) -> int:
         return self._of(backend_id).sandbox_pid(backend_id)
 
-    def exec_create(
+    async def exec_create(
         self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
     ) -> str:
-        return self._of(backend_id).exec_create(backend_id, request, streamed_stdin)
+        return await self._of(backend_id).exec_create(backend_id, request, streamed_stdin)
 
-    def exec_start(self, exec_id: str, stdin: bytes) -> ExecAttachment:
-        return self._of_exec(exec_id).exec_start(exec_id, stdin)
+    async def exec_start(self, exec_id: str, stdin: bytes | StdinSource) -> AsyncExecAttachment:
+        return await self._of_exec(exec_id).exec_start(exec_id, stdin)
 
-    async def exec_start_async(
-        self, exec_id: str, stdin: bytes | StdinSource
-    ) -> AsyncExecAttachment:
-        return await self._of_exec(exec_id).exec_start_async(exec_id, stdin)
+    async def exec_inspect(self, exec_id: str) -> ExecState:
+        return await self._of_exec(exec_id).exec_inspect(exec_id)
 
-    def exec_inspect(self, exec_id: str) -> ExecState:
-        return self._of_exec(exec_id).exec_inspect(exec_id)
-
-    async def exec_create_async(
-        self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
-    ) -> str:
-        backend = self._of(backend_id)
-        return await backend.exec_create_async(backend_id, request, streamed_stdin)
-
-    async def exec_inspect_async(self, exec_id: str) -> ExecState:
-        return await self._of_exec(exec_id).exec_inspect_async(exec_id)
-
-    def exec_kill(self, exec_id: str) -> bool:
+    async def exec_kill(self, exec_id: str) -> bool:
         """A native or remote exec is killed by its backend; a Docker exec by the engine,
         through the host (``False``)."""
         if is_daytona_exec(exec_id):
-            return self._daytona().exec_kill(exec_id)
-        return is_native_exec(exec_id) and self._native().exec_kill(exec_id)
-
-    async def exec_kill_async(self, exec_id: str) -> bool:
-        if is_daytona_exec(exec_id):
-            return await self._daytona().exec_kill_async(exec_id)
-        return is_native_exec(exec_id) and await self._native().exec_kill_async(exec_id)
+            return await self._daytona().exec_kill(exec_id)
+        return is_native_exec(exec_id) and await self._native().exec_kill(exec_id)
 
     async def launch_async(self, backend_id: str, stdin: bytes) -> AsyncExecAttachment:
         return await self._of(backend_id).launch_async(backend_id, stdin)
 
-    def release(self, backend_id: str, line: bytes) -> None:
-        self._of(backend_id).release(backend_id, line)
+    async def release(self, backend_id: str, line: bytes) -> None:
+        await self._of(backend_id).release(backend_id, line)

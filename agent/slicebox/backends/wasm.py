@@ -25,7 +25,6 @@ import asyncio
 import importlib.util
 import socket
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -193,35 +192,3 @@ def call_blocking(path: Path, payload: bytes) -> tuple[int, bytes, str]:
         while chunk := conn.recv(1 << 20):
             chunks.append(chunk)
     return wasmrun.answer_of(b"".join(chunks))
-
-
-class BlockingCall:
-    """:class:`Call` for an in-process caller: the call runs on a thread of its own and
-    ``read`` waits for it (``ExecAttachment``)."""
-
-    def __init__(self, path: Path, payload: bytes, ended: Callable[[ExecState], None]) -> None:
-        self._done = threading.Event()
-        self._answer: tuple[int, bytes, str] = (EXIT_LOST, b"", "")
-        self._ended = ended
-        self._given = False
-        threading.Thread(target=self._call, args=(path, payload), daemon=True).start()
-
-    def _call(self, path: Path, payload: bytes) -> None:
-        try:
-            self._answer = call_blocking(path, payload)
-        except (OSError, ValueError) as exc:
-            self._answer = (EXIT_LOST, b"", f"the sandbox's worker did not answer: {exc}")
-        self._done.set()
-
-    def read(self, timeout: float) -> list[StreamChunk] | None:
-        if self._given:
-            return None
-        if not self._done.wait(timeout):
-            return []
-        self._given = True
-        status, output, message = self._answer
-        self._ended(state_of(status))
-        return chunks_of(output, message)
-
-    def close(self) -> None:
-        """The thread's connection ends with the call (a blocking caller waits it out)."""

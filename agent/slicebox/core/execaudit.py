@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 from slicebox.core.blocking import Blocking, settle
 from slicebox.core.sandboxes import Sandbox
@@ -104,25 +104,13 @@ class ExecTally:
         return None
 
 
-@contextlib.contextmanager
-def audited_exec(auditor: Auditor, who: Identity, sandbox_id: str) -> Iterator[ExecTally]:
-    """Write the exec's one record when the block ends, however it ends (see above)."""
-    tally = ExecTally(sandbox_id)
-    try:
-        yield tally
-    except BaseException as exc:
-        if (record := tally.ending(who, exc)) is not None:
-            auditor.record(record)
-        raise
-    auditor.record(tally.record(who, tally.outcome()))
-
-
 @contextlib.asynccontextmanager
-async def audited_aexec(
+async def audited_exec(
     auditor: Auditor, who: Identity, sandbox_id: str, blocking: Blocking
 ) -> AsyncIterator[ExecTally]:
-    """``audited_exec`` on the event loop: the record is written through ``blocking`` (a
-    journal write may block), and is written even when the writer is cancelled meanwhile."""
+    """Write the exec's one record when the block ends, however it ends (see above): through
+    ``blocking`` (a journal write may block), and even when the writer is cancelled
+    meanwhile."""
     tally = ExecTally(sandbox_id)
     try:
         yield tally

@@ -5,7 +5,7 @@ the OOM verdict) is tested with fakes and proved in the guest with the real ones
 
 - ``ExecApi``: the backend's exec primitives (:mod:`slicebox.backends.base`; the Docker
   backend's read the output off the daemon's socket).
-- ``ExecAttachment``: one exec's attached output stream, already demultiplexed.
+- ``AsyncExecAttachment``: one exec's attached output stream, already demultiplexed.
 - ``SandboxHost``: the sandbox's scope cgroup and its processes (``host.procs.CgroupHost``).
 
 What is kept of an output stream: its head. The first ``output_cap`` bytes of each stream are
@@ -18,15 +18,14 @@ Docker cannot kill an exec. On timeout the engine asks the host to kill the exec
 cgroup only, none older than the exec) and answers once none is left, orphans and a fork bomb
 included; the sandbox itself survives, and the result says ``timed_out`` with exit code 124.
 
-How it runs: one exec's logic is one async generator (``ExecEngine._events``), written once
-and given its way of blocking. The agent runs it on its event loop (``astream``): the output is
-awaited on the async attachment (no thread waits while the command runs), Docker's exec create
-and inspect are the backend's calls on the loop too, timeouts are checked on the same monotonic
-clock as the loop's, and the short blocking steps (the sandbox's cgroup when its look-up did not
-give it, the OOM counter, the kill) go through the :class:`~slicebox.core.blocking.Blocking`
-the caller passes, the agent's calls pool. In-process
-callers (the real-host tests, the bench) run the same generator in their own thread
-(``run``/``stream``), on an event loop of its own where every step blocks in place.
+How it runs: one exec's logic is one async generator (``ExecEngine._events``), written once.
+The agent runs it on its event loop (``stream``): the output is awaited on the async
+attachment (no thread waits while the command runs), the backend's exec calls are awaited on
+the loop too, timeouts are checked on the same monotonic clock as the loop's, and the short
+blocking steps (the sandbox's cgroup when its look-up did not give it, the OOM counter, the
+kill) go through the :class:`~slicebox.core.blocking.Blocking` the caller passes, the agent's
+calls pool. A worker thread (a pool member's wipe, an in-process caller) runs the same
+generator with ``run``, through :func:`~slicebox.core.blocking.from_thread`.
 
 File transfers (:mod:`slicebox.core.files`) are execs too, of ``tar`` or ``cat``: on the loop,
 their stdin may be streamed from the upload's body (``StdinSource``) and their output handed
@@ -40,12 +39,12 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import NamedTuple, Protocol, TypeVar
 
-from slicebox.backends.base import AsyncExecAttachment, ExecApi, ExecAttachment, StdinSource
-from slicebox.core.blocking import Blocking, inline
+from slicebox.backends.base import AsyncExecAttachment, ExecApi, StdinSource
+from slicebox.core.blocking import Blocking, from_thread
 from slicebox.core.launch import Launched, launch_line, new_nonce
 from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import (
@@ -195,26 +194,12 @@ class _Io(NamedTuple):
     kill: Callable[[str], Awaitable[bool]] | None = None
 
 
-class _InThread:
-    """A blocking attachment behind the async interface, for :meth:`ExecEngine.stream`: its
-    reads block the calling thread, whose event loop runs nothing else."""
-
-    def __init__(self, attachment: ExecAttachment) -> None:
-        self._attachment = attachment
-
-    async def read(self, timeout: float) -> list[StreamChunk] | None:
-        return self._attachment.read(timeout)
-
-    def close(self) -> None:
-        self._attachment.close()
-
-
 class ExecEngine:
     """Runs execs in sandboxes (containers) through the interfaces above.
 
-    One exec's logic is written once (``_events``) and runs two ways: ``astream`` on the
-    agent's event loop, its output read there and its short blocking steps on the pool it is
-    given; ``stream``/``run`` in the calling thread, every step blocking it.
+    One exec's logic is written once (``_events``): ``stream`` runs it on the caller's event
+    loop, its output read there and its short blocking steps on the pool it is given; ``run``
+    runs it to its result from a worker thread.
     """
 
     def __init__(
@@ -222,54 +207,21 @@ class ExecEngine:
         api: ExecApi,
         host: SandboxHost,
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
         asleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._api = api
         self._host = host
         self._clock = clock
-        self._sleep = sleep
         self._asleep = asleep
 
     def run(self, container_id: str, request: ExecRequest, scope: str | None = None) -> ExecResult:
-        """Run to the end and return the result (the stream's last event)."""
-        for event in self.stream(container_id, request, scope):
-            if isinstance(event, ExecResult):
-                return event
-        raise SliceboxError("the exec stream ended without a result")  # pragma: no cover
+        """``stream`` to its end from a worker thread (a pool member's wipe, an in-process
+        caller), through :func:`~slicebox.core.blocking.from_thread`: its result."""
+        return from_thread(
+            lambda blocking: result_of(self.stream(container_id, request, blocking, scope))
+        )
 
     def stream(
-        self, container_id: str, request: ExecRequest, scope: str | None = None
-    ) -> Generator[ExecEvent, None, None]:
-        """Yield kept output chunks as they are produced, then the ExecResult, in the calling
-        thread (which must not be running an event loop).
-
-        Closing the iterator early kills the exec's processes: nobody is left to read them.
-        ``scope``: the container's scope cgroup, below the cgroup root, when the caller knows
-        it (a sandbox it has just created); otherwise it is found from the container's init,
-        which costs the backend a look-up.
-        """
-
-        async def pause(seconds: float) -> None:
-            self._sleep(seconds)
-
-        async def create(container: str, request: ExecRequest, streamed: bool) -> str:
-            return self._api.exec_create(container, request, streamed)
-
-        async def start(exec_id: str, stdin: bytes | StdinSource) -> AsyncExecAttachment:
-            assert isinstance(stdin, bytes)  # a streamed stdin needs the event loop
-            return _InThread(self._api.exec_start(exec_id, stdin))
-
-        async def inspect(exec_id: str) -> ExecState:
-            return self._api.exec_inspect(exec_id)
-
-        async def kill(exec_id: str) -> bool:
-            return self._api.exec_kill(exec_id)
-
-        io = _Io(inline, pause, create, start, inspect, kill=kill)
-        return _in_thread(self._events(container_id, request, io, scope))
-
-    def astream(
         self,
         container_id: str,
         request: ExecRequest,
@@ -279,9 +231,12 @@ class ExecEngine:
         stdin: StdinSource | None = None,
         capture: Capture | None = None,
     ) -> AsyncGenerator[ExecEvent, None]:
-        """``stream`` on the running event loop: the output is read there (no thread waits for
-        it) and each short blocking step runs through ``blocking``. Closing the generator early
-        (``aclose``), or cancelling its reader, kills the exec's processes.
+        """Yield kept output chunks as they are produced, then the ExecResult, on the running
+        event loop: the output is read there (no thread waits for it) and each short blocking
+        step runs through ``blocking``. ``scope``: the container's scope cgroup, below the
+        cgroup root, when the caller knows it (a sandbox it has just created); otherwise it is
+        found from the container's init, which costs the backend a look-up. Closing the
+        generator early (``aclose``), or cancelling its reader, kills the exec's processes.
 
         ``stdin``: a streamed stdin in place of ``request.stdin`` (a file upload's body);
         ``capture``: what becomes of the output, in place of keeping ``output_cap`` of each
@@ -290,17 +245,17 @@ class ExecEngine:
         io = _Io(
             blocking,
             self._asleep,
-            api.exec_create_async,
-            api.exec_start_async,
-            api.exec_inspect_async,
-            kill=api.exec_kill_async,
+            api.exec_create,
+            api.exec_start,
+            api.exec_inspect,
+            kill=api.exec_kill,
         )
         return self._events(container_id, request, io, scope, stdin=stdin, capture=capture)
 
-    def alaunch(
+    def launch(
         self, container_id: str, request: ExecRequest, blocking: Blocking, scope: str | None = None
     ) -> AsyncGenerator[ExecEvent, None]:
-        """``astream`` of a command handed to the sandbox's waiter (``core.launch``) instead of
+        """``stream`` of a command handed to the sandbox's waiter (``core.launch``) instead of
         a Docker exec: the same events, caps, timeout and kill. Only for a sandbox labelled
         with the launcher whose waiter has had no line yet, and a request ``can_launch``."""
         nonce = new_nonce()
@@ -494,22 +449,6 @@ class ExecEngine:
 
     async def _inspect(self, run: _Run, io: _Io) -> ExecState:
         return await io.inspect(run.exec_id)
-
-
-def _in_thread(events: AsyncGenerator[T, None]) -> Generator[T, None, None]:
-    """Iterate ``events`` in the calling thread, on an event loop of its own that runs nothing
-    else; closing this generator closes ``events``."""
-    loop = asyncio.new_event_loop()
-    try:
-        while True:
-            try:
-                event = loop.run_until_complete(anext(events))
-            except StopAsyncIteration:
-                return
-            yield event
-    finally:
-        loop.run_until_complete(events.aclose())
-        loop.close()
 
 
 async def result_of(events: AsyncGenerator[ExecEvent, None]) -> ExecResult:

@@ -280,7 +280,7 @@ class Files:
             tally, sandbox = run
             if length is not None and length > self.cap():
                 raise too_large(self.cap())
-            events = self._engine.astream(
+            events = self._engine.stream(
                 sandbox.container_id, request, blocking, sandbox.running_scope(), stdin=source
             )
             try:
@@ -303,7 +303,7 @@ class Files:
         request = _request(download_argv(query))
         async with self._transfer(who, sandbox_id, Direction.DOWNLOAD, query, blocking) as run:
             tally, sandbox = run
-            events = self._engine.astream(
+            events = self._engine.stream(
                 sandbox.container_id, request, blocking, sandbox.running_scope(), capture=relay
             )
             async with contextlib.aclosing(events):
@@ -322,7 +322,7 @@ class Files:
         """What is at ``path``: a look like ``get``, not audited."""
         sandbox = await blocking(functools.partial(self._visible, who, sandbox_id))
         with self._sandboxes.operation(sandbox.id):
-            events = self._engine.astream(
+            events = self._engine.stream(
                 sandbox.container_id,
                 _request(stat_argv(query)),
                 blocking,

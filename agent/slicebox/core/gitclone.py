@@ -13,6 +13,7 @@ git's last words with any token taken out), and the create removes everything it
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 
@@ -41,7 +42,7 @@ def clone_argv(workspace: Workspace) -> tuple[str, ...]:
     return ("sh", "-c", _CLONE, WORKSPACE, workspace.url or "", ref, depth, commit)
 
 
-def clone(
+async def clone(
     execs: ExecApi,
     container_id: str,
     workspace: Workspace,
@@ -51,13 +52,13 @@ def clone(
 ) -> None:
     """Clone ``workspace`` into the running sandbox; raise ``git_clone_failed`` if it fails."""
     request = ExecRequest(argv=clone_argv(workspace), cwd="/", timeout=timeout)
-    exec_id = execs.exec_create(container_id, request)
-    attachment = execs.exec_start(exec_id, b"")
+    exec_id = await execs.exec_create(container_id, request)
+    attachment = await execs.exec_start(exec_id, b"")
     stderr = bytearray()
     deadline = time.monotonic() + timeout
     try:
         while (left := deadline - time.monotonic()) > 0:
-            chunks = attachment.read(min(left, 1.0))
+            chunks = await attachment.read(min(left, 1.0))
             if chunks is None:
                 break
             for chunk in chunks:
@@ -67,7 +68,7 @@ def clone(
             raise _failed(workspace, f"it took longer than {timeout:g} s", stderr, secrets)
     finally:
         attachment.close()
-    code = _exit_code(execs, exec_id)
+    code = await _exit_code(execs, exec_id)
     if code != 0:
         why = {
             NOT_FOUND: "the image has no git (or no sh)",
@@ -76,13 +77,13 @@ def clone(
         raise _failed(workspace, why, stderr, secrets)
 
 
-def _exit_code(execs: ExecApi, exec_id: str) -> int | None:
+async def _exit_code(execs: ExecApi, exec_id: str) -> int | None:
     """The exit code; Docker may say the exec runs a moment after its stream ended."""
     for _ in range(50):
-        state = execs.exec_inspect(exec_id)
+        state = await execs.exec_inspect(exec_id)
         if not state.running:
             return state.exit_code
-        time.sleep(0.02)
+        await asyncio.sleep(0.02)
     return None
 
 

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 
 from slicebox.backends.base import SandboxBackend, SandboxState
+from slicebox.core.blocking import from_thread
 from slicebox.core.execution import ExecEngine
 from slicebox.core.sandboxes import Sandbox
 from slicebox.host.procs import CgroupHost
@@ -64,7 +65,7 @@ class MemberReset:
             self._host.kill_since(cgroup, since)
             wiped = self._engine.run(sandbox.container_id, WIPE, self._scope_of(sandbox))
             self._host.kill_since(cgroup, since)
-            info = self._backend.inspect(sandbox.container_id)
+            info = from_thread(lambda _: self._backend.inspect(sandbox.container_id))
         except SliceboxError as exc:
             log.info("pool member %s could not be reset: %s", sandbox.id, exc.message)
             return False

@@ -34,6 +34,7 @@ from slicebox.backends.base import (
     SandboxState,
     VolumeInfo,
 )
+from slicebox.core.blocking import from_thread
 from slicebox.core.credentials import GIT_ENV, MOUNTED_AT, CredentialStore
 from slicebox.core.deadlines import Deadlines, Timer, latest
 from slicebox.core.egress import EgressGuard, Labelled, Placement
@@ -385,7 +386,8 @@ class SandboxManager:
                 self._check_started(info.id, admitted.spec, pinned, fresh, lineage)
                 self._clone(info.id, admitted.spec)
                 if staging and spec.command is not None:
-                    self._backend.release(info.id, exec_line(spec.command))
+                    line = exec_line(spec.command)
+                    from_thread(lambda _: self._backend.release(info.id, line))
                 self._arm(lineage.sandbox_id, info.id, lineage.expires_at, new=True)
             except BaseException:
                 self.remove_container(info.id)
@@ -574,7 +576,11 @@ class SandboxManager:
         git = spec.credentials.git if spec.credentials else None
         secrets = (git.token.get_secret_value(),) if git else ()
         timeout = self._config.git_clone_timeout_seconds
-        clone(self._backend, container_id, workspace, timeout=timeout, secrets=secrets)
+        from_thread(
+            lambda _: clone(
+                self._backend, container_id, workspace, timeout=timeout, secrets=secrets
+            )
+        )
         log.info("cloned %s into %s", workspace.url, container_id[:12])
 
     def _check_started(
@@ -682,8 +688,7 @@ class SandboxManager:
         Its container is named after it, so it is looked up by name, which costs the same
         however many containers there are (a list filtered by label goes through them all);
         its labels still decide whether it is that sandbox."""
-        info = self._backend.inspect(sandbox_id) if CONTAINER_NAME.fullmatch(sandbox_id) else None
-        sandbox = self._remember(_found(info, sandbox_id))
+        sandbox = from_thread(lambda _: self.look_up(sandbox_id))
         if sandbox.lineage.pool:  # its lineage and deadline are its lease's
             return self.with_lease(sandbox)
         if current_deadline and self._deadlines is not None:
@@ -691,11 +696,12 @@ class SandboxManager:
             return sandbox.model_copy(update={"expires_at": held}) if held else sandbox
         return sandbox
 
-    async def aget(self, sandbox_id: str) -> Sandbox:
-        """``get`` on the running event loop (the deadline its labels give). A pool member
-        comes without its lease, which is systemd's: the caller reads it (``with_lease``)."""
+    async def look_up(self, sandbox_id: str) -> Sandbox:
+        """The sandbox, looked up on the running event loop, with the deadline its labels
+        give (``get`` adds what systemd holds). A pool member comes without its lease, which
+        is systemd's: the caller reads it (``with_lease``)."""
         named = CONTAINER_NAME.fullmatch(sandbox_id)
-        info = await self._backend.inspect_async(sandbox_id) if named else None
+        info = await self._backend.inspect(sandbox_id) if named else None
         return self._remember(_found(info, sandbox_id))
 
     def known(self, sandbox_id: str) -> Sandbox | None:

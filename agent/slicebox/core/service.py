@@ -16,14 +16,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import PurePosixPath
 
 from slicebox.core.blocking import Aside, Blocking, settle
 from slicebox.core.budget import OutputBudget
 from slicebox.core.egress import EgressGuard
-from slicebox.core.execaudit import audited_aexec, audited_exec, refused, subject
+from slicebox.core.execaudit import audited_exec, refused, subject
 from slicebox.core.execution import ExecEngine, result_of
 from slicebox.core.files import Files
 from slicebox.core.launch import LAUNCHER, can_launch
@@ -150,16 +150,9 @@ class Service:
     def get(self, who: Identity, sandbox_id: str) -> SandboxView:
         return view_of(self._visible(who, sandbox_id, current_deadline=True))
 
-    def destroy(self, who: Identity, sandbox_id: str) -> Destroyed:
-        """Idempotent: a sandbox already gone (or never the caller's) is ``destroyed: false``."""
-        try:
-            sandbox = self._visible(who, sandbox_id)
-        except NotFound:
-            return Destroyed(id=sandbox_id, destroyed=False)
-        return self._destroy(who, sandbox)
-
-    async def adestroy(self, who: Identity, sandbox_id: str, blocking: Blocking) -> Destroyed:
-        """``destroy``, its look-up made on the event loop (as an exec's is), the rest through
+    async def destroy(self, who: Identity, sandbox_id: str, blocking: Blocking) -> Destroyed:
+        """Idempotent: a sandbox already gone (or never the caller's) is ``destroyed: false``.
+        Its look-up is made on the event loop (as an exec's is), the rest through
         ``blocking``. A sandbox the agent knows (it made it, or looked it up before) needs no
         look-up: what a destroy reads of it never changes; one gone since answers false, as the
         second of two destroys does."""
@@ -168,7 +161,7 @@ class Service:
             sandbox = (
                 self._visible_to(who, known, sandbox_id)
                 if known is not None
-                else await self._avisible(who, sandbox_id, blocking)
+                else await self._looked_up(who, sandbox_id, blocking)
             )
         except NotFound:
             return Destroyed(id=sandbox_id, destroyed=False)
@@ -303,69 +296,7 @@ class Service:
             raise
         return held.also(stream)
 
-    def exec(
-        self, who: Identity, sandbox_id: str, request: ExecRequest, held: Reservation | None = None
-    ) -> ExecResult:
-        """Run to the end. ``held``: the caller's reservation for it (else one of the call's)."""
-        return self._exec(who, sandbox_id, request, held)
-
-    def _exec(
-        self,
-        who: Identity,
-        sandbox_id: str,
-        request: ExecRequest,
-        held: Reservation | None,
-        *,
-        known: Sandbox | None = None,
-    ) -> ExecResult:
-        """``exec``; in ``known``, a sandbox this call's caller created, which is not looked up
-        again."""
-        with (
-            self._holding(who, request.output_cap, held, sandbox_id),
-            audited_exec(self._auditor, who, sandbox_id) as tally,
-        ):
-            sandbox = tally.found(known or self._visible(who, sandbox_id))
-            scope = sandbox.running_scope()
-            with self._sandboxes.operation(sandbox.id):
-                return tally.ran(self._engine.run(sandbox.container_id, request, scope))
-
     def exec_stream(
-        self, who: Identity, sandbox_id: str, request: ExecRequest, held: Reservation | None = None
-    ) -> Generator[StreamChunk | ExecResult, None, None]:
-        """Closing the stream early kills the exec, then audits it ``abandoned``, then releases
-        its reservation (when it holds its own)."""
-        with (
-            self._holding(who, request.output_cap, held, sandbox_id),
-            audited_exec(self._auditor, who, sandbox_id) as tally,
-        ):
-            sandbox = tally.found(self._visible(who, sandbox_id))
-            with (
-                self._sandboxes.operation(sandbox.id),
-                contextlib.closing(
-                    self._engine.stream(sandbox.container_id, request, sandbox.running_scope())
-                ) as run,
-            ):
-                yield from map(tally.saw, run)
-
-    def run(self, who: Identity, request: RunRequest, held: Reservation | None = None) -> RunResult:
-        """Create, exec, destroy; the sandbox is destroyed whatever the exec did. The output
-        budget is reserved first: a busy agent refuses the run before creating anything. The
-        answer's usage is read once the exec has ended, just before the removal; a removal
-        that fails is no error of the run (see ``_finish_run``)."""
-        with self._holding(who, request.exec.output_cap, held, action="run") as holding:
-            sandbox = self._create(who, request.sandbox, one_shot=True)
-            last_look: LastLook = self._final_usage
-            try:
-                result = self._exec(who, sandbox.id, request.exec, holding, known=sandbox)
-                usage = self._final_usage(sandbox)
-                last_look = functools.partial(_read, usage)
-            finally:
-                self._finish_run(who, sandbox, last_look)
-        return RunResult(sandbox_id=sandbox.id, result=result, usage=usage)
-
-    # --- exec on the event loop ------------------------------------------------------------
-
-    def aexec_stream(
         self,
         who: Identity,
         sandbox_id: str,
@@ -373,13 +304,14 @@ class Service:
         held: Reservation | None,
         blocking: Blocking,
     ) -> AsyncGenerator[ExecEvent, None]:
-        """``exec_stream`` on the event loop, with the same reservation, audit record and
-        operation mark: the output is read on the loop, every short blocking step (the look-up,
-        Docker's exec calls, the record) runs through ``blocking``. Closing it early (or
-        cancelling its reader) kills the exec, then audits it ``abandoned``."""
-        return self._aexec_stream(who, sandbox_id, request, held, blocking)
+        """An exec's kept output as it comes, then its result. ``held``: the caller's
+        reservation for it (else one of the call's, released when the stream ends). The output
+        is read on the event loop; every short blocking step (the sandbox's lease, the cgroup,
+        the audit record) runs through ``blocking``. Closing it early (or cancelling its
+        reader) kills the exec, then audits it ``abandoned``, then releases its reservation."""
+        return self._exec_stream(who, sandbox_id, request, held, blocking)
 
-    async def _aexec_stream(
+    async def _exec_stream(
         self,
         who: Identity,
         sandbox_id: str,
@@ -390,17 +322,18 @@ class Service:
         known: Sandbox | None = None,
         launch: bool = False,
     ) -> AsyncGenerator[ExecEvent, None]:
-        """``aexec_stream``; ``known`` as in ``_exec``; ``launch``: the command goes to the
-        sandbox's waiter (``core.launch``: a one-shot run's fresh sandbox), not a Docker exec."""
+        """``exec_stream``; ``known``: a sandbox this call's caller created, which is not looked
+        up again; ``launch``: the command goes to the sandbox's waiter (``core.launch``: a
+        one-shot run's fresh sandbox), not a Docker exec."""
         async with (
-            self._aholding(who, request.output_cap, held, blocking=blocking, sandbox_id=sandbox_id),
-            audited_aexec(self._auditor, who, sandbox_id, blocking) as tally,
+            self._holding(who, request.output_cap, held, blocking=blocking, sandbox_id=sandbox_id),
+            audited_exec(self._auditor, who, sandbox_id, blocking) as tally,
         ):
-            sandbox = known or await self._avisible(who, sandbox_id, blocking)
+            sandbox = known or await self._looked_up(who, sandbox_id, blocking)
             tally.found(sandbox)
             self._sandboxes.begin_operation(sandbox.id)
             try:
-                start = self._engine.alaunch if launch else self._engine.astream
+                start = self._engine.launch if launch else self._engine.stream
                 events = start(sandbox.container_id, request, blocking, sandbox.running_scope())
                 async with contextlib.aclosing(events):
                     async for event in events:
@@ -408,7 +341,7 @@ class Service:
             finally:
                 self._sandboxes.end_operation(sandbox.id)
 
-    async def aexec(
+    async def exec(
         self,
         who: Identity,
         sandbox_id: str,
@@ -416,11 +349,11 @@ class Service:
         held: Reservation | None,
         blocking: Blocking,
     ) -> ExecResult:
-        """``exec`` on the event loop: ``aexec_stream`` read to its end (so it is audited as run,
-        not abandoned at its result)."""
-        return await result_of(self._aexec_stream(who, sandbox_id, request, held, blocking))
+        """Run to the end: ``exec_stream`` read to its end (so it is audited as run, not
+        abandoned at its result)."""
+        return await result_of(self._exec_stream(who, sandbox_id, request, held, blocking))
 
-    async def arun(
+    async def run(
         self,
         who: Identity,
         request: RunRequest,
@@ -428,9 +361,11 @@ class Service:
         blocking: Blocking,
         aside: Aside | None = None,
     ) -> RunResult:
-        """``run`` on the event loop: the create through ``blocking``, the command handed to the
-        sandbox's waiter (``core.launch``) or run as ``aexec``. The command and the removal act
-        on the sandbox the create returned: neither looks it up.
+        """Create, exec, destroy; the sandbox is destroyed whatever the exec did. The output
+        budget is reserved first: a busy agent refuses the run before creating anything. The
+        create runs through ``blocking``, the command is handed to the sandbox's waiter
+        (``core.launch``) or run as ``exec``. The command and the removal act on the sandbox
+        the create returned: neither looks it up.
 
         Once the command has its result, the final usage is read and the run answers: the
         removal (Docker's, the scope's stop, which stops its deadline timer, the
@@ -440,7 +375,7 @@ class Service:
         caller is cancelled meanwhile, and a failed one is logged and audited for the reaper to
         finish."""
         ran: RunResult | None = None
-        events = self._arun_events(who, request, held, blocking, aside)
+        events = self._run_events(who, request, held, blocking, aside)
         async with contextlib.aclosing(events):
             async for event in events:
                 if isinstance(event, RunResult):
@@ -449,7 +384,7 @@ class Service:
             raise SliceboxError("the run ended without a result")
         return ran
 
-    def arun_stream(
+    def run_stream(
         self,
         who: Identity,
         request: RunRequest,
@@ -457,12 +392,12 @@ class Service:
         blocking: Blocking,
         aside: Aside | None = None,
     ) -> AsyncGenerator[StreamChunk | RunResult, None]:
-        """``arun`` with the command's output as it comes: its kept chunks, then the
+        """``run`` with the command's output as it comes: its kept chunks, then the
         ``RunResult`` (whose result keeps the same heads). Closing it early kills the command
         (audited ``abandoned``), and the sandbox is removed all the same."""
-        return self._arun_events(who, request, held, blocking, aside)
+        return self._run_events(who, request, held, blocking, aside)
 
-    async def _arun_events(
+    async def _run_events(
         self,
         who: Identity,
         request: RunRequest,
@@ -471,15 +406,13 @@ class Service:
         aside: Aside | None,
     ) -> AsyncGenerator[StreamChunk | RunResult, None]:
         output_cap = request.exec.output_cap
-        async with self._aholding(
-            who, output_cap, held, blocking=blocking, action="run"
-        ) as holding:
+        async with self._holding(who, output_cap, held, blocking=blocking, action="run") as holding:
             create = functools.partial(self._create, who, request.sandbox, one_shot=True)
             sandbox = await blocking(create)
             last_look: LastLook = self._final_usage
             try:
                 launch = sandbox.lineage.launcher == LAUNCHER and can_launch(request.exec)
-                events = self._aexec_stream(
+                events = self._exec_stream(
                     who, sandbox.id, request.exec, holding, blocking, known=sandbox, launch=launch
                 )
                 result: ExecResult | None = None
@@ -500,7 +433,7 @@ class Service:
         yield RunResult(sandbox_id=sandbox.id, result=result, usage=usage)
 
     @contextlib.asynccontextmanager
-    async def _aholding(
+    async def _holding(
         self,
         who: Identity,
         output_cap: int,
@@ -510,28 +443,13 @@ class Service:
         sandbox_id: str = "",
         action: str = "exec",
     ) -> AsyncIterator[Reservation]:
-        """``_holding`` on the event loop: a refusal's record may block, so reserving does too."""
+        """``held`` as it is (whoever took it releases it), or a reservation for the block,
+        taken through ``blocking``: a refusal's record may block, so reserving does too."""
         if held is not None:
             yield held
             return
         reserve = functools.partial(self.reserve, who, output_cap, action, sandbox_id)
         with await blocking(reserve) as own:
-            yield own
-
-    @contextlib.contextmanager
-    def _holding(
-        self,
-        who: Identity,
-        output_cap: int,
-        held: Reservation | None,
-        sandbox_id: str = "",
-        action: str = "exec",
-    ) -> Iterator[Reservation]:
-        """``held`` as it is (whoever took it releases it), or a reservation for the block."""
-        if held is not None:
-            yield held
-            return
-        with self.reserve(who, output_cap, action, sandbox_id) as own:
             yield own
 
     # --- telemetry -------------------------------------------------------------------------
@@ -588,10 +506,10 @@ class Service:
         sandbox = self._sandboxes.get(sandbox_id, current_deadline=current_deadline)
         return self._visible_to(who, sandbox, sandbox_id)
 
-    async def _avisible(self, who: Identity, sandbox_id: str, blocking: Blocking) -> Sandbox:
-        """``_visible`` on the running event loop; a pool member's lease is read through
-        ``blocking`` (a systemd call)."""
-        sandbox = await self._sandboxes.aget(sandbox_id)
+    async def _looked_up(self, who: Identity, sandbox_id: str, blocking: Blocking) -> Sandbox:
+        """The sandbox looked up on the running event loop, if the caller may see it; a pool
+        member's lease is read through ``blocking`` (a systemd call)."""
+        sandbox = await self._sandboxes.look_up(sandbox_id)
         if sandbox.lineage.pool:
             sandbox = await blocking(functools.partial(self._sandboxes.with_lease, sandbox))
         return self._visible_to(who, sandbox, sandbox_id)

@@ -2,7 +2,7 @@
 
 Docker, systemd, cgroupfs and NSS calls block, so they run off the event loop; no call waits for
 a command, and an exec holds no thread while its command runs: its output is read on the event
-loop (:meth:`slicebox.core.execution.ExecEngine.astream`). Which pool a call runs on decides
+loop (:meth:`slicebox.core.execution.ExecEngine.stream`). Which pool a call runs on decides
 what it can hold up:
 
 - ``calls``: the short steps of every request: a create, get, list, destroy or usage read, an

@@ -3,7 +3,7 @@
 Docker and systemd calls block, so each runs on a bounded pool of worker threads
 (:mod:`slicebox.server.pools`); the event loop stays free to answer other callers and to ping
 systemd's watchdog. An exec holds no thread while its command runs: the service reads its output
-on the loop (``Service.aexec``/``aexec_stream``), where the look-up and Docker's exec create
+on the loop (``Service.exec``/``exec_stream``), where the look-up and Docker's exec create
 and inspect are made too, and sends only its short steps (the cgroup reads, the kill at its
 timeout, the audit record) to the calls pool.
 
@@ -93,7 +93,7 @@ async def get(request: Request) -> StreamResponse:
 
 async def destroy(request: Request) -> StreamResponse:
     service, calls = _service(request), pools_of(request).call
-    return json_ok(await service.adestroy(identity_of(request), _id(request), calls))
+    return json_ok(await service.destroy(identity_of(request), _id(request), calls))
 
 
 async def destroy_task(request: Request) -> StreamResponse:
@@ -110,7 +110,7 @@ async def exec_(request: Request) -> StreamResponse:
     service, who = _service(request), identity_of(request)
     calls = pools_of(request).call
     with await _call(request, service.reserve, who, body.output_cap, "exec", _id(request)) as held:
-        result = await service.aexec(who, _id(request), body, held, calls)
+        result = await service.exec(who, _id(request), body, held, calls)
         return await _sent(request, json_ok(result))
 
 
@@ -121,7 +121,7 @@ async def exec_stream(request: Request) -> StreamResponse:
     with await _call(
         request, service.reserve_stream, who, body.output_cap, "exec", _id(request)
     ) as held:
-        events = service.aexec_stream(who, _id(request), body, held, calls)
+        events = service.exec_stream(who, _id(request), body, held, calls)
         return await _stream(request, events)
 
 
@@ -129,7 +129,7 @@ async def run(request: Request) -> StreamResponse:
     body = await parse_body(request, RunRequest, MAX_EXEC_BODY_BYTES)
     service, who, pools = _service(request), identity_of(request), pools_of(request)
     with await _call(request, service.reserve, who, body.exec.output_cap, "run") as held:
-        ran = await service.arun(who, body, held, pools.call, pools.aside)
+        ran = await service.run(who, body, held, pools.call, pools.aside)
         return await _sent(request, json_ok(ran))
 
 
@@ -138,7 +138,7 @@ async def run_stream(request: Request) -> StreamResponse:
     service, who, pools = _service(request), identity_of(request), pools_of(request)
     reserve = service.reserve_stream
     with await _call(request, reserve, who, body.exec.output_cap, "run") as held:
-        events = service.arun_stream(who, body, held, pools.call, pools.aside)
+        events = service.run_stream(who, body, held, pools.call, pools.aside)
         return await _stream(request, events)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from slicebox.core.budget import OutputBudget, exec_reservation
-from slicebox.core.execution import OutputCapture
+from slicebox.core.execoutput import OutputCapture
 from slicebox.core.shares import Reservation
 from slicebox.model.api import CreateSandbox, RunRequest
 from slicebox.model.errors import InvalidRequest, SandboxNotRunning, Unavailable

@@ -13,8 +13,8 @@ from pydantic import ValidationError
 
 from slicebox.core.egress import BRIDGE, NETWORK, EgressGuard, Labelled
 from slicebox.core.sandboxes import SandboxManager
-from slicebox.core.service import view_of
 from slicebox.core.slices import SliceManager
+from slicebox.core.views import view_of
 from slicebox.host.nft import Allowed, Firewall, key_of
 from slicebox.model import dnswire
 from slicebox.model.audit import AuditEvent, AuditRecord

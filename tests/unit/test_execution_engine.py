@@ -18,13 +18,8 @@ import pytest
 
 from slicebox.backends.base import StdinSource
 from slicebox.core.blocking import Blocking, from_thread
-from slicebox.core.execution import (
-    KILL_GRACE,
-    PAUSED_RETRIES,
-    REFUSAL_WAIT,
-    ExecEngine,
-    OutputCapture,
-)
+from slicebox.core.execoutput import OutputCapture
+from slicebox.core.execution import KILL_GRACE, PAUSED_RETRIES, REFUSAL_WAIT, ExecEngine
 from slicebox.model.errors import SandboxNotFound
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, OutputStream, StreamChunk
 from tests.fakes.exec_fakes import FakeClock, FakeExec, FakeExecApi, FakeSandboxHost

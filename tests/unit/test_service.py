@@ -20,9 +20,10 @@ from slicebox.core.execution import ExecEngine
 from slicebox.core.launch import WAITER_COMMAND
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import KEEP_ALIVE, Sandbox, SandboxManager
-from slicebox.core.service import Service, cgroups_of
+from slicebox.core.service import Service
 from slicebox.core.slices import SliceManager
 from slicebox.core.telemetry import TreeReader, UsageReader, scope_pid
+from slicebox.core.views import cgroups_of
 from slicebox.host.cgroupfs import CgroupFS
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
@@ -526,13 +527,14 @@ class Later:
 def usage_reads(world: World) -> list[str]:
     """Every final usage read from here on, by sandbox id."""
     reads: list[str] = []
-    read = world.service._final_usage
+    views = world.service._views
+    read = views.final_usage
 
     def counted(sandbox: Sandbox) -> Any:
         reads.append(sandbox.id)
         return read(sandbox)
 
-    world.service._final_usage = counted  # type: ignore[method-assign]
+    views.final_usage = counted  # type: ignore[method-assign]
     return reads
 
 

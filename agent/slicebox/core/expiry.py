@@ -37,8 +37,8 @@ from enum import StrEnum
 from slicebox.backends.base import SandboxBackend, SandboxState
 from slicebox.core.deadlines import timer_unit
 from slicebox.core.sandboxes import Sandbox, SandboxManager
-from slicebox.core.service import cgroups_of, meta_of
 from slicebox.core.telemetry import SandboxCgroups, SandboxMeta, UsageReader, find_scope
+from slicebox.core.views import cgroups_of, meta_of
 from slicebox.host.journal import Auditor
 from slicebox.host.systemd import Systemd
 from slicebox.model.audit import AuditEvent, AuditRecord

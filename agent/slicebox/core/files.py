@@ -38,7 +38,8 @@ from enum import StrEnum
 from slicebox.backends.base import StdinSource
 from slicebox.core.blocking import Blocking, settle
 from slicebox.core.execaudit import DETAIL_MAX, refused, subject
-from slicebox.core.execution import ExecEngine, OutputCapture, result_of
+from slicebox.core.execoutput import OutputCapture
+from slicebox.core.execution import ExecEngine, result_of
 from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.shares import TRANSFERS, Slots
 from slicebox.host.identity import Identity

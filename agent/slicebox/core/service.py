@@ -18,7 +18,6 @@ import functools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime
-from pathlib import PurePosixPath
 
 from slicebox.core.blocking import Aside, Blocking, settle
 from slicebox.core.budget import OutputBudget
@@ -31,7 +30,8 @@ from slicebox.core.pool import WarmPool
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.shares import STREAMS, Reservation, Slots, holder_of
-from slicebox.core.telemetry import SandboxCgroups, SandboxMeta, TreeReader, UsageReader
+from slicebox.core.telemetry import TreeReader, UsageReader
+from slicebox.core.views import Views, view_of
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
 from slicebox.model.api import (
@@ -56,7 +56,7 @@ from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
 from slicebox.model.pool import PoolList
 from slicebox.model.reaper import Report
 from slicebox.model.spec import SandboxSpec
-from slicebox.model.usage import EgressCounters, LevelNode, ResourceUsage
+from slicebox.model.usage import LevelNode, ResourceUsage
 
 log = logging.getLogger(__name__)
 
@@ -68,42 +68,6 @@ LastLook = Callable[[Sandbox], ResourceUsage | None]
 def _read(usage: ResourceUsage | None, sandbox: Sandbox) -> ResourceUsage | None:
     """A last look that was taken already (a run's, before it answered)."""
     return usage
-
-
-def view_of(sandbox: Sandbox) -> SandboxView:
-    lineage = sandbox.lineage
-    return SandboxView(
-        id=sandbox.id,
-        container_id=sandbox.container_id,
-        user=sandbox.user,
-        project=sandbox.project,
-        backend=sandbox.backend,
-        created_at=sandbox.created_at,
-        expires_at=sandbox.expires_at,
-        root_task_id=lineage.root_task_id,
-        task_id=lineage.task_id,
-        parent_id=lineage.parent_id,
-        depth=lineage.depth,
-        limits=sandbox.limits,
-        workspace_volume=lineage.workspace_volume,
-        pool=sandbox.pool_state,
-        egress=tuple(entry for entry in lineage.egress.split(",") if entry),
-    )
-
-
-def cgroups_of(sandbox: Sandbox) -> SandboxCgroups:
-    return SandboxCgroups.of_scope(str(sandbox.scope_cgroup(PurePosixPath("/"))))
-
-
-def meta_of(sandbox: Sandbox, init_pid: int | None) -> SandboxMeta:
-    """What telemetry reports about the sandbox itself, from its labels."""
-    return SandboxMeta(
-        backend=sandbox.backend,
-        created_at=sandbox.created_at,
-        cpu=sandbox.limits.cpus,
-        memory_bytes=sandbox.limits.memory_bytes,
-        init_pid=init_pid,
-    )
 
 
 class Service:
@@ -128,11 +92,10 @@ class Service:
         self._budget = budget or OutputBudget.fixed(DEFAULT_EXEC_OUTPUT_BUDGET)
         self._sandboxes = sandboxes
         self._engine = engine
-        self._usage = usage
-        self._tree = tree
         self._auditor = auditor
-        self._pid_of = pid_of
-        self._clock = clock
+        self._views = Views(
+            sandboxes, usage=usage, tree=tree, pid_of=pid_of, clock=clock, egress=egress
+        )
         # Files in and out (core/files.py): the same look-up, operation mark and engine.
         self.files = Files(engine, auditor, sandboxes, self._visible)
         # Streamed execs and runs in flight, bound for all and per user (core/shares.py).
@@ -203,7 +166,7 @@ class Service:
 
     def final_usage_wire(self, sandbox: Sandbox) -> dict[str, object] | None:
         """The final usage as the audit records it (for the reaper's destroys)."""
-        usage = self._final_usage(sandbox)
+        usage = self._views.final_usage(sandbox)
         return usage.to_wire() if usage else None
 
     def _create(self, who: Identity, request: CreateSandbox, *, one_shot: bool = False) -> Sandbox:
@@ -250,7 +213,7 @@ class Service:
         the reaper's), the other answers false. ``last_look`` gives the final usage (by default
         it is read from the cgroup just before the removal)."""
         with self._audit(AuditEvent.SANDBOX_DESTROYED, who, **subject(sandbox)) as record:
-            look = last_look or self._final_usage
+            look = last_look or self._views.final_usage
             if self._pool is not None and self._pool.takes_back(sandbox):
                 usage = look(sandbox)
                 if self._pool.release(sandbox):
@@ -409,7 +372,7 @@ class Service:
         async with self._holding(who, output_cap, held, blocking=blocking, action="run") as holding:
             create = functools.partial(self._create, who, request.sandbox, one_shot=True)
             sandbox = await blocking(create)
-            last_look: LastLook = self._final_usage
+            last_look: LastLook = self._views.final_usage
             try:
                 launch = sandbox.lineage.launcher == LAUNCHER and can_launch(request.exec)
                 events = self._exec_stream(
@@ -424,7 +387,7 @@ class Service:
                             yield event
                 if result is None:  # pragma: no cover - the engine always ends with its result
                     raise SliceboxError("the exec stream ended without a result")
-                usage = await blocking(functools.partial(self._final_usage, sandbox))
+                usage = await blocking(functools.partial(self._views.final_usage, sandbox))
                 last_look = functools.partial(_read, usage)
             finally:
                 removal = functools.partial(self._finish_run, who, sandbox, last_look)
@@ -455,48 +418,17 @@ class Service:
     # --- telemetry -------------------------------------------------------------------------
 
     def usage(self, who: Identity, sandbox_id: str) -> ResourceUsage:
-        sandbox = self._visible(who, sandbox_id)
-        return self._with_egress(
-            sandbox, self._usage.usage(cgroups_of(sandbox), self._meta(sandbox))
-        )
-
-    def _egress_by_unit(self) -> dict[str, EgressCounters]:
-        """Each egress sandbox's counters by its scope's unit (one listing; none without)."""
-        if self._egress is None or not self._egress.guarding():
-            return {}
-        found: dict[str, EgressCounters] = {}
-        for sandbox in self._sandboxes.find():
-            counters = self._egress.counters(sandbox.id) if sandbox.lineage.egress_address else None
-            if counters is not None:
-                found[cgroups_of(sandbox).scope.rsplit("/", 1)[-1]] = counters
-        return found
-
-    def _with_egress(self, sandbox: Sandbox, usage: ResourceUsage) -> ResourceUsage:
-        if self._egress is None or not sandbox.lineage.egress_address:
-            return usage
-        counters = self._egress.counters(sandbox.id)
-        return usage if counters is None else usage.model_copy(update={"egress": counters})
+        return self._views.usage(self._visible(who, sandbox_id))
 
     def level_tree(self, who: Identity) -> LevelNode:
         """The whole tree for admins; for everyone else, their own user level only."""
-        tree = self._tree.tree().with_egress(self._egress_by_unit())
+        tree = self._views.tree()
         if who.is_admin:
             return tree
         own = [node for node in tree.children if node.name == who.user_name]
         if not own:
             raise NotFound(f"no sandboxes for user {who.user_name} yet; create one first")
         return own[0]
-
-    def _final_usage(self, sandbox: Sandbox) -> ResourceUsage | None:
-        try:
-            usage = self._usage.final_usage(cgroups_of(sandbox), self._meta(sandbox), self._clock())
-            return self._with_egress(sandbox, usage)
-        except Exception:
-            log.exception("could not read the final usage of %s", sandbox.id)
-            return None
-
-    def _meta(self, sandbox: Sandbox) -> SandboxMeta:
-        return meta_of(sandbox, self._pid_of(sandbox))
 
     # --- authorization and audit -----------------------------------------------------------
 

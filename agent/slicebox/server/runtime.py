@@ -23,9 +23,10 @@ from slicebox.core.pool import WarmPool
 from slicebox.core.poolreset import MemberReset
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import Sandbox, SandboxManager
-from slicebox.core.service import Service, cgroups_of
+from slicebox.core.service import Service
 from slicebox.core.slices import SliceManager
 from slicebox.core.telemetry import MemoryIntegrator, TreeReader, UsageReader, scope_pid
+from slicebox.core.views import cgroups_of
 from slicebox.host.beneath import unsafe_roots
 from slicebox.host.cgroupfs import CgroupFS, populated
 from slicebox.host.journal import Auditor

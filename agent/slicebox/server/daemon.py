@@ -37,7 +37,8 @@ from slicebox.server.pools import POOLS, run_in
 from slicebox.server.resolver import serve_resolver
 from slicebox.server.routes import ROUTES, SERVICE
 from slicebox.server.runtime import assemble, assemble_expiry
-from slicebox.web.server import AppKey, serve
+from slicebox.web.app import AppKey
+from slicebox.web.server import serve
 
 log = logging.getLogger(__name__)
 

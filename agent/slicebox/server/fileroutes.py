@@ -31,7 +31,8 @@ from slicebox.model.validation import refusal
 from slicebox.server.api import Route, identity_of, json_ok
 from slicebox.server.pools import pools_of
 from slicebox.web.message import ProtocolError
-from slicebox.web.server import Content, Request, StreamResponse
+from slicebox.web.request import Content, Request
+from slicebox.web.response import StreamResponse
 
 log = logging.getLogger(__name__)
 

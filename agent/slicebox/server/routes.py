@@ -59,7 +59,9 @@ from slicebox.server.api import (
 )
 from slicebox.server.fileroutes import file_routes
 from slicebox.server.pools import pools_of, run_in
-from slicebox.web.server import AppKey, Request, StreamResponse
+from slicebox.web.app import AppKey
+from slicebox.web.request import Request
+from slicebox.web.response import StreamResponse
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

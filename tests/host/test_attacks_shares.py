@@ -9,7 +9,7 @@ two transfers in flight, one of each per user. Alice holds all three shares with
 a streamed exec that prints one line and sleeps (its stream is read, its output reserved until
 it ends) and a download nobody reads (the agent's answer waits on her socket). Her stream's
 command prints nothing more after its holder leaves, so the agent finds out only when the
-sandbox goes at the end (a silent stream is not cancelled, ``web.server``): until then it holds
+sandbox goes at the end (a silent stream is not cancelled, ``web.connection``): until then it holds
 her share, never Bob's. Two sandboxes in all; they, the users and the holders are gone after.
 """
 

@@ -19,7 +19,8 @@ from slicebox.host.listen import bind_unix
 from slicebox.model.exec import OutputStream, StreamChunk
 from slicebox.server.api import build_app
 from slicebox.server.pools import POOLS, Pools
-from slicebox.server.routes import ROUTES, SERVICE
+from slicebox.server.routes import ROUTES
+from slicebox.server.state import SERVICE
 from slicebox.web.server import serve
 from tests.fakes.exec_fakes import FakeExec
 from tests.unit.test_service import World

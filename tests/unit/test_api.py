@@ -20,7 +20,9 @@ from slicebox.host.listen import activated_sockets, bind_unix
 from slicebox.model import errors
 from slicebox.model.api import RunRequest
 from slicebox.server.api import ENGINE, Route, base_routes, build_app, json_ok, parse_body
-from slicebox.web.server import Request, StreamResponse, serve
+from slicebox.web.request import Request
+from slicebox.web.response import StreamResponse
+from slicebox.web.server import serve
 
 
 class Echo(BaseModel):

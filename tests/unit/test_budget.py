@@ -19,7 +19,7 @@ from slicebox.model.errors import InvalidRequest, SandboxNotRunning, Unavailable
 from slicebox.model.exec import ExecRequest, ExecResult, OutputStream, StreamChunk
 from slicebox.server.api import json_ok
 from slicebox.server.routes import _line
-from slicebox.web.server import Response
+from slicebox.web.response import Response
 from tests.fakes.threadside import ThreadSide
 from tests.unit.test_service import ALICE, World
 

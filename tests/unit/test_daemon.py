@@ -20,7 +20,8 @@ from slicebox.model.exec import ExecRequest
 from slicebox.server import daemon
 from slicebox.server.api import base_routes
 from slicebox.server.daemon import Agent, watchdog_interval
-from slicebox.server.routes import ROUTES, SERVICE
+from slicebox.server.routes import ROUTES
+from slicebox.server.state import SERVICE
 from tests.unit.agentserver import AnyContainer
 from tests.unit.test_client import slow_removals
 from tests.unit.test_service import World

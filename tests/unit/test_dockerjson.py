@@ -18,7 +18,10 @@ from slicebox.backends.docker import DockerBackend, exec_body
 from slicebox.backends.dockerendpoint import DockerEndpoint
 from slicebox.model.errors import SandboxNotFound, SandboxNotRunning, Unavailable
 from slicebox.model.exec import ExecRequest
-from slicebox.web.server import Application, Handler, Request, Response, json_response, serve_path
+from slicebox.web.app import Application, Handler
+from slicebox.web.request import Request
+from slicebox.web.response import Response, json_response
+from slicebox.web.server import serve_path
 
 CONTAINER = {
     "Id": "c" * 64,

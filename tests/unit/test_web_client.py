@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from slicebox.web.app import Application
 from slicebox.web.client import HttpClient
 from slicebox.web.message import BodyCutOff, ProtocolError
-from slicebox.web.server import Application, Request, Response, StreamResponse, json_response
+from slicebox.web.request import Request
+from slicebox.web.response import Response, StreamResponse, json_response
 from tests.unit.test_web_server import run, served
 
 Talk = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

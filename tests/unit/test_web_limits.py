@@ -20,8 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slicebox.server.api import http_error
+from slicebox.web.app import Application
 from slicebox.web.limits import Gate, Limits, QuietLog
-from slicebox.web.server import Application, Request, Response, Serving, StreamResponse
+from slicebox.web.request import Request
+from slicebox.web.response import Response, StreamResponse
+from slicebox.web.server import Serving
 from tests.httpcorpus import SMUGGLING
 from tests.unit.test_web_server import GET, Answer, answer, closed, echo, raw, run, served
 

@@ -17,20 +17,12 @@ from typing import TypeVar
 
 import pytest
 
+from slicebox.web.app import AppKey, Application, Handler, HTTPError
 from slicebox.web.client import HttpClient
 from slicebox.web.limits import Limits
-from slicebox.web.server import (
-    AppKey,
-    Application,
-    Handler,
-    HTTPError,
-    Request,
-    Response,
-    Serving,
-    StreamResponse,
-    json_response,
-    serve_path,
-)
+from slicebox.web.request import Request
+from slicebox.web.response import Response, StreamResponse, json_response
+from slicebox.web.server import Serving, serve_path
 
 T = TypeVar("T")
 Raw = tuple[asyncio.StreamReader, asyncio.StreamWriter]

@@ -37,18 +37,10 @@ from slicebox.model.errors import InvalidRequest, SliceboxError
 from slicebox.model.limits import human_bytes
 from slicebox.model.validation import refusal
 from slicebox.server.pools import POOLS, Pools, pools_of, run_in
+from slicebox.web.app import AppKey, Application, Handler, HTTPError, Middleware
 from slicebox.web.limits import Limits
-from slicebox.web.server import (
-    AppKey,
-    Application,
-    Handler,
-    HTTPError,
-    Middleware,
-    Request,
-    Response,
-    StreamResponse,
-    json_response,
-)
+from slicebox.web.request import Request
+from slicebox.web.response import Response, StreamResponse, json_response
 
 log = logging.getLogger(__name__)
 

@@ -35,9 +35,11 @@ from slicebox.model.paths import AGENT_SOCKET
 from slicebox.server.api import CALLERS, ENGINE, SOCKET_LIMITS, Callers, Route, build_app
 from slicebox.server.pools import POOLS, run_in
 from slicebox.server.resolver import serve_resolver
-from slicebox.server.routes import ROUTES, SERVICE
+from slicebox.server.routes import ROUTES
 from slicebox.server.runtime import assemble, assemble_expiry
-from slicebox.web.server import AppKey, serve
+from slicebox.server.state import SERVICE
+from slicebox.web.app import AppKey
+from slicebox.web.server import serve
 
 log = logging.getLogger(__name__)
 

@@ -20,18 +20,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 
 from pydantic import ValidationError
 
-from slicebox.core.service import Service
 from slicebox.model.errors import SliceboxError
 from slicebox.model.files import FileFormat, FilesQuery, FileStat, Transferred
 from slicebox.model.validation import refusal
 from slicebox.server.api import Route, identity_of, json_ok
 from slicebox.server.pools import pools_of
+from slicebox.server.state import service_of
 from slicebox.web.message import ProtocolError
-from slicebox.web.server import Content, Request, StreamResponse
+from slicebox.web.request import Content, Request
+from slicebox.web.response import StreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -62,66 +63,70 @@ def parse_query(request: Request) -> FilesQuery:
         raise refusal(exc) from exc
 
 
-def file_routes(service_of: Callable[[Request], Service]) -> list[Route]:
-    """The routes, given how a handler finds the service."""
+# The handlers, one a route; FILE_ROUTES below names each with its method, path and models.
 
-    async def upload(request: Request) -> StreamResponse:
-        query, files = parse_query(request), service_of(request).files
-        done = await files.upload(
-            identity_of(request),
-            request.match_info["id"],
-            query,
-            body=RequestBody(request.content),
-            blocking=pools_of(request).call,
-            length=request.content_length,
-        )
-        return json_ok(done)
 
-    async def download(request: Request) -> StreamResponse:
-        query, files = parse_query(request), service_of(request).files
-        chunks = files.download(
-            identity_of(request), request.match_info["id"], query, pools_of(request).call
-        )
-        headers = {"Content-Type": MEDIA[query.format], MAX_BYTES_HEADER: str(files.cap())}
-        return await _relay(request, chunks, StreamResponse(headers=headers))
+async def upload(request: Request) -> StreamResponse:
+    query, files = parse_query(request), service_of(request).files
+    done = await files.upload(
+        identity_of(request),
+        request.match_info["id"],
+        query,
+        body=RequestBody(request.content),
+        blocking=pools_of(request).call,
+        length=request.content_length,
+    )
+    return json_ok(done)
 
-    async def stat(request: Request) -> StreamResponse:
-        query, files = parse_query(request), service_of(request).files
-        found = await files.stat(
-            identity_of(request), request.match_info["id"], query, pools_of(request).call
-        )
-        return json_ok(found)
 
-    return [
-        Route(
-            "PUT",
-            "/sandboxes/{id}/files",
-            upload,
-            "Upload: a tar stream extracted into the directory `path` (made when missing), or "
-            "with format=file one file's bytes written to `path`",
-            None,
-            Transferred,
-            query=FilesQuery,
-            raw_body=True,
-        ),
-        Route(
-            "GET",
-            "/sandboxes/{id}/files",
-            download,
-            "Download: `path` as a tar stream, or with format=file one regular file's bytes",
-            query=FilesQuery,
-            raw_answer=True,
-        ),
-        Route(
-            "GET",
-            "/sandboxes/{id}/files/stat",
-            stat,
-            "What is at `path`: a directory, a file, or something else",
-            None,
-            FileStat,
-            query=FilesQuery,
-        ),
-    ]
+async def download(request: Request) -> StreamResponse:
+    query, files = parse_query(request), service_of(request).files
+    chunks = files.download(
+        identity_of(request), request.match_info["id"], query, pools_of(request).call
+    )
+    headers = {"Content-Type": MEDIA[query.format], MAX_BYTES_HEADER: str(files.cap())}
+    return await _relay(request, chunks, StreamResponse(headers=headers))
+
+
+async def stat(request: Request) -> StreamResponse:
+    query, files = parse_query(request), service_of(request).files
+    found = await files.stat(
+        identity_of(request), request.match_info["id"], query, pools_of(request).call
+    )
+    return json_ok(found)
+
+
+# The files routes, in the order routes.ROUTES serves them.
+FILE_ROUTES: list[Route] = [
+    Route(
+        "PUT",
+        "/sandboxes/{id}/files",
+        upload,
+        "Upload: a tar stream extracted into the directory `path` (made when missing), or "
+        "with format=file one file's bytes written to `path`",
+        None,
+        Transferred,
+        query=FilesQuery,
+        raw_body=True,
+    ),
+    Route(
+        "GET",
+        "/sandboxes/{id}/files",
+        download,
+        "Download: `path` as a tar stream, or with format=file one regular file's bytes",
+        query=FilesQuery,
+        raw_answer=True,
+    ),
+    Route(
+        "GET",
+        "/sandboxes/{id}/files/stat",
+        stat,
+        "What is at `path`: a directory, a file, or something else",
+        None,
+        FileStat,
+        query=FilesQuery,
+    ),
+]
 
 
 async def _relay(

@@ -31,7 +31,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from slicebox.web.server import AppKey, Request
+from slicebox.web.app import AppKey
+from slicebox.web.request import Request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -30,7 +30,6 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from slicebox.core.service import Service
 from slicebox.model.api import (
     CreateSandbox,
     Destroyed,
@@ -57,19 +56,14 @@ from slicebox.server.api import (
     json_ok,
     parse_body,
 )
-from slicebox.server.fileroutes import file_routes
+from slicebox.server.fileroutes import FILE_ROUTES
 from slicebox.server.pools import pools_of, run_in
-from slicebox.web.server import AppKey, Request, StreamResponse
+from slicebox.server.state import service_of
+from slicebox.web.request import Request
+from slicebox.web.response import StreamResponse
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-SERVICE = AppKey("slicebox.service", Service)
-
-
-def _service(request: Request) -> Service:
-    return request.app[SERVICE]
 
 
 # The handlers, one a route; the table below names each with its method, path and models.
@@ -77,22 +71,24 @@ def _service(request: Request) -> Service:
 
 async def create(request: Request) -> StreamResponse:
     body = await parse_body(request, CreateSandbox)
-    view = await _call(request, _service(request).create, identity_of(request), body)
+    view = await _call(request, service_of(request).create, identity_of(request), body)
     return json_ok(view, status=201)
 
 
 async def list_sandboxes(request: Request) -> StreamResponse:
     return json_ok(
-        SandboxList(await _call(request, _service(request).list_sandboxes, identity_of(request)))
+        SandboxList(await _call(request, service_of(request).list_sandboxes, identity_of(request)))
     )
 
 
 async def get(request: Request) -> StreamResponse:
-    return json_ok(await _call(request, _service(request).get, identity_of(request), _id(request)))
+    return json_ok(
+        await _call(request, service_of(request).get, identity_of(request), _id(request))
+    )
 
 
 async def destroy(request: Request) -> StreamResponse:
-    service, calls = _service(request), pools_of(request).call
+    service, calls = service_of(request), pools_of(request).call
     return json_ok(await service.destroy(identity_of(request), _id(request), calls))
 
 
@@ -100,14 +96,14 @@ async def destroy_task(request: Request) -> StreamResponse:
     root = request.match_info["root_task_id"]
     return json_ok(
         DestroyedList(
-            await _call(request, _service(request).destroy_tree, identity_of(request), root)
+            await _call(request, service_of(request).destroy_tree, identity_of(request), root)
         )
     )
 
 
 async def exec_(request: Request) -> StreamResponse:
     body = await parse_body(request, ExecRequest, MAX_EXEC_BODY_BYTES)
-    service, who = _service(request), identity_of(request)
+    service, who = service_of(request), identity_of(request)
     calls = pools_of(request).call
     with await _call(request, service.reserve, who, body.output_cap, "exec", _id(request)) as held:
         result = await service.exec(who, _id(request), body, held, calls)
@@ -116,7 +112,7 @@ async def exec_(request: Request) -> StreamResponse:
 
 async def exec_stream(request: Request) -> StreamResponse:
     body = await parse_body(request, ExecRequest, MAX_EXEC_BODY_BYTES)
-    service, who = _service(request), identity_of(request)
+    service, who = service_of(request), identity_of(request)
     calls = pools_of(request).call
     with await _call(
         request, service.reserve_stream, who, body.output_cap, "exec", _id(request)
@@ -127,7 +123,7 @@ async def exec_stream(request: Request) -> StreamResponse:
 
 async def run(request: Request) -> StreamResponse:
     body = await parse_body(request, RunRequest, MAX_EXEC_BODY_BYTES)
-    service, who, pools = _service(request), identity_of(request), pools_of(request)
+    service, who, pools = service_of(request), identity_of(request), pools_of(request)
     with await _call(request, service.reserve, who, body.exec.output_cap, "run") as held:
         ran = await service.run(who, body, held, pools.call, pools.aside)
         return await _sent(request, json_ok(ran))
@@ -135,7 +131,7 @@ async def run(request: Request) -> StreamResponse:
 
 async def run_stream(request: Request) -> StreamResponse:
     body = await parse_body(request, RunRequest, MAX_EXEC_BODY_BYTES)
-    service, who, pools = _service(request), identity_of(request), pools_of(request)
+    service, who, pools = service_of(request), identity_of(request), pools_of(request)
     reserve = service.reserve_stream
     with await _call(request, reserve, who, body.exec.output_cap, "run") as held:
         events = service.run_stream(who, body, held, pools.call, pools.aside)
@@ -143,28 +139,28 @@ async def run_stream(request: Request) -> StreamResponse:
 
 
 async def usage(request: Request) -> StreamResponse:
-    found = await _call(request, _service(request).usage, identity_of(request), _id(request))
+    found = await _call(request, service_of(request).usage, identity_of(request), _id(request))
     return json_ok(UsageAnswer(usage=found))
 
 
 async def tree(request: Request) -> StreamResponse:
-    return json_ok(await _call(request, _service(request).level_tree, identity_of(request)))
+    return json_ok(await _call(request, service_of(request).level_tree, identity_of(request)))
 
 
 async def extend(request: Request) -> StreamResponse:
     body = await parse_body(request, Extend)
     return json_ok(
-        await _call(request, _service(request).extend, identity_of(request), _id(request), body)
+        await _call(request, service_of(request).extend, identity_of(request), _id(request), body)
     )
 
 
 async def pools(request: Request) -> StreamResponse:
-    return json_ok(await _call(request, _service(request).pools, identity_of(request)))
+    return json_ok(await _call(request, service_of(request).pools, identity_of(request)))
 
 
 async def reap(request: Request) -> StreamResponse:
     body = await parse_body(request, ReapRequest)
-    return json_ok(await _call(request, _service(request).reap, identity_of(request), body))
+    return json_ok(await _call(request, service_of(request).reap, identity_of(request), body))
 
 
 # Every route of the agent: data; the app they are served by holds the Service.
@@ -183,7 +179,7 @@ ROUTES: list[Route] = [
         ExecRequest,
         StreamChunk,
     ),
-    *file_routes(_service),
+    *FILE_ROUTES,
     Route("GET", "/sandboxes/{id}/usage", usage, "ResourceUsage", None, UsageAnswer),
     Route(
         "POST",

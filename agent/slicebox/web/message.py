@@ -1,8 +1,8 @@
 """HTTP/1.1 messages on an asyncio stream: the head, the headers, the body's framing.
 
 The client (``web.client``) reads answers with it, from the agent and from dockerd; the server
-parses requests with h11 (``web.server``), where any local user is the peer, and shares only
-the errors and helpers here. The parse is
+parses requests with h11 (``web.connection``, ``web.heads``), where any local user is the peer,
+and shares only the errors and helpers here. The parse is
 strict where leniency is a known smuggling or exhaustion risk: a head is bounded, both
 Content-Length and Transfer-Encoding is refused, so is any coding but exactly ``chunked``, and
 conflicting lengths. A body is never held whole by the reader: it hands out what the socket

@@ -29,11 +29,11 @@ from slicebox.backends.docker import (
     create_body,
     host_config,
     host_settings,
-    map_error,
     run_flags,
     workspace_bytes,
 )
 from slicebox.backends.dockerendpoint import DockerEndpoint, endpoint_from_env, parse_docker_host
+from slicebox.backends.dockererrors import map_error
 from slicebox.model.errors import (
     HostError,
     ImageUnavailable,

@@ -1,6 +1,6 @@
 """The Docker backend: the one adapter between slicebox and the Docker Engine.
 
-Three things live here once:
+Two things live here once:
 
 - The create settings. :func:`host_settings` turns a :class:`SandboxRequest` into data, one
   :class:`Setting` per HostConfig field with its ``docker run`` flag beside it, security
@@ -16,11 +16,9 @@ Three things live here once:
   sandbox runs as write there. Programs may run from it (``exec``, where Docker's tmpfs default
   is ``noexec``), as they may from a bind-mounted workspace: an agent builds and runs code
   there, and noexec would guard nothing that no-new-privileges and no capabilities do not.
-- The errors. :func:`map_error` maps docker-py's exceptions and Docker's HTTP answers into the
-  slicebox tree; a 409 "removal ... already in progress" on remove means someone else removes
-  the container, which makes a concurrent destroy idempotent instead of an error.
 
-Exec output is read off the daemon's socket by :mod:`slicebox.backends.dockerstream`.
+What Docker's answers mean as slicebox errors is :mod:`slicebox.backends.dockererrors`'s; exec
+output is read off the daemon's socket by :mod:`slicebox.backends.dockerstream`.
 """
 
 from __future__ import annotations
@@ -45,6 +43,13 @@ from slicebox.backends.base import (
 )
 from slicebox.backends.dockerapi import EngineApi, answer_json, message_of
 from slicebox.backends.dockerendpoint import DockerEndpoint
+from slicebox.backends.dockererrors import (
+    START_FAILED_CODE,
+    RemovalInProgress,
+    map_error,
+    map_status,
+    unpullable,
+)
 from slicebox.backends.dockerjson import DockerJsonApi
 from slicebox.backends.dockerstream import (
     AsyncRawExecAttachment,
@@ -55,13 +60,11 @@ from slicebox.backends.dockerstream import (
 )
 from slicebox.backends.engines import FoundEngine, discover
 from slicebox.model.errors import (
-    HostError,
     ImageUnavailable,
     InvalidRequest,
     SandboxNotFound,
     SandboxNotRunning,
     SliceboxError,
-    Unavailable,
 )
 from slicebox.model.exec import ExecRequest, ExecState
 from slicebox.model.labels import MANAGED
@@ -85,7 +88,6 @@ HEAVY_CALLS = 4
 # waits (for the kill, the shim, the scope's stop), so four at once left the guest's CPUs
 # idle where eight callers of Docker's own API kept them busy.
 REMOVALS = 8
-START_FAILED_CODE = "container_start_failed"
 # What ``"network": "bridge"`` joins: one network of slicebox's with inter-container traffic
 # off, so no sandbox reaches another (alice's not bob's); its bridge device's name.
 BRIDGE_NETWORK, BRIDGE = "slicebox-bridge", "sbx-bridge"
@@ -180,57 +182,6 @@ def _mount(mount: Mount) -> tuple[dict[str, object], str]:
     return api, cli + (",readonly" if mount.read_only else "")
 
 
-# --- errors ---------------------------------------------------------------------------------
-
-
-class RemovalInProgress(HostError):
-    """Docker's 409 on a remove while another removal of the container runs."""
-
-    code = "removal_in_progress"
-
-
-def map_status(status: int | None, text: str, what: str) -> SliceboxError:
-    """Docker's answer ``status``/``text`` to a request about ``what``, as a slicebox error."""
-    if status == 404:
-        return SandboxNotFound(f"no sandbox {what}: check the id (it may have been destroyed)")
-    if status == 409:
-        return _conflict(text, what)
-    if status is not None and 400 <= status < 500:
-        return InvalidRequest(
-            f"Docker refused {what}: {text}; check the image, command, user and mounts",
-            code=START_FAILED_CODE,
-        )
-    return HostError(f"Docker failed on {what} (HTTP {status}): {text}")
-
-
-def _conflict(text: str, what: str) -> SliceboxError:
-    lowered = text.lower()
-    if "removal of container" in lowered and "already in progress" in lowered:
-        return RemovalInProgress(f"sandbox {what} is being removed already")
-    if "already in use" in lowered:
-        return HostError(
-            f"a sandbox named {what} exists already ({text}); create again for a new id",
-            code="sandbox_name_conflict",
-        )
-    return SandboxNotRunning(f"sandbox {what} is not running ({text}): create a new one")
-
-
-def map_error(exc: Exception, what: str) -> SliceboxError | None:
-    """docker-py's exception ``exc`` as a slicebox error; None for a foreign one (a bug)."""
-    import docker.errors
-    import requests.exceptions
-
-    if isinstance(exc, docker.errors.ImageNotFound):
-        return ImageUnavailable(
-            f"image of {what} not found ({exc.explanation}); pull or load it, or choose another"
-        )
-    if isinstance(exc, docker.errors.APIError):
-        return map_status(exc.status_code, str(exc.explanation), what)
-    if isinstance(exc, docker.errors.DockerException | requests.exceptions.RequestException):
-        return Unavailable(f"the Docker daemon is not reachable ({exc}); is docker.service up?")
-    return None
-
-
 # --- the backend ----------------------------------------------------------------------------
 
 
@@ -317,9 +268,9 @@ class DockerBackend:
         try:
             _pull(self._url, self._engine.version, image)
         except SliceboxError as exc:
-            raise _unpullable(image, exc.message) from exc
+            raise unpullable(image, exc.message) from exc
         if not self._has_image(image):  # a failed pull can answer 200 with an error inside
-            raise _unpullable(image, "the pull did not produce it")
+            raise unpullable(image, "the pull did not produce it")
 
     def create(self, request: SandboxRequest) -> SandboxInfo:
         if request.network == "bridge":
@@ -641,11 +592,4 @@ def _volume(attrs: Mapping[str, Any]) -> VolumeInfo:
         name=str(attrs["Name"]),
         labels=attrs.get("Labels") or {},
         mountpoint=str(attrs.get("Mountpoint") or ""),
-    )
-
-
-def _unpullable(image: str, why: str) -> ImageUnavailable:
-    return ImageUnavailable(
-        f"image {image!r} is not on this host and could not be pulled ({why}); "
-        "load it with `docker load`/`docker pull` or choose another image"
     )

@@ -22,10 +22,8 @@ import pytest
 import requests
 
 from slicebox.backends.base import SandboxInfo, SandboxRequest, SandboxState
-from slicebox.backends.docker import (
-    HEAVY_CALLS,
-    REMOVALS,
-    DockerBackend,
+from slicebox.backends.docker import HEAVY_CALLS, REMOVALS, DockerBackend
+from slicebox.backends.dockerbody import (
     create_body,
     host_config,
     host_settings,

@@ -94,7 +94,6 @@ STILL_OVER = {
     "web/server.py": 1046,
     "backends/native.py": 946,
     "backends/daytona.py": 854,
-    "backends/docker.py": 684,
     "core/service.py": 622,
     "core/execution.py": 578,
 }

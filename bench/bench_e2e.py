@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from tests.host.agentunits import SOCKET, TEST_CONFIG, installed_agent
 
 from slicebox.backends.base import SandboxRequest
-from slicebox.backends.docker import run_flags
+from slicebox.backends.dockerbody import run_flags
 from slicebox.core.sandboxes import KEEP_ALIVE
 from slicebox.model.config import parse_config
 from slicebox.model.names import slice_names

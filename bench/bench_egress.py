@@ -28,7 +28,7 @@ from tests.host.agentunits import SOCKET, agent_config, installed_agent
 from tests.host.helpers import TEST_IMAGE, sh
 
 from slicebox.backends.base import SandboxRequest
-from slicebox.backends.docker import host_config
+from slicebox.backends.dockerbody import host_config
 from slicebox.client import Client
 from slicebox.core.egress import BRIDGE
 from slicebox.core.sandboxes import KEEP_ALIVE

@@ -26,7 +26,8 @@ from collections.abc import Callable
 import docker
 
 from slicebox.backends.base import SandboxRequest
-from slicebox.backends.docker import DockerBackend, run_flags
+from slicebox.backends.docker import DockerBackend
+from slicebox.backends.dockerbody import run_flags
 from slicebox.core.blocking import from_thread
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine

@@ -44,7 +44,7 @@ import docker
 from tests.host.agentunits import SOCKET, TEST_CONFIG, agent_config, installed_agent
 
 from slicebox.backends.base import SandboxRequest
-from slicebox.backends.docker import host_config
+from slicebox.backends.dockerbody import host_config
 from slicebox.client import Client
 from slicebox.core.sandboxes import KEEP_ALIVE
 from slicebox.model.config import ReaperConfig, parse_config

@@ -31,7 +31,7 @@ from tests.host.agentunits import CONFIG, SOCKET, agent_config, installed_agent
 from tests.host.helpers import sh, wait_for
 
 from slicebox.backends.base import SandboxRequest
-from slicebox.backends.docker import host_config
+from slicebox.backends.dockerbody import host_config
 from slicebox.client import Client
 from slicebox.core.sandboxes import KEEP_ALIVE
 from slicebox.model.api import CreateSandbox, RunRequest

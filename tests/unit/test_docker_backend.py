@@ -22,18 +22,16 @@ import pytest
 import requests
 
 from slicebox.backends.base import SandboxInfo, SandboxRequest, SandboxState
-from slicebox.backends.docker import (
-    HEAVY_CALLS,
-    REMOVALS,
-    DockerBackend,
+from slicebox.backends.docker import HEAVY_CALLS, REMOVALS, DockerBackend
+from slicebox.backends.dockerbody import (
     create_body,
     host_config,
     host_settings,
-    map_error,
     run_flags,
     workspace_bytes,
 )
 from slicebox.backends.dockerendpoint import DockerEndpoint, endpoint_from_env, parse_docker_host
+from slicebox.backends.dockererrors import map_error
 from slicebox.model.errors import (
     HostError,
     ImageUnavailable,

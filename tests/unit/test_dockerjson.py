@@ -14,7 +14,8 @@ import docker
 import pytest
 
 from slicebox.backends.base import SandboxState
-from slicebox.backends.docker import DockerBackend, exec_body
+from slicebox.backends.docker import DockerBackend
+from slicebox.backends.dockerbody import exec_body
 from slicebox.backends.dockerendpoint import DockerEndpoint
 from slicebox.model.errors import SandboxNotFound, SandboxNotRunning, Unavailable
 from slicebox.model.exec import ExecRequest

@@ -93,7 +93,6 @@ STILL_OVER = {
     "core/sandboxes.py": 1223,
     "backends/native.py": 946,
     "backends/daytona.py": 854,
-    "backends/docker.py": 684,
 }
 
 

@@ -1,26 +1,14 @@
 """The Docker backend: the one adapter between slicebox and the Docker Engine.
 
-Three things live here once:
+:class:`DockerBackend` makes the Engine API calls: a sandbox's create and start, lookups and
+removal (the heavy ones a few at once, see :data:`HEAVY_CALLS` and :data:`REMOVALS`), slicebox's
+own bridge networks (inter-container traffic off), volumes, an exec's calls on the event loop,
+and image pulls through docker-py.
 
-- The create settings. :func:`host_settings` turns a :class:`SandboxRequest` into data, one
-  :class:`Setting` per HostConfig field with its ``docker run`` flag beside it, security
-  defaults included (all capabilities dropped, no-new-privileges, network ``none`` unless asked,
-  an init, pids/memory/swap/cpu limits, the project slice as cgroup parent). The Engine API's
-  HostConfig (:func:`host_config`) and the equivalent CLI flags (:func:`run_flags`, the bench's
-  baseline) are both derived from that one list, so they cannot drift apart.
-- The workspace. Exec's default cwd is ``/workspace``, which stock images (alpine) lack. When no
-  mount targets it, the sandbox gets a tmpfs there: it costs no disk and no cleanup, it is gone
-  with the container, and its pages are charged to the sandbox's memory cgroup, so the sandbox's
-  own memory limit bounds it. Its size is half that limit, so filling it answers ENOSPC to the
-  writer instead of an OOM kill of the sandbox; mode 1777 (as /tmp) lets whatever user the
-  sandbox runs as write there. Programs may run from it (``exec``, where Docker's tmpfs default
-  is ``noexec``), as they may from a bind-mounted workspace: an agent builds and runs code
-  there, and noexec would guard nothing that no-new-privileges and no capabilities do not.
-- The errors. :func:`map_error` maps docker-py's exceptions and Docker's HTTP answers into the
-  slicebox tree; a 409 "removal ... already in progress" on remove means someone else removes
-  the container, which makes a concurrent destroy idempotent instead of an error.
-
-Exec output is read off the daemon's socket by :mod:`slicebox.backends.dockerstream`.
+What a request asks of Docker and what its answers say, as data, is
+:mod:`slicebox.backends.dockerbody`'s; what the answers mean as slicebox errors is
+:mod:`slicebox.backends.dockererrors`'s; exec output is read off the daemon's socket by
+:mod:`slicebox.backends.dockerstream`.
 """
 
 from __future__ import annotations
@@ -30,11 +18,10 @@ import logging
 import threading
 from collections.abc import Mapping
 from ipaddress import IPv4Address, IPv4Network, ip_network
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from slicebox.backends.base import (
-    WORKSPACE,
     Availability,
     SandboxInfo,
     SandboxRequest,
@@ -44,7 +31,26 @@ from slicebox.backends.base import (
     resolve_own,
 )
 from slicebox.backends.dockerapi import EngineApi, answer_json, message_of
+from slicebox.backends.dockerbody import (
+    BRIDGE,
+    BRIDGE_NETWORK,
+    create_body,
+    exec_body,
+    exec_state,
+    inspected,
+    label_filter,
+    listed,
+    segment,
+    volume_info,
+)
 from slicebox.backends.dockerendpoint import DockerEndpoint
+from slicebox.backends.dockererrors import (
+    START_FAILED_CODE,
+    RemovalInProgress,
+    map_error,
+    map_status,
+    unpullable,
+)
 from slicebox.backends.dockerjson import DockerJsonApi
 from slicebox.backends.dockerstream import (
     AsyncRawExecAttachment,
@@ -55,26 +61,22 @@ from slicebox.backends.dockerstream import (
 )
 from slicebox.backends.engines import FoundEngine, discover
 from slicebox.model.errors import (
-    HostError,
     ImageUnavailable,
     InvalidRequest,
     SandboxNotFound,
     SandboxNotRunning,
     SliceboxError,
-    Unavailable,
 )
 from slicebox.model.exec import ExecRequest, ExecState
 from slicebox.model.labels import MANAGED
-from slicebox.model.limits import nano_cpus
 from slicebox.model.names import DOCKER_SCOPES, PODMAN_SCOPES
-from slicebox.model.spec import Backend, Mount, MountKind
+from slicebox.model.spec import Backend
 
 if TYPE_CHECKING:
     from slicebox.host.plugins import PluginStore
 
 log = logging.getLogger(__name__)
 
-NO_NEW_PRIVILEGES = "no-new-privileges:true"
 # A busy daemon answers slowly, not never: docker-py's 60 s made a loaded host's creates fail
 # as `unavailable` while Docker went on to make the container.
 DOCKER_TIMEOUT = 300
@@ -85,153 +87,6 @@ HEAVY_CALLS = 4
 # waits (for the kill, the shim, the scope's stop), so four at once left the guest's CPUs
 # idle where eight callers of Docker's own API kept them busy.
 REMOVALS = 8
-START_FAILED_CODE = "container_start_failed"
-# What ``"network": "bridge"`` joins: one network of slicebox's with inter-container traffic
-# off, so no sandbox reaches another (alice's not bob's); its bridge device's name.
-BRIDGE_NETWORK, BRIDGE = "slicebox-bridge", "sbx-bridge"
-
-
-class Setting(NamedTuple):
-    """One create setting: its HostConfig field and value, and the same as ``docker run``."""
-
-    key: str  # the Engine API HostConfig field
-    value: object  # its value there
-    flag: str  # the equivalent ``docker run`` flag
-    args: tuple[str, ...] | None = None  # one flag per argument; None: a bare switch
-
-
-def host_settings(request: SandboxRequest) -> list[Setting]:
-    """The create settings of ``request``, security defaults first (pure; table-tested)."""
-    limits, caps = request.limits, request.cap_add
-    mounts = [_mount(m) for m in request.mounts]
-    tmpfs = _workspace(request)
-    network = docker_network(request.network)
-    return [
-        Setting("CapDrop", ["ALL"], "--cap-drop", ("ALL",)),
-        Setting("CapAdd", list(caps), "--cap-add", caps),
-        Setting("SecurityOpt", [NO_NEW_PRIVILEGES], "--security-opt", (NO_NEW_PRIVILEGES,)),
-        Setting("Privileged", False, "--privileged", ()),
-        Setting("NetworkMode", network, "--network", (network,)),
-        *_egress_settings(request),
-        Setting("Init", True, "--init"),
-        Setting("PidsLimit", limits.pids, "--pids-limit", (str(limits.pids),)),
-        Setting("Memory", limits.memory_bytes, "--memory", (str(limits.memory_bytes),)),
-        # swap limit = memory limit: no swap beyond the memory limit
-        Setting("MemorySwap", limits.memory_bytes, "--memory-swap", (str(limits.memory_bytes),)),
-        Setting("NanoCpus", nano_cpus(limits.cpus), "--cpus", (repr(limits.cpus),)),
-        Setting("CgroupParent", request.slice, "--cgroup-parent", (request.slice,)),
-        Setting("Mounts", [api for api, _ in mounts], "--mount", tuple(cli for _, cli in mounts)),
-        Setting("Tmpfs", tmpfs, "--tmpfs", tuple(f"{k}:{v}" for k, v in tmpfs.items())),
-    ]
-
-
-def docker_network(network: str) -> str:
-    """The Docker network a sandbox's network mode joins: ``bridge`` is slicebox's own, whose
-    containers cannot reach each other (docker0 lets every user's sandboxes talk)."""
-    return BRIDGE_NETWORK if network == "bridge" else network
-
-
-def _egress_settings(request: SandboxRequest) -> list[Setting]:
-    """DNS through the agent's resolver, on an egress network (core.egress); the address
-    itself is the endpoint's (``create_body``), ``docker run --ip``'s."""
-    if not request.dns:
-        return []
-    return [Setting("Dns", list(request.dns), "--dns", request.dns)]
-
-
-def host_config(request: SandboxRequest) -> dict[str, object]:
-    """The Engine API HostConfig of ``request``."""
-    return {setting.key: setting.value for setting in host_settings(request)}
-
-
-def run_flags(request: SandboxRequest) -> list[str]:
-    """``docker run`` flags equivalent to what :class:`DockerBackend` creates (no labels)."""
-    flags: list[str] = []
-    for setting in host_settings(request):
-        if setting.args is None:
-            flags.append(setting.flag)
-        flags += [f"{setting.flag}={arg}" for arg in setting.args or ()]
-    flags += [f"--env={key}={value}" for key, value in request.env.items()]
-    flags += [f"--user={request.user}"] if request.user else []
-    flags += [f"--ip={request.address}"] if request.address else []
-    return flags + ([f"--workdir={request.workdir}"] if request.workdir else [])
-
-
-def workspace_bytes(request: SandboxRequest) -> int:
-    return request.limits.memory_bytes // 2
-
-
-def _workspace(request: SandboxRequest) -> dict[str, str]:
-    """A tmpfs at /workspace unless a mount provides it (see the module docstring)."""
-    if any(m.target.rstrip("/") == WORKSPACE for m in request.mounts):
-        return {}
-    return {WORKSPACE: f"rw,exec,nosuid,nodev,size={workspace_bytes(request)},mode=1777"}
-
-
-def _mount(mount: Mount) -> tuple[dict[str, object], str]:
-    kind = "volume" if mount.kind is MountKind.VOLUME else "bind"
-    api: dict[str, object] = {
-        "Type": kind,
-        "Source": mount.source,
-        "Target": mount.target,
-        "ReadOnly": mount.read_only,
-    }
-    cli = f"type={kind},source={mount.source},target={mount.target}"
-    return api, cli + (",readonly" if mount.read_only else "")
-
-
-# --- errors ---------------------------------------------------------------------------------
-
-
-class RemovalInProgress(HostError):
-    """Docker's 409 on a remove while another removal of the container runs."""
-
-    code = "removal_in_progress"
-
-
-def map_status(status: int | None, text: str, what: str) -> SliceboxError:
-    """Docker's answer ``status``/``text`` to a request about ``what``, as a slicebox error."""
-    if status == 404:
-        return SandboxNotFound(f"no sandbox {what}: check the id (it may have been destroyed)")
-    if status == 409:
-        return _conflict(text, what)
-    if status is not None and 400 <= status < 500:
-        return InvalidRequest(
-            f"Docker refused {what}: {text}; check the image, command, user and mounts",
-            code=START_FAILED_CODE,
-        )
-    return HostError(f"Docker failed on {what} (HTTP {status}): {text}")
-
-
-def _conflict(text: str, what: str) -> SliceboxError:
-    lowered = text.lower()
-    if "removal of container" in lowered and "already in progress" in lowered:
-        return RemovalInProgress(f"sandbox {what} is being removed already")
-    if "already in use" in lowered:
-        return HostError(
-            f"a sandbox named {what} exists already ({text}); create again for a new id",
-            code="sandbox_name_conflict",
-        )
-    return SandboxNotRunning(f"sandbox {what} is not running ({text}): create a new one")
-
-
-def map_error(exc: Exception, what: str) -> SliceboxError | None:
-    """docker-py's exception ``exc`` as a slicebox error; None for a foreign one (a bug)."""
-    import docker.errors
-    import requests.exceptions
-
-    if isinstance(exc, docker.errors.ImageNotFound):
-        return ImageUnavailable(
-            f"image of {what} not found ({exc.explanation}); pull or load it, or choose another"
-        )
-    if isinstance(exc, docker.errors.APIError):
-        return map_status(exc.status_code, str(exc.explanation), what)
-    if isinstance(exc, docker.errors.DockerException | requests.exceptions.RequestException):
-        return Unavailable(f"the Docker daemon is not reachable ({exc}); is docker.service up?")
-    return None
-
-
-# --- the backend ----------------------------------------------------------------------------
 
 
 class DockerBackend:
@@ -317,9 +172,9 @@ class DockerBackend:
         try:
             _pull(self._url, self._engine.version, image)
         except SliceboxError as exc:
-            raise _unpullable(image, exc.message) from exc
+            raise unpullable(image, exc.message) from exc
         if not self._has_image(image):  # a failed pull can answer 200 with an error inside
-            raise _unpullable(image, "the pull did not produce it")
+            raise unpullable(image, "the pull did not produce it")
 
     def create(self, request: SandboxRequest) -> SandboxInfo:
         if request.network == "bridge":
@@ -329,7 +184,7 @@ class DockerBackend:
             container_id = str(created["Id"])
             try:
                 status, text = self._engine.request(
-                    "POST", self._engine.versioned(f"/containers/{_part(container_id)}/start")
+                    "POST", self._engine.versioned(f"/containers/{segment(container_id)}/start")
                 )
             except BaseException:
                 self._remove(container_id)
@@ -358,9 +213,9 @@ class DockerBackend:
 
     def find(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
         found = self._engine.call(
-            "GET", "/containers/json", "the list", query={"all": 1, "filters": _labels(labels)}
+            "GET", "/containers/json", "the list", query={"all": 1, "filters": label_filter(labels)}
         )
-        return [_listed(entry) for entry in found or []]
+        return [listed(entry) for entry in found or []]
 
     def remove(self, backend_id: str) -> bool:
         with self._removals:
@@ -370,7 +225,7 @@ class DockerBackend:
         try:
             self._engine.call(
                 "DELETE",
-                f"/containers/{_part(backend_id)}",
+                f"/containers/{segment(backend_id)}",
                 backend_id,
                 query={"force": 1, "v": 1},
             )
@@ -432,18 +287,20 @@ class DockerBackend:
 
     def volume(self, name: str) -> VolumeInfo | None:
         try:
-            attrs = self._engine.call("GET", f"/volumes/{_part(name)}", f"volume {name}")
+            attrs = self._engine.call("GET", f"/volumes/{segment(name)}", f"volume {name}")
         except SandboxNotFound:
             return None
-        return _volume(attrs)
+        return volume_info(attrs)
 
     def create_volume(self, name: str, labels: Mapping[str, str]) -> VolumeInfo:
         body = {"Name": name, "Driver": "local", "Labels": dict(labels)}
-        return _volume(self._engine.call("POST", "/volumes/create", f"volume {name}", body=body))
+        return volume_info(
+            self._engine.call("POST", "/volumes/create", f"volume {name}", body=body)
+        )
 
     def remove_volume(self, name: str) -> bool:
         try:
-            self._engine.call("DELETE", f"/volumes/{_part(name)}", f"volume {name}")
+            self._engine.call("DELETE", f"/volumes/{segment(name)}", f"volume {name}")
         except SandboxNotFound:
             return False
         except SliceboxError as exc:
@@ -455,14 +312,14 @@ class DockerBackend:
 
     def volumes(self, labels: Mapping[str, str]) -> list[VolumeInfo]:
         found = self._engine.call(
-            "GET", "/volumes", "the volumes", query={"filters": _labels(labels)}
+            "GET", "/volumes", "the volumes", query={"filters": label_filter(labels)}
         )
-        return [_volume(entry) for entry in (found or {}).get("Volumes") or []]
+        return [volume_info(entry) for entry in (found or {}).get("Volumes") or []]
 
     # --- exec primitives ------------------------------------------------------------------
 
     def sandbox_pid(self, backend_id: str) -> int:
-        attrs = self._engine.call("GET", f"/containers/{_part(backend_id)}/json", backend_id)
+        attrs = self._engine.call("GET", f"/containers/{segment(backend_id)}/json", backend_id)
         state = attrs["State"]
         if not state.get("Running") or state.get("Paused"):
             raise SandboxNotRunning(
@@ -480,13 +337,13 @@ class DockerBackend:
     async def release(self, backend_id: str, line: bytes) -> None:
         version = await self._api_version()
         try:
-            await release(self._endpoint, version, _part(backend_id), line)
+            await release(self._endpoint, version, segment(backend_id), line)
         except StartRefused as exc:
             raise map_status(exc.status, exc.text, backend_id) from exc
 
     async def launch_async(self, backend_id: str, stdin: bytes) -> AsyncRawExecAttachment:
         version = await self._api_version()
-        request = attach_request(version, _part(backend_id))
+        request = attach_request(version, segment(backend_id))
         try:
             return await attach(self._endpoint, version, backend_id, stdin, request=request)
         except StartRefused as exc:
@@ -495,23 +352,23 @@ class DockerBackend:
     # --- the calls on the event loop (backends.dockerjson) ---------------------------------
 
     async def inspect(self, backend_id: str) -> SandboxInfo | None:
-        path = f"/containers/{_part(backend_id)}/json"
+        path = f"/containers/{segment(backend_id)}/json"
         try:
             attrs = await self._json.get(await self._versioned(path), backend_id)
         except SandboxNotFound:
             return None
-        return _inspected(attrs)
+        return inspected(attrs)
 
     async def exec_create(
         self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
     ) -> str:
-        path = await self._versioned(f"/containers/{_part(backend_id)}/exec")
+        path = await self._versioned(f"/containers/{segment(backend_id)}/exec")
         created = await self._json.post(path, backend_id, exec_body(request, streamed_stdin))
         return str(created["Id"])
 
     async def exec_inspect(self, exec_id: str) -> ExecState:
-        path = await self._versioned(f"/exec/{_part(exec_id)}/json")
-        return _exec_state(await self._json.get(path, exec_id))
+        path = await self._versioned(f"/exec/{segment(exec_id)}/json")
+        return exec_state(await self._json.get(path, exec_id))
 
     async def aclose(self) -> None:
         """End the connections to the daemon (the agent's shutdown)."""
@@ -544,40 +401,6 @@ class DockerBackend:
         return True
 
 
-def _part(name: str) -> str:
-    """``name`` as one path segment."""
-    return quote(name, safe="")
-
-
-def _labels(labels: Mapping[str, str]) -> str:
-    """A list's filter on ``labels``, as the Engine API takes it (JSON in the query)."""
-    return json.dumps({"label": [f"{key}={value}" for key, value in labels.items()]})
-
-
-def create_body(request: SandboxRequest) -> dict[str, Any]:
-    """The container create's body, as docker-py's ``create_container`` builds it for the same
-    call (``detach=True``: nothing attached, no stdin, no tty), without its nulls."""
-    body: dict[str, Any] = {
-        "Tty": False,
-        "OpenStdin": request.open_stdin,
-        "StdinOnce": request.open_stdin,
-        "AttachStdin": False,
-        "AttachStdout": False,
-        "AttachStderr": False,
-        "Cmd": list(request.command),
-        "Image": request.image,
-        "NetworkDisabled": False,
-        "HostConfig": host_config(request),
-        "Labels": dict(request.labels),
-    }
-    if request.address:
-        endpoint = {"IPAMConfig": {"IPv4Address": request.address}}
-        body["NetworkingConfig"] = {"EndpointsConfig": {request.network: endpoint}}
-    env = [f"{key}={value}" for key, value in request.env.items()] or None
-    optional = {"Env": env, "User": request.user, "WorkingDir": request.workdir}
-    return body | {key: value for key, value in optional.items() if value is not None}
-
-
 def _pull(url: str, version: str, image: str) -> None:
     """Pull ``image`` through docker-py, which knows registry names and the host's credentials
     (imported here: no other call of the agent needs it)."""
@@ -591,61 +414,3 @@ def _pull(url: str, version: str, image: str) -> None:
         if mapped is None:
             raise
         raise mapped from exc
-
-
-def _inspected(attrs: Mapping[str, Any]) -> SandboxInfo:
-    return SandboxInfo(
-        id=attrs["Id"],
-        name=str(attrs.get("Name", "")).lstrip("/"),
-        labels=(attrs.get("Config") or {}).get("Labels") or {},
-        state=SandboxState.parse((attrs.get("State") or {}).get("Status")),
-    )
-
-
-def exec_body(request: ExecRequest, streamed_stdin: bool) -> dict[str, Any]:
-    """The exec create's body, as docker-py's ``exec_create`` builds it for the same call."""
-    return {
-        "User": "",
-        "Privileged": False,
-        "Tty": False,
-        "AttachStdin": bool(request.stdin) or streamed_stdin,
-        "AttachStdout": True,
-        "AttachStderr": True,
-        "Cmd": list(request.argv),
-        "Env": [f"{name}={value}" for name, value in request.env.items()],
-        "WorkingDir": request.cwd,
-    }
-
-
-def _exec_state(data: Mapping[str, Any]) -> ExecState:
-    return ExecState(
-        pid=int(data.get("Pid") or 0),
-        running=bool(data.get("Running")),
-        exit_code=data.get("ExitCode"),
-    )
-
-
-def _listed(entry: Mapping[str, Any]) -> SandboxInfo:
-    """A list entry as SandboxInfo: the listing carries labels and state, no inspect needed."""
-    names = entry.get("Names") or [""]
-    return SandboxInfo(
-        id=entry["Id"],
-        name=str(names[0]).lstrip("/"),
-        labels=entry.get("Labels") or {},
-        state=SandboxState.parse(entry.get("State")),
-    )
-
-
-def _volume(attrs: Mapping[str, Any]) -> VolumeInfo:
-    return VolumeInfo(
-        name=str(attrs["Name"]),
-        labels=attrs.get("Labels") or {},
-        mountpoint=str(attrs.get("Mountpoint") or ""),
-    )
-
-
-def _unpullable(image: str, why: str) -> ImageUnavailable:
-    return ImageUnavailable(
-        f"image {image!r} is not on this host and could not be pulled ({why}); "
-        "load it with `docker load`/`docker pull` or choose another image"
-    )

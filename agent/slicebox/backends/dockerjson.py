@@ -7,7 +7,7 @@ layers, which under load cost the agent more than a quarter of its CPU (a guest 
 parallel execs). Here they go over one keep-alive connection pool (:mod:`slicebox.web.client`)
 on the loop that already reads the exec's output.
 
-What the answers mean is the Docker backend's (:func:`slicebox.backends.docker.map_status`);
+What the answers mean is the Docker backend's (:func:`slicebox.backends.dockererrors.map_status`);
 this module only speaks HTTP to the daemon, at the API version the backend's client settled.
 """
 

@@ -1,7 +1,7 @@
 """Files in and out of a sandbox: a tar stream or one file's bytes, through an exec inside it.
 
 Why an exec and not Docker's archive API: every sandbox's ``/workspace`` is a tmpfs (see
-:mod:`slicebox.backends.docker`), and ``PUT/GET /containers/{id}/archive`` works on the
+:mod:`slicebox.backends.dockerbody`), and ``PUT/GET /containers/{id}/archive`` works on the
 container's root filesystem layer, beneath its mounts: a file put there would never appear in
 the tmpfs. ``tar`` or ``cat`` run inside the sandbox see what its programs see, whatever is
 mounted where. They run as the sandbox's own user, in its own mount namespace, so the path is

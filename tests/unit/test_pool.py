@@ -18,7 +18,8 @@ from slicebox.core.launch import LAUNCHER, WAITER_COMMAND
 from slicebox.core.pool import WarmPool
 from slicebox.core.reaper import Reaper
 from slicebox.core.reaping import Observed, plan
-from slicebox.core.sandboxes import KEEP_ALIVE, Sandbox, SandboxManager
+from slicebox.core.sandbox import Sandbox
+from slicebox.core.sandboxes import KEEP_ALIVE, SandboxManager
 from slicebox.core.service import Service
 from slicebox.core.slices import SliceManager
 from slicebox.core.telemetry import TreeReader, UsageReader

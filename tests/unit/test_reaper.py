@@ -15,7 +15,8 @@ from slicebox.backends.base import SandboxInfo, SandboxRequest, SandboxState, Vo
 from slicebox.core.deadlines import Deadlines, Timer, expire_command, find_program, timer_unit
 from slicebox.core.reaper import Reaper
 from slicebox.core.reaping import TIMER_GRACE, Observed, plan, plan_pass
-from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.sandbox import Sandbox
+from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.host.journal import Auditor
 from slicebox.host.systemd import UnitStatus

@@ -9,7 +9,7 @@ from pathlib import PurePosixPath
 import pytest
 
 from slicebox.backends.base import SandboxInfo, SandboxState
-from slicebox.core import sandboxes
+from slicebox.core import sandbox
 from slicebox.core.launch import WAITER_COMMAND
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
@@ -543,14 +543,14 @@ def test_a_container_s_labels_are_decoded_once_whatever_its_state_later(
         decodes[labels["slicebox.sandbox_id"]] += 1
         return decode(labels)
 
-    monkeypatch.setattr(sandboxes, "decode", counted)
-    first = sandboxes.Sandbox.from_info(info)
-    exited = sandboxes.Sandbox.from_info(info.model_copy(update={"state": SandboxState.EXITED}))
+    monkeypatch.setattr(sandbox, "decode", counted)
+    first = sandbox.Sandbox.from_info(info)
+    exited = sandbox.Sandbox.from_info(info.model_copy(update={"state": SandboxState.EXITED}))
     assert (first.state, exited.state) == (SandboxState.RUNNING, SandboxState.EXITED)
     assert exited.lineage == first.lineage == made.lineage
     assert decodes == {}, "decoded once already, at its create"
     other = {**info.labels, "slicebox.sandbox_id": "sbx-other0000000"}
-    assert sandboxes.Sandbox.from_info(info.model_copy(update={"labels": other})).id == (
+    assert sandbox.Sandbox.from_info(info.model_copy(update={"labels": other})).id == (
         "sbx-other0000000"
     )
     assert decodes == {"sbx-other0000000": 1}

@@ -14,24 +14,18 @@ from __future__ import annotations
 
 import logging
 import pwd
-import re
-import secrets
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from pathlib import PurePosixPath
 from typing import TypeVar
-
-from pydantic import ConfigDict
 
 from slicebox.backends.base import (
     WORKSPACE,
     SandboxBackend,
     SandboxInfo,
     SandboxRequest,
-    SandboxState,
     VolumeInfo,
 )
 from slicebox.core.credentials import GIT_ENV, MOUNTED_AT, CredentialStore
@@ -51,10 +45,16 @@ from slicebox.core.policy import (
     workspace_mount,
 )
 from slicebox.core.recent import Recent
+from slicebox.core.sandbox import (
+    CONTAINER_NAME,
+    KNOWN_SANDBOXES,
+    Sandbox,
+    found,
+    new_sandbox_id,
+)
 from slicebox.core.slices import SliceManager
 from slicebox.host.beneath import BindGuard, BindRoot, KernelBindGuard, Pinned, bind_roots
 from slicebox.host.plugins import read_plugin
-from slicebox.model.base import Model
 from slicebox.model.config import Config
 from slicebox.model.egress import NetworkSpec
 from slicebox.model.errors import (
@@ -75,12 +75,13 @@ from slicebox.model.labels import (
     decode_volume,
     selector,
 )
-from slicebox.model.limits import Limits
-from slicebox.model.names import SliceCgroups, SliceNames, scope_name, slice_names
-from slicebox.model.paths import CGROUP_ROOT
+from slicebox.model.names import scope_name, slice_names
 from slicebox.model.pool import Lease
 from slicebox.model.spec import Backend, Mount, MountKind, SandboxSpec, WorkspaceKind
 from slicebox.model.wasm import WasmRun, allowed_hosts, max_pages_for
+
+# Sandbox is re-exported: its callers name it with the manager.
+__all__ = ["KEEP_ALIVE", "Sandbox", "SandboxManager"]
 
 log = logging.getLogger(__name__)
 
@@ -93,116 +94,10 @@ NO_IMAGE = (Backend.NATIVE, Backend.WASM, Backend.DAYTONA)
 # Images a create of this agent found present, the most recently used kept: a create with one
 # of them does not ask the backend about the image first (see ``SandboxManager._start``).
 KNOWN_IMAGES = 64
-# Sandboxes known by id, the most recently used kept (``SandboxManager.known``): a few KiB each,
-# more than a host runs at once (the load test's 200 with room to spare).
-KNOWN_SANDBOXES = 1024
 T = TypeVar("T")
-# What Docker accepts as a container name: anything else is no sandbox's id, and never reaches
-# Docker's API as part of a path.
-CONTAINER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]+")
 # Lineage an acquired pool member's lease gives, not its labels: found by filtering, not by
 # Docker's label filter.
 LEASED = frozenset({"root_task_id", "task_id", "parent_id"})
-
-
-def new_sandbox_id() -> str:
-    return "sbx-" + secrets.token_hex(6)
-
-
-class Sandbox(Model):
-    """A sandbox as its labels and container describe it."""
-
-    model_config = ConfigDict(frozen=True)
-
-    id: str
-    container_id: str
-    user: str
-    project: str
-    lineage: Lineage
-    limits: Limits
-    backend: str
-    created_at: datetime
-    expires_at: datetime | None
-    # What the backend said of it when it was looked up (a create's own: running).
-    state: SandboxState = SandboxState.UNKNOWN
-    lease: Lease | None = None  # an acquired pool member's, from systemd (model.pool)
-
-    @property
-    def pool_state(self) -> str:
-        """``idle`` (a pool member no one acquired), ``acquired``, or "" (no pool member)."""
-        if not self.lineage.pool:
-            return ""
-        return "idle" if self.lease is None else "acquired"
-
-    def leased(self, timer: Timer) -> Sandbox:
-        """This pool member as the lease on its deadline ``timer`` says: its task's lineage
-        and deadline over the labels' (written before the task was known)."""
-        lease = timer.lease
-        if lease is None:
-            return self
-        facts = lease.model_dump(exclude={"oneshot"}) | {"expires_at": timer.at}
-        lineage = self.lineage.model_copy(update={**facts, "oneshot": lease.oneshot})
-        return self.model_copy(update={"lineage": lineage, "lease": lease, "expires_at": timer.at})
-
-    @classmethod
-    def from_info(cls, info: SandboxInfo) -> Sandbox:
-        """The sandbox a container's labels describe, in the state ``info`` gives. Decoded
-        once per container (``_DECODED``): a reaper pass reads every container's labels."""
-        key = (info.id, frozenset(info.labels.items()))
-        known = _DECODED.get(key)
-        if known is None:
-            known = cls._decoded(info)
-            _DECODED.put(key, known)
-        return (
-            known if known.state == info.state else known.model_copy(update={"state": info.state})
-        )
-
-    @classmethod
-    def _decoded(cls, info: SandboxInfo) -> Sandbox:
-        lineage = decode(info.labels)
-        return cls(
-            id=lineage.sandbox_id,
-            container_id=info.id,
-            user=lineage.user,
-            project=lineage.project,
-            lineage=lineage,
-            limits=Limits(
-                cpus=lineage.provisioned_cpu,
-                memory_bytes=lineage.provisioned_memory_bytes,
-                pids=lineage.provisioned_pids,
-            ),
-            backend=lineage.backend,
-            created_at=lineage.created_at,
-            expires_at=lineage.expires_at,
-            state=info.state,
-        )
-
-    def slices(self) -> SliceNames:
-        return slice_names(self.user, self.project)
-
-    def slice_cgroups(self, root: PurePosixPath = CGROUP_ROOT) -> SliceCgroups:
-        """The cgroup directories of the managed, user and project slices."""
-        return self.slices().cgroups(root)
-
-    def scope_cgroup(self, root: PurePosixPath = CGROUP_ROOT) -> PurePosixPath:
-        """The cgroup directory of the container's scope (exec'd processes land here too)."""
-        return self.slice_cgroups(root).project / scope_name(self.container_id)
-
-    def running_scope(self) -> str | None:
-        """The scope cgroup (below the cgroup root) of a sandbox its look-up or its create found
-        running, for an exec in it: the exec then need not ask the backend for the container's
-        init, a second inspect of the same container a moment later. None in any other state:
-        the exec asks, and a stopped or paused sandbox is refused in its own words."""
-        if self.state != SandboxState.RUNNING:
-            return None
-        return str(self.scope_cgroup(PurePosixPath("/"))).lstrip("/")
-
-
-# Sandboxes decoded from their containers' labels, the most recently used kept: labels never
-# change, so each container's are validated once, not at every reaper pass (in the guest, the
-# decoding was about a third of a pass's own CPU at 40 sandboxes). Keyed by the container and
-# its labels both, so no entry can stand for other labels.
-_DECODED: Recent[tuple[str, frozenset[tuple[str, str]]], Sandbox] = Recent(KNOWN_SANDBOXES)
 
 
 class SandboxManager:
@@ -683,7 +578,7 @@ class SandboxManager:
         however many containers there are (a list filtered by label goes through them all);
         its labels still decide whether it is that sandbox."""
         info = self._backend.inspect(sandbox_id) if CONTAINER_NAME.fullmatch(sandbox_id) else None
-        sandbox = self._remember(_found(info, sandbox_id))
+        sandbox = self._remember(found(info, sandbox_id))
         if sandbox.lineage.pool:  # its lineage and deadline are its lease's
             return self.with_lease(sandbox)
         if current_deadline and self._deadlines is not None:
@@ -696,7 +591,7 @@ class SandboxManager:
         comes without its lease, which is systemd's: the caller reads it (``with_lease``)."""
         named = CONTAINER_NAME.fullmatch(sandbox_id)
         info = await self._backend.inspect_async(sandbox_id) if named else None
-        return self._remember(_found(info, sandbox_id))
+        return self._remember(found(info, sandbox_id))
 
     def known(self, sandbox_id: str) -> Sandbox | None:
         """The sandbox as this agent made or last looked it up, if it did: its lineage is
@@ -1039,20 +934,8 @@ class SandboxManager:
         return busy
 
 
-def _labelled(info: SandboxInfo, sandbox_id: str) -> bool:
-    """Whether the container carries the labels of slicebox's sandbox ``sandbox_id``."""
-    return all(info.labels.get(k) == v for k, v in selector(sandbox_id=sandbox_id).items())
-
-
 def _nothing(sandbox: Sandbox) -> None:
     """A last look that reads nothing."""
-
-
-def _found(info: SandboxInfo | None, sandbox_id: str) -> Sandbox:
-    """The sandbox a look-up by name found, if its labels say it is that sandbox."""
-    if info is None or not _labelled(info, sandbox_id):
-        raise NotFound(f"no sandbox {sandbox_id}; list sandboxes to see the ids")
-    return Sandbox.from_info(info)
 
 
 def _waits(spec: SandboxSpec, *, one_shot: bool, pool_key: str) -> bool:

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import logging
 import pwd
-import threading
-from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 
@@ -33,6 +31,7 @@ from slicebox.core.deadlines import Deadlines, Timer, latest
 from slicebox.core.egress import EgressGuard, Labelled, Placement
 from slicebox.core.gitclone import clone
 from slicebox.core.launch import LAUNCHER, WAITER_COMMAND, exec_line
+from slicebox.core.operations import Operations
 from slicebox.core.policy import (
     Admitted,
     admit,
@@ -75,7 +74,7 @@ from slicebox.model.labels import (
     decode_volume,
     selector,
 )
-from slicebox.model.names import scope_name, slice_names
+from slicebox.model.names import scope_name
 from slicebox.model.pool import Lease
 from slicebox.model.spec import Backend, Mount, MountKind, SandboxSpec, WorkspaceKind
 from slicebox.model.wasm import WasmRun, allowed_hosts, max_pages_for
@@ -125,21 +124,7 @@ class SandboxManager:
         self._clock = clock
         self._new_id = new_id
         self._deadlines = deadlines
-        # Creates in progress, by sandbox id: the reaper must not take their half-made
-        # containers and slices for leftovers. A create registers before it ensures its
-        # slices, and a slice is stopped only under the same lock after checking this.
-        self._in_flight: dict[str, tuple[str, str]] = {}
-        # Every other operation in progress (exec, destroy, extend, a reaper action), counted
-        # by sandbox id: the reaper acts on a sandbox only when none is. Its own lock, taken
-        # after ``_placing`` when both are, is never held across a call: an exec marks itself
-        # from the event loop, which must not wait while a slice stop holds ``_placing``.
-        self._operations: Counter[str] = Counter()
-        self._counting = threading.Lock()
-        # Slice unit -> when a destroy last took a sandbox out of it: the reaper counts a
-        # slice's grace from then at the earliest, even if no pass saw it in use. An entry
-        # goes when the slice is stopped here.
-        self._vacated: dict[str, datetime] = {}
-        self._placing = threading.Lock()
+        self._operations = Operations()
         # The images known present (KNOWN_IMAGES).
         self._images: Recent[str, None] = Recent(KNOWN_IMAGES)
         # Sandbox id -> the sandbox as this agent made or last looked it up (KNOWN_SANDBOXES):
@@ -163,58 +148,40 @@ class SandboxManager:
     def deadlines(self) -> Deadlines | None:
         return self._deadlines
 
+    @property
+    def operations(self) -> Operations:
+        """What is in progress on the sandboxes (core.operations)."""
+        return self._operations
+
     def in_flight(self) -> dict[str, tuple[str, str]]:
         """Sandbox id -> (user, project) of every create still in progress."""
-        with self._placing:
-            return dict(self._in_flight)
+        return self._operations.in_flight()
 
     def vacated(self) -> dict[str, datetime]:
         """Slice unit -> when a destroy last took a sandbox out of it."""
-        with self._placing:
-            return dict(self._vacated)
+        return self._operations.vacated()
 
-    @contextmanager
-    def operation(self, sandbox_id: str) -> Iterator[None]:
+    def operation(self, sandbox_id: str) -> AbstractContextManager[None]:
         """Mark an operation on the sandbox while it runs (an exec, a destroy, an extend): the
         reaper leaves the sandbox alone until it ends."""
-        self.begin_operation(sandbox_id)
-        try:
-            yield
-        finally:
-            self.end_operation(sandbox_id)
+        return self._operations.operation(sandbox_id)
 
     def busy(self) -> frozenset[str]:
         """The sandboxes an operation holds now."""
-        with self._counting:
-            return frozenset(self._operations)
+        return self._operations.busy()
 
     def begin_operation(self, sandbox_id: str) -> None:
         """``operation`` in two calls, for async callers; never blocks on I/O."""
-        with self._counting:
-            self._operations[sandbox_id] += 1
+        self._operations.begin(sandbox_id)
 
     def end_operation(self, sandbox_id: str) -> None:
-        with self._counting:
-            self._operations[sandbox_id] -= 1
-            if self._operations[sandbox_id] <= 0:
-                del self._operations[sandbox_id]
+        self._operations.end(sandbox_id)
 
-    @contextmanager
-    def claim(self, sandbox_id: str) -> Iterator[bool]:
+    def claim(self, sandbox_id: str) -> AbstractContextManager[bool]:
         """The reaper's claim, taken when it acts (not when it plans): True, and held as an
         operation until the block ends, when nothing else is in flight on the sandbox; False
         when a create or any other operation is."""
-        with self._placing, self._counting:
-            free = sandbox_id not in self._in_flight and self._operations[sandbox_id] == 0
-            if free:
-                self._operations[sandbox_id] += 1
-        if not free:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            self.end_operation(sandbox_id)
+        return self._operations.claim(sandbox_id)
 
     def reconfigure(self, config: Config) -> None:
         """Use ``config`` from now on (``systemctl reload``); running sandboxes keep theirs."""
@@ -250,7 +217,7 @@ class SandboxManager:
             self._backend.prepare(admitted.image)
         staging = bool(pinned) and spec.backend is Backend.DOCKER
         with (
-            self._creating(lineage, hold=one_shot or bool(pool_key)),
+            self._operations.creating(lineage, hold=one_shot or bool(pool_key)),
             self._staging(lineage.sandbox_id, staging),
         ):
             made = self._ensure_slices(admitted, lineage.sandbox_id)
@@ -537,8 +504,7 @@ class SandboxManager:
         Listed before the creates in flight are read: one that starts staging after the list
         is not in it."""
         staged = self._binds.staged()
-        with self._placing:
-            flying = set(self._in_flight)
+        flying = set(self._operations.in_flight())
         orphans = [sandbox_id for sandbox_id in staged if sandbox_id not in flying]
         for sandbox_id in orphans:
             log.info("removing the staging points of %s (no create holds them)", sandbox_id)
@@ -731,7 +697,7 @@ class SandboxManager:
                     lineage.egress,
                 )
             )
-        self._egress.sync(found, observed_at, self.busy() | frozenset(self._in_flight))
+        self._egress.sync(found, observed_at, self._operations.engaged())
 
     def remove_container(self, container_id: str) -> bool:
         """Remove a container whatever its labels say (the reaper's last resort)."""
@@ -742,12 +708,9 @@ class SandboxManager:
     def stop_slice_if_idle(self, unit: str, *, creating: str | None = None) -> bool:
         """Stop a user or project slice that holds nothing and that no create (other than
         ``creating``, the one undoing itself) is placing into."""
-        with self._placing:
-            busy = self._busy_slices(exclude=creating)
-            stopped = unit not in busy and self._slices.remove_if_empty(unit)
-            if stopped:
-                self._vacated.pop(unit, None)
-            return stopped
+        return self._operations.stop_slice_if_idle(
+            unit, self._slices.remove_if_empty, creating=creating
+        )
 
     def destroy_tree(self, root_task_id: str) -> list[Sandbox]:
         """Destroy every sandbox of a root task, children before parents (deepest first)."""
@@ -756,22 +719,6 @@ class SandboxManager:
         for member in members:
             self.destroy_sandbox(member, _nothing)
         return members
-
-    @contextmanager
-    def _creating(self, lineage: Lineage, *, hold: bool = False) -> Iterator[None]:
-        """The create is in flight while the block runs; with ``hold``, a block that succeeds
-        leaves an operation held on the sandbox, taken under the same lock."""
-        with self._placing:
-            self._in_flight[lineage.sandbox_id] = (lineage.user, lineage.project)
-        made = False
-        try:
-            yield
-            made = True
-        finally:
-            with self._placing:
-                del self._in_flight[lineage.sandbox_id]
-                if made and hold:
-                    self.begin_operation(lineage.sandbox_id)
 
     def _start(self, request: SandboxRequest, *, image_known: bool) -> SandboxInfo:
         """Create and start the container. An image a create found present before is not
@@ -800,9 +747,7 @@ class SandboxManager:
         self._images.pop(image)
 
     def _vacate(self, sandbox: Sandbox) -> None:
-        names, now = sandbox.slices(), self._clock()
-        with self._placing:
-            self._vacated[names.user] = self._vacated[names.project] = now
+        self._operations.vacate(sandbox.slices(), self._clock())
 
     def _arm(
         self, sandbox_id: str, container_id: str, at: datetime | None, *, new: bool = False
@@ -923,15 +868,6 @@ class SandboxManager:
         unless another create is placing into them."""
         for unit in reversed(made):
             self.stop_slice_if_idle(unit, creating=sandbox_id)
-
-    def _busy_slices(self, exclude: str | None = None) -> set[str]:
-        """The user and project slices creates in progress are placing into."""
-        busy = set[str]()
-        for sandbox_id, (user, project) in self._in_flight.items():
-            if sandbox_id != exclude:
-                names = slice_names(user, project)
-                busy |= {names.user, names.project}
-        return busy
 
 
 def _nothing(sandbox: Sandbox) -> None:

@@ -44,6 +44,7 @@ from slicebox.core.policy import (
     workspace_mount,
 )
 from slicebox.core.recent import Recent
+from slicebox.core.refusals import check_backend, plugin_hosts
 from slicebox.core.sandbox import (
     CONTAINER_NAME,
     KNOWN_SANDBOXES,
@@ -77,7 +78,7 @@ from slicebox.model.labels import (
 from slicebox.model.names import scope_name
 from slicebox.model.pool import Lease
 from slicebox.model.spec import Backend, Mount, MountKind, SandboxSpec, WorkspaceKind
-from slicebox.model.wasm import WasmRun, allowed_hosts, max_pages_for
+from slicebox.model.wasm import WasmRun, max_pages_for
 
 # Sandbox is re-exported: its callers name it with the manager.
 __all__ = ["KEEP_ALIVE", "Sandbox", "SandboxManager"]
@@ -363,7 +364,7 @@ class SandboxManager:
         return WasmRun(
             sha256=sha,
             max_pages=max_pages_for(admitted.limits.memory_bytes),
-            allowed_hosts=_plugin_hosts(spec),
+            allowed_hosts=plugin_hosts(spec),
         )
 
     def _check_volume_mounts(self, spec: SandboxSpec) -> None:
@@ -838,13 +839,7 @@ class SandboxManager:
         ``backend_unsupported`` when the native backend cannot give what it asks."""
         fallback = self._config.allow_native_fallback and not pool_key
         kind = self._backend.resolve(spec.backend, fallback=fallback)
-        if kind is Backend.NATIVE:
-            _check_native(spec, pool_key)
-        if kind is Backend.WASM:  # a pool of wasm workers is one: their plugin is their key's
-            _check_native(spec, "", network=not isinstance(spec.network, NetworkSpec))
-        if kind is Backend.DAYTONA:
-            _check_remote(spec, pool_key)
-        return spec if kind is spec.backend else spec.model_copy(update={"backend": kind})
+        return check_backend(spec, kind, pool_key=pool_key)
 
     def _ensure_slices(self, admitted: Admitted, sandbox_id: str) -> list[str]:
         """Ensure the three slices top down; the ones this call created."""
@@ -882,75 +877,6 @@ def _waits(spec: SandboxSpec, *, one_shot: bool, pool_key: str) -> bool:
     if spec.backend is not Backend.DOCKER:
         return False
     return spec.command is None and (one_shot or (bool(pool_key) and not spec.reuse))
-
-
-def _check_native(spec: SandboxSpec, pool_key: str, *, network: bool = True) -> None:
-    """Refuse, before anything is made, what a native sandbox cannot give (a wasm sandbox is
-    one, whose plugin may reach the hosts of an egress allow-list: ``network`` False). A host
-    workspace it gives: its units run as the caller, with it at /workspace."""
-    _refuse(
-        spec,
-        _unsupported(spec, pool_key, network=network, host_workspace=True),
-        "it runs the host's own programs with no network, no mount and no capability",
-    )
-
-
-def _check_remote(spec: SandboxSpec, pool_key: str) -> None:
-    """Refuse, before anything is made, what a remote (daytona) sandbox cannot give."""
-    _refuse(
-        spec,
-        _unsupported(spec, pool_key, reuse=True),
-        "it runs remotely, on the agent's Daytona API, with no network and nothing of this host's",
-    )
-
-
-def _unsupported(
-    spec: SandboxSpec,
-    pool_key: str,
-    *,
-    network: bool = True,
-    host_workspace: bool = False,
-    reuse: bool = False,
-) -> list[str]:
-    """The fields ``spec`` asks for that only a Docker sandbox gives."""
-    workspace = spec.workspace
-    asked = [
-        ("network", network and spec.network != "none"),
-        ("mounts", bool(spec.mounts)),
-        (
-            "workspace",
-            workspace is not None and not (host_workspace and workspace.kind is WorkspaceKind.HOST),
-        ),
-        ("run_as", spec.run_as is not None),
-        ("credentials", spec.credentials is not None),
-        ("cap_add", bool(spec.cap_add)),
-        ("privileged", spec.privileged),
-        ("pid_mode", spec.pid_mode is not None),
-        ("ipc_mode", spec.ipc_mode is not None),
-        ("pool", bool(pool_key)),
-        ("reuse", reuse and spec.reuse),
-    ]
-    return [name for name, wanted in asked if wanted]
-
-
-def _refuse(spec: SandboxSpec, refused: list[str], why: str) -> None:
-    if refused:
-        raise InvalidRequest(
-            f"a {spec.backend.value} sandbox cannot give {', '.join(refused)}: {why}; leave "
-            "these out or ask for backend docker",
-            code="backend_unsupported",
-            field=refused[0],
-        )
-
-
-def _plugin_hosts(spec: SandboxSpec) -> tuple[str, ...]:
-    """A wasm sandbox's egress allow-list as its plugin's allowed hosts."""
-    if not isinstance(spec.network, NetworkSpec):
-        return ()
-    try:
-        return allowed_hosts(spec.network.egress.entries())
-    except ValueError as exc:
-        raise InvalidRequest(str(exc), code="backend_unsupported", field="network") from exc
 
 
 def _command(spec: SandboxSpec, lineage: Lineage) -> tuple[str, ...]:

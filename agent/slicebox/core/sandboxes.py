@@ -26,10 +26,9 @@ from slicebox.backends.base import (
     SandboxRequest,
     VolumeInfo,
 )
-from slicebox.core.credentials import GIT_ENV, MOUNTED_AT, CredentialStore
+from slicebox.core.credentials import GIT_ENV
 from slicebox.core.deadlines import Deadlines, Timer, latest
 from slicebox.core.egress import EgressGuard, Labelled, Placement
-from slicebox.core.gitclone import clone
 from slicebox.core.launch import LAUNCHER, WAITER_COMMAND, exec_line
 from slicebox.core.operations import Operations
 from slicebox.core.policy import (
@@ -53,12 +52,23 @@ from slicebox.core.sandbox import (
     new_sandbox_id,
 )
 from slicebox.core.slices import SliceManager
+from slicebox.core.workspaces import (
+    check_volume_mounts,
+    clone_workspace,
+    credential_store,
+    credentials_mount,
+    drop_volume,
+    ensure_volume,
+    release_volume,
+    volume_mount,
+    volume_name,
+    write_credentials,
+)
 from slicebox.host.beneath import BindGuard, BindRoot, KernelBindGuard, Pinned, bind_roots
 from slicebox.host.plugins import read_plugin
 from slicebox.model.config import Config
 from slicebox.model.egress import NetworkSpec
 from slicebox.model.errors import (
-    Forbidden,
     HostError,
     ImageUnavailable,
     InvalidRequest,
@@ -70,14 +80,12 @@ from slicebox.model.errors import (
 from slicebox.model.labels import (
     EGRESS_ADDRESS,
     Lineage,
-    VolumeLineage,
     decode,
-    decode_volume,
     selector,
 )
 from slicebox.model.names import scope_name
 from slicebox.model.pool import Lease
-from slicebox.model.spec import Backend, Mount, MountKind, SandboxSpec, WorkspaceKind
+from slicebox.model.spec import Backend, MountKind, SandboxSpec
 from slicebox.model.wasm import WasmRun, max_pages_for
 
 # Sandbox is re-exported: its callers name it with the manager.
@@ -208,7 +216,7 @@ class SandboxManager:
         deadline until it is acquired, and returned held as a one-shot's is."""
         spec = self._check_backend(spec, pool_key=pool_key)
         admitted = self.admitted(spec, owner)
-        self._check_volume_mounts(admitted.spec)
+        check_volume_mounts(self._backend, admitted.spec)
         admitted, pinned = self._pin_binds(admitted, owner)
         lineage = self._lineage(admitted, one_shot=one_shot, pool_key=pool_key)
         # A native sandbox runs the host's programs: it has no image to look for.
@@ -227,10 +235,10 @@ class SandboxManager:
             try:
                 placed = self._place_egress(admitted.spec, lineage.sandbox_id)
                 lineage = _placed(lineage, placed)
-                fresh = self._ensure_volume(admitted.spec, lineage)
-                self._write_credentials(admitted.spec, lineage.sandbox_id)
+                fresh = ensure_volume(self._backend, admitted.spec, lineage)
+                write_credentials(self._config, admitted.spec, lineage.sandbox_id)
                 staged = self._staged(admitted, pinned, lineage) if staging else admitted
-                request = _request(staged, lineage, self._credentials(), self._config, placed)
+                request = _request(staged, lineage, self._config, placed)
                 if plugin is not None:
                     request = request.model_copy(update={"wasm": plugin})
                 if staging and spec.command is not None:  # its command waits for the check
@@ -240,21 +248,21 @@ class SandboxManager:
                 info = self._start(request, image_known=known)
             except BaseException:
                 self._release_egress(placed, lineage.sandbox_id)
-                self._credentials().remove(lineage.sandbox_id)
-                self._drop_volume(fresh)
+                credential_store(self._config).remove(lineage.sandbox_id)
+                drop_volume(self._backend, fresh)
                 self._undo(made, lineage.sandbox_id)
                 raise
             try:
                 self._check_started(info.id, admitted.spec, pinned, fresh, lineage)
-                self._clone(info.id, admitted.spec)
+                clone_workspace(self._backend, self._config, info.id, admitted.spec)
                 if staging and spec.command is not None:
                     self._backend.release(info.id, exec_line(spec.command))
                 self._arm(lineage.sandbox_id, info.id, lineage.expires_at, new=True)
             except BaseException:
                 self.remove_container(info.id)
                 self._release_egress(placed, lineage.sandbox_id)
-                self._credentials().remove(lineage.sandbox_id)
-                self._drop_volume(fresh)
+                credential_store(self._config).remove(lineage.sandbox_id)
+                drop_volume(self._backend, fresh)
                 self._undo(made, lineage.sandbox_id)
                 raise
         # At debug: the service's sandbox_created audit record tells it in the journal.
@@ -367,79 +375,6 @@ class SandboxManager:
             allowed_hosts=plugin_hosts(spec),
         )
 
-    def _check_volume_mounts(self, spec: SandboxSpec) -> None:
-        """A volume in ``mounts`` is one of the caller's own workspace volumes, never another
-        user's, nor one slicebox did not make, nor a missing one (Docker would make it)."""
-        for mount in spec.mounts:
-            if mount.kind is MountKind.VOLUME:
-                found = self._backend.volume(mount.source)
-                if found is None:
-                    raise PolicyViolation(
-                        f"volume {mount.source!r} does not exist; give a workspace of kind "
-                        "volume to have slicebox make one",
-                        code="mount_source_missing",
-                    )
-                self._check_owner(found, spec.user)
-
-    def _check_owner(self, volume: VolumeInfo, user: str) -> None:
-        lineage = decode_volume(volume.labels)
-        if lineage is None:
-            raise PolicyViolation(
-                f"volume {volume.name!r} was not made by slicebox; choose another name",
-                code="volume_foreign",
-            )
-        if lineage.user != user:
-            raise Forbidden(
-                f"volume {volume.name!r} is another user's workspace; use a name of your own",
-                code="volume_not_owned",
-            )
-
-    def _ensure_volume(self, spec: SandboxSpec, lineage: Lineage) -> VolumeInfo | None:
-        """The workspace volume: an existing one of the caller's (a kept or named one), or a
-        new one with the sandbox's lineage; the new one is returned (None otherwise), for
-        the start to give to the sandbox's uid and a failed create to remove."""
-        name = lineage.workspace_volume
-        workspace = spec.workspace
-        if not name or workspace is None:
-            return None
-        found = self._backend.volume(name)
-        if found is not None:
-            self._check_owner(found, spec.user)
-            return None
-        labels = VolumeLineage(
-            user=spec.user,
-            project=spec.project,
-            root_task_id=lineage.root_task_id,
-            sandbox_id=lineage.sandbox_id,
-            keep=workspace.keep,
-            created_at=lineage.created_at,
-        ).to_labels()
-        return self._backend.create_volume(name, labels)
-
-    def _drop_volume(self, volume: VolumeInfo | None) -> None:
-        if volume is not None:
-            self._backend.remove_volume(volume.name)
-
-    def _credentials(self) -> CredentialStore:
-        share = self._config.credentials.user_share_bytes()
-        return CredentialStore(self._config.reaper.state_dir, share)
-
-    def _write_credentials(self, spec: SandboxSpec, sandbox_id: str) -> None:
-        git = spec.credentials.git if spec.credentials else None
-        if git is not None:
-            self._credentials().write(sandbox_id, git, spec.user)
-
-    def _clone(self, container_id: str, spec: SandboxSpec) -> None:
-        """A git workspace's clone, in the running sandbox (core.gitclone)."""
-        workspace = spec.workspace
-        if workspace is None or workspace.kind is not WorkspaceKind.GIT:
-            return
-        git = spec.credentials.git if spec.credentials else None
-        secrets = (git.token.get_secret_value(),) if git else ()
-        timeout = self._config.git_clone_timeout_seconds
-        clone(self._backend, container_id, workspace, timeout=timeout, secrets=secrets)
-        log.info("cloned %s into %s", workspace.url, container_id[:12])
-
     def _check_started(
         self,
         container_id: str,
@@ -469,7 +404,7 @@ class SandboxManager:
         if uid == 0 and not runs_as_root(spec.run_as):
             check_root(spec.user, spec, self._config)
         if lineage.credentials:  # only once the uid is known to be allowed
-            self._credentials().give(lineage.sandbox_id, uid, gid)
+            credential_store(self._config).give(lineage.sandbox_id, uid, gid)
         if fresh is not None and fresh.mountpoint:
             try:
                 self._binds.own(pid, WORKSPACE, fresh.mountpoint, uid, gid)
@@ -644,22 +579,8 @@ class SandboxManager:
     def forget(self, sandbox: Sandbox) -> None:
         """What goes with a removed sandbox beside its container: its credentials, and its
         workspace volume with its root task's last sandbox."""
-        self._credentials().remove(sandbox.id)
-        self._release_volume(sandbox)
-
-    def _release_volume(self, sandbox: Sandbox) -> None:
-        """Remove the sandbox's workspace volume with its root task's last sandbox, unless it
-        is kept. One that stays (a sibling's destroy raced this one) is the reaper's
-        (``volume_orphaned``)."""
-        name = sandbox.lineage.workspace_volume
-        volume = self._backend.volume(name) if name else None
-        lineage = decode_volume(volume.labels) if volume else None
-        if lineage is None or lineage.keep:
-            return
-        if self._backend.find(selector(root_task_id=lineage.root_task_id)):
-            return
-        if self._backend.remove_volume(name):
-            log.info("removed workspace volume %s with its root task", name)
+        credential_store(self._config).remove(sandbox.id)
+        release_volume(self._backend, sandbox)
 
     def _place_egress(self, spec: SandboxSpec, sandbox_id: str) -> Placement | None:
         # A wasm plugin's hosts are its runtime's allowed_hosts (backends.wasm), not rules.
@@ -812,7 +733,7 @@ class SandboxManager:
             oneshot=one_shot,
             pool=bool(pool_key),
             pool_key=pool_key,
-            workspace_volume=_volume_name(spec, sandbox_id),
+            workspace_volume=volume_name(spec, sandbox_id),
             credentials="git" if spec.credentials and spec.credentials.git else "",
             launcher=LAUNCHER if _waits(spec, one_shot=one_shot, pool_key=pool_key) else "",
         )
@@ -896,7 +817,6 @@ def _placed(lineage: Lineage, placed: Placement | None) -> Lineage:
 def _request(
     admitted: Admitted,
     lineage: Lineage,
-    store: CredentialStore,
     config: Config,
     placed: Placement | None = None,
 ) -> SandboxRequest:
@@ -916,42 +836,11 @@ def _request(
         env={**spec.env, **(GIT_ENV if lineage.credentials else {})},
         user=spec.run_as,
         workdir=spec.workdir,
-        mounts=spec.mounts + _volume_mount(spec, lineage) + _credentials_mount(store, lineage),
+        mounts=spec.mounts + volume_mount(spec, lineage) + credentials_mount(config, lineage),
         cap_add=tuple(capability_name(cap) for cap in spec.cap_add),
         backend=spec.backend,
         allow_jit=config.native_allow_jit,
     )
-
-
-def _volume_name(spec: SandboxSpec, sandbox_id: str) -> str:
-    """A volume workspace's Docker name: the user's prefix keeps users' names apart (a name
-    holds no '-', so none reads as another user's)."""
-    workspace = spec.workspace
-    if workspace is None or workspace.kind is WorkspaceKind.HOST:
-        return ""
-    name = workspace.name or sandbox_id.replace("-", "_")  # no '-': see spec.VolumeName
-    return f"slicebox-{spec.user}-{name}"
-
-
-def _volume_mount(spec: SandboxSpec, lineage: Lineage) -> tuple[Mount, ...]:
-    if not lineage.workspace_volume:
-        return ()
-    read_only = spec.workspace is not None and spec.workspace.read_only
-    return (
-        Mount(
-            kind=MountKind.VOLUME,
-            source=lineage.workspace_volume,
-            target=WORKSPACE,
-            read_only=read_only,
-        ),
-    )
-
-
-def _credentials_mount(store: CredentialStore, lineage: Lineage) -> tuple[Mount, ...]:
-    if not lineage.credentials:
-        return ()
-    directory = store.directory(lineage.sandbox_id)
-    return (Mount(source=str(directory), target=MOUNTED_AT, read_only=True),)
 
 
 def _numeric_ids(run_as: str | None) -> tuple[int, int] | None:

@@ -13,6 +13,10 @@ from slicebox.model.errors import InvalidRequest
 from slicebox.model.spec import Backend, SandboxSpec, WorkspaceKind
 from slicebox.model.wasm import allowed_hosts
 
+# The backends with no image on this host to look for: native and wasm run the host's own
+# programs (a wasm sandbox's worker among them); a remote one's image is its service's to find.
+NO_IMAGE = (Backend.NATIVE, Backend.WASM, Backend.DAYTONA)
+
 
 def check_backend(spec: SandboxSpec, kind: Backend, *, pool_key: str = "") -> SandboxSpec:
     """The spec with ``kind``, the backend that runs it (the one it names, or native in

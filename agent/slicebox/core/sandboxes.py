@@ -13,18 +13,24 @@ stops them once they have been empty for ``reaper.empty_slice_grace_seconds``.
 from __future__ import annotations
 
 import logging
-import pwd
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 
 from slicebox.backends.base import (
-    WORKSPACE,
     SandboxBackend,
     SandboxInfo,
     SandboxRequest,
     VolumeInfo,
+)
+from slicebox.core.binds import (
+    check_started,
+    pin_binds,
+    staging_points,
+    to_staging,
+    wasm_plugin,
+    who_runs,
 )
 from slicebox.core.credentials import GIT_ENV
 from slicebox.core.deadlines import Deadlines, Timer, latest
@@ -35,15 +41,10 @@ from slicebox.core.policy import (
     Admitted,
     admit,
     capability_name,
-    check_host_run_as,
-    check_root,
     check_ttl,
-    host_bound,
-    runs_as_root,
-    workspace_mount,
 )
 from slicebox.core.recent import Recent
-from slicebox.core.refusals import check_backend, plugin_hosts
+from slicebox.core.refusals import NO_IMAGE, check_backend
 from slicebox.core.sandbox import (
     CONTAINER_NAME,
     KNOWN_SANDBOXES,
@@ -64,8 +65,7 @@ from slicebox.core.workspaces import (
     volume_name,
     write_credentials,
 )
-from slicebox.host.beneath import BindGuard, BindRoot, KernelBindGuard, Pinned, bind_roots
-from slicebox.host.plugins import read_plugin
+from slicebox.host.beneath import BindGuard, KernelBindGuard
 from slicebox.model.config import Config
 from slicebox.model.egress import NetworkSpec
 from slicebox.model.errors import (
@@ -73,7 +73,6 @@ from slicebox.model.errors import (
     ImageUnavailable,
     InvalidRequest,
     NotFound,
-    PolicyViolation,
     SandboxNotRunning,
     Unavailable,
 )
@@ -85,8 +84,7 @@ from slicebox.model.labels import (
 )
 from slicebox.model.names import scope_name
 from slicebox.model.pool import Lease
-from slicebox.model.spec import Backend, MountKind, SandboxSpec
-from slicebox.model.wasm import WasmRun, max_pages_for
+from slicebox.model.spec import Backend, SandboxSpec
 
 # Sandbox is re-exported: its callers name it with the manager.
 __all__ = ["KEEP_ALIVE", "Sandbox", "SandboxManager"]
@@ -96,9 +94,6 @@ log = logging.getLogger(__name__)
 
 # A sandbox without a command of its own stays up for execs, as the seeds' pool containers do.
 KEEP_ALIVE = ("sleep", "infinity")
-# The backends with no image on this host to look for: native and wasm run the host's own
-# programs (a wasm sandbox's worker among them); a remote one's image is its service's to find.
-NO_IMAGE = (Backend.NATIVE, Backend.WASM, Backend.DAYTONA)
 # Images a create of this agent found present, the most recently used kept: a create with one
 # of them does not ask the backend about the image first (see ``SandboxManager._start``).
 KNOWN_IMAGES = 64
@@ -217,17 +212,17 @@ class SandboxManager:
         spec = self._check_backend(spec, pool_key=pool_key)
         admitted = self.admitted(spec, owner)
         check_volume_mounts(self._backend, admitted.spec)
-        admitted, pinned = self._pin_binds(admitted, owner)
+        admitted, pinned = pin_binds(self._binds, self._config, admitted, owner)
         lineage = self._lineage(admitted, one_shot=one_shot, pool_key=pool_key)
         # A native sandbox runs the host's programs: it has no image to look for.
         known = spec.backend in NO_IMAGE or self._image_known(admitted.image)
-        plugin = self._plugin(admitted, owner)
+        plugin = wasm_plugin(self._backend, self._config, admitted, owner)
         if not known:  # an image that cannot be had is refused before anything exists
             self._backend.prepare(admitted.image)
         staging = bool(pinned) and spec.backend is Backend.DOCKER
         with (
             self._operations.creating(lineage, hold=one_shot or bool(pool_key)),
-            self._staging(lineage.sandbox_id, staging),
+            staging_points(self._binds, lineage.sandbox_id, staging),
         ):
             made = self._ensure_slices(admitted, lineage.sandbox_id)
             fresh: VolumeInfo | None = None
@@ -237,7 +232,11 @@ class SandboxManager:
                 lineage = _placed(lineage, placed)
                 fresh = ensure_volume(self._backend, admitted.spec, lineage)
                 write_credentials(self._config, admitted.spec, lineage.sandbox_id)
-                staged = self._staged(admitted, pinned, lineage) if staging else admitted
+                staged = (
+                    to_staging(self._binds, admitted, pinned, lineage.sandbox_id)
+                    if staging
+                    else admitted
+                )
                 request = _request(staged, lineage, self._config, placed)
                 if plugin is not None:
                     request = request.model_copy(update={"wasm": plugin})
@@ -253,7 +252,16 @@ class SandboxManager:
                 self._undo(made, lineage.sandbox_id)
                 raise
             try:
-                self._check_started(info.id, admitted.spec, pinned, fresh, lineage)
+                check_started(
+                    self._backend,
+                    self._binds,
+                    self._config,
+                    info.id,
+                    spec=admitted.spec,
+                    pinned=pinned,
+                    fresh=fresh,
+                    lineage=lineage,
+                )
                 clone_workspace(self._backend, self._config, info.id, admitted.spec)
                 if staging and spec.command is not None:
                     self._backend.release(info.id, exec_line(spec.command))
@@ -277,7 +285,7 @@ class SandboxManager:
     def admitted(self, spec: SandboxSpec, owner: tuple[int, int] | None = None) -> Admitted:
         """The spec through policy and admission, with who it runs as decided: what a create
         makes, and what a warm pool's key is read from (core.poolkeys.key_of)."""
-        return self._who_runs(admit(spec, self._config, self._host_memory), owner)
+        return who_runs(admit(spec, self._config, self._host_memory), owner, self._config)
 
     def lease(self, member: Sandbox, spec: SandboxSpec, *, one_shot: bool) -> Sandbox:
         """Hand an idle pool member to ``spec``'s task: the lineage a create would give it,
@@ -306,135 +314,6 @@ class SandboxManager:
         timers = sorted(self._deadlines.leased(sandbox.id), key=lambda t: t.at)
         return sandbox.leased(timers[-1]) if timers else sandbox
 
-    # --- who the sandbox runs as, and its workspace ------------------------------------------
-
-    def _who_runs(self, admitted: Admitted, owner: tuple[int, int] | None) -> Admitted:
-        """The spec with its host workspace as a bind at /workspace and ``run_as`` decided:
-        with any host bind the owner's uid:gid and nothing else (what the sandbox writes there
-        is theirs: policy.check_host_run_as); else as asked, or the configured non-root default."""
-        spec = admitted.spec
-        bind = workspace_mount(spec)
-        run_as = spec.run_as
-        if host_bound(spec):
-            uid, gid = owner or self._owner_ids(spec.user)
-            run_as = check_host_run_as(spec, (uid, gid))
-            if uid == 0:
-                check_root(spec.user, spec, self._config)
-        update = {
-            "run_as": run_as or self._config.default_run_as,
-            "mounts": (*spec.mounts, *([bind] if bind else [])),
-        }
-        return admitted.model_copy(update={"spec": spec.model_copy(update=update)})
-
-    def _bind_roots(self, user: str, owner: tuple[int, int] | None) -> tuple[BindRoot, ...]:
-        """``user``'s bind roots, each with who may own the directories on its path."""
-        uid, _ = owner or self._owner_ids(user)
-        return bind_roots(self._config.bind_roots, user, uid)
-
-    def _owner_ids(self, user: str) -> tuple[int, int]:
-        """``user``'s uid and primary gid from the user database (an admin acting for them).
-        A user the host does not know has no files a host directory could be given to."""
-        try:
-            entry = pwd.getpwnam(user)
-        except KeyError:
-            raise PolicyViolation(
-                f"user {user!r} has no entry on this host, so a sandbox of theirs cannot run "
-                "as them with a host directory; use a volume workspace",
-                code="policy_run_as",
-                field="workspace",
-            ) from None
-        return entry.pw_uid, entry.pw_gid
-
-    def _plugin(self, admitted: Admitted, owner: tuple[int, int] | None) -> WasmRun | None:
-        """A wasm sandbox's plugin, held by the agent's store before anything is made: read
-        from the caller's roots, or uploaded, or one the store holds; with its limits."""
-        spec = admitted.spec
-        if spec.backend is not Backend.WASM or spec.wasm is None:
-            return None
-        store = self._backend.wasm_plugins
-        if store is None:
-            raise Unavailable("the wasm backend is not enabled", code="backend_unavailable")
-        wanted = spec.wasm
-        if wanted.sha256 is not None:
-            store.require(wanted.sha256)
-            sha = wanted.sha256
-        elif wanted.module is not None:
-            try:
-                module = wanted.module_bytes()
-            except ValueError as exc:
-                raise InvalidRequest(str(exc), code="wasm_invalid", field="wasm.module") from exc
-            sha = store.put(module)
-        else:
-            assert wanted.path is not None
-            uid, gid = owner or self._owner_ids(spec.user)
-            roots = self._bind_roots(spec.user, (uid, gid))
-            sha = store.put(read_plugin(wanted.path, roots, uid, {gid}))
-        return WasmRun(
-            sha256=sha,
-            max_pages=max_pages_for(admitted.limits.memory_bytes),
-            allowed_hosts=plugin_hosts(spec),
-        )
-
-    def _check_started(
-        self,
-        container_id: str,
-        spec: SandboxSpec,
-        pinned: tuple[Pinned, ...],
-        fresh: VolumeInfo | None,
-        lineage: Lineage,
-    ) -> None:
-        """What only the running sandbox tells: each bind is what was pinned
-        (host.beneath.verify), its uid is not 0 unless allowed (a user name can map to 0 in
-        the image's passwd), and a volume made for it and its credentials belong to that
-        uid."""
-        if spec.backend in NO_IMAGE:
-            # Its own dynamic user, or the caller's with a host workspace: no volume and no
-            # credentials to give; the workspace is what was pinned, seen by its anchor.
-            if pinned:
-                pid = self._backend.sandbox_pid(container_id)
-                for bind in pinned:
-                    self._binds.verify(pid, bind)
-            return
-        ids = _numeric_ids(spec.run_as)
-        needs_pid = bool(pinned) or ids is None or fresh is not None
-        pid = self._backend.sandbox_pid(container_id) if needs_pid else 0
-        for bind in pinned:
-            self._binds.verify(pid, bind)
-        uid, gid = ids or self._binds.ids_of(pid)
-        if uid == 0 and not runs_as_root(spec.run_as):
-            check_root(spec.user, spec, self._config)
-        if lineage.credentials:  # only once the uid is known to be allowed
-            credential_store(self._config).give(lineage.sandbox_id, uid, gid)
-        if fresh is not None and fresh.mountpoint:
-            try:
-                self._binds.own(pid, WORKSPACE, fresh.mountpoint, uid, gid)
-            except OSError as exc:
-                raise HostError(
-                    f"the new workspace volume {fresh.name} could not be given to uid {uid} "
-                    f"({exc.strerror}); is the agent on the Docker host, as root?"
-                ) from exc
-
-    @contextmanager
-    def _staging(self, sandbox_id: str, staging: bool) -> Iterator[None]:
-        """The block's staging points (host.staging) removed after it, whatever its end: the
-        running sandbox has its own mounts by then."""
-        try:
-            yield
-        finally:
-            if staging:
-                self._binds.unstage(sandbox_id)
-
-    def _staged(self, admitted: Admitted, pinned: tuple[Pinned, ...], lineage: Lineage) -> Admitted:
-        """``admitted`` with its bind sources replaced by their staging points: what Docker
-        gets, a path nobody but root can change (host.staging)."""
-        spec = admitted.spec
-        points = iter(self._binds.stage(lineage.sandbox_id, pinned))
-        mounts = tuple(
-            m.model_copy(update={"source": next(points)}) if m.kind is MountKind.BIND else m
-            for m in spec.mounts
-        )
-        return admitted.model_copy(update={"spec": spec.model_copy(update={"mounts": mounts})})
-
     def sweep_staging(self) -> list[str]:
         """Remove the staging points no create in flight holds (a killed agent's); their ids.
         Listed before the creates in flight are read: one that starts staging after the list
@@ -446,31 +325,6 @@ class SandboxManager:
             log.info("removing the staging points of %s (no create holds them)", sandbox_id)
             self._binds.unstage(sandbox_id, wait=True)
         return orphans
-
-    def _pin_binds(
-        self, admitted: Admitted, owner: tuple[int, int] | None
-    ) -> tuple[Admitted, tuple[Pinned, ...]]:
-        """Each bind source opened by the kernel beneath the caller's root (host.beneath),
-        and the spec's sources replaced by the paths that were opened."""
-        spec = admitted.spec
-        binds = [m for m in spec.mounts if m.kind is MountKind.BIND]
-        if not binds:
-            return admitted, ()
-        roots = self._bind_roots(spec.user, owner)
-        try:
-            pinned = tuple(self._binds.pin(m.source, m.target, roots) for m in binds)
-        except PolicyViolation as exc:
-            if exc.code == "bind_root_unsafe":  # the operator's to fix: say it where they look
-                log.warning("refused a bind of %s: %s", spec.user, exc.message)
-            raise
-        sources = iter(p.source for p in pinned)
-        mounts = tuple(
-            m.model_copy(update={"source": next(sources)}) if m.kind is MountKind.BIND else m
-            for m in spec.mounts
-        )
-        return admitted.model_copy(
-            update={"spec": spec.model_copy(update={"mounts": mounts})}
-        ), pinned
 
     def get(self, sandbox_id: str, *, current_deadline: bool = False) -> Sandbox:
         """The sandbox; with ``current_deadline`` its ``expires_at`` is the one systemd holds
@@ -841,11 +695,3 @@ def _request(
         backend=spec.backend,
         allow_jit=config.native_allow_jit,
     )
-
-
-def _numeric_ids(run_as: str | None) -> tuple[int, int] | None:
-    """``uid:gid`` as numbers; None for a name, or a uid alone (its gid is the image's)."""
-    uid, _, gid = (run_as or "").partition(":")
-    if uid.isdigit() and gid.isdigit():
-        return int(uid), int(gid)
-    return None

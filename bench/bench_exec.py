@@ -27,9 +27,10 @@ import docker
 
 from slicebox.backends.base import SandboxRequest
 from slicebox.backends.docker import DockerBackend, run_flags
+from slicebox.core.creation import KEEP_ALIVE
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
-from slicebox.core.sandboxes import KEEP_ALIVE, SandboxManager
+from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.service import Service
 from slicebox.core.slices import SliceManager
 from slicebox.core.telemetry import MemoryIntegrator, TreeReader, UsageReader

@@ -40,12 +40,13 @@ class World:
         self,
         config: str = '[projects."al-ice/p"]\nmemory = "400MB"\n',
         binds: BindGuard | None = None,
+        calls: Counter[str] | None = None,
     ) -> None:
         self.systemd = FakeSystemd()
         self.docker = FakeDocker(self.systemd)
         ids = (f"sbx-{n:012x}" for n in itertools.count(1))
         self.manager = SandboxManager(
-            self.docker,
+            self.docker if calls is None else counting(self.docker, calls, "docker"),
             SliceManager(self.systemd),
             config=parse_config(config),
             host_memory=4096 * MiB,
@@ -181,12 +182,10 @@ def test_missing_image_is_pulled_or_refused_before_anything_exists(world: World)
     assert not any("slicebox-z" in u for u in world.systemd.running)
 
 
-def test_an_image_a_create_found_is_not_checked_again_unless_a_create_misses_it(
-    world: World,
-) -> None:
+def test_an_image_a_create_found_is_not_checked_again_unless_a_create_misses_it() -> None:
     """One backend call fewer per create: the create itself tells a missing image."""
     calls: Counter[str] = Counter()
-    world.manager._backend = counting(world.docker, calls, "docker")
+    world = World(calls=calls)
     world.manager.create(spec())
     world.manager.create(spec())
     assert (calls["docker.prepare"], calls["docker.create"]) == (1, 2)

@@ -2,12 +2,17 @@
 destroy idempotently, cascade-destroy a task tree deepest first.
 
 Everything a sandbox is lives in its container's immutable labels (see :mod:`slicebox.model.labels`)
-and in systemd; in memory there is only what is in progress, when a destroy last left each
-slice, and which images creates found present (a hint: Docker's create says when one is gone).
-A create that fails after it made something (a container, a slice) removes what it made
-before the error reaches the caller. A destroy leaves the user and project slices in place:
-the next sandbox of the project (one-shot runs come and go) finds them ready, and the reaper
-stops them once they have been empty for ``reaper.empty_slice_grace_seconds``.
+and in systemd; in memory there is only what is in progress (core.operations), when a destroy
+last left each slice, and which images creates found present (core.creation). A create that
+fails after it made something (a container, a slice) removes what it made before the error
+reaches the caller. A destroy leaves the user and project slices in place: the next sandbox of
+the project (one-shot runs come and go) finds them ready, and the reaper stops them once they
+have been empty for ``reaper.empty_slice_grace_seconds``.
+
+``SandboxManager`` is what the rest of the agent calls; the rooms behind it are the sandbox
+value (core.sandbox), creating one (core.creation), what is in progress (core.operations),
+per-backend refusals (core.refusals), who it runs as and its host binds (core.binds), and its
+workspace (core.workspaces).
 """
 
 from __future__ import annotations
@@ -18,85 +23,36 @@ from contextlib import AbstractContextManager
 from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 
-from slicebox.backends.base import (
-    SandboxBackend,
-    SandboxInfo,
-    SandboxRequest,
-    VolumeInfo,
+from slicebox.backends.base import SandboxBackend, SandboxInfo
+from slicebox.core.creation import (
+    KEEP_ALIVE,
+    Creator,
+    admitted_spec,
+    ancestry,
+    arm,
+    remove_container,
 )
-from slicebox.core.binds import (
-    check_started,
-    pin_binds,
-    staging_points,
-    to_staging,
-    wasm_plugin,
-    who_runs,
-)
-from slicebox.core.credentials import GIT_ENV
 from slicebox.core.deadlines import Deadlines, Timer, latest
-from slicebox.core.egress import EgressGuard, Labelled, Placement
-from slicebox.core.launch import LAUNCHER, WAITER_COMMAND, exec_line
+from slicebox.core.egress import EgressGuard, Labelled
 from slicebox.core.operations import Operations
-from slicebox.core.policy import (
-    Admitted,
-    admit,
-    capability_name,
-    check_ttl,
-)
+from slicebox.core.policy import Admitted, check_ttl
 from slicebox.core.recent import Recent
-from slicebox.core.refusals import NO_IMAGE, check_backend
-from slicebox.core.sandbox import (
-    CONTAINER_NAME,
-    KNOWN_SANDBOXES,
-    Sandbox,
-    found,
-    new_sandbox_id,
-)
+from slicebox.core.sandbox import CONTAINER_NAME, KNOWN_SANDBOXES, Sandbox, found, new_sandbox_id
 from slicebox.core.slices import SliceManager
-from slicebox.core.workspaces import (
-    check_volume_mounts,
-    clone_workspace,
-    credential_store,
-    credentials_mount,
-    drop_volume,
-    ensure_volume,
-    release_volume,
-    volume_mount,
-    volume_name,
-    write_credentials,
-)
+from slicebox.core.workspaces import credential_store, release_volume
 from slicebox.host.beneath import BindGuard, KernelBindGuard
 from slicebox.model.config import Config
-from slicebox.model.egress import NetworkSpec
-from slicebox.model.errors import (
-    HostError,
-    ImageUnavailable,
-    InvalidRequest,
-    NotFound,
-    SandboxNotRunning,
-    Unavailable,
-)
-from slicebox.model.labels import (
-    EGRESS_ADDRESS,
-    Lineage,
-    decode,
-    selector,
-)
+from slicebox.model.errors import HostError, InvalidRequest, NotFound
+from slicebox.model.labels import EGRESS_ADDRESS, decode, selector
 from slicebox.model.names import scope_name
 from slicebox.model.pool import Lease
 from slicebox.model.spec import Backend, SandboxSpec
 
-# Sandbox is re-exported: its callers name it with the manager.
+# Re-exported: the callers that make sandboxes name these with the manager.
 __all__ = ["KEEP_ALIVE", "Sandbox", "SandboxManager"]
 
 log = logging.getLogger(__name__)
 
-
-# A sandbox without a command of its own stays up for execs, as the seeds' pool containers do.
-KEEP_ALIVE = ("sleep", "infinity")
-# Images a create of this agent found present, the most recently used kept: a create with one
-# of them does not ask the backend about the image first (see ``SandboxManager._start``).
-KNOWN_IMAGES = 64
 T = TypeVar("T")
 # Lineage an acquired pool member's lease gives, not its labels: found by filtering, not by
 # Docker's label filter.
@@ -126,11 +82,21 @@ class SandboxManager:
         self._host_memory = host_memory
         self._instance_id = instance_id
         self._clock = clock
-        self._new_id = new_id
         self._deadlines = deadlines
         self._operations = Operations()
-        # The images known present (KNOWN_IMAGES).
-        self._images: Recent[str, None] = Recent(KNOWN_IMAGES)
+        self._creator = Creator(
+            backend,
+            slices,
+            self._binds,
+            self._operations,
+            host_memory=host_memory,
+            instance_id=instance_id,
+            clock=clock,
+            new_id=new_id,
+            lookup=self.get,
+            deadlines=deadlines,
+            egress=egress,
+        )
         # Sandbox id -> the sandbox as this agent made or last looked it up (KNOWN_SANDBOXES):
         # what a destroy needs of it (its container, user, project, lineage) is its labels',
         # which never change, so a destroy of a known sandbox makes no look-up (an inspect).
@@ -209,83 +175,15 @@ class SandboxManager:
         (the caller's own); left out, it is looked up by name. A host workspace runs as it.
         ``pool_key``: a warm pool's member of that key (core.pool), labelled so, with no
         deadline until it is acquired, and returned held as a one-shot's is."""
-        spec = self._check_backend(spec, pool_key=pool_key)
-        admitted = self.admitted(spec, owner)
-        check_volume_mounts(self._backend, admitted.spec)
-        admitted, pinned = pin_binds(self._binds, self._config, admitted, owner)
-        lineage = self._lineage(admitted, one_shot=one_shot, pool_key=pool_key)
-        # A native sandbox runs the host's programs: it has no image to look for.
-        known = spec.backend in NO_IMAGE or self._image_known(admitted.image)
-        plugin = wasm_plugin(self._backend, self._config, admitted, owner)
-        if not known:  # an image that cannot be had is refused before anything exists
-            self._backend.prepare(admitted.image)
-        staging = bool(pinned) and spec.backend is Backend.DOCKER
-        with (
-            self._operations.creating(lineage, hold=one_shot or bool(pool_key)),
-            staging_points(self._binds, lineage.sandbox_id, staging),
-        ):
-            made = self._ensure_slices(admitted, lineage.sandbox_id)
-            fresh: VolumeInfo | None = None
-            placed: Placement | None = None
-            try:
-                placed = self._place_egress(admitted.spec, lineage.sandbox_id)
-                lineage = _placed(lineage, placed)
-                fresh = ensure_volume(self._backend, admitted.spec, lineage)
-                write_credentials(self._config, admitted.spec, lineage.sandbox_id)
-                staged = (
-                    to_staging(self._binds, admitted, pinned, lineage.sandbox_id)
-                    if staging
-                    else admitted
-                )
-                request = _request(staged, lineage, self._config, placed)
-                if plugin is not None:
-                    request = request.model_copy(update={"wasm": plugin})
-                if staging and spec.command is not None:  # its command waits for the check
-                    request = request.model_copy(
-                        update={"command": WAITER_COMMAND, "open_stdin": True}
-                    )
-                info = self._start(request, image_known=known)
-            except BaseException:
-                self._release_egress(placed, lineage.sandbox_id)
-                credential_store(self._config).remove(lineage.sandbox_id)
-                drop_volume(self._backend, fresh)
-                self._undo(made, lineage.sandbox_id)
-                raise
-            try:
-                check_started(
-                    self._backend,
-                    self._binds,
-                    self._config,
-                    info.id,
-                    spec=admitted.spec,
-                    pinned=pinned,
-                    fresh=fresh,
-                    lineage=lineage,
-                )
-                clone_workspace(self._backend, self._config, info.id, admitted.spec)
-                if staging and spec.command is not None:
-                    self._backend.release(info.id, exec_line(spec.command))
-                self._arm(lineage.sandbox_id, info.id, lineage.expires_at, new=True)
-            except BaseException:
-                self.remove_container(info.id)
-                self._release_egress(placed, lineage.sandbox_id)
-                credential_store(self._config).remove(lineage.sandbox_id)
-                drop_volume(self._backend, fresh)
-                self._undo(made, lineage.sandbox_id)
-                raise
-        # At debug: the service's sandbox_created audit record tells it in the journal.
-        log.debug(
-            "created %s (%s) in %s",
-            lineage.sandbox_id,
-            info.id[:12],
-            admitted.placement.names.project,
+        info = self._creator.create(
+            spec, self._config, one_shot=one_shot, owner=owner, pool_key=pool_key
         )
         return self._remember(Sandbox.from_info(info))
 
     def admitted(self, spec: SandboxSpec, owner: tuple[int, int] | None = None) -> Admitted:
         """The spec through policy and admission, with who it runs as decided: what a create
         makes, and what a warm pool's key is read from (core.poolkeys.key_of)."""
-        return who_runs(admit(spec, self._config, self._host_memory), owner, self._config)
+        return admitted_spec(spec, self._config, self._host_memory, owner)
 
     def lease(self, member: Sandbox, spec: SandboxSpec, *, one_shot: bool) -> Sandbox:
         """Hand an idle pool member to ``spec``'s task: the lineage a create would give it,
@@ -295,7 +193,7 @@ class SandboxManager:
         if deadlines is None or ttl is None:
             raise InvalidRequest("a pool member is leased only with a deadline in systemd")
         task_id = spec.task_id or member.id
-        root, depth = self._ancestry(spec, task_id)
+        root, depth = ancestry(spec, task_id, self.get)
         lease = Lease(
             task_id=task_id,
             root_task_id=root,
@@ -393,7 +291,7 @@ class SandboxManager:
 
     def arm_deadline(self, sandbox: Sandbox) -> None:
         """Arm the deadline the labels give (start-up reconciliation of a missing timer)."""
-        self._arm(sandbox.id, sandbox.container_id, sandbox.expires_at)
+        arm(self._deadlines, self._backend, sandbox.id, sandbox.container_id, sandbox.expires_at)
 
     def destroy(self, sandbox_id: str) -> Sandbox | None:
         """Remove a sandbox; None when there was none (destroying twice is fine)."""
@@ -436,22 +334,6 @@ class SandboxManager:
         credential_store(self._config).remove(sandbox.id)
         release_volume(self._backend, sandbox)
 
-    def _place_egress(self, spec: SandboxSpec, sandbox_id: str) -> Placement | None:
-        # A wasm plugin's hosts are its runtime's allowed_hosts (backends.wasm), not rules.
-        if not isinstance(spec.network, NetworkSpec) or spec.backend is Backend.WASM:
-            return None
-        if self._egress is None:
-            raise Unavailable(
-                "network egress is not available on this agent; use network 'none'",
-                code="egress_unavailable",
-            )
-        allow = spec.network.egress.allow
-        return self._egress.place(sandbox_id, spec.user, spec.project, allow)
-
-    def _release_egress(self, placed: Placement | None, sandbox_id: str) -> None:
-        if placed is not None and self._egress is not None:
-            self._egress.release(sandbox_id)
-
     def sync_egress(self, containers: list[SandboxInfo], observed_at: float) -> None:
         """The egress rules and resolver map in line with a listing (the reaper's pass)."""
         if self._egress is None:
@@ -477,9 +359,7 @@ class SandboxManager:
 
     def remove_container(self, container_id: str) -> bool:
         """Remove a container whatever its labels say (the reaper's last resort)."""
-        gone = self._backend.remove(container_id)
-        self._slices.wait_stopped(scope_name(container_id))
-        return gone
+        return remove_container(self._backend, self._slices, container_id)
 
     def stop_slice_if_idle(self, unit: str, *, creating: str | None = None) -> bool:
         """Stop a user or project slice that holds nothing and that no create (other than
@@ -496,52 +376,8 @@ class SandboxManager:
             self.destroy_sandbox(member, _nothing)
         return members
 
-    def _start(self, request: SandboxRequest, *, image_known: bool) -> SandboxInfo:
-        """Create and start the container. An image a create found present before is not
-        checked first (one backend call fewer per create): should it be gone since, the create
-        says so (``ImageUnavailable``, leaving nothing), and the image is prepared (pulled) and
-        the create tried once more."""
-        try:
-            info = self._backend.create(request)
-        except ImageUnavailable:
-            self._forget_image(request.image)
-            if not image_known:
-                raise
-            log.info("image %s is gone since its last create; preparing it again", request.image)
-            self._backend.prepare(request.image)
-            info = self._backend.create(request)
-        self._remember_image(request.image)
-        return info
-
-    def _image_known(self, image: str) -> bool:
-        return image in self._images
-
-    def _remember_image(self, image: str) -> None:
-        self._images.put(image, None)
-
-    def _forget_image(self, image: str) -> None:
-        self._images.pop(image)
-
     def _vacate(self, sandbox: Sandbox) -> None:
         self._operations.vacate(sandbox.slices(), self._clock())
-
-    def _arm(
-        self, sandbox_id: str, container_id: str, at: datetime | None, *, new: bool = False
-    ) -> None:
-        """Arm the deadline ``at``, if any; ``new``: of a sandbox this call is creating. A
-        remote sandbox has no unit here to bind a timer to: its label's deadline is the
-        reaper's to enforce (due at once, as any deadline no timer holds)."""
-        if self._deadlines is None or at is None or not self._backend.has_host(container_id):
-            return
-        try:
-            if new:
-                self._deadlines.arm_new(sandbox_id, container_id, at)
-            else:
-                self._deadlines.arm(sandbox_id, container_id, at)
-        except SandboxNotRunning:
-            # Its command ended already (or it was killed): the reaper removes it as exited,
-            # deadline or none.
-            log.info("%s has stopped already; no deadline timer armed", sandbox_id)
 
     def _with_deadlines(self, sandboxes: list[Sandbox]) -> list[Sandbox]:
         """The deadlines systemd holds now override the labels' (they may be extended), and
@@ -562,136 +398,6 @@ class SandboxManager:
             for s in sandboxes
         ]
 
-    def _lineage(self, admitted: Admitted, *, one_shot: bool, pool_key: str = "") -> Lineage:
-        spec, limits, now = admitted.spec, admitted.limits, self._clock()
-        sandbox_id = self._new_id()
-        task_id = spec.task_id or sandbox_id
-        root, depth = self._ancestry(spec, task_id)
-        # A pool member has no deadline until its acquire arms its lease's.
-        ttl = None if pool_key else spec.ttl_seconds or self._config.default_ttl_seconds
-        return Lineage(
-            sandbox_id=sandbox_id,
-            instance_id=self._instance_id,
-            root_task_id=root,
-            task_id=task_id,
-            parent_id=spec.parent_id or "",
-            depth=depth,
-            user=spec.user,
-            project=spec.project,
-            backend=spec.backend.value,
-            created_at=now,
-            expires_at=None if ttl is None else now + timedelta(seconds=ttl),
-            provisioned_cpu=limits.cpus,
-            provisioned_memory_bytes=limits.memory_bytes,
-            provisioned_pids=limits.pids,
-            oneshot=one_shot,
-            pool=bool(pool_key),
-            pool_key=pool_key,
-            workspace_volume=volume_name(spec, sandbox_id),
-            credentials="git" if spec.credentials and spec.credentials.git else "",
-            launcher=LAUNCHER if _waits(spec, one_shot=one_shot, pool_key=pool_key) else "",
-        )
-
-    def _ancestry(self, spec: SandboxSpec, task_id: str) -> tuple[str, int]:
-        """(root task id, depth): a child inherits its parent's root task."""
-        if spec.parent_id is None:
-            return spec.root_task_id or task_id, 0
-        parent = self.get(spec.parent_id)
-        if parent.user != spec.user:
-            raise NotFound(f"no sandbox {spec.parent_id}; list sandboxes to see the ids")
-        root = parent.lineage.root_task_id
-        if spec.root_task_id not in (None, root):
-            raise InvalidRequest(
-                f"root_task_id {spec.root_task_id!r} differs from the parent's {root!r}; "
-                "leave root_task_id out for a child sandbox"
-            )
-        return root, parent.lineage.depth + 1
-
-    def _check_backend(self, spec: SandboxSpec, *, pool_key: str = "") -> SandboxSpec:
-        """The spec with the backend that runs it: the one it names, or native in Docker's
-        place when Docker is unavailable and the configuration allows the fallback (never
-        for a pool member); refused ``backend_unavailable`` when none can run it, and
-        ``backend_unsupported`` when the native backend cannot give what it asks."""
-        fallback = self._config.allow_native_fallback and not pool_key
-        kind = self._backend.resolve(spec.backend, fallback=fallback)
-        return check_backend(spec, kind, pool_key=pool_key)
-
-    def _ensure_slices(self, admitted: Admitted, sandbox_id: str) -> list[str]:
-        """Ensure the three slices top down; the ones this call created."""
-        placement, made = admitted.placement, list[str]()
-        levels = (
-            (placement.names.managed, placement.managed),
-            (placement.names.user, placement.user),
-            (placement.names.project, placement.project),
-        )
-        try:
-            for unit, ceiling in levels:
-                if self._slices.ensure(unit, ceiling) and unit != placement.names.managed:
-                    made.append(unit)
-        except BaseException:
-            self._undo(made, sandbox_id)
-            raise
-        return made
-
-    def _undo(self, made: list[str], sandbox_id: str) -> None:
-        """Stop the slices a failed create made, deepest first (the managed one stays),
-        unless another create is placing into them."""
-        for unit in reversed(made):
-            self.stop_slice_if_idle(unit, creating=sandbox_id)
-
 
 def _nothing(sandbox: Sandbox) -> None:
     """A last look that reads nothing."""
-
-
-def _waits(spec: SandboxSpec, *, one_shot: bool, pool_key: str) -> bool:
-    """Whether the sandbox's main process is the waiter (``core.launch``): made for a one-shot
-    run, or as a member of a pool that does not reuse its members (a member a create takes
-    waits forever, as ``sleep infinity`` would); never with a command of the caller's, nor in
-    a native sandbox (whose execs are units of their own: it has no waiter)."""
-    if spec.backend is not Backend.DOCKER:
-        return False
-    return spec.command is None and (one_shot or (bool(pool_key) and not spec.reuse))
-
-
-def _command(spec: SandboxSpec, lineage: Lineage) -> tuple[str, ...]:
-    if spec.command is not None:
-        return spec.command
-    return WAITER_COMMAND if lineage.launcher else KEEP_ALIVE
-
-
-def _placed(lineage: Lineage, placed: Placement | None) -> Lineage:
-    if placed is None:
-        return lineage
-    return lineage.model_copy(
-        update={"egress": placed.allow, "egress_address": str(placed.address)}
-    )
-
-
-def _request(
-    admitted: Admitted,
-    lineage: Lineage,
-    config: Config,
-    placed: Placement | None = None,
-) -> SandboxRequest:
-    spec = admitted.spec
-    network = placed.network if placed else spec.network
-    return SandboxRequest(
-        name=lineage.sandbox_id,
-        image=admitted.image,
-        command=_command(spec, lineage),
-        open_stdin=bool(lineage.launcher),
-        labels=lineage.to_labels(),
-        slice=admitted.placement.names.project,
-        limits=admitted.limits,
-        network=network if isinstance(network, str) else "none",
-        address=str(placed.address) if placed else None,
-        dns=(str(placed.dns),) if placed else (),
-        env={**spec.env, **(GIT_ENV if lineage.credentials else {})},
-        user=spec.run_as,
-        workdir=spec.workdir,
-        mounts=spec.mounts + volume_mount(spec, lineage) + credentials_mount(config, lineage),
-        cap_add=tuple(capability_name(cap) for cap in spec.cap_add),
-        backend=spec.backend,
-        allow_jit=config.native_allow_jit,
-    )

@@ -37,7 +37,8 @@ from slicebox.core.egress import EgressGuard, Labelled
 from slicebox.core.operations import Operations
 from slicebox.core.policy import Admitted, check_ttl
 from slicebox.core.recent import Recent
-from slicebox.core.sandbox import CONTAINER_NAME, KNOWN_SANDBOXES, Sandbox, found, new_sandbox_id
+from slicebox.core.sandbox import CONTAINER_NAME, KNOWN_SANDBOXES, Sandbox, new_sandbox_id
+from slicebox.core.sandbox import found as _found
 from slicebox.core.slices import SliceManager
 from slicebox.core.workspaces import credential_store, release_volume
 from slicebox.host.beneath import BindGuard, KernelBindGuard
@@ -232,7 +233,7 @@ class SandboxManager:
         however many containers there are (a list filtered by label goes through them all);
         its labels still decide whether it is that sandbox."""
         info = self._backend.inspect(sandbox_id) if CONTAINER_NAME.fullmatch(sandbox_id) else None
-        sandbox = self._remember(found(info, sandbox_id))
+        sandbox = self._remember(_found(info, sandbox_id))
         if sandbox.lineage.pool:  # its lineage and deadline are its lease's
             return self.with_lease(sandbox)
         if current_deadline and self._deadlines is not None:
@@ -245,7 +246,7 @@ class SandboxManager:
         comes without its lease, which is systemd's: the caller reads it (``with_lease``)."""
         named = CONTAINER_NAME.fullmatch(sandbox_id)
         info = await self._backend.inspect_async(sandbox_id) if named else None
-        return self._remember(found(info, sandbox_id))
+        return self._remember(_found(info, sandbox_id))
 
     def known(self, sandbox_id: str) -> Sandbox | None:
         """The sandbox as this agent made or last looked it up, if it did: its lineage is

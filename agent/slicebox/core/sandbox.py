@@ -26,7 +26,7 @@ from slicebox.model.paths import CGROUP_ROOT
 from slicebox.model.pool import Lease
 
 # Sandboxes known by id, the most recently used kept (``SandboxManager.known``): a few KiB each,
-# more than a host runs at once (the load test's 200 with room to spare).
+# more than a host runs at once.
 KNOWN_SANDBOXES = 1024
 # What Docker accepts as a container name: anything else is no sandbox's id, and never reaches
 # Docker's API as part of a path.

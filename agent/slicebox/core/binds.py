@@ -1,10 +1,11 @@
 """Who a sandbox runs as, and what of the host it is given.
 
-A host workspace or bind runs the sandbox as its owner (``who_runs``). Each bind source is
-opened by the kernel beneath the caller's bind root (``pin_binds``, host.beneath); Docker gets a
-staging point of it that nobody but root can change (host.staging), and once the sandbox runs
-each bind is checked to be what was pinned, with its uid allowed (``check_started``). A wasm
-sandbox's plugin is read from the caller's roots the same way (``wasm_plugin``).
+A host workspace or bind runs the sandbox as its owner, whose ids ``caller_ids`` reads for
+admission (core.admission) to decide. Each bind source is opened by the kernel beneath the
+caller's bind root (``pin_binds``, host.beneath); Docker gets a staging point of it that nobody
+but root can change (host.staging), and once the sandbox runs each bind is checked to be what
+was pinned, with its uid allowed (``check_started``). A wasm sandbox's plugin is read from the
+caller's roots the same way (``wasm_plugin``).
 """
 
 from __future__ import annotations
@@ -15,15 +16,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from slicebox.backends.base import WORKSPACE, SandboxBackend, VolumeInfo
+from slicebox.core.admission import unknown_user
 from slicebox.core.policy import (
     Admitted,
-    check_host_run_as,
     check_root,
     host_bound,
     runs_as_root,
-    workspace_mount,
 )
-from slicebox.core.refusals import NO_IMAGE, plugin_hosts
+from slicebox.core.refusals import NO_IMAGE
 from slicebox.core.workspaces import credential_store
 from slicebox.host.beneath import BindGuard, BindRoot, Pinned, bind_roots
 from slicebox.host.plugins import read_plugin
@@ -36,23 +36,13 @@ from slicebox.model.wasm import WasmRun, max_pages_for
 log = logging.getLogger(__name__)
 
 
-def who_runs(admitted: Admitted, owner: tuple[int, int] | None, config: Config) -> Admitted:
-    """The spec with its host workspace as a bind at /workspace and ``run_as`` decided:
-    with any host bind the owner's uid:gid and nothing else (what the sandbox writes there
-    is theirs: policy.check_host_run_as); else as asked, or the configured non-root default."""
-    spec = admitted.spec
-    bind = workspace_mount(spec)
-    run_as = spec.run_as
-    if host_bound(spec):
-        uid, gid = owner or owner_ids(spec.user)
-        run_as = check_host_run_as(spec, (uid, gid))
-        if uid == 0:
-            check_root(spec.user, spec, config)
-    update = {
-        "run_as": run_as or config.default_run_as,
-        "mounts": (*spec.mounts, *([bind] if bind else [])),
-    }
-    return admitted.model_copy(update={"spec": spec.model_copy(update=update)})
+def caller_ids(spec: SandboxSpec, owner: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The uid and primary gid admission needs (core.admission): ``owner``, the kernel's word
+    for the caller's own; else, for a sandbox with a host directory, its user's from the user
+    database (None when the host has no such user, which admission refuses)."""
+    if owner is not None or not host_bound(spec):
+        return owner
+    return user_ids(spec.user)
 
 
 def roots_of(config: Config, user: str, owner: tuple[int, int] | None) -> tuple[BindRoot, ...]:
@@ -62,17 +52,19 @@ def roots_of(config: Config, user: str, owner: tuple[int, int] | None) -> tuple[
 
 
 def owner_ids(user: str) -> tuple[int, int]:
-    """``user``'s uid and primary gid from the user database (an admin acting for them).
-    A user the host does not know has no files a host directory could be given to."""
+    """``user``'s uid and primary gid from the user database (an admin acting for them)."""
+    ids = user_ids(user)
+    if ids is None:
+        raise unknown_user(user)
+    return ids
+
+
+def user_ids(user: str) -> tuple[int, int] | None:
+    """``user``'s uid and primary gid from the user database; None for a user it lacks."""
     try:
         entry = pwd.getpwnam(user)
     except KeyError:
-        raise PolicyViolation(
-            f"user {user!r} has no entry on this host, so a sandbox of theirs cannot run "
-            "as them with a host directory; use a volume workspace",
-            code="policy_run_as",
-            field="workspace",
-        ) from None
+        return None
     return entry.pw_uid, entry.pw_gid
 
 
@@ -169,10 +161,15 @@ def check_started(
 
 
 def wasm_plugin(
-    backend: SandboxBackend, config: Config, admitted: Admitted, owner: tuple[int, int] | None
+    backend: SandboxBackend,
+    config: Config,
+    admitted: Admitted,
+    owner: tuple[int, int] | None,
+    hosts: tuple[str, ...],
 ) -> WasmRun | None:
     """A wasm sandbox's plugin, held by the agent's store before anything is made: read
-    from the caller's roots, or uploaded, or one the store holds; with its limits."""
+    from the caller's roots, or uploaded, or one the store holds; with its limits and its
+    allowed ``hosts`` (core.admission)."""
     spec = admitted.spec
     if spec.backend is not Backend.WASM or spec.wasm is None:
         return None
@@ -197,7 +194,7 @@ def wasm_plugin(
     return WasmRun(
         sha256=sha,
         max_pages=max_pages_for(admitted.limits.memory_bytes),
-        allowed_hosts=plugin_hosts(spec),
+        allowed_hosts=hosts,
     )
 
 

@@ -1,13 +1,13 @@
 """Making a sandbox: admit it, place it in the slice tree, start it, and undo what it made
 when any step fails.
 
-Everything that can be refused without making anything is decided first (policy, admission,
-the backend's refusals, the volumes it names, its binds pinned, its image and wasm plugin
-found). Then the create is in flight (core.operations) while it ensures its slices, places
-its egress, makes its workspace volume and credentials, starts its container and checks
-what only the running sandbox tells. A failure at any of those removes what the create made
-(its container, egress rules, credentials, new volume and new slices) before the error
-reaches the caller.
+Everything that can be refused without making anything is decided first: admission's pure
+pass (core.admission), then what the host answers (the volumes it names, its binds pinned,
+its image and wasm plugin found). Then the create is in flight (core.operations) while it
+ensures its slices, places its egress, makes its workspace volume and credentials, starts its
+container and checks what only the running sandbox tells. A failure at any of those removes
+what the create made (its container, egress rules, credentials, new volume and new slices)
+before the error reaches the caller.
 """
 
 from __future__ import annotations
@@ -17,22 +17,23 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from slicebox.backends.base import SandboxBackend, SandboxInfo, SandboxRequest, VolumeInfo
+from slicebox.core.admission import decide
 from slicebox.core.binds import (
+    caller_ids,
     check_started,
     pin_binds,
     staging_points,
     to_staging,
     wasm_plugin,
-    who_runs,
 )
 from slicebox.core.credentials import GIT_ENV
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.egress import EgressGuard, Placement
 from slicebox.core.launch import LAUNCHER, WAITER_COMMAND, exec_line
 from slicebox.core.operations import Operations
-from slicebox.core.policy import Admitted, admit, capability_name
+from slicebox.core.policy import Admitted, capability_name
 from slicebox.core.recent import Recent
-from slicebox.core.refusals import NO_IMAGE, check_backend
+from slicebox.core.refusals import NO_IMAGE
 from slicebox.core.sandbox import Sandbox
 from slicebox.core.slices import SliceManager
 from slicebox.core.workspaces import (
@@ -112,14 +113,16 @@ class Creator:
         pool_key: str,
     ) -> SandboxInfo:
         """The started container of a new sandbox (``SandboxManager.create``)."""
-        spec = self._check_backend(spec, config, pool_key=pool_key)
-        admitted = admitted_spec(spec, config, self._host_memory, owner)
-        check_volume_mounts(self._backend, admitted.spec)
-        admitted, pinned = pin_binds(self._binds, config, admitted, owner)
+        kind = self._resolve(spec, config, pool_key=pool_key)
+        ids = caller_ids(spec, owner)
+        decided = decide(spec, kind, config, self._host_memory, ids, pool_key=pool_key)
+        spec = decided.admitted.spec
+        check_volume_mounts(self._backend, spec)
+        admitted, pinned = pin_binds(self._binds, config, decided.admitted, ids)
         lineage = self._lineage(admitted, config, one_shot=one_shot, pool_key=pool_key)
         # A native sandbox runs the host's programs: it has no image to look for.
         known = spec.backend in NO_IMAGE or admitted.image in self._images
-        plugin = wasm_plugin(self._backend, config, admitted, owner)
+        plugin = wasm_plugin(self._backend, config, admitted, owner, decided.plugin_hosts)
         if not known:  # an image that cannot be had is refused before anything exists
             self._backend.prepare(admitted.image)
         staging = bool(pinned) and spec.backend is Backend.DOCKER
@@ -183,14 +186,12 @@ class Creator:
         )
         return info
 
-    def _check_backend(self, spec: SandboxSpec, config: Config, *, pool_key: str) -> SandboxSpec:
-        """The spec with the backend that runs it: the one it names, or native in Docker's
-        place when Docker is unavailable and the configuration allows the fallback (never
-        for a pool member); refused ``backend_unavailable`` when none can run it, and
-        ``backend_unsupported`` when the native backend cannot give what it asks."""
+    def _resolve(self, spec: SandboxSpec, config: Config, *, pool_key: str) -> Backend:
+        """The backend that runs ``spec``: the one it names, or native in Docker's place when
+        Docker is unavailable and the configuration allows the fallback (never for a pool
+        member); refused ``backend_unavailable`` when none can run it."""
         fallback = config.allow_native_fallback and not pool_key
-        kind = self._backend.resolve(spec.backend, fallback=fallback)
-        return check_backend(spec, kind, pool_key=pool_key)
+        return self._backend.resolve(spec.backend, fallback=fallback)
 
     def _lineage(
         self, admitted: Admitted, config: Config, *, one_shot: bool, pool_key: str
@@ -281,13 +282,6 @@ class Creator:
     def _release_egress(self, placed: Placement | None, sandbox_id: str) -> None:
         if placed is not None and self._egress is not None:
             self._egress.release(sandbox_id)
-
-
-def admitted_spec(
-    spec: SandboxSpec, config: Config, host_memory: int, owner: tuple[int, int] | None
-) -> Admitted:
-    """The spec through policy and admission, with who it runs as decided."""
-    return who_runs(admit(spec, config, host_memory), owner, config)
 
 
 def ancestry(spec: SandboxSpec, task_id: str, lookup: Callable[[str], Sandbox]) -> tuple[str, int]:

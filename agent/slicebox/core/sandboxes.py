@@ -24,10 +24,11 @@ from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 
 from slicebox.backends.base import SandboxBackend, SandboxInfo
+from slicebox.core.admission import admitted
+from slicebox.core.binds import caller_ids
 from slicebox.core.creation import (
     KEEP_ALIVE,
     Creator,
-    admitted_spec,
     ancestry,
     arm,
     remove_container,
@@ -184,7 +185,8 @@ class SandboxManager:
     def admitted(self, spec: SandboxSpec, owner: tuple[int, int] | None = None) -> Admitted:
         """The spec through policy and admission, with who it runs as decided: what a create
         makes, and what a warm pool's key is read from (core.poolkeys.key_of)."""
-        return admitted_spec(spec, self._config, self._host_memory, owner)
+        ids = caller_ids(spec, owner)
+        return admitted(spec, self._config, self._host_memory, ids)
 
     def lease(self, member: Sandbox, spec: SandboxSpec, *, one_shot: bool) -> Sandbox:
         """Hand an idle pool member to ``spec``'s task: the lineage a create would give it,

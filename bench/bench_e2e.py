@@ -31,7 +31,7 @@ from tests.host.agentunits import SOCKET, TEST_CONFIG, installed_agent
 
 from slicebox.backends.base import SandboxRequest
 from slicebox.backends.dockerbody import run_flags
-from slicebox.core.sandboxes import KEEP_ALIVE
+from slicebox.core.creation import KEEP_ALIVE
 from slicebox.model.config import parse_config
 from slicebox.model.names import slice_names
 

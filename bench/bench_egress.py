@@ -30,8 +30,8 @@ from tests.host.helpers import TEST_IMAGE, sh
 from slicebox.backends.base import SandboxRequest
 from slicebox.backends.dockerbody import host_config
 from slicebox.client import Client
+from slicebox.core.creation import KEEP_ALIVE
 from slicebox.core.egress import BRIDGE
-from slicebox.core.sandboxes import KEEP_ALIVE
 from slicebox.host.nft import Allowed, Firewall, libnftables
 from slicebox.model.api import CreateSandbox
 from slicebox.model.config import parse_config

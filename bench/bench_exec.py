@@ -29,9 +29,10 @@ from slicebox.backends.base import SandboxRequest
 from slicebox.backends.docker import DockerBackend
 from slicebox.backends.dockerbody import run_flags
 from slicebox.core.blocking import from_thread
+from slicebox.core.creation import KEEP_ALIVE
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
-from slicebox.core.sandboxes import KEEP_ALIVE, SandboxManager
+from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.service import Service
 from slicebox.core.slices import SliceManager
 from slicebox.core.telemetry import MemoryIntegrator, TreeReader, UsageReader

@@ -46,7 +46,7 @@ from tests.host.agentunits import SOCKET, TEST_CONFIG, agent_config, installed_a
 from slicebox.backends.base import SandboxRequest
 from slicebox.backends.dockerbody import host_config
 from slicebox.client import Client
-from slicebox.core.sandboxes import KEEP_ALIVE
+from slicebox.core.creation import KEEP_ALIVE
 from slicebox.model.config import ReaperConfig, parse_config
 from slicebox.model.names import slice_names
 

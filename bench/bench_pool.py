@@ -33,7 +33,7 @@ from tests.host.helpers import sh, wait_for
 from slicebox.backends.base import SandboxRequest
 from slicebox.backends.dockerbody import host_config
 from slicebox.client import Client
-from slicebox.core.sandboxes import KEEP_ALIVE
+from slicebox.core.creation import KEEP_ALIVE
 from slicebox.model.api import CreateSandbox, RunRequest
 from slicebox.model.config import parse_config
 from slicebox.model.exec import ExecRequest

@@ -29,7 +29,8 @@ from slicebox.backends.router import Backends
 from slicebox.client import Client
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
-from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.sandbox import Sandbox
+from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.service import Service
 from slicebox.core.slices import SliceManager
 from slicebox.core.telemetry import MemoryIntegrator, TreeReader, UsageReader

@@ -17,7 +17,8 @@ import docker
 import pytest
 
 from slicebox.backends.docker import DockerBackend
-from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.sandbox import Sandbox
+from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.host.systemd import PystemdSystemd
 from slicebox.model.config import Config, parse_config, read_host_memory

@@ -27,7 +27,7 @@ import pytest
 from slicebox.backends.native import ANCHOR_PREFIX
 from slicebox.backends.wasmrun import EXIT_NO_FUNCTION
 from slicebox.client import Client
-from slicebox.core.sandboxes import Sandbox
+from slicebox.core.sandbox import Sandbox
 from slicebox.host.plugins import PluginStore
 from slicebox.model.api import CreateSandbox, RunRequest
 from slicebox.model.exec import ExecRequest

@@ -13,12 +13,14 @@ from typing import Any
 
 import pytest
 
+from slicebox.core.creation import KEEP_ALIVE
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.launch import LAUNCHER, WAITER_COMMAND
 from slicebox.core.pool import WarmPool
 from slicebox.core.reaper import Reaper
 from slicebox.core.reaping import Observed, plan
-from slicebox.core.sandboxes import KEEP_ALIVE, Sandbox, SandboxManager
+from slicebox.core.sandbox import Sandbox
+from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.service import Service
 from slicebox.core.slices import SliceManager
 from slicebox.core.telemetry import TreeReader, UsageReader

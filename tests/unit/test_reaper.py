@@ -15,7 +15,8 @@ from slicebox.backends.base import SandboxInfo, SandboxRequest, SandboxState, Vo
 from slicebox.core.deadlines import Deadlines, Timer, expire_command, find_program, timer_unit
 from slicebox.core.reaper import Reaper
 from slicebox.core.reaping import TIMER_GRACE, Observed, plan, plan_pass
-from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.sandbox import Sandbox
+from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.host.journal import Auditor
 from slicebox.host.systemd import UnitStatus
@@ -657,7 +658,7 @@ def test_a_deadline_to_rearm_on_a_sandbox_destroyed_since_the_plan_is_skipped_qu
 def test_in_flight_creates_protect_their_slices(world: World) -> None:
     unit = "slicebox-alice-busy.slice"
     ceiling = parse_config("").project_ceiling("alice", "busy", 8 << 30)
-    with world.manager._creating(decode(box("sbx-busy", project="busy").labels)):
+    with world.manager.operations.creating(decode(box("sbx-busy", project="busy").labels)):
         world.slices.ensure(unit, ceiling)
         assert world.reaper.run().plan == []
         assert not world.manager.stop_slice_if_idle(unit)
@@ -677,7 +678,7 @@ def test_a_create_that_starts_after_the_plan_was_observed_is_not_destroyed(
 
     def find_while_a_create_starts(labels: Mapping[str, str]) -> list[SandboxInfo]:
         if "sbx-late" not in world.docker.containers:
-            creating.enter_context(world.manager._creating(decode(late.labels)))
+            creating.enter_context(world.manager.operations.creating(decode(late.labels)))
             world.docker.containers["sbx-late"] = late
         return listed(labels)
 

@@ -9,7 +9,7 @@ from pathlib import PurePosixPath
 import pytest
 
 from slicebox.backends.base import SandboxInfo, SandboxState
-from slicebox.core import sandboxes
+from slicebox.core import sandbox
 from slicebox.core.launch import WAITER_COMMAND
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
@@ -40,12 +40,13 @@ class World:
         self,
         config: str = '[projects."al-ice/p"]\nmemory = "400MB"\n',
         binds: BindGuard | None = None,
+        calls: Counter[str] | None = None,
     ) -> None:
         self.systemd = FakeSystemd()
         self.docker = FakeDocker(self.systemd)
         ids = (f"sbx-{n:012x}" for n in itertools.count(1))
         self.manager = SandboxManager(
-            self.docker,
+            self.docker if calls is None else counting(self.docker, calls, "docker"),
             SliceManager(self.systemd),
             config=parse_config(config),
             host_memory=4096 * MiB,
@@ -181,12 +182,10 @@ def test_missing_image_is_pulled_or_refused_before_anything_exists(world: World)
     assert not any("slicebox-z" in u for u in world.systemd.running)
 
 
-def test_an_image_a_create_found_is_not_checked_again_unless_a_create_misses_it(
-    world: World,
-) -> None:
+def test_an_image_a_create_found_is_not_checked_again_unless_a_create_misses_it() -> None:
     """One backend call fewer per create: the create itself tells a missing image."""
     calls: Counter[str] = Counter()
-    world.manager._backend = counting(world.docker, calls, "docker")
+    world = World(calls=calls)
     world.manager.create(spec())
     world.manager.create(spec())
     assert (calls["docker.prepare"], calls["docker.create"]) == (1, 2)
@@ -543,14 +542,14 @@ def test_a_container_s_labels_are_decoded_once_whatever_its_state_later(
         decodes[labels["slicebox.sandbox_id"]] += 1
         return decode(labels)
 
-    monkeypatch.setattr(sandboxes, "decode", counted)
-    first = sandboxes.Sandbox.from_info(info)
-    exited = sandboxes.Sandbox.from_info(info.model_copy(update={"state": SandboxState.EXITED}))
+    monkeypatch.setattr(sandbox, "decode", counted)
+    first = sandbox.Sandbox.from_info(info)
+    exited = sandbox.Sandbox.from_info(info.model_copy(update={"state": SandboxState.EXITED}))
     assert (first.state, exited.state) == (SandboxState.RUNNING, SandboxState.EXITED)
     assert exited.lineage == first.lineage == made.lineage
     assert decodes == {}, "decoded once already, at its create"
     other = {**info.labels, "slicebox.sandbox_id": "sbx-other0000000"}
-    assert sandboxes.Sandbox.from_info(info.model_copy(update={"labels": other})).id == (
+    assert sandbox.Sandbox.from_info(info.model_copy(update={"labels": other})).id == (
         "sbx-other0000000"
     )
     assert decodes == {"sbx-other0000000": 1}

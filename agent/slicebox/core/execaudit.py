@@ -27,7 +27,7 @@ import functools
 from collections.abc import AsyncIterator
 
 from slicebox.core.blocking import Blocking, settle
-from slicebox.core.sandboxes import Sandbox
+from slicebox.core.sandbox import Sandbox
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
 from slicebox.model.audit import AuditEvent, AuditRecord

@@ -36,7 +36,8 @@ from enum import StrEnum
 
 from slicebox.backends.base import SandboxBackend, SandboxState
 from slicebox.core.deadlines import timer_unit
-from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.sandbox import Sandbox
+from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.telemetry import SandboxCgroups, SandboxMeta, UsageReader, find_scope
 from slicebox.core.views import cgroups_of, meta_of
 from slicebox.host.journal import Auditor

@@ -40,7 +40,8 @@ from slicebox.core.blocking import Blocking, settle
 from slicebox.core.execaudit import DETAIL_MAX, refused, subject
 from slicebox.core.execoutput import OutputCapture
 from slicebox.core.execution import ExecEngine, result_of
-from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.sandbox import Sandbox
+from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.shares import TRANSFERS, Slots
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor

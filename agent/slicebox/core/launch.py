@@ -79,7 +79,7 @@ def launch_line(request: ExecRequest, nonce: str) -> bytes:
 
 def exec_line(argv: tuple[str, ...]) -> bytes:
     """The line that makes the waiter become ``argv`` (a sandbox's own command, released
-    once its mounts were verified: ``core.sandboxes``)."""
+    once its mounts were verified: ``core.creation``)."""
     script = "exec " + " ".join(shlex.quote(word) for word in argv)
     return script.replace("\\", "\\\\").replace("\n", "\\n").encode() + b"\n"
 

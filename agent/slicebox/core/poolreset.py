@@ -18,7 +18,7 @@ from collections.abc import Callable
 from slicebox.backends.base import SandboxBackend, SandboxState
 from slicebox.core.blocking import from_thread
 from slicebox.core.execution import ExecEngine
-from slicebox.core.sandboxes import Sandbox
+from slicebox.core.sandbox import Sandbox
 from slicebox.host.procs import CgroupHost
 from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import ExecRequest

@@ -20,7 +20,8 @@ from slicebox.backends.base import SandboxBackend
 from slicebox.core.credentials import CredentialStore
 from slicebox.core.deadlines import Timer
 from slicebox.core.reaping import FinalUsage, Observed, plan_pass
-from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.sandbox import Sandbox
+from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.slices import SliceManager
 from slicebox.host.journal import Auditor
 from slicebox.model.audit import AuditEvent, AuditRecord

@@ -58,7 +58,7 @@ from pydantic import ConfigDict
 
 from slicebox.backends.base import SandboxInfo, SandboxState, VolumeInfo
 from slicebox.core.deadlines import Timer, latest
-from slicebox.core.sandboxes import Sandbox
+from slicebox.core.sandbox import Sandbox
 from slicebox.model.base import Model
 from slicebox.model.config import OrphanPolicy, ReaperConfig
 from slicebox.model.errors import SliceboxError

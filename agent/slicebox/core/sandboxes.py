@@ -2,208 +2,64 @@
 destroy idempotently, cascade-destroy a task tree deepest first.
 
 Everything a sandbox is lives in its container's immutable labels (see :mod:`slicebox.model.labels`)
-and in systemd; in memory there is only what is in progress, when a destroy last left each
-slice, and which images creates found present (a hint: Docker's create says when one is gone).
-A create that fails after it made something (a container, a slice) removes what it made
-before the error reaches the caller. A destroy leaves the user and project slices in place:
-the next sandbox of the project (one-shot runs come and go) finds them ready, and the reaper
-stops them once they have been empty for ``reaper.empty_slice_grace_seconds``.
+and in systemd; in memory there is only what is in progress (core.operations), when a destroy
+last left each slice, and which images creates found present (core.creation). A create that
+fails after it made something (a container, a slice) removes what it made before the error
+reaches the caller. A destroy leaves the user and project slices in place: the next sandbox of
+the project (one-shot runs come and go) finds them ready, and the reaper stops them once they
+have been empty for ``reaper.empty_slice_grace_seconds``.
+
+``SandboxManager`` is what the rest of the agent calls; the rooms behind it are the sandbox
+value (core.sandbox), creating one (core.creation), what is in progress (core.operations),
+per-backend refusals (core.refusals), who it runs as and its host binds (core.binds), and its
+workspace (core.workspaces).
 """
 
 from __future__ import annotations
 
 import logging
-import pwd
-import re
-import secrets
-import threading
-from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime, timedelta
-from pathlib import PurePosixPath
 from typing import TypeVar
 
-from pydantic import ConfigDict
-
-from slicebox.backends.base import (
-    WORKSPACE,
-    SandboxBackend,
-    SandboxInfo,
-    SandboxRequest,
-    SandboxState,
-    VolumeInfo,
-)
+from slicebox.backends.base import SandboxBackend, SandboxInfo
+from slicebox.core.admission import admitted
+from slicebox.core.binds import caller_ids
 from slicebox.core.blocking import from_thread
-from slicebox.core.credentials import GIT_ENV, MOUNTED_AT, CredentialStore
+from slicebox.core.creation import (
+    KEEP_ALIVE,
+    Creator,
+    ancestry,
+    arm,
+    remove_container,
+)
 from slicebox.core.deadlines import Deadlines, Timer, latest
-from slicebox.core.egress import EgressGuard, Labelled, Placement
-from slicebox.core.gitclone import clone
-from slicebox.core.launch import LAUNCHER, WAITER_COMMAND, exec_line
-from slicebox.core.policy import (
-    Admitted,
-    admit,
-    capability_name,
-    check_host_run_as,
-    check_root,
-    check_ttl,
-    host_bound,
-    runs_as_root,
-    workspace_mount,
-)
+from slicebox.core.egress import EgressGuard, Labelled
+from slicebox.core.operations import Operations
+from slicebox.core.policy import Admitted, check_ttl
 from slicebox.core.recent import Recent
+from slicebox.core.sandbox import CONTAINER_NAME, KNOWN_SANDBOXES, Sandbox, new_sandbox_id
+from slicebox.core.sandbox import found as _found
 from slicebox.core.slices import SliceManager
-from slicebox.host.beneath import BindGuard, BindRoot, KernelBindGuard, Pinned, bind_roots
-from slicebox.host.plugins import read_plugin
-from slicebox.model.base import Model
+from slicebox.core.workspaces import credential_store, release_volume
+from slicebox.host.beneath import BindGuard, KernelBindGuard
 from slicebox.model.config import Config
-from slicebox.model.egress import NetworkSpec
-from slicebox.model.errors import (
-    Forbidden,
-    HostError,
-    ImageUnavailable,
-    InvalidRequest,
-    NotFound,
-    PolicyViolation,
-    SandboxNotRunning,
-    Unavailable,
-)
-from slicebox.model.labels import (
-    EGRESS_ADDRESS,
-    Lineage,
-    VolumeLineage,
-    decode,
-    decode_volume,
-    selector,
-)
-from slicebox.model.limits import Limits
-from slicebox.model.names import SliceCgroups, SliceNames, scope_name, slice_names
-from slicebox.model.paths import CGROUP_ROOT
+from slicebox.model.errors import HostError, InvalidRequest, NotFound
+from slicebox.model.labels import EGRESS_ADDRESS, decode, selector
+from slicebox.model.names import scope_name
 from slicebox.model.pool import Lease
-from slicebox.model.spec import Backend, Mount, MountKind, SandboxSpec, WorkspaceKind
-from slicebox.model.wasm import WasmRun, allowed_hosts, max_pages_for
+from slicebox.model.spec import Backend, SandboxSpec
+
+# Re-exported: the callers that make sandboxes name these with the manager.
+__all__ = ["KEEP_ALIVE", "Sandbox", "SandboxManager"]
 
 log = logging.getLogger(__name__)
 
-
-# A sandbox without a command of its own stays up for execs, as the seeds' pool containers do.
-KEEP_ALIVE = ("sleep", "infinity")
-# The backends with no image on this host to look for: native and wasm run the host's own
-# programs (a wasm sandbox's worker among them); a remote one's image is its service's to find.
-NO_IMAGE = (Backend.NATIVE, Backend.WASM, Backend.DAYTONA)
-# Images a create of this agent found present, the most recently used kept: a create with one
-# of them does not ask the backend about the image first (see ``SandboxManager._start``).
-KNOWN_IMAGES = 64
-# Sandboxes known by id, the most recently used kept (``SandboxManager.known``): a few KiB each,
-# more than a host runs at once (the load test's 200 with room to spare).
-KNOWN_SANDBOXES = 1024
 T = TypeVar("T")
-# What Docker accepts as a container name: anything else is no sandbox's id, and never reaches
-# Docker's API as part of a path.
-CONTAINER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]+")
 # Lineage an acquired pool member's lease gives, not its labels: found by filtering, not by
 # Docker's label filter.
 LEASED = frozenset({"root_task_id", "task_id", "parent_id"})
-
-
-def new_sandbox_id() -> str:
-    return "sbx-" + secrets.token_hex(6)
-
-
-class Sandbox(Model):
-    """A sandbox as its labels and container describe it."""
-
-    model_config = ConfigDict(frozen=True)
-
-    id: str
-    container_id: str
-    user: str
-    project: str
-    lineage: Lineage
-    limits: Limits
-    backend: str
-    created_at: datetime
-    expires_at: datetime | None
-    # What the backend said of it when it was looked up (a create's own: running).
-    state: SandboxState = SandboxState.UNKNOWN
-    lease: Lease | None = None  # an acquired pool member's, from systemd (model.pool)
-
-    @property
-    def pool_state(self) -> str:
-        """``idle`` (a pool member no one acquired), ``acquired``, or "" (no pool member)."""
-        if not self.lineage.pool:
-            return ""
-        return "idle" if self.lease is None else "acquired"
-
-    def leased(self, timer: Timer) -> Sandbox:
-        """This pool member as the lease on its deadline ``timer`` says: its task's lineage
-        and deadline over the labels' (written before the task was known)."""
-        lease = timer.lease
-        if lease is None:
-            return self
-        facts = lease.model_dump(exclude={"oneshot"}) | {"expires_at": timer.at}
-        lineage = self.lineage.model_copy(update={**facts, "oneshot": lease.oneshot})
-        return self.model_copy(update={"lineage": lineage, "lease": lease, "expires_at": timer.at})
-
-    @classmethod
-    def from_info(cls, info: SandboxInfo) -> Sandbox:
-        """The sandbox a container's labels describe, in the state ``info`` gives. Decoded
-        once per container (``_DECODED``): a reaper pass reads every container's labels."""
-        key = (info.id, frozenset(info.labels.items()))
-        known = _DECODED.get(key)
-        if known is None:
-            known = cls._decoded(info)
-            _DECODED.put(key, known)
-        return (
-            known if known.state == info.state else known.model_copy(update={"state": info.state})
-        )
-
-    @classmethod
-    def _decoded(cls, info: SandboxInfo) -> Sandbox:
-        lineage = decode(info.labels)
-        return cls(
-            id=lineage.sandbox_id,
-            container_id=info.id,
-            user=lineage.user,
-            project=lineage.project,
-            lineage=lineage,
-            limits=Limits(
-                cpus=lineage.provisioned_cpu,
-                memory_bytes=lineage.provisioned_memory_bytes,
-                pids=lineage.provisioned_pids,
-            ),
-            backend=lineage.backend,
-            created_at=lineage.created_at,
-            expires_at=lineage.expires_at,
-            state=info.state,
-        )
-
-    def slices(self) -> SliceNames:
-        return slice_names(self.user, self.project)
-
-    def slice_cgroups(self, root: PurePosixPath = CGROUP_ROOT) -> SliceCgroups:
-        """The cgroup directories of the managed, user and project slices."""
-        return self.slices().cgroups(root)
-
-    def scope_cgroup(self, root: PurePosixPath = CGROUP_ROOT) -> PurePosixPath:
-        """The cgroup directory of the container's scope (exec'd processes land here too)."""
-        return self.slice_cgroups(root).project / scope_name(self.container_id)
-
-    def running_scope(self) -> str | None:
-        """The scope cgroup (below the cgroup root) of a sandbox its look-up or its create found
-        running, for an exec in it: the exec then need not ask the backend for the container's
-        init, a second inspect of the same container a moment later. None in any other state:
-        the exec asks, and a stopped or paused sandbox is refused in its own words."""
-        if self.state != SandboxState.RUNNING:
-            return None
-        return str(self.scope_cgroup(PurePosixPath("/"))).lstrip("/")
-
-
-# Sandboxes decoded from their containers' labels, the most recently used kept: labels never
-# change, so each container's are validated once, not at every reaper pass (in the guest, the
-# decoding was about a third of a pass's own CPU at 40 sandboxes). Keyed by the container and
-# its labels both, so no entry can stand for other labels.
-_DECODED: Recent[tuple[str, frozenset[tuple[str, str]]], Sandbox] = Recent(KNOWN_SANDBOXES)
 
 
 class SandboxManager:
@@ -229,25 +85,21 @@ class SandboxManager:
         self._host_memory = host_memory
         self._instance_id = instance_id
         self._clock = clock
-        self._new_id = new_id
         self._deadlines = deadlines
-        # Creates in progress, by sandbox id: the reaper must not take their half-made
-        # containers and slices for leftovers. A create registers before it ensures its
-        # slices, and a slice is stopped only under the same lock after checking this.
-        self._in_flight: dict[str, tuple[str, str]] = {}
-        # Every other operation in progress (exec, destroy, extend, a reaper action), counted
-        # by sandbox id: the reaper acts on a sandbox only when none is. Its own lock, taken
-        # after ``_placing`` when both are, is never held across a call: an exec marks itself
-        # from the event loop, which must not wait while a slice stop holds ``_placing``.
-        self._operations: Counter[str] = Counter()
-        self._counting = threading.Lock()
-        # Slice unit -> when a destroy last took a sandbox out of it: the reaper counts a
-        # slice's grace from then at the earliest, even if no pass saw it in use. An entry
-        # goes when the slice is stopped here.
-        self._vacated: dict[str, datetime] = {}
-        self._placing = threading.Lock()
-        # The images known present (KNOWN_IMAGES).
-        self._images: Recent[str, None] = Recent(KNOWN_IMAGES)
+        self._operations = Operations()
+        self._creator = Creator(
+            backend,
+            slices,
+            self._binds,
+            self._operations,
+            host_memory=host_memory,
+            instance_id=instance_id,
+            clock=clock,
+            new_id=new_id,
+            lookup=self.get,
+            deadlines=deadlines,
+            egress=egress,
+        )
         # Sandbox id -> the sandbox as this agent made or last looked it up (KNOWN_SANDBOXES):
         # what a destroy needs of it (its container, user, project, lineage) is its labels',
         # which never change, so a destroy of a known sandbox makes no look-up (an inspect).
@@ -269,58 +121,40 @@ class SandboxManager:
     def deadlines(self) -> Deadlines | None:
         return self._deadlines
 
+    @property
+    def operations(self) -> Operations:
+        """What is in progress on the sandboxes (core.operations)."""
+        return self._operations
+
     def in_flight(self) -> dict[str, tuple[str, str]]:
         """Sandbox id -> (user, project) of every create still in progress."""
-        with self._placing:
-            return dict(self._in_flight)
+        return self._operations.in_flight()
 
     def vacated(self) -> dict[str, datetime]:
         """Slice unit -> when a destroy last took a sandbox out of it."""
-        with self._placing:
-            return dict(self._vacated)
+        return self._operations.vacated()
 
-    @contextmanager
-    def operation(self, sandbox_id: str) -> Iterator[None]:
+    def operation(self, sandbox_id: str) -> AbstractContextManager[None]:
         """Mark an operation on the sandbox while it runs (an exec, a destroy, an extend): the
         reaper leaves the sandbox alone until it ends."""
-        self.begin_operation(sandbox_id)
-        try:
-            yield
-        finally:
-            self.end_operation(sandbox_id)
+        return self._operations.operation(sandbox_id)
 
     def busy(self) -> frozenset[str]:
         """The sandboxes an operation holds now."""
-        with self._counting:
-            return frozenset(self._operations)
+        return self._operations.busy()
 
     def begin_operation(self, sandbox_id: str) -> None:
         """``operation`` in two calls, for async callers; never blocks on I/O."""
-        with self._counting:
-            self._operations[sandbox_id] += 1
+        self._operations.begin(sandbox_id)
 
     def end_operation(self, sandbox_id: str) -> None:
-        with self._counting:
-            self._operations[sandbox_id] -= 1
-            if self._operations[sandbox_id] <= 0:
-                del self._operations[sandbox_id]
+        self._operations.end(sandbox_id)
 
-    @contextmanager
-    def claim(self, sandbox_id: str) -> Iterator[bool]:
+    def claim(self, sandbox_id: str) -> AbstractContextManager[bool]:
         """The reaper's claim, taken when it acts (not when it plans): True, and held as an
         operation until the block ends, when nothing else is in flight on the sandbox; False
         when a create or any other operation is."""
-        with self._placing, self._counting:
-            free = sandbox_id not in self._in_flight and self._operations[sandbox_id] == 0
-            if free:
-                self._operations[sandbox_id] += 1
-        if not free:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            self.end_operation(sandbox_id)
+        return self._operations.claim(sandbox_id)
 
     def reconfigure(self, config: Config) -> None:
         """Use ``config`` from now on (``systemctl reload``); running sandboxes keep theirs."""
@@ -344,71 +178,16 @@ class SandboxManager:
         (the caller's own); left out, it is looked up by name. A host workspace runs as it.
         ``pool_key``: a warm pool's member of that key (core.pool), labelled so, with no
         deadline until it is acquired, and returned held as a one-shot's is."""
-        spec = self._check_backend(spec, pool_key=pool_key)
-        admitted = self.admitted(spec, owner)
-        self._check_volume_mounts(admitted.spec)
-        admitted, pinned = self._pin_binds(admitted, owner)
-        lineage = self._lineage(admitted, one_shot=one_shot, pool_key=pool_key)
-        # A native sandbox runs the host's programs: it has no image to look for.
-        known = spec.backend in NO_IMAGE or self._image_known(admitted.image)
-        plugin = self._plugin(admitted, owner)
-        if not known:  # an image that cannot be had is refused before anything exists
-            self._backend.prepare(admitted.image)
-        staging = bool(pinned) and spec.backend is Backend.DOCKER
-        with (
-            self._creating(lineage, hold=one_shot or bool(pool_key)),
-            self._staging(lineage.sandbox_id, staging),
-        ):
-            made = self._ensure_slices(admitted, lineage.sandbox_id)
-            fresh: VolumeInfo | None = None
-            placed: Placement | None = None
-            try:
-                placed = self._place_egress(admitted.spec, lineage.sandbox_id)
-                lineage = _placed(lineage, placed)
-                fresh = self._ensure_volume(admitted.spec, lineage)
-                self._write_credentials(admitted.spec, lineage.sandbox_id)
-                staged = self._staged(admitted, pinned, lineage) if staging else admitted
-                request = _request(staged, lineage, self._credentials(), self._config, placed)
-                if plugin is not None:
-                    request = request.model_copy(update={"wasm": plugin})
-                if staging and spec.command is not None:  # its command waits for the check
-                    request = request.model_copy(
-                        update={"command": WAITER_COMMAND, "open_stdin": True}
-                    )
-                info = self._start(request, image_known=known)
-            except BaseException:
-                self._release_egress(placed, lineage.sandbox_id)
-                self._credentials().remove(lineage.sandbox_id)
-                self._drop_volume(fresh)
-                self._undo(made, lineage.sandbox_id)
-                raise
-            try:
-                self._check_started(info.id, admitted.spec, pinned, fresh, lineage)
-                self._clone(info.id, admitted.spec)
-                if staging and spec.command is not None:
-                    line = exec_line(spec.command)
-                    from_thread(lambda _: self._backend.release(info.id, line))
-                self._arm(lineage.sandbox_id, info.id, lineage.expires_at, new=True)
-            except BaseException:
-                self.remove_container(info.id)
-                self._release_egress(placed, lineage.sandbox_id)
-                self._credentials().remove(lineage.sandbox_id)
-                self._drop_volume(fresh)
-                self._undo(made, lineage.sandbox_id)
-                raise
-        # At debug: the service's sandbox_created audit record tells it in the journal.
-        log.debug(
-            "created %s (%s) in %s",
-            lineage.sandbox_id,
-            info.id[:12],
-            admitted.placement.names.project,
+        info = self._creator.create(
+            spec, self._config, one_shot=one_shot, owner=owner, pool_key=pool_key
         )
         return self._remember(Sandbox.from_info(info))
 
     def admitted(self, spec: SandboxSpec, owner: tuple[int, int] | None = None) -> Admitted:
         """The spec through policy and admission, with who it runs as decided: what a create
         makes, and what a warm pool's key is read from (core.poolkeys.key_of)."""
-        return self._who_runs(admit(spec, self._config, self._host_memory), owner)
+        ids = caller_ids(spec, owner)
+        return admitted(spec, self._config, self._host_memory, ids)
 
     def lease(self, member: Sandbox, spec: SandboxSpec, *, one_shot: bool) -> Sandbox:
         """Hand an idle pool member to ``spec``'s task: the lineage a create would give it,
@@ -418,7 +197,7 @@ class SandboxManager:
         if deadlines is None or ttl is None:
             raise InvalidRequest("a pool member is leased only with a deadline in systemd")
         task_id = spec.task_id or member.id
-        root, depth = self._ancestry(spec, task_id)
+        root, depth = ancestry(spec, task_id, self.get)
         lease = Lease(
             task_id=task_id,
             root_task_id=root,
@@ -437,249 +216,17 @@ class SandboxManager:
         timers = sorted(self._deadlines.leased(sandbox.id), key=lambda t: t.at)
         return sandbox.leased(timers[-1]) if timers else sandbox
 
-    # --- who the sandbox runs as, and its workspace ------------------------------------------
-
-    def _who_runs(self, admitted: Admitted, owner: tuple[int, int] | None) -> Admitted:
-        """The spec with its host workspace as a bind at /workspace and ``run_as`` decided:
-        with any host bind the owner's uid:gid and nothing else (what the sandbox writes there
-        is theirs: policy.check_host_run_as); else as asked, or the configured non-root default."""
-        spec = admitted.spec
-        bind = workspace_mount(spec)
-        run_as = spec.run_as
-        if host_bound(spec):
-            uid, gid = owner or self._owner_ids(spec.user)
-            run_as = check_host_run_as(spec, (uid, gid))
-            if uid == 0:
-                check_root(spec.user, spec, self._config)
-        update = {
-            "run_as": run_as or self._config.default_run_as,
-            "mounts": (*spec.mounts, *([bind] if bind else [])),
-        }
-        return admitted.model_copy(update={"spec": spec.model_copy(update=update)})
-
-    def _bind_roots(self, user: str, owner: tuple[int, int] | None) -> tuple[BindRoot, ...]:
-        """``user``'s bind roots, each with who may own the directories on its path."""
-        uid, _ = owner or self._owner_ids(user)
-        return bind_roots(self._config.bind_roots, user, uid)
-
-    def _owner_ids(self, user: str) -> tuple[int, int]:
-        """``user``'s uid and primary gid from the user database (an admin acting for them).
-        A user the host does not know has no files a host directory could be given to."""
-        try:
-            entry = pwd.getpwnam(user)
-        except KeyError:
-            raise PolicyViolation(
-                f"user {user!r} has no entry on this host, so a sandbox of theirs cannot run "
-                "as them with a host directory; use a volume workspace",
-                code="policy_run_as",
-                field="workspace",
-            ) from None
-        return entry.pw_uid, entry.pw_gid
-
-    def _plugin(self, admitted: Admitted, owner: tuple[int, int] | None) -> WasmRun | None:
-        """A wasm sandbox's plugin, held by the agent's store before anything is made: read
-        from the caller's roots, or uploaded, or one the store holds; with its limits."""
-        spec = admitted.spec
-        if spec.backend is not Backend.WASM or spec.wasm is None:
-            return None
-        store = self._backend.wasm_plugins
-        if store is None:
-            raise Unavailable("the wasm backend is not enabled", code="backend_unavailable")
-        wanted = spec.wasm
-        if wanted.sha256 is not None:
-            store.require(wanted.sha256)
-            sha = wanted.sha256
-        elif wanted.module is not None:
-            try:
-                module = wanted.module_bytes()
-            except ValueError as exc:
-                raise InvalidRequest(str(exc), code="wasm_invalid", field="wasm.module") from exc
-            sha = store.put(module)
-        else:
-            assert wanted.path is not None
-            uid, gid = owner or self._owner_ids(spec.user)
-            roots = self._bind_roots(spec.user, (uid, gid))
-            sha = store.put(read_plugin(wanted.path, roots, uid, {gid}))
-        return WasmRun(
-            sha256=sha,
-            max_pages=max_pages_for(admitted.limits.memory_bytes),
-            allowed_hosts=_plugin_hosts(spec),
-        )
-
-    def _check_volume_mounts(self, spec: SandboxSpec) -> None:
-        """A volume in ``mounts`` is one of the caller's own workspace volumes, never another
-        user's, nor one slicebox did not make, nor a missing one (Docker would make it)."""
-        for mount in spec.mounts:
-            if mount.kind is MountKind.VOLUME:
-                found = self._backend.volume(mount.source)
-                if found is None:
-                    raise PolicyViolation(
-                        f"volume {mount.source!r} does not exist; give a workspace of kind "
-                        "volume to have slicebox make one",
-                        code="mount_source_missing",
-                    )
-                self._check_owner(found, spec.user)
-
-    def _check_owner(self, volume: VolumeInfo, user: str) -> None:
-        lineage = decode_volume(volume.labels)
-        if lineage is None:
-            raise PolicyViolation(
-                f"volume {volume.name!r} was not made by slicebox; choose another name",
-                code="volume_foreign",
-            )
-        if lineage.user != user:
-            raise Forbidden(
-                f"volume {volume.name!r} is another user's workspace; use a name of your own",
-                code="volume_not_owned",
-            )
-
-    def _ensure_volume(self, spec: SandboxSpec, lineage: Lineage) -> VolumeInfo | None:
-        """The workspace volume: an existing one of the caller's (a kept or named one), or a
-        new one with the sandbox's lineage; the new one is returned (None otherwise), for
-        the start to give to the sandbox's uid and a failed create to remove."""
-        name = lineage.workspace_volume
-        workspace = spec.workspace
-        if not name or workspace is None:
-            return None
-        found = self._backend.volume(name)
-        if found is not None:
-            self._check_owner(found, spec.user)
-            return None
-        labels = VolumeLineage(
-            user=spec.user,
-            project=spec.project,
-            root_task_id=lineage.root_task_id,
-            sandbox_id=lineage.sandbox_id,
-            keep=workspace.keep,
-            created_at=lineage.created_at,
-        ).to_labels()
-        return self._backend.create_volume(name, labels)
-
-    def _drop_volume(self, volume: VolumeInfo | None) -> None:
-        if volume is not None:
-            self._backend.remove_volume(volume.name)
-
-    def _credentials(self) -> CredentialStore:
-        share = self._config.credentials.user_share_bytes()
-        return CredentialStore(self._config.reaper.state_dir, share)
-
-    def _write_credentials(self, spec: SandboxSpec, sandbox_id: str) -> None:
-        git = spec.credentials.git if spec.credentials else None
-        if git is not None:
-            self._credentials().write(sandbox_id, git, spec.user)
-
-    def _clone(self, container_id: str, spec: SandboxSpec) -> None:
-        """A git workspace's clone, in the running sandbox (core.gitclone)."""
-        workspace = spec.workspace
-        if workspace is None or workspace.kind is not WorkspaceKind.GIT:
-            return
-        git = spec.credentials.git if spec.credentials else None
-        secrets = (git.token.get_secret_value(),) if git else ()
-        timeout = self._config.git_clone_timeout_seconds
-        from_thread(
-            lambda _: clone(
-                self._backend, container_id, workspace, timeout=timeout, secrets=secrets
-            )
-        )
-        log.info("cloned %s into %s", workspace.url, container_id[:12])
-
-    def _check_started(
-        self,
-        container_id: str,
-        spec: SandboxSpec,
-        pinned: tuple[Pinned, ...],
-        fresh: VolumeInfo | None,
-        lineage: Lineage,
-    ) -> None:
-        """What only the running sandbox tells: each bind is what was pinned
-        (host.beneath.verify), its uid is not 0 unless allowed (a user name can map to 0 in
-        the image's passwd), and a volume made for it and its credentials belong to that
-        uid."""
-        if spec.backend in NO_IMAGE:
-            # Its own dynamic user, or the caller's with a host workspace: no volume and no
-            # credentials to give; the workspace is what was pinned, seen by its anchor.
-            if pinned:
-                pid = self._backend.sandbox_pid(container_id)
-                for bind in pinned:
-                    self._binds.verify(pid, bind)
-            return
-        ids = _numeric_ids(spec.run_as)
-        needs_pid = bool(pinned) or ids is None or fresh is not None
-        pid = self._backend.sandbox_pid(container_id) if needs_pid else 0
-        for bind in pinned:
-            self._binds.verify(pid, bind)
-        uid, gid = ids or self._binds.ids_of(pid)
-        if uid == 0 and not runs_as_root(spec.run_as):
-            check_root(spec.user, spec, self._config)
-        if lineage.credentials:  # only once the uid is known to be allowed
-            self._credentials().give(lineage.sandbox_id, uid, gid)
-        if fresh is not None and fresh.mountpoint:
-            try:
-                self._binds.own(pid, WORKSPACE, fresh.mountpoint, uid, gid)
-            except OSError as exc:
-                raise HostError(
-                    f"the new workspace volume {fresh.name} could not be given to uid {uid} "
-                    f"({exc.strerror}); is the agent on the Docker host, as root?"
-                ) from exc
-
-    @contextmanager
-    def _staging(self, sandbox_id: str, staging: bool) -> Iterator[None]:
-        """The block's staging points (host.staging) removed after it, whatever its end: the
-        running sandbox has its own mounts by then."""
-        try:
-            yield
-        finally:
-            if staging:
-                self._binds.unstage(sandbox_id)
-
-    def _staged(self, admitted: Admitted, pinned: tuple[Pinned, ...], lineage: Lineage) -> Admitted:
-        """``admitted`` with its bind sources replaced by their staging points: what Docker
-        gets, a path nobody but root can change (host.staging)."""
-        spec = admitted.spec
-        points = iter(self._binds.stage(lineage.sandbox_id, pinned))
-        mounts = tuple(
-            m.model_copy(update={"source": next(points)}) if m.kind is MountKind.BIND else m
-            for m in spec.mounts
-        )
-        return admitted.model_copy(update={"spec": spec.model_copy(update={"mounts": mounts})})
-
     def sweep_staging(self) -> list[str]:
         """Remove the staging points no create in flight holds (a killed agent's); their ids.
         Listed before the creates in flight are read: one that starts staging after the list
         is not in it."""
         staged = self._binds.staged()
-        with self._placing:
-            flying = set(self._in_flight)
+        flying = set(self._operations.in_flight())
         orphans = [sandbox_id for sandbox_id in staged if sandbox_id not in flying]
         for sandbox_id in orphans:
             log.info("removing the staging points of %s (no create holds them)", sandbox_id)
             self._binds.unstage(sandbox_id, wait=True)
         return orphans
-
-    def _pin_binds(
-        self, admitted: Admitted, owner: tuple[int, int] | None
-    ) -> tuple[Admitted, tuple[Pinned, ...]]:
-        """Each bind source opened by the kernel beneath the caller's root (host.beneath),
-        and the spec's sources replaced by the paths that were opened."""
-        spec = admitted.spec
-        binds = [m for m in spec.mounts if m.kind is MountKind.BIND]
-        if not binds:
-            return admitted, ()
-        roots = self._bind_roots(spec.user, owner)
-        try:
-            pinned = tuple(self._binds.pin(m.source, m.target, roots) for m in binds)
-        except PolicyViolation as exc:
-            if exc.code == "bind_root_unsafe":  # the operator's to fix: say it where they look
-                log.warning("refused a bind of %s: %s", spec.user, exc.message)
-            raise
-        sources = iter(p.source for p in pinned)
-        mounts = tuple(
-            m.model_copy(update={"source": next(sources)}) if m.kind is MountKind.BIND else m
-            for m in spec.mounts
-        )
-        return admitted.model_copy(
-            update={"spec": spec.model_copy(update={"mounts": mounts})}
-        ), pinned
 
     def get(self, sandbox_id: str, *, current_deadline: bool = False) -> Sandbox:
         """The sandbox; with ``current_deadline`` its ``expires_at`` is the one systemd holds
@@ -748,7 +295,7 @@ class SandboxManager:
 
     def arm_deadline(self, sandbox: Sandbox) -> None:
         """Arm the deadline the labels give (start-up reconciliation of a missing timer)."""
-        self._arm(sandbox.id, sandbox.container_id, sandbox.expires_at)
+        arm(self._deadlines, self._backend, sandbox.id, sandbox.container_id, sandbox.expires_at)
 
     def destroy(self, sandbox_id: str) -> Sandbox | None:
         """Remove a sandbox; None when there was none (destroying twice is fine)."""
@@ -788,38 +335,8 @@ class SandboxManager:
     def forget(self, sandbox: Sandbox) -> None:
         """What goes with a removed sandbox beside its container: its credentials, and its
         workspace volume with its root task's last sandbox."""
-        self._credentials().remove(sandbox.id)
-        self._release_volume(sandbox)
-
-    def _release_volume(self, sandbox: Sandbox) -> None:
-        """Remove the sandbox's workspace volume with its root task's last sandbox, unless it
-        is kept. One that stays (a sibling's destroy raced this one) is the reaper's
-        (``volume_orphaned``)."""
-        name = sandbox.lineage.workspace_volume
-        volume = self._backend.volume(name) if name else None
-        lineage = decode_volume(volume.labels) if volume else None
-        if lineage is None or lineage.keep:
-            return
-        if self._backend.find(selector(root_task_id=lineage.root_task_id)):
-            return
-        if self._backend.remove_volume(name):
-            log.info("removed workspace volume %s with its root task", name)
-
-    def _place_egress(self, spec: SandboxSpec, sandbox_id: str) -> Placement | None:
-        # A wasm plugin's hosts are its runtime's allowed_hosts (backends.wasm), not rules.
-        if not isinstance(spec.network, NetworkSpec) or spec.backend is Backend.WASM:
-            return None
-        if self._egress is None:
-            raise Unavailable(
-                "network egress is not available on this agent; use network 'none'",
-                code="egress_unavailable",
-            )
-        allow = spec.network.egress.allow
-        return self._egress.place(sandbox_id, spec.user, spec.project, allow)
-
-    def _release_egress(self, placed: Placement | None, sandbox_id: str) -> None:
-        if placed is not None and self._egress is not None:
-            self._egress.release(sandbox_id)
+        credential_store(self._config).remove(sandbox.id)
+        release_volume(self._backend, sandbox)
 
     def sync_egress(self, containers: list[SandboxInfo], observed_at: float) -> None:
         """The egress rules and resolver map in line with a listing (the reaper's pass)."""
@@ -842,23 +359,18 @@ class SandboxManager:
                     lineage.egress,
                 )
             )
-        self._egress.sync(found, observed_at, self.busy() | frozenset(self._in_flight))
+        self._egress.sync(found, observed_at, self._operations.engaged())
 
     def remove_container(self, container_id: str) -> bool:
         """Remove a container whatever its labels say (the reaper's last resort)."""
-        gone = self._backend.remove(container_id)
-        self._slices.wait_stopped(scope_name(container_id))
-        return gone
+        return remove_container(self._backend, self._slices, container_id)
 
     def stop_slice_if_idle(self, unit: str, *, creating: str | None = None) -> bool:
         """Stop a user or project slice that holds nothing and that no create (other than
         ``creating``, the one undoing itself) is placing into."""
-        with self._placing:
-            busy = self._busy_slices(exclude=creating)
-            stopped = unit not in busy and self._slices.remove_if_empty(unit)
-            if stopped:
-                self._vacated.pop(unit, None)
-            return stopped
+        return self._operations.stop_slice_if_idle(
+            unit, self._slices.remove_if_empty, creating=creating
+        )
 
     def destroy_tree(self, root_task_id: str) -> list[Sandbox]:
         """Destroy every sandbox of a root task, children before parents (deepest first)."""
@@ -868,70 +380,8 @@ class SandboxManager:
             self.destroy_sandbox(member, _nothing)
         return members
 
-    @contextmanager
-    def _creating(self, lineage: Lineage, *, hold: bool = False) -> Iterator[None]:
-        """The create is in flight while the block runs; with ``hold``, a block that succeeds
-        leaves an operation held on the sandbox, taken under the same lock."""
-        with self._placing:
-            self._in_flight[lineage.sandbox_id] = (lineage.user, lineage.project)
-        made = False
-        try:
-            yield
-            made = True
-        finally:
-            with self._placing:
-                del self._in_flight[lineage.sandbox_id]
-                if made and hold:
-                    self.begin_operation(lineage.sandbox_id)
-
-    def _start(self, request: SandboxRequest, *, image_known: bool) -> SandboxInfo:
-        """Create and start the container. An image a create found present before is not
-        checked first (one backend call fewer per create): should it be gone since, the create
-        says so (``ImageUnavailable``, leaving nothing), and the image is prepared (pulled) and
-        the create tried once more."""
-        try:
-            info = self._backend.create(request)
-        except ImageUnavailable:
-            self._forget_image(request.image)
-            if not image_known:
-                raise
-            log.info("image %s is gone since its last create; preparing it again", request.image)
-            self._backend.prepare(request.image)
-            info = self._backend.create(request)
-        self._remember_image(request.image)
-        return info
-
-    def _image_known(self, image: str) -> bool:
-        return image in self._images
-
-    def _remember_image(self, image: str) -> None:
-        self._images.put(image, None)
-
-    def _forget_image(self, image: str) -> None:
-        self._images.pop(image)
-
     def _vacate(self, sandbox: Sandbox) -> None:
-        names, now = sandbox.slices(), self._clock()
-        with self._placing:
-            self._vacated[names.user] = self._vacated[names.project] = now
-
-    def _arm(
-        self, sandbox_id: str, container_id: str, at: datetime | None, *, new: bool = False
-    ) -> None:
-        """Arm the deadline ``at``, if any; ``new``: of a sandbox this call is creating. A
-        remote sandbox has no unit here to bind a timer to: its label's deadline is the
-        reaper's to enforce (due at once, as any deadline no timer holds)."""
-        if self._deadlines is None or at is None or not self._backend.has_host(container_id):
-            return
-        try:
-            if new:
-                self._deadlines.arm_new(sandbox_id, container_id, at)
-            else:
-                self._deadlines.arm(sandbox_id, container_id, at)
-        except SandboxNotRunning:
-            # Its command ended already (or it was killed): the reaper removes it as exited,
-            # deadline or none.
-            log.info("%s has stopped already; no deadline timer armed", sandbox_id)
+        self._operations.vacate(sandbox.slices(), self._clock())
 
     def _with_deadlines(self, sandboxes: list[Sandbox]) -> list[Sandbox]:
         """The deadlines systemd holds now override the labels' (they may be extended), and
@@ -952,272 +402,6 @@ class SandboxManager:
             for s in sandboxes
         ]
 
-    def _lineage(self, admitted: Admitted, *, one_shot: bool, pool_key: str = "") -> Lineage:
-        spec, limits, now = admitted.spec, admitted.limits, self._clock()
-        sandbox_id = self._new_id()
-        task_id = spec.task_id or sandbox_id
-        root, depth = self._ancestry(spec, task_id)
-        # A pool member has no deadline until its acquire arms its lease's.
-        ttl = None if pool_key else spec.ttl_seconds or self._config.default_ttl_seconds
-        return Lineage(
-            sandbox_id=sandbox_id,
-            instance_id=self._instance_id,
-            root_task_id=root,
-            task_id=task_id,
-            parent_id=spec.parent_id or "",
-            depth=depth,
-            user=spec.user,
-            project=spec.project,
-            backend=spec.backend.value,
-            created_at=now,
-            expires_at=None if ttl is None else now + timedelta(seconds=ttl),
-            provisioned_cpu=limits.cpus,
-            provisioned_memory_bytes=limits.memory_bytes,
-            provisioned_pids=limits.pids,
-            oneshot=one_shot,
-            pool=bool(pool_key),
-            pool_key=pool_key,
-            workspace_volume=_volume_name(spec, sandbox_id),
-            credentials="git" if spec.credentials and spec.credentials.git else "",
-            launcher=LAUNCHER if _waits(spec, one_shot=one_shot, pool_key=pool_key) else "",
-        )
-
-    def _ancestry(self, spec: SandboxSpec, task_id: str) -> tuple[str, int]:
-        """(root task id, depth): a child inherits its parent's root task."""
-        if spec.parent_id is None:
-            return spec.root_task_id or task_id, 0
-        parent = self.get(spec.parent_id)
-        if parent.user != spec.user:
-            raise NotFound(f"no sandbox {spec.parent_id}; list sandboxes to see the ids")
-        root = parent.lineage.root_task_id
-        if spec.root_task_id not in (None, root):
-            raise InvalidRequest(
-                f"root_task_id {spec.root_task_id!r} differs from the parent's {root!r}; "
-                "leave root_task_id out for a child sandbox"
-            )
-        return root, parent.lineage.depth + 1
-
-    def _check_backend(self, spec: SandboxSpec, *, pool_key: str = "") -> SandboxSpec:
-        """The spec with the backend that runs it: the one it names, or native in Docker's
-        place when Docker is unavailable and the configuration allows the fallback (never
-        for a pool member); refused ``backend_unavailable`` when none can run it, and
-        ``backend_unsupported`` when the native backend cannot give what it asks."""
-        fallback = self._config.allow_native_fallback and not pool_key
-        kind = self._backend.resolve(spec.backend, fallback=fallback)
-        if kind is Backend.NATIVE:
-            _check_native(spec, pool_key)
-        if kind is Backend.WASM:  # a pool of wasm workers is one: their plugin is their key's
-            _check_native(spec, "", network=not isinstance(spec.network, NetworkSpec))
-        if kind is Backend.DAYTONA:
-            _check_remote(spec, pool_key)
-        return spec if kind is spec.backend else spec.model_copy(update={"backend": kind})
-
-    def _ensure_slices(self, admitted: Admitted, sandbox_id: str) -> list[str]:
-        """Ensure the three slices top down; the ones this call created."""
-        placement, made = admitted.placement, list[str]()
-        levels = (
-            (placement.names.managed, placement.managed),
-            (placement.names.user, placement.user),
-            (placement.names.project, placement.project),
-        )
-        try:
-            for unit, ceiling in levels:
-                if self._slices.ensure(unit, ceiling) and unit != placement.names.managed:
-                    made.append(unit)
-        except BaseException:
-            self._undo(made, sandbox_id)
-            raise
-        return made
-
-    def _undo(self, made: list[str], sandbox_id: str) -> None:
-        """Stop the slices a failed create made, deepest first (the managed one stays),
-        unless another create is placing into them."""
-        for unit in reversed(made):
-            self.stop_slice_if_idle(unit, creating=sandbox_id)
-
-    def _busy_slices(self, exclude: str | None = None) -> set[str]:
-        """The user and project slices creates in progress are placing into."""
-        busy = set[str]()
-        for sandbox_id, (user, project) in self._in_flight.items():
-            if sandbox_id != exclude:
-                names = slice_names(user, project)
-                busy |= {names.user, names.project}
-        return busy
-
-
-def _labelled(info: SandboxInfo, sandbox_id: str) -> bool:
-    """Whether the container carries the labels of slicebox's sandbox ``sandbox_id``."""
-    return all(info.labels.get(k) == v for k, v in selector(sandbox_id=sandbox_id).items())
-
 
 def _nothing(sandbox: Sandbox) -> None:
     """A last look that reads nothing."""
-
-
-def _found(info: SandboxInfo | None, sandbox_id: str) -> Sandbox:
-    """The sandbox a look-up by name found, if its labels say it is that sandbox."""
-    if info is None or not _labelled(info, sandbox_id):
-        raise NotFound(f"no sandbox {sandbox_id}; list sandboxes to see the ids")
-    return Sandbox.from_info(info)
-
-
-def _waits(spec: SandboxSpec, *, one_shot: bool, pool_key: str) -> bool:
-    """Whether the sandbox's main process is the waiter (``core.launch``): made for a one-shot
-    run, or as a member of a pool that does not reuse its members (a member a create takes
-    waits forever, as ``sleep infinity`` would); never with a command of the caller's, nor in
-    a native sandbox (whose execs are units of their own: it has no waiter)."""
-    if spec.backend is not Backend.DOCKER:
-        return False
-    return spec.command is None and (one_shot or (bool(pool_key) and not spec.reuse))
-
-
-def _check_native(spec: SandboxSpec, pool_key: str, *, network: bool = True) -> None:
-    """Refuse, before anything is made, what a native sandbox cannot give (a wasm sandbox is
-    one, whose plugin may reach the hosts of an egress allow-list: ``network`` False). A host
-    workspace it gives: its units run as the caller, with it at /workspace."""
-    _refuse(
-        spec,
-        _unsupported(spec, pool_key, network=network, host_workspace=True),
-        "it runs the host's own programs with no network, no mount and no capability",
-    )
-
-
-def _check_remote(spec: SandboxSpec, pool_key: str) -> None:
-    """Refuse, before anything is made, what a remote (daytona) sandbox cannot give."""
-    _refuse(
-        spec,
-        _unsupported(spec, pool_key, reuse=True),
-        "it runs remotely, on the agent's Daytona API, with no network and nothing of this host's",
-    )
-
-
-def _unsupported(
-    spec: SandboxSpec,
-    pool_key: str,
-    *,
-    network: bool = True,
-    host_workspace: bool = False,
-    reuse: bool = False,
-) -> list[str]:
-    """The fields ``spec`` asks for that only a Docker sandbox gives."""
-    workspace = spec.workspace
-    asked = [
-        ("network", network and spec.network != "none"),
-        ("mounts", bool(spec.mounts)),
-        (
-            "workspace",
-            workspace is not None and not (host_workspace and workspace.kind is WorkspaceKind.HOST),
-        ),
-        ("run_as", spec.run_as is not None),
-        ("credentials", spec.credentials is not None),
-        ("cap_add", bool(spec.cap_add)),
-        ("privileged", spec.privileged),
-        ("pid_mode", spec.pid_mode is not None),
-        ("ipc_mode", spec.ipc_mode is not None),
-        ("pool", bool(pool_key)),
-        ("reuse", reuse and spec.reuse),
-    ]
-    return [name for name, wanted in asked if wanted]
-
-
-def _refuse(spec: SandboxSpec, refused: list[str], why: str) -> None:
-    if refused:
-        raise InvalidRequest(
-            f"a {spec.backend.value} sandbox cannot give {', '.join(refused)}: {why}; leave "
-            "these out or ask for backend docker",
-            code="backend_unsupported",
-            field=refused[0],
-        )
-
-
-def _plugin_hosts(spec: SandboxSpec) -> tuple[str, ...]:
-    """A wasm sandbox's egress allow-list as its plugin's allowed hosts."""
-    if not isinstance(spec.network, NetworkSpec):
-        return ()
-    try:
-        return allowed_hosts(spec.network.egress.entries())
-    except ValueError as exc:
-        raise InvalidRequest(str(exc), code="backend_unsupported", field="network") from exc
-
-
-def _command(spec: SandboxSpec, lineage: Lineage) -> tuple[str, ...]:
-    if spec.command is not None:
-        return spec.command
-    return WAITER_COMMAND if lineage.launcher else KEEP_ALIVE
-
-
-def _placed(lineage: Lineage, placed: Placement | None) -> Lineage:
-    if placed is None:
-        return lineage
-    return lineage.model_copy(
-        update={"egress": placed.allow, "egress_address": str(placed.address)}
-    )
-
-
-def _request(
-    admitted: Admitted,
-    lineage: Lineage,
-    store: CredentialStore,
-    config: Config,
-    placed: Placement | None = None,
-) -> SandboxRequest:
-    spec = admitted.spec
-    network = placed.network if placed else spec.network
-    return SandboxRequest(
-        name=lineage.sandbox_id,
-        image=admitted.image,
-        command=_command(spec, lineage),
-        open_stdin=bool(lineage.launcher),
-        labels=lineage.to_labels(),
-        slice=admitted.placement.names.project,
-        limits=admitted.limits,
-        network=network if isinstance(network, str) else "none",
-        address=str(placed.address) if placed else None,
-        dns=(str(placed.dns),) if placed else (),
-        env={**spec.env, **(GIT_ENV if lineage.credentials else {})},
-        user=spec.run_as,
-        workdir=spec.workdir,
-        mounts=spec.mounts + _volume_mount(spec, lineage) + _credentials_mount(store, lineage),
-        cap_add=tuple(capability_name(cap) for cap in spec.cap_add),
-        backend=spec.backend,
-        allow_jit=config.native_allow_jit,
-    )
-
-
-def _volume_name(spec: SandboxSpec, sandbox_id: str) -> str:
-    """A volume workspace's Docker name: the user's prefix keeps users' names apart (a name
-    holds no '-', so none reads as another user's)."""
-    workspace = spec.workspace
-    if workspace is None or workspace.kind is WorkspaceKind.HOST:
-        return ""
-    name = workspace.name or sandbox_id.replace("-", "_")  # no '-': see spec.VolumeName
-    return f"slicebox-{spec.user}-{name}"
-
-
-def _volume_mount(spec: SandboxSpec, lineage: Lineage) -> tuple[Mount, ...]:
-    if not lineage.workspace_volume:
-        return ()
-    read_only = spec.workspace is not None and spec.workspace.read_only
-    return (
-        Mount(
-            kind=MountKind.VOLUME,
-            source=lineage.workspace_volume,
-            target=WORKSPACE,
-            read_only=read_only,
-        ),
-    )
-
-
-def _credentials_mount(store: CredentialStore, lineage: Lineage) -> tuple[Mount, ...]:
-    if not lineage.credentials:
-        return ()
-    directory = store.directory(lineage.sandbox_id)
-    return (Mount(source=str(directory), target=MOUNTED_AT, read_only=True),)
-
-
-def _numeric_ids(run_as: str | None) -> tuple[int, int] | None:
-    """``uid:gid`` as numbers; None for a name, or a uid alone (its gid is the image's)."""
-    uid, _, gid = (run_as or "").partition(":")
-    if uid.isdigit() and gid.isdigit():
-        return int(uid), int(gid)
-    return None

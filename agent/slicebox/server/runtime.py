@@ -22,7 +22,8 @@ from slicebox.core.expiry import Expiry
 from slicebox.core.pool import WarmPool
 from slicebox.core.poolreset import MemberReset
 from slicebox.core.reaper import Reaper
-from slicebox.core.sandboxes import Sandbox, SandboxManager
+from slicebox.core.sandbox import Sandbox
+from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.service import Service
 from slicebox.core.slices import SliceManager
 from slicebox.core.telemetry import MemoryIntegrator, TreeReader, UsageReader, scope_pid

@@ -1,0 +1,388 @@
+"""Making a sandbox: admit it, place it in the slice tree, start it, and undo what it made
+when any step fails.
+
+Everything that can be refused without making anything is decided first: admission's pure
+pass (core.admission), then what the host answers (the volumes it names, its binds pinned,
+its image and wasm plugin found). Then the create is in flight (core.operations) while it
+ensures its slices, places its egress, makes its workspace volume and credentials, starts its
+container and checks what only the running sandbox tells. A failure at any of those removes
+what the create made (its container, egress rules, credentials, new volume and new slices)
+before the error reaches the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+from slicebox.backends.base import SandboxBackend, SandboxInfo, SandboxRequest, VolumeInfo
+from slicebox.core.admission import decide
+from slicebox.core.binds import (
+    caller_ids,
+    check_started,
+    pin_binds,
+    staging_points,
+    to_staging,
+    wasm_plugin,
+)
+from slicebox.core.blocking import from_thread
+from slicebox.core.credentials import GIT_ENV
+from slicebox.core.deadlines import Deadlines
+from slicebox.core.egress import EgressGuard, Placement
+from slicebox.core.launch import LAUNCHER, WAITER_COMMAND, exec_line
+from slicebox.core.operations import Operations
+from slicebox.core.policy import Admitted, capability_name
+from slicebox.core.recent import Recent
+from slicebox.core.refusals import NO_IMAGE
+from slicebox.core.sandbox import Sandbox
+from slicebox.core.slices import SliceManager
+from slicebox.core.workspaces import (
+    check_volume_mounts,
+    clone_workspace,
+    credential_store,
+    credentials_mount,
+    drop_volume,
+    ensure_volume,
+    volume_mount,
+    volume_name,
+    write_credentials,
+)
+from slicebox.host.beneath import BindGuard
+from slicebox.model.config import Config
+from slicebox.model.egress import NetworkSpec
+from slicebox.model.errors import (
+    ImageUnavailable,
+    InvalidRequest,
+    NotFound,
+    SandboxNotRunning,
+    Unavailable,
+)
+from slicebox.model.labels import Lineage
+from slicebox.model.names import scope_name
+from slicebox.model.spec import Backend, SandboxSpec
+
+log = logging.getLogger(__name__)
+
+# A sandbox without a command of its own stays up for execs, as the seeds' pool containers do.
+KEEP_ALIVE = ("sleep", "infinity")
+# Images a create of this agent found present, the most recently used kept: a create with one
+# of them does not ask the backend about the image first (see ``Creator._start``).
+KNOWN_IMAGES = 64
+
+
+class Creator:
+    """Makes sandboxes for the manager (core.sandboxes), which holds the configuration in
+    force and passes it to each create."""
+
+    def __init__(
+        self,
+        backend: SandboxBackend,
+        slices: SliceManager,
+        binds: BindGuard,
+        operations: Operations,
+        *,
+        host_memory: int,
+        instance_id: str,
+        clock: Callable[[], datetime],
+        new_id: Callable[[], str],
+        lookup: Callable[[str], Sandbox],
+        deadlines: Deadlines | None,
+        egress: EgressGuard | None,
+    ) -> None:
+        self._backend = backend
+        self._slices = slices
+        self._binds = binds
+        self._operations = operations
+        self._host_memory = host_memory
+        self._instance_id = instance_id
+        self._clock = clock
+        self._new_id = new_id
+        self._lookup = lookup  # a parent sandbox by id, for a child's ancestry
+        self._deadlines = deadlines
+        self._egress = egress
+        # The images known present (KNOWN_IMAGES).
+        self._images: Recent[str, None] = Recent(KNOWN_IMAGES)
+
+    def create(
+        self,
+        spec: SandboxSpec,
+        config: Config,
+        *,
+        one_shot: bool,
+        owner: tuple[int, int] | None,
+        pool_key: str,
+    ) -> SandboxInfo:
+        """The started container of a new sandbox (``SandboxManager.create``)."""
+        kind = self._resolve(spec, config, pool_key=pool_key)
+        ids = caller_ids(spec, owner)
+        decided = decide(spec, kind, config, self._host_memory, ids, pool_key=pool_key)
+        spec = decided.admitted.spec
+        check_volume_mounts(self._backend, spec)
+        admitted, pinned = pin_binds(self._binds, config, decided.admitted, ids)
+        lineage = self._lineage(admitted, config, one_shot=one_shot, pool_key=pool_key)
+        # A native sandbox runs the host's programs: it has no image to look for.
+        known = spec.backend in NO_IMAGE or admitted.image in self._images
+        plugin = wasm_plugin(self._backend, config, admitted, owner, decided.plugin_hosts)
+        if not known:  # an image that cannot be had is refused before anything exists
+            self._backend.prepare(admitted.image)
+        staging = bool(pinned) and spec.backend is Backend.DOCKER
+        sandbox_id = lineage.sandbox_id
+        with (
+            self._operations.creating(lineage, hold=one_shot or bool(pool_key)),
+            staging_points(self._binds, sandbox_id, staging),
+        ):
+            made = self._ensure_slices(admitted, sandbox_id)
+            fresh: VolumeInfo | None = None
+            placed: Placement | None = None
+            info: SandboxInfo | None = None
+            try:
+                placed = self._place_egress(admitted.spec, sandbox_id)
+                lineage = _placed(lineage, placed)
+                fresh = ensure_volume(self._backend, admitted.spec, lineage)
+                write_credentials(config, admitted.spec, sandbox_id)
+                staged = (
+                    to_staging(self._binds, admitted, pinned, sandbox_id) if staging else admitted
+                )
+                request = _request(staged, lineage, config, placed)
+                if plugin is not None:
+                    request = request.model_copy(update={"wasm": plugin})
+                if staging and spec.command is not None:  # its command waits for the check
+                    request = request.model_copy(
+                        update={"command": WAITER_COMMAND, "open_stdin": True}
+                    )
+                info = self._start(request, image_known=known)
+                check_started(
+                    self._backend,
+                    self._binds,
+                    config,
+                    info.id,
+                    spec=admitted.spec,
+                    pinned=pinned,
+                    fresh=fresh,
+                    lineage=lineage,
+                )
+                clone_workspace(self._backend, config, info.id, admitted.spec)
+                if staging and spec.command is not None:
+                    line = exec_line(spec.command)
+                    from_thread(lambda _: self._backend.release(info.id, line))
+                arm(
+                    self._deadlines,
+                    self._backend,
+                    sandbox_id,
+                    info.id,
+                    lineage.expires_at,
+                    new=True,
+                )
+            except BaseException:
+                if info is not None:
+                    remove_container(self._backend, self._slices, info.id)
+                self._release_egress(placed, sandbox_id)
+                credential_store(config).remove(sandbox_id)
+                drop_volume(self._backend, fresh)
+                self._undo(made, sandbox_id)
+                raise
+        # At debug: the service's sandbox_created audit record tells it in the journal.
+        log.debug(
+            "created %s (%s) in %s", sandbox_id, info.id[:12], admitted.placement.names.project
+        )
+        return info
+
+    def _resolve(self, spec: SandboxSpec, config: Config, *, pool_key: str) -> Backend:
+        """The backend that runs ``spec``: the one it names, or native in Docker's place when
+        Docker is unavailable and the configuration allows the fallback (never for a pool
+        member); refused ``backend_unavailable`` when none can run it."""
+        fallback = config.allow_native_fallback and not pool_key
+        return self._backend.resolve(spec.backend, fallback=fallback)
+
+    def _lineage(
+        self, admitted: Admitted, config: Config, *, one_shot: bool, pool_key: str
+    ) -> Lineage:
+        spec, limits, now = admitted.spec, admitted.limits, self._clock()
+        sandbox_id = self._new_id()
+        task_id = spec.task_id or sandbox_id
+        root, depth = ancestry(spec, task_id, self._lookup)
+        # A pool member has no deadline until its acquire arms its lease's.
+        ttl = None if pool_key else spec.ttl_seconds or config.default_ttl_seconds
+        return Lineage(
+            sandbox_id=sandbox_id,
+            instance_id=self._instance_id,
+            root_task_id=root,
+            task_id=task_id,
+            parent_id=spec.parent_id or "",
+            depth=depth,
+            user=spec.user,
+            project=spec.project,
+            backend=spec.backend.value,
+            created_at=now,
+            expires_at=None if ttl is None else now + timedelta(seconds=ttl),
+            provisioned_cpu=limits.cpus,
+            provisioned_memory_bytes=limits.memory_bytes,
+            provisioned_pids=limits.pids,
+            oneshot=one_shot,
+            pool=bool(pool_key),
+            pool_key=pool_key,
+            workspace_volume=volume_name(spec, sandbox_id),
+            credentials="git" if spec.credentials and spec.credentials.git else "",
+            launcher=LAUNCHER if _waits(spec, one_shot=one_shot, pool_key=pool_key) else "",
+        )
+
+    def _start(self, request: SandboxRequest, *, image_known: bool) -> SandboxInfo:
+        """Create and start the container. An image a create found present before is not
+        checked first (one backend call fewer per create): should it be gone since, the create
+        says so (``ImageUnavailable``, leaving nothing), and the image is prepared (pulled) and
+        the create tried once more."""
+        try:
+            info = self._backend.create(request)
+        except ImageUnavailable:
+            self._images.pop(request.image)
+            if not image_known:
+                raise
+            log.info("image %s is gone since its last create; preparing it again", request.image)
+            self._backend.prepare(request.image)
+            info = self._backend.create(request)
+        self._images.put(request.image, None)
+        return info
+
+    def _ensure_slices(self, admitted: Admitted, sandbox_id: str) -> list[str]:
+        """Ensure the three slices top down; the ones this call created."""
+        placement, made = admitted.placement, list[str]()
+        levels = (
+            (placement.names.managed, placement.managed),
+            (placement.names.user, placement.user),
+            (placement.names.project, placement.project),
+        )
+        try:
+            for unit, ceiling in levels:
+                if self._slices.ensure(unit, ceiling) and unit != placement.names.managed:
+                    made.append(unit)
+        except BaseException:
+            self._undo(made, sandbox_id)
+            raise
+        return made
+
+    def _undo(self, made: list[str], sandbox_id: str) -> None:
+        """Stop the slices a failed create made, deepest first (the managed one stays),
+        unless another create is placing into them."""
+        for unit in reversed(made):
+            self._operations.stop_slice_if_idle(
+                unit, self._slices.remove_if_empty, creating=sandbox_id
+            )
+
+    def _place_egress(self, spec: SandboxSpec, sandbox_id: str) -> Placement | None:
+        # A wasm plugin's hosts are its runtime's allowed_hosts (backends.wasm), not rules.
+        if not isinstance(spec.network, NetworkSpec) or spec.backend is Backend.WASM:
+            return None
+        if self._egress is None:
+            raise Unavailable(
+                "network egress is not available on this agent; use network 'none'",
+                code="egress_unavailable",
+            )
+        allow = spec.network.egress.allow
+        return self._egress.place(sandbox_id, spec.user, spec.project, allow)
+
+    def _release_egress(self, placed: Placement | None, sandbox_id: str) -> None:
+        if placed is not None and self._egress is not None:
+            self._egress.release(sandbox_id)
+
+
+def ancestry(spec: SandboxSpec, task_id: str, lookup: Callable[[str], Sandbox]) -> tuple[str, int]:
+    """(root task id, depth): a child inherits its parent's root task (its parent found by
+    ``lookup``)."""
+    if spec.parent_id is None:
+        return spec.root_task_id or task_id, 0
+    parent = lookup(spec.parent_id)
+    if parent.user != spec.user:
+        raise NotFound(f"no sandbox {spec.parent_id}; list sandboxes to see the ids")
+    root = parent.lineage.root_task_id
+    if spec.root_task_id not in (None, root):
+        raise InvalidRequest(
+            f"root_task_id {spec.root_task_id!r} differs from the parent's {root!r}; "
+            "leave root_task_id out for a child sandbox"
+        )
+    return root, parent.lineage.depth + 1
+
+
+def arm(
+    deadlines: Deadlines | None,
+    backend: SandboxBackend,
+    sandbox_id: str,
+    container_id: str,
+    at: datetime | None,
+    *,
+    new: bool = False,
+) -> None:
+    """Arm the deadline ``at``, if any; ``new``: of a sandbox this call is creating. A
+    remote sandbox has no unit here to bind a timer to: its label's deadline is the
+    reaper's to enforce (due at once, as any deadline no timer holds)."""
+    if deadlines is None or at is None or not backend.has_host(container_id):
+        return
+    try:
+        if new:
+            deadlines.arm_new(sandbox_id, container_id, at)
+        else:
+            deadlines.arm(sandbox_id, container_id, at)
+    except SandboxNotRunning:
+        # Its command ended already (or it was killed): the reaper removes it as exited,
+        # deadline or none.
+        log.info("%s has stopped already; no deadline timer armed", sandbox_id)
+
+
+def remove_container(backend: SandboxBackend, slices: SliceManager, container_id: str) -> bool:
+    """Remove a container whatever its labels say, and wait for its scope to stop."""
+    gone = backend.remove(container_id)
+    slices.wait_stopped(scope_name(container_id))
+    return gone
+
+
+def _waits(spec: SandboxSpec, *, one_shot: bool, pool_key: str) -> bool:
+    """Whether the sandbox's main process is the waiter (``core.launch``): made for a one-shot
+    run, or as a member of a pool that does not reuse its members (a member a create takes
+    waits forever, as ``sleep infinity`` would); never with a command of the caller's, nor in
+    a native sandbox (whose execs are units of their own: it has no waiter)."""
+    if spec.backend is not Backend.DOCKER:
+        return False
+    return spec.command is None and (one_shot or (bool(pool_key) and not spec.reuse))
+
+
+def _command(spec: SandboxSpec, lineage: Lineage) -> tuple[str, ...]:
+    if spec.command is not None:
+        return spec.command
+    return WAITER_COMMAND if lineage.launcher else KEEP_ALIVE
+
+
+def _placed(lineage: Lineage, placed: Placement | None) -> Lineage:
+    if placed is None:
+        return lineage
+    return lineage.model_copy(
+        update={"egress": placed.allow, "egress_address": str(placed.address)}
+    )
+
+
+def _request(
+    admitted: Admitted,
+    lineage: Lineage,
+    config: Config,
+    placed: Placement | None = None,
+) -> SandboxRequest:
+    spec = admitted.spec
+    network = placed.network if placed else spec.network
+    return SandboxRequest(
+        name=lineage.sandbox_id,
+        image=admitted.image,
+        command=_command(spec, lineage),
+        open_stdin=bool(lineage.launcher),
+        labels=lineage.to_labels(),
+        slice=admitted.placement.names.project,
+        limits=admitted.limits,
+        network=network if isinstance(network, str) else "none",
+        address=str(placed.address) if placed else None,
+        dns=(str(placed.dns),) if placed else (),
+        env={**spec.env, **(GIT_ENV if lineage.credentials else {})},
+        user=spec.run_as,
+        workdir=spec.workdir,
+        mounts=spec.mounts + volume_mount(spec, lineage) + credentials_mount(config, lineage),
+        cap_add=tuple(capability_name(cap) for cap in spec.cap_add),
+        backend=spec.backend,
+        allow_jit=config.native_allow_jit,
+    )

@@ -290,7 +290,7 @@ def test_an_exec_in_a_stopped_sandbox_is_refused(
 
 def test_the_async_pipes_read_output_and_feed_stdin(native: NativeBackend) -> None:
     """The attachment's reading and feeding, on real pipes (what systemd's end would be)."""
-    from slicebox.backends.native import _AsyncPipes
+    from slicebox.backends.native.backend import _AsyncPipes
 
     async def go() -> tuple[bytes, bytes]:
         out_r, out_w = os.pipe()

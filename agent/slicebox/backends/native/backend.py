@@ -59,6 +59,17 @@ from slicebox.backends.base import (
     VolumeInfo,
     resolve_own,
 )
+from slicebox.backends.native.names import (
+    ANCHOR_PREFIX,
+    EXEC_PREFIX,
+    anchor_unit,
+    dynamic_user,
+    glob_literal,
+    is_native_id,
+    name_of,
+    sandbox_name,
+    sandbox_slice,
+)
 from slicebox.host.plugins import PluginStore
 from slicebox.host.systemd import ListedUnit, ServiceStatus
 from slicebox.model.base import Model
@@ -71,7 +82,7 @@ from slicebox.model.errors import (
 )
 from slicebox.model.exec import ExecRequest, ExecState, OutputStream, StreamChunk
 from slicebox.model.limits import INFINITY, Property, cpu_quota_usec
-from slicebox.model.names import escape, unescape
+from slicebox.model.names import escape
 from slicebox.model.spec import Backend
 from slicebox.model.wasm import WasmRun
 
@@ -79,8 +90,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MARK = "slicebox-native "  # a native sandbox slice's Description: this, then its labels
-ANCHOR_PREFIX = "slicebox-native-"
-EXEC_PREFIX = "slicebox-exec-"
 WORKSPACE = "/workspace"
 WORKSPACES = "slicebox/native"  # below /run: the anchor's RuntimeDirectory
 ENV_DIR = Path("/run/slicebox/native-env")
@@ -96,7 +105,6 @@ RUNTIME_BACKSTOP = 60.0
 READ_SIZE = 65536
 MS_REC = 16384
 CLD_EXITED = 1
-_USER = re.compile(r"[a-z_][a-z0-9_-]{0,30}")
 
 
 class NativeSystemd(Protocol):
@@ -117,40 +125,6 @@ class NativeSystemd(Protocol):
     def reset_failed(self, unit: str) -> None: ...
 
     def is_active(self, unit: str) -> bool: ...
-
-
-def anchor_unit(name: str) -> str:
-    return f"{ANCHOR_PREFIX}{name}.service"
-
-
-def sandbox_slice(project_slice: str, name: str) -> str:
-    """The sandbox's own slice, nested in its project's (a dash in ``name`` escaped)."""
-    return f"{project_slice.removesuffix('.slice')}-{escape(name)}.slice"
-
-
-def name_of(slice_unit: str) -> str:
-    """The sandbox name a native sandbox slice was made for (``sandbox_slice`` inverted)."""
-    return unescape(slice_unit.removesuffix(".slice").rsplit("-", 1)[-1])
-
-
-def is_native_id(backend_id: str) -> bool:
-    """Whether a backend id is a native sandbox's (its slice), not a container id."""
-    return backend_id.endswith(".slice")
-
-
-def sandbox_name(backend_id: str) -> str:
-    """The sandbox name behind a native backend id (its slice) or the name itself."""
-    return name_of(backend_id) if is_native_id(backend_id) else backend_id
-
-
-def is_native_exec(exec_id: str) -> bool:
-    return exec_id.startswith(EXEC_PREFIX)
-
-
-def dynamic_user(name: str) -> str:
-    """The dynamic user's name: one per sandbox, so its units share one uid."""
-    user = f"slicebox-{name}".lower()
-    return user if _USER.fullmatch(user) else "slicebox-" + secrets.token_hex(8)
 
 
 class RunAs(Model):
@@ -214,12 +188,6 @@ def run_as_described(description: str) -> RunAs:
         return RunAs.model_validate((data or {}).get("run_as") or {})
     except ValueError:
         return RunAs()
-
-
-def glob_literal(text: str) -> str:
-    """``text`` as a glob that matches only itself. systemd matches unit patterns with
-    ``FNM_NOESCAPE``: a backslash (``\\x2d``) is itself, a special is put in brackets."""
-    return re.sub(r"([*?\[])", r"[\1]", text)
 
 
 def slice_properties(request: SandboxRequest) -> list[Property]:

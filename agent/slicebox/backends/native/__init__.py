@@ -1,18 +1,6 @@
 """The native backend: a sandbox that systemd isolates on the host itself (``backend``)."""
 
-from slicebox.backends.native.backend import (
-    MARK,
-    WORKSPACE,
-    NativeBackend,
-    NativeSystemd,
-    describe,
-    env_line,
-    exit_code_of,
-    hardening,
-    labels_of,
-    run_as_described,
-    slice_properties,
-)
+from slicebox.backends.native.backend import NativeBackend, NativeSystemd, env_line
 from slicebox.backends.native.names import (
     ANCHOR_PREFIX,
     EXEC_PREFIX,
@@ -22,6 +10,16 @@ from slicebox.backends.native.names import (
     is_native_id,
     name_of,
     sandbox_slice,
+)
+from slicebox.backends.native.units import (
+    MARK,
+    WORKSPACE,
+    describe,
+    exit_code_of,
+    hardening,
+    labels_of,
+    run_as_described,
+    slice_properties,
 )
 
 __all__ = [

@@ -33,20 +33,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import errno
-import json
 import logging
 import os
 import re
 import secrets
 import shutil
-import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
-
-from pydantic import ConfigDict
 
 from slicebox.backends import wasm
 from slicebox.backends.base import (
@@ -63,16 +58,28 @@ from slicebox.backends.native.names import (
     ANCHOR_PREFIX,
     EXEC_PREFIX,
     anchor_unit,
-    dynamic_user,
     glob_literal,
     is_native_id,
     name_of,
     sandbox_name,
     sandbox_slice,
 )
+from slicebox.backends.native.units import (
+    SHELL,
+    RunAs,
+    anchor_properties,
+    describe,
+    exec_properties,
+    exit_code_of,
+    how_it_ended,
+    labels_of,
+    refusal,
+    run_as_described,
+    run_as_of,
+    slice_properties,
+)
 from slicebox.host.plugins import PluginStore
 from slicebox.host.systemd import ListedUnit, ServiceStatus
-from slicebox.model.base import Model
 from slicebox.model.errors import (
     HostError,
     InvalidRequest,
@@ -81,7 +88,7 @@ from slicebox.model.errors import (
     SliceboxError,
 )
 from slicebox.model.exec import ExecRequest, ExecState, OutputStream, StreamChunk
-from slicebox.model.limits import INFINITY, Property, cpu_quota_usec
+from slicebox.model.limits import Property
 from slicebox.model.names import escape
 from slicebox.model.spec import Backend
 from slicebox.model.wasm import WasmRun
@@ -89,22 +96,10 @@ from slicebox.model.wasm import WasmRun
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MARK = "slicebox-native "  # a native sandbox slice's Description: this, then its labels
-WORKSPACE = "/workspace"
-WORKSPACES = "slicebox/native"  # below /run: the anchor's RuntimeDirectory
 ENV_DIR = Path("/run/slicebox/native-env")
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 START_FAILED_CODE = "container_start_failed"
 UNSUPPORTED = "backend_unsupported"
-# The exec's program is found, and its cwd entered, by a shell: a missing program answers 127
-# and a missing cwd 126 with the shell's words on stderr, as a Docker exec does.
-SHELL = "/bin/sh"
-EXEC_WRAPPER = 'cd -- "$1" || exit 126; shift; exec "$@"'
-# A backstop past the engine's own timeout: an exec the agent lost (killed with it) still ends.
-RUNTIME_BACKSTOP = 60.0
 READ_SIZE = 65536
-MS_REC = 16384
-CLD_EXITED = 1
 
 
 class NativeSystemd(Protocol):
@@ -127,200 +122,10 @@ class NativeSystemd(Protocol):
     def is_active(self, unit: str) -> bool: ...
 
 
-class RunAs(Model):
-    """Who a native sandbox's units run as, and its workspace: its own dynamic user and a
-    runtime directory, or (a host workspace) the caller's uid:gid and their directory."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    user: str = ""  # "uid:gid"; "": a dynamic user
-    workspace: str = ""  # the host directory bound at /workspace; "": its runtime directory
-    read_only: bool = False
-    jit: bool = False  # writable+executable memory allowed (no MemoryDenyWriteExecute)
-    wasm: WasmRun | None = None  # a wasm sandbox: its execs call this plugin (backends.wasm)
-
-
-def run_as_of(request: SandboxRequest) -> RunAs:
-    """A host workspace (the one bind a native sandbox takes) runs as the caller's ids."""
-    binds = [m for m in request.mounts if m.target.rstrip("/") == WORKSPACE]
-    # Wasmtime compiles the module to machine code: its pages are made executable.
-    jit = request.allow_jit or request.wasm is not None
-    if not binds:
-        return RunAs(jit=jit, wasm=request.wasm)
-    bind = binds[0]
-    return RunAs(
-        user=request.user or "",
-        workspace=bind.source,
-        read_only=bind.read_only,
-        jit=jit,
-        wasm=request.wasm,
-    )
-
-
-def describe(labels: Mapping[str, str], run_as: RunAs | None = None) -> str:
-    data = {"labels": dict(labels), "run_as": (run_as or RunAs()).model_dump()}
-    return MARK + json.dumps(data, sort_keys=True, separators=(",", ":"))
-
-
-def _described(description: str) -> dict[str, Any] | None:
-    if not description.startswith(MARK):
-        return None
-    try:
-        data = json.loads(description[len(MARK) :])
-    except ValueError:
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("labels"), dict):
-        return None
-    return data
-
-
-def labels_of(description: str) -> dict[str, str] | None:
-    """The labels a native sandbox slice's Description holds; None for any other slice."""
-    data = _described(description)
-    if data is None:
-        return None
-    return {str(key): str(value) for key, value in data["labels"].items()}
-
-
-def run_as_described(description: str) -> RunAs:
-    data = _described(description)
-    try:
-        return RunAs.model_validate((data or {}).get("run_as") or {})
-    except ValueError:
-        return RunAs()
-
-
-def slice_properties(request: SandboxRequest) -> list[Property]:
-    """The sandbox slice's limits: what ``--memory``, ``--memory-swap``, ``--pids-limit`` and
-    ``--cpus`` give a container, as systemd properties."""
-    limits = request.limits
-    return [
-        ("MemoryMax", limits.memory_bytes),
-        ("MemorySwapMax", 0),
-        ("TasksMax", limits.pids),
-        ("CPUQuotaPerSecUSec", cpu_quota_usec(limits.cpus) if limits.cpus else INFINITY),
-        ("IOAccounting", 1),  # io.stat, for disk_bytes_written
-    ]
-
-
-def identity(name: str, run_as: RunAs, *, anchor: bool) -> dict[str, Any]:
-    """Who the units run as and what is bound at /workspace. The workspace is the anchor's
-    runtime directory alone: an exec that declared it too would have systemd move it to
-    /run/private (a preserved runtime directory of a dynamic user goes there), away from the
-    anchor's removal."""
-    if not run_as.user:
-        workspace = {
-            "DynamicUser": True,
-            "User": dynamic_user(name),
-            "BindPaths": [(f"/run/{WORKSPACES}/{name}", WORKSPACE, False, MS_REC)],
-        }
-        if anchor:
-            workspace["RuntimeDirectory"] = [f"{WORKSPACES}/{name}"]
-            workspace["RuntimeDirectoryMode"] = 0o700
-        return workspace
-    uid, _, gid = run_as.user.partition(":")
-    bind = "BindReadOnlyPaths" if run_as.read_only else "BindPaths"
-    return {
-        "User": uid,
-        "Group": gid or uid,
-        bind: [(run_as.workspace, WORKSPACE, False, MS_REC)],
-    }
-
-
-def hardening(name: str, run_as: RunAs | None = None, *, anchor: bool = False) -> dict[str, Any]:
-    """What every unit of the sandbox runs with (``systemd-analyze security``: 0.4, "SAFE",
-    for an exec unit in the guest)."""
-    return {
-        **identity(name, run_as or RunAs(), anchor=anchor),
-        **_network(run_as),
-        "PrivateTmp": True,
-        "PrivateDevices": True,
-        "PrivateIPC": True,
-        "PrivateUsers": True,
-        "ProtectSystem": "strict",
-        "ProtectHome": "yes",
-        "ProtectProc": "invisible",
-        "ProcSubset": "pid",
-        "NoNewPrivileges": True,
-        "CapabilityBoundingSet": 0,
-        "AmbientCapabilities": 0,
-        "RestrictNamespaces": 0,
-        "SystemCallFilter": (True, ["@system-service"]),
-        "SystemCallErrorNumber": errno.EPERM,
-        "SystemCallArchitectures": ["native"],
-        "LockPersonality": True,
-        "MemoryDenyWriteExecute": run_as is None or not run_as.jit,
-        "ProtectKernelTunables": True,
-        "ProtectKernelModules": True,
-        "ProtectKernelLogs": True,
-        "ProtectControlGroups": True,
-        "ProtectClock": True,
-        "ProtectHostname": True,
-        "RestrictRealtime": True,
-        "RestrictSUIDSGID": True,
-        "RemoveIPC": True,
-        "DevicePolicy": "closed",
-        "KeyringMode": "private",
-        "UMask": 0o077,
-        # The kernel's OOM killer takes what it takes, as in a container; the unit goes on.
-        "OOMPolicy": "continue",
-        "KillMode": "control-group",
-        "KillSignal": 9,
-    }
-
-
-def _network(run_as: RunAs | None) -> dict[str, Any]:
-    """No network at all; but a wasm sandbox with allowed hosts, whose plugin reaches them
-    through its runtime's HTTP call (the only network a plugin has, and the runtime refuses
-    every host not allowed), shares the host's."""
-    if run_as is not None and run_as.wasm is not None and run_as.wasm.allowed_hosts:
-        return {"RestrictAddressFamilies": (True, ["AF_UNIX", "AF_INET", "AF_INET6"])}
-    return {
-        "PrivateNetwork": True,
-        "IPAddressDeny": [(socket.AF_INET, [0] * 4, 0), (socket.AF_INET6, [0] * 16, 0)],
-        "RestrictAddressFamilies": (True, ["AF_UNIX"]),
-    }
-
-
 def env_line(key: str, value: str) -> str:
     """One ``EnvironmentFile`` line: the value double-quoted, its specials escaped."""
     quoted = re.sub(r'(["\\`$])', r"\\\1", value)
     return f'{key}="{quoted}"\n'
-
-
-def exit_code_of(status: ServiceStatus) -> int:
-    """A finished main process's exit code as a shell reports it (128+signal if killed)."""
-    return status.status if status.code == CLD_EXITED else 128 + status.status
-
-
-# systemd's own exit statuses for a unit it could not start (systemd.exec(5)).
-_SETUP_FAILURES = {
-    200: "its working directory is missing",
-    203: "its program is missing",
-    216: "its group does not exist on this host",
-    217: "its user does not exist on this host",
-    226: "its namespaces could not be set up (a bind source missing?)",
-}
-
-
-def _ended(status: ServiceStatus | None) -> str:
-    if status is None:
-        return "gone"
-    why = _SETUP_FAILURES.get(status.status) if status.code == CLD_EXITED else None
-    return f"{status.result}, exit status {status.status}" + (f": {why}" if why else "")
-
-
-def refusal(request: SandboxRequest) -> str | None:
-    """What a native sandbox cannot give that ``request`` asks for; None when nothing."""
-    if request.network != "none":
-        return f"network {request.network!r} (a native sandbox has no network)"
-    if any(m.target.rstrip("/") != WORKSPACE or m.kind.value != "bind" for m in request.mounts):
-        return "mounts, workspace volumes and credentials"
-    if request.cap_add:
-        return "cap_add (a native sandbox has no capability)"
-    if request.open_stdin:
-        return "a launched one-shot (its waiter)"
-    return None
 
 
 class NativeBackend:
@@ -393,12 +198,14 @@ class NativeBackend:
         try:
             described = describe(request.labels, run_as)
             self._systemd.start_transient(unit, slice_properties(request), described)
-            self._systemd.start_service(anchor, self._anchor(request, unit, run_as), wait=True)
+            env_file, runtime = self._env_file(name), self._wasm_runtime
+            properties = anchor_properties(request, unit, run_as, env_file, runtime)
+            self._systemd.start_service(anchor, properties, wait=True)
             status = self._systemd.service_status(anchor)
             if status is None or status.active_state not in ("active", "activating"):
                 raise InvalidRequest(
                     f"the sandbox could not start: its command ended at once "
-                    f"({_ended(status)}); see `journalctl -u {anchor}`",
+                    f"({how_it_ended(status)}); see `journalctl -u {anchor}`",
                     code=START_FAILED_CODE,
                 )
             if run_as.wasm is not None:  # its first call finds the module compiled
@@ -409,51 +216,6 @@ class NativeBackend:
         with self._lock:
             self._run_as[unit] = run_as
         return SandboxInfo(id=unit, name=name, labels=request.labels, state=SandboxState.RUNNING)
-
-    def _anchor(self, request: SandboxRequest, unit: str, run_as: RunAs) -> dict[str, Any]:
-        if run_as.wasm is not None:
-            return self._worker(request, unit, run_as)
-        argv = (SHELL, "-c", EXEC_WRAPPER, "sh", request.workdir or WORKSPACE, *request.command)
-        return {
-            **hardening(request.name, run_as, anchor=True),
-            "Description": f"slicebox native sandbox {request.name}",
-            "Slice": unit,
-            "Type": "exec",
-            "ExecStart": [(argv[0], list(argv), False)],
-            "EnvironmentFiles": [(str(self._env_file(request.name)), True)],
-            "Environment": [f"PATH={DEFAULT_PATH}", f"HOME={WORKSPACE}"],
-            "StandardInput": "null",
-            "StandardOutput": "journal",
-            "StandardError": "journal",
-        }
-
-    def _worker(self, request: SandboxRequest, unit: str, run_as: RunAs) -> dict[str, Any]:
-        """A wasm sandbox's anchor: the worker, ready once it listens on its socket in a
-        runtime directory of its own (root's and its user's alone)."""
-        properties = hardening(request.name, run_as, anchor=True)
-        path = wasm.socket_path(self._wasm_runtime, request.name)
-        argv = wasm.anchor_argv(path, WORKSPACE)
-        runtime = [*properties.get("RuntimeDirectory", []), f"{wasm.RUNTIME}/{request.name}"]
-        return {
-            **properties,
-            "RuntimeDirectory": runtime,
-            "RuntimeDirectoryMode": 0o700,
-            "Description": f"slicebox wasm sandbox {request.name}",
-            "Slice": unit,
-            "Type": "notify",
-            "NotifyAccess": "main",
-            "ExecStart": [(argv[0], argv, False)],
-            "EnvironmentFiles": [(str(self._env_file(request.name)), True)],
-            "Environment": [
-                f"PATH={DEFAULT_PATH}",
-                f"HOME={WORKSPACE}",
-                f"PYTHONPATH={wasm.python_path()}",
-            ],
-            "WorkingDirectory": WORKSPACE,
-            "StandardInput": "null",
-            "StandardOutput": "journal",
-            "StandardError": "journal",
-        }
 
     def _prepare(self, name: str, run: WasmRun) -> None:
         """Have a new wasm sandbox's worker compile its module; ``wasm_invalid`` when the
@@ -596,7 +358,9 @@ class NativeBackend:
             err_read, err_write = os.pipe()
             ours += [fd for fd in (stdin_write, out_read, err_read) if fd >= 0]
             theirs += [fd for fd in (stdin_read, out_write, err_write) if fd >= 0]
-            properties = self._exec_properties(exec_id, backend_id, name, request)
+            run_as = self._run_as_of(backend_id)
+            env_files = (self._env_file(name), self._exec_env_file(exec_id))
+            properties = exec_properties(backend_id, name, request, run_as, env_files)
             if stdin:
                 properties["StandardInputFileDescriptor"] = stdin_read
             else:
@@ -614,25 +378,6 @@ class NativeBackend:
             for fd in theirs:
                 os.close(fd)
         return (stdin_write if stdin else None), out_read, err_read
-
-    def _exec_properties(
-        self, exec_id: str, backend_id: str, name: str, request: ExecRequest
-    ) -> dict[str, Any]:
-        argv = (SHELL, "-c", EXEC_WRAPPER, "sh", request.cwd, *request.argv)
-        return {
-            **hardening(name, self._run_as_of(backend_id)),
-            "Description": f"slicebox exec in {name}",
-            "Slice": backend_id,
-            "Type": "exec",
-            "JoinsNamespaceOf": [anchor_unit(name)],
-            "ExecStart": [(argv[0], list(argv), False)],
-            "Environment": [f"PATH={DEFAULT_PATH}", f"HOME={WORKSPACE}"],
-            "EnvironmentFiles": [
-                (str(self._env_file(name)), True),
-                (str(self._exec_env_file(exec_id)), True),
-            ],
-            "RuntimeMaxUSec": int((request.timeout + RUNTIME_BACKSTOP) * 1_000_000),
-        }
 
     def _run_as_of(self, backend_id: str) -> RunAs:
         """How the sandbox's units run: remembered from its create, else read from its slice

@@ -290,13 +290,13 @@ def test_an_exec_in_a_stopped_sandbox_is_refused(
 
 def test_the_async_pipes_read_output_and_feed_stdin(native: NativeBackend) -> None:
     """The attachment's reading and feeding, on real pipes (what systemd's end would be)."""
-    from slicebox.backends.native.backend import _AsyncPipes
+    from slicebox.backends.native.pipes import AsyncPipes
 
     async def go() -> tuple[bytes, bytes]:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         in_r, in_w = os.pipe()
-        pipes = _AsyncPipes(asyncio.get_running_loop(), out_r, err_r)
+        pipes = AsyncPipes(asyncio.get_running_loop(), out_r, err_r)
         pipes.feed(in_w, b"x" * 200_000)  # more than a pipe holds: fed as it is read
         got = bytearray()
         while len(got) < 200_000:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import os
 import re
@@ -64,6 +63,7 @@ from slicebox.backends.native.names import (
     sandbox_name,
     sandbox_slice,
 )
+from slicebox.backends.native.pipes import AsyncPipes, read_whole
 from slicebox.backends.native.units import (
     SHELL,
     RunAs,
@@ -87,7 +87,7 @@ from slicebox.model.errors import (
     SandboxNotRunning,
     SliceboxError,
 )
-from slicebox.model.exec import ExecRequest, ExecState, OutputStream, StreamChunk
+from slicebox.model.exec import ExecRequest, ExecState
 from slicebox.model.limits import Property
 from slicebox.model.names import escape
 from slicebox.model.spec import Backend
@@ -99,7 +99,6 @@ T = TypeVar("T")
 ENV_DIR = Path("/run/slicebox/native-env")
 START_FAILED_CODE = "container_start_failed"
 UNSUPPORTED = "backend_unsupported"
-READ_SIZE = 65536
 
 
 class NativeSystemd(Protocol):
@@ -421,7 +420,7 @@ class NativeBackend:
 
     async def exec_start(self, exec_id: str, stdin: bytes | StdinSource) -> AsyncExecAttachment:
         if await self._off_loop(self._call_of, exec_id) is not None:
-            data = stdin if isinstance(stdin, bytes) else await _whole(stdin, wasm.MAX_INPUT)
+            data = stdin if isinstance(stdin, bytes) else await read_whole(stdin, wasm.MAX_INPUT)
             path, payload = await self._off_loop(self._wasm_request, exec_id, data)
             call = wasm.Call(path, payload, self._ended_call(exec_id))
             with self._lock:
@@ -429,7 +428,7 @@ class NativeBackend:
             return call
         wants_stdin = not isinstance(stdin, bytes) or bool(stdin)
         stdin_fd, out_fd, err_fd = await self._off_loop(self._start, exec_id, wants_stdin)
-        pipes = _AsyncPipes(asyncio.get_running_loop(), out_fd, err_fd)
+        pipes = AsyncPipes(asyncio.get_running_loop(), out_fd, err_fd)
         if stdin_fd is not None:
             pipes.feed(stdin_fd, stdin)
         return pipes
@@ -504,99 +503,3 @@ class NativeBackend:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
-
-
-async def _whole(source: StdinSource, cap: int) -> bytes:
-    """A streamed stdin read whole (a plugin takes its input whole), at most ``cap`` bytes."""
-    chunks, size = [], 0
-    while chunk := await source.read():
-        size += len(chunk)
-        if size > cap:
-            raise InvalidRequest(
-                f"a wasm call's input is at most {cap // 2**20} MiB", code="wasm_invalid"
-            )
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-class _AsyncPipes:
-    """An exec's output pipes read on the event loop (``AsyncExecAttachment``): each read end
-    is watched by the loop, so no thread waits while the command runs."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, out_fd: int, err_fd: int) -> None:
-        self._loop = loop
-        self._open = {out_fd: OutputStream.STDOUT, err_fd: OutputStream.STDERR}
-        self._chunks: list[StreamChunk] = []
-        self._ready = asyncio.Event()
-        self._error: BaseException | None = None
-        self._feeder: asyncio.Task[None] | None = None
-        for fd in self._open:
-            os.set_blocking(fd, False)
-            loop.add_reader(fd, self._readable, fd)
-
-    def _readable(self, fd: int) -> None:
-        try:
-            data = os.read(fd, READ_SIZE)
-        except BlockingIOError:
-            return
-        if data:
-            self._chunks.append(StreamChunk(stream=self._open[fd], data=data))
-        else:
-            self._drop(fd)
-        self._ready.set()
-
-    def _drop(self, fd: int) -> None:
-        self._loop.remove_reader(fd)
-        os.close(fd)
-        del self._open[fd]
-
-    async def read(self, timeout: float) -> list[StreamChunk] | None:
-        if not self._chunks and self._open and self._error is None:
-            self._ready.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ready.wait(), timeout)
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-        if self._chunks:
-            chunks, self._chunks = self._chunks, []
-            return chunks
-        return [] if self._open else None
-
-    def feed(self, fd: int, stdin: bytes | StdinSource) -> None:
-        self._feeder = self._loop.create_task(self._feed(fd, stdin))
-
-    async def _feed(self, fd: int, stdin: bytes | StdinSource) -> None:
-        os.set_blocking(fd, False)
-        try:
-            if isinstance(stdin, bytes):
-                await self._write(fd, stdin)
-                return
-            while chunk := await stdin.read():
-                await self._write(fd, chunk)
-        except BrokenPipeError:
-            return  # the command closed its stdin: what it did not read is not wanted
-        except Exception as exc:  # the source failed: the next read says so
-            self._error = exc
-            self._ready.set()
-        finally:
-            os.close(fd)
-
-    async def _write(self, fd: int, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[os.write(fd, view) :]
-            except BlockingIOError:
-                writable = self._loop.create_future()
-                self._loop.add_writer(fd, writable.set_result, None)
-                try:
-                    await writable
-                finally:
-                    self._loop.remove_writer(fd)
-
-    def close(self) -> None:
-        for fd in list(self._open):
-            self._drop(fd)
-        if self._feeder is not None and not self._feeder.done():
-            self._feeder.cancel()

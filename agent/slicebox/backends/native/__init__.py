@@ -1,6 +1,7 @@
 """The native backend: a sandbox that systemd isolates on the host itself (``backend``)."""
 
-from slicebox.backends.native.backend import NativeBackend, NativeSystemd, env_line
+from slicebox.backends.native.backend import NativeBackend, NativeSystemd
+from slicebox.backends.native.envfiles import env_line
 from slicebox.backends.native.names import (
     ANCHOR_PREFIX,
     EXEC_PREFIX,

@@ -34,7 +34,6 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-import re
 import secrets
 import shutil
 import threading
@@ -53,6 +52,7 @@ from slicebox.backends.base import (
     VolumeInfo,
     resolve_own,
 )
+from slicebox.backends.native.envfiles import ENV_DIR, EnvFiles
 from slicebox.backends.native.names import (
     ANCHOR_PREFIX,
     EXEC_PREFIX,
@@ -96,7 +96,6 @@ from slicebox.model.wasm import WasmRun
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-ENV_DIR = Path("/run/slicebox/native-env")
 START_FAILED_CODE = "container_start_failed"
 UNSUPPORTED = "backend_unsupported"
 
@@ -121,12 +120,6 @@ class NativeSystemd(Protocol):
     def is_active(self, unit: str) -> bool: ...
 
 
-def env_line(key: str, value: str) -> str:
-    """One ``EnvironmentFile`` line: the value double-quoted, its specials escaped."""
-    quoted = re.sub(r'(["\\`$])', r"\\\1", value)
-    return f'{key}="{quoted}"\n'
-
-
 class NativeBackend:
     """:class:`~slicebox.backends.base.SandboxBackend` on systemd alone."""
 
@@ -144,7 +137,7 @@ class NativeBackend:
         self.plugins = plugins or PluginStore()
         self._wasm_runtime = wasm_runtime  # where each wasm sandbox's worker listens
         self._calls: dict[str, wasm.Call] = {}  # wasm calls not ended
-        self._env_dir = env_dir
+        self._env = EnvFiles(env_dir)
         self._which = which
         self._pending: dict[str, tuple[str, ExecRequest]] = {}  # created, not started
         self._ended: dict[str, ExecState] = {}
@@ -193,11 +186,11 @@ class NativeBackend:
             raise InvalidRequest(f"the native backend cannot give {refused}", code=UNSUPPORTED)
         name, unit = request.name, sandbox_slice(request.slice, request.name)
         anchor, run_as = anchor_unit(name), run_as_of(request)
-        self._write_env(name, request.env)
+        self._env.write(self._env.of_sandbox(name), request.env)
         try:
             described = describe(request.labels, run_as)
             self._systemd.start_transient(unit, slice_properties(request), described)
-            env_file, runtime = self._env_file(name), self._wasm_runtime
+            env_file, runtime = self._env.of_sandbox(name), self._wasm_runtime
             properties = anchor_properties(request, unit, run_as, env_file, runtime)
             self._systemd.start_service(anchor, properties, wait=True)
             status = self._systemd.service_status(anchor)
@@ -283,24 +276,9 @@ class NativeBackend:
         for listed in leftovers:  # what failed stays loaded until forgotten; the rest is gone
             if listed.active_state == "failed":
                 self._systemd.reset_failed(listed.name)
-        self._env_file(name).unlink(missing_ok=True)
+        self._env.forget(name)
         with self._lock:
             self._run_as.pop(unit, None)
-        for path in self._env_dir.glob(f"{EXEC_PREFIX}{name}-*.env"):
-            path.unlink(missing_ok=True)
-
-    def _env_file(self, name: str) -> Path:
-        return self._env_dir / f"{name}.env"
-
-    def _write_env(self, name: str, env: Mapping[str, str]) -> None:
-        """The sandbox's environment, for root alone: unit properties are anyone's to read."""
-        self._write_env_file(self._env_file(name), env)
-
-    def _write_env_file(self, path: Path, env: Mapping[str, str]) -> None:
-        self._env_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(descriptor, "w") as out:
-            out.writelines(env_line(key, value) for key, value in env.items())
 
     # --- volumes: none -------------------------------------------------------------------------
 
@@ -358,7 +336,7 @@ class NativeBackend:
             ours += [fd for fd in (stdin_write, out_read, err_read) if fd >= 0]
             theirs += [fd for fd in (stdin_read, out_write, err_write) if fd >= 0]
             run_as = self._run_as_of(backend_id)
-            env_files = (self._env_file(name), self._exec_env_file(exec_id))
+            env_files = (self._env.of_sandbox(name), self._env.of_exec(exec_id))
             properties = exec_properties(backend_id, name, request, run_as, env_files)
             if stdin:
                 properties["StandardInputFileDescriptor"] = stdin_read
@@ -366,12 +344,12 @@ class NativeBackend:
                 properties["StandardInput"] = "null"
             properties["StandardOutputFileDescriptor"] = out_write
             properties["StandardErrorFileDescriptor"] = err_write
-            self._write_exec_env(exec_id, request.env)
+            self._env.write(self._env.of_exec(exec_id), request.env)
             self._systemd.start_service(exec_id, properties, wait=False)
         except BaseException:
             for fd in ours:
                 os.close(fd)
-            self._exec_env_file(exec_id).unlink(missing_ok=True)
+            self._env.of_exec(exec_id).unlink(missing_ok=True)
             raise
         finally:
             for fd in theirs:
@@ -390,12 +368,6 @@ class NativeBackend:
         with self._lock:
             self._run_as[backend_id] = found
         return found
-
-    def _exec_env_file(self, exec_id: str) -> Path:
-        return self._env_dir / f"{exec_id}.env"
-
-    def _write_exec_env(self, exec_id: str, env: Mapping[str, str]) -> None:
-        self._write_env_file(self._exec_env_file(exec_id), env)
 
     def _call_of(self, exec_id: str) -> WasmRun | None:
         """The plugin a pending exec calls (an exec in a wasm sandbox), else None."""
@@ -482,7 +454,7 @@ class NativeBackend:
         return await self._off_loop(self._stop_exec, exec_id)
 
     def _end(self, exec_id: str, state: ExecState) -> ExecState:
-        self._exec_env_file(exec_id).unlink(missing_ok=True)
+        self._env.of_exec(exec_id).unlink(missing_ok=True)
         with self._lock:
             self._calls.pop(exec_id, None)
             if exec_id in self._ended:

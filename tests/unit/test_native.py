@@ -14,20 +14,22 @@ from typing import Any
 import pytest
 
 from slicebox.backends.base import SandboxRequest, SandboxState
-from slicebox.backends.native import (
+from slicebox.backends.native.backend import NativeBackend
+from slicebox.backends.native.envfiles import env_line
+from slicebox.backends.native.names import (
     ANCHOR_PREFIX,
-    MARK,
-    NativeBackend,
-    describe,
-    env_line,
-    exit_code_of,
     glob_literal,
-    hardening,
     is_native_exec,
     is_native_id,
-    labels_of,
     name_of,
     sandbox_slice,
+)
+from slicebox.backends.native.units import (
+    MARK,
+    describe,
+    exit_code_of,
+    hardening,
+    labels_of,
     slice_properties,
 )
 from slicebox.backends.router import Backends

@@ -31,7 +31,8 @@ from tests.host.agentunits import installed_agent
 from tests.host.sliceboxhost import cleanup_slices
 
 from bench.bench_e2e import api, timed
-from slicebox.backends.native import WORKSPACE, anchor_unit, hardening, sandbox_slice
+from slicebox.backends.native.names import anchor_unit, sandbox_slice
+from slicebox.backends.native.units import WORKSPACE, hardening
 from slicebox.model.names import slice_names
 
 PROJECT = "nbench"

@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 
 from slicebox.backends.docker import DockerBackend
-from slicebox.backends.native import ANCHOR_PREFIX, EXEC_PREFIX, NativeBackend
+from slicebox.backends.native.backend import NativeBackend
+from slicebox.backends.native.names import ANCHOR_PREFIX, EXEC_PREFIX
 from slicebox.backends.router import Backends
 from slicebox.client import Client
 from slicebox.core.deadlines import Deadlines

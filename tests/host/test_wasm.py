@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.backends.native import ANCHOR_PREFIX
+from slicebox.backends.native.names import ANCHOR_PREFIX
 from slicebox.backends.wasmrun import EXIT_NO_FUNCTION
 from slicebox.client import Client
 from slicebox.core.sandbox import Sandbox

@@ -75,11 +75,12 @@ BACKEND_MAKERS = (
 
 def test_the_agents_backends_are_made_in_one_place() -> None:
     """One composition root: the daemon, the expiry command and doctor build their backends
-    with ``slicebox.server.backends``; a backend's own module may make its like (a copy)."""
+    with ``slicebox.server.backends``; a backend's own modules (under ``backends/``, a
+    package's included) may make their like (a copy)."""
     makers = {
         str(path.relative_to(PACKAGE))
         for path in PACKAGE.rglob("*.py")
-        if path.parent.name != "backends"
+        if path.relative_to(PACKAGE).parts[0] != "backends"
         and any(maker in path.read_text() for maker in BACKEND_MAKERS)
     }
     assert makers == {"server/backends.py"}
@@ -90,7 +91,6 @@ def test_the_agents_backends_are_made_in_one_place() -> None:
 MOST_LINES = 500
 DATA_TABLES = {"model/codes.py"}
 STILL_OVER = {
-    "backends/native.py": 946,
     "backends/daytona.py": 854,
 }
 

@@ -14,20 +14,22 @@ from typing import Any
 import pytest
 
 from slicebox.backends.base import SandboxRequest, SandboxState
-from slicebox.backends.native import (
+from slicebox.backends.native.backend import NativeBackend
+from slicebox.backends.native.envfiles import env_line
+from slicebox.backends.native.names import (
     ANCHOR_PREFIX,
-    MARK,
-    NativeBackend,
-    describe,
-    env_line,
-    exit_code_of,
     glob_literal,
-    hardening,
     is_native_exec,
     is_native_id,
-    labels_of,
     name_of,
     sandbox_slice,
+)
+from slicebox.backends.native.units import (
+    MARK,
+    describe,
+    exit_code_of,
+    hardening,
+    labels_of,
     slice_properties,
 )
 from slicebox.backends.router import Backends
@@ -290,13 +292,13 @@ def test_an_exec_in_a_stopped_sandbox_is_refused(
 
 def test_the_async_pipes_read_output_and_feed_stdin(native: NativeBackend) -> None:
     """The attachment's reading and feeding, on real pipes (what systemd's end would be)."""
-    from slicebox.backends.native import _AsyncPipes
+    from slicebox.backends.native.pipes import AsyncPipes
 
     async def go() -> tuple[bytes, bytes]:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         in_r, in_w = os.pipe()
-        pipes = _AsyncPipes(asyncio.get_running_loop(), out_r, err_r)
+        pipes = AsyncPipes(asyncio.get_running_loop(), out_r, err_r)
         pipes.feed(in_w, b"x" * 200_000)  # more than a pipe holds: fed as it is read
         got = bytearray()
         while len(got) < 200_000:

@@ -23,7 +23,9 @@ from typing import Any
 import pytest
 
 from slicebox.backends.base import Availability
-from slicebox.backends.native import ANCHOR_PREFIX, WORKSPACE, NativeBackend, run_as_described
+from slicebox.backends.native.backend import NativeBackend
+from slicebox.backends.native.names import ANCHOR_PREFIX
+from slicebox.backends.native.units import WORKSPACE, run_as_described
 from slicebox.backends.router import Backends
 from slicebox.backends.wasm import availability, call_blocking, function_of, verdict
 from slicebox.backends.wasmrun import (

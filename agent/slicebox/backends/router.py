@@ -34,7 +34,8 @@ from slicebox.backends.base import (
     VolumeInfo,
 )
 from slicebox.backends.daytona import DaytonaBackend, is_daytona_exec, is_daytona_id
-from slicebox.backends.native import NativeBackend, is_native_exec, is_native_id
+from slicebox.backends.native.backend import NativeBackend
+from slicebox.backends.native.names import is_native_exec, is_native_id
 from slicebox.host.plugins import PluginStore
 from slicebox.model.errors import Unavailable
 from slicebox.model.exec import ExecRequest, ExecState

@@ -6,7 +6,7 @@ import logging
 
 from slicebox.backends.daytona import DaytonaBackend
 from slicebox.backends.docker import DockerBackend
-from slicebox.backends.native import NativeBackend, NativeSystemd
+from slicebox.backends.native.backend import NativeBackend, NativeSystemd
 from slicebox.backends.router import Backends
 from slicebox.host.systemd import PystemdSystemd
 from slicebox.model.config import Config, DaytonaConfig

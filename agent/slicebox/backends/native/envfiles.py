@@ -1,0 +1,50 @@
+"""A native sandbox's environment, kept off its units: root-only files its units read.
+
+Unit properties are any local user's to read (``systemctl show``) and an environment may hold
+secrets, so neither the sandbox's environment nor an exec's own is a property: each is a file
+in a directory for root alone (``/run/slicebox/native-env``), ``<sandbox>.env`` and
+``<exec unit>.env``, that the units name in their ``EnvironmentFiles``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from slicebox.backends.native.names import EXEC_PREFIX
+
+ENV_DIR = Path("/run/slicebox/native-env")
+
+
+def env_line(key: str, value: str) -> str:
+    """One ``EnvironmentFile`` line: the value double-quoted, its specials escaped."""
+    quoted = re.sub(r'(["\\`$])', r"\\\1", value)
+    return f'{key}="{quoted}"\n'
+
+
+class EnvFiles:
+    """The environment files of the native sandboxes, in one root-only directory."""
+
+    def __init__(self, directory: Path = ENV_DIR) -> None:
+        self.directory = directory
+
+    def of_sandbox(self, name: str) -> Path:
+        return self.directory / f"{name}.env"
+
+    def of_exec(self, exec_id: str) -> Path:
+        return self.directory / f"{exec_id}.env"
+
+    def write(self, path: Path, env: Mapping[str, str]) -> None:
+        """``env`` as ``path``, for root alone: unit properties are anyone's to read."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as out:
+            out.writelines(env_line(key, value) for key, value in env.items())
+
+    def forget(self, name: str) -> None:
+        """Remove the sandbox's file and those its execs left (a killed agent's)."""
+        self.of_sandbox(name).unlink(missing_ok=True)
+        for path in self.directory.glob(f"{EXEC_PREFIX}{name}-*.env"):
+            path.unlink(missing_ok=True)

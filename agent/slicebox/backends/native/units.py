@@ -1,0 +1,302 @@
+"""What a native sandbox's units are made of: pure tables of systemd properties.
+
+Its slice's limits, the hardening every unit of it runs with, who they run as
+(:class:`RunAs`: a dynamic user, or the caller's ids for a host workspace), its anchor's and
+each exec's unit, and the slice's ``Description`` that carries its labels and ``RunAs`` (where
+a native sandbox's lineage lives without a state file). Nothing here asks systemd anything:
+the backend starts what these describe, and tests and the benchmark read them as they are.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import socket
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ConfigDict
+
+from slicebox.backends import wasm
+from slicebox.backends.base import SandboxRequest
+from slicebox.backends.native.names import anchor_unit, dynamic_user
+from slicebox.host.systemd import ServiceStatus
+from slicebox.model.base import Model
+from slicebox.model.exec import ExecRequest
+from slicebox.model.limits import INFINITY, Property, cpu_quota_usec
+from slicebox.model.wasm import WasmRun
+
+MARK = "slicebox-native "  # a native sandbox slice's Description: this, then its labels
+WORKSPACE = "/workspace"
+WORKSPACES = "slicebox/native"  # below /run: the anchor's RuntimeDirectory
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# The exec's program is found, and its cwd entered, by a shell: a missing program answers 127
+# and a missing cwd 126 with the shell's words on stderr, as a Docker exec does.
+SHELL = "/bin/sh"
+EXEC_WRAPPER = 'cd -- "$1" || exit 126; shift; exec "$@"'
+# A backstop past the engine's own timeout: an exec the agent lost (killed with it) still ends.
+RUNTIME_BACKSTOP = 60.0
+MS_REC = 16384
+CLD_EXITED = 1
+
+
+class RunAs(Model):
+    """Who a native sandbox's units run as, and its workspace: its own dynamic user and a
+    runtime directory, or (a host workspace) the caller's uid:gid and their directory."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    user: str = ""  # "uid:gid"; "": a dynamic user
+    workspace: str = ""  # the host directory bound at /workspace; "": its runtime directory
+    read_only: bool = False
+    jit: bool = False  # writable+executable memory allowed (no MemoryDenyWriteExecute)
+    wasm: WasmRun | None = None  # a wasm sandbox: its execs call this plugin (backends.wasm)
+
+
+def run_as_of(request: SandboxRequest) -> RunAs:
+    """A host workspace (the one bind a native sandbox takes) runs as the caller's ids."""
+    binds = [m for m in request.mounts if m.target.rstrip("/") == WORKSPACE]
+    # Wasmtime compiles the module to machine code: its pages are made executable.
+    jit = request.allow_jit or request.wasm is not None
+    if not binds:
+        return RunAs(jit=jit, wasm=request.wasm)
+    bind = binds[0]
+    return RunAs(
+        user=request.user or "",
+        workspace=bind.source,
+        read_only=bind.read_only,
+        jit=jit,
+        wasm=request.wasm,
+    )
+
+
+def describe(labels: Mapping[str, str], run_as: RunAs | None = None) -> str:
+    data = {"labels": dict(labels), "run_as": (run_as or RunAs()).model_dump()}
+    return MARK + json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+
+def _described(description: str) -> dict[str, Any] | None:
+    if not description.startswith(MARK):
+        return None
+    try:
+        data = json.loads(description[len(MARK) :])
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("labels"), dict):
+        return None
+    return data
+
+
+def labels_of(description: str) -> dict[str, str] | None:
+    """The labels a native sandbox slice's Description holds; None for any other slice."""
+    data = _described(description)
+    if data is None:
+        return None
+    return {str(key): str(value) for key, value in data["labels"].items()}
+
+
+def run_as_described(description: str) -> RunAs:
+    data = _described(description)
+    try:
+        return RunAs.model_validate((data or {}).get("run_as") or {})
+    except ValueError:
+        return RunAs()
+
+
+def slice_properties(request: SandboxRequest) -> list[Property]:
+    """The sandbox slice's limits: what ``--memory``, ``--memory-swap``, ``--pids-limit`` and
+    ``--cpus`` give a container, as systemd properties."""
+    limits = request.limits
+    return [
+        ("MemoryMax", limits.memory_bytes),
+        ("MemorySwapMax", 0),
+        ("TasksMax", limits.pids),
+        ("CPUQuotaPerSecUSec", cpu_quota_usec(limits.cpus) if limits.cpus else INFINITY),
+        ("IOAccounting", 1),  # io.stat, for disk_bytes_written
+    ]
+
+
+def identity(name: str, run_as: RunAs, *, anchor: bool) -> dict[str, Any]:
+    """Who the units run as and what is bound at /workspace. The workspace is the anchor's
+    runtime directory alone: an exec that declared it too would have systemd move it to
+    /run/private (a preserved runtime directory of a dynamic user goes there), away from the
+    anchor's removal."""
+    if not run_as.user:
+        workspace = {
+            "DynamicUser": True,
+            "User": dynamic_user(name),
+            "BindPaths": [(f"/run/{WORKSPACES}/{name}", WORKSPACE, False, MS_REC)],
+        }
+        if anchor:
+            workspace["RuntimeDirectory"] = [f"{WORKSPACES}/{name}"]
+            workspace["RuntimeDirectoryMode"] = 0o700
+        return workspace
+    uid, _, gid = run_as.user.partition(":")
+    bind = "BindReadOnlyPaths" if run_as.read_only else "BindPaths"
+    return {
+        "User": uid,
+        "Group": gid or uid,
+        bind: [(run_as.workspace, WORKSPACE, False, MS_REC)],
+    }
+
+
+def hardening(name: str, run_as: RunAs | None = None, *, anchor: bool = False) -> dict[str, Any]:
+    """What every unit of the sandbox runs with (``systemd-analyze security``: 0.4, "SAFE",
+    for an exec unit in the guest)."""
+    return {
+        **identity(name, run_as or RunAs(), anchor=anchor),
+        **_network(run_as),
+        "PrivateTmp": True,
+        "PrivateDevices": True,
+        "PrivateIPC": True,
+        "PrivateUsers": True,
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "ProtectProc": "invisible",
+        "ProcSubset": "pid",
+        "NoNewPrivileges": True,
+        "CapabilityBoundingSet": 0,
+        "AmbientCapabilities": 0,
+        "RestrictNamespaces": 0,
+        "SystemCallFilter": (True, ["@system-service"]),
+        "SystemCallErrorNumber": errno.EPERM,
+        "SystemCallArchitectures": ["native"],
+        "LockPersonality": True,
+        "MemoryDenyWriteExecute": run_as is None or not run_as.jit,
+        "ProtectKernelTunables": True,
+        "ProtectKernelModules": True,
+        "ProtectKernelLogs": True,
+        "ProtectControlGroups": True,
+        "ProtectClock": True,
+        "ProtectHostname": True,
+        "RestrictRealtime": True,
+        "RestrictSUIDSGID": True,
+        "RemoveIPC": True,
+        "DevicePolicy": "closed",
+        "KeyringMode": "private",
+        "UMask": 0o077,
+        # The kernel's OOM killer takes what it takes, as in a container; the unit goes on.
+        "OOMPolicy": "continue",
+        "KillMode": "control-group",
+        "KillSignal": 9,
+    }
+
+
+def _network(run_as: RunAs | None) -> dict[str, Any]:
+    """No network at all; but a wasm sandbox with allowed hosts, whose plugin reaches them
+    through its runtime's HTTP call (the only network a plugin has, and the runtime refuses
+    every host not allowed), shares the host's."""
+    if run_as is not None and run_as.wasm is not None and run_as.wasm.allowed_hosts:
+        return {"RestrictAddressFamilies": (True, ["AF_UNIX", "AF_INET", "AF_INET6"])}
+    return {
+        "PrivateNetwork": True,
+        "IPAddressDeny": [(socket.AF_INET, [0] * 4, 0), (socket.AF_INET6, [0] * 16, 0)],
+        "RestrictAddressFamilies": (True, ["AF_UNIX"]),
+    }
+
+
+def exit_code_of(status: ServiceStatus) -> int:
+    """A finished main process's exit code as a shell reports it (128+signal if killed)."""
+    return status.status if status.code == CLD_EXITED else 128 + status.status
+
+
+# systemd's own exit statuses for a unit it could not start (systemd.exec(5)).
+_SETUP_FAILURES = {
+    200: "its working directory is missing",
+    203: "its program is missing",
+    216: "its group does not exist on this host",
+    217: "its user does not exist on this host",
+    226: "its namespaces could not be set up (a bind source missing?)",
+}
+
+
+def how_it_ended(status: ServiceStatus | None) -> str:
+    if status is None:
+        return "gone"
+    why = _SETUP_FAILURES.get(status.status) if status.code == CLD_EXITED else None
+    return f"{status.result}, exit status {status.status}" + (f": {why}" if why else "")
+
+
+def refusal(request: SandboxRequest) -> str | None:
+    """What a native sandbox cannot give that ``request`` asks for; None when nothing."""
+    if request.network != "none":
+        return f"network {request.network!r} (a native sandbox has no network)"
+    if any(m.target.rstrip("/") != WORKSPACE or m.kind.value != "bind" for m in request.mounts):
+        return "mounts, workspace volumes and credentials"
+    if request.cap_add:
+        return "cap_add (a native sandbox has no capability)"
+    if request.open_stdin:
+        return "a launched one-shot (its waiter)"
+    return None
+
+
+def anchor_properties(
+    request: SandboxRequest, unit: str, run_as: RunAs, env_file: Path, wasm_runtime: Path
+) -> dict[str, Any]:
+    """The anchor's unit: the sandbox's command in its slice, or a wasm sandbox's worker."""
+    if run_as.wasm is not None:
+        return worker_properties(request, unit, run_as, env_file, wasm_runtime)
+    argv = (SHELL, "-c", EXEC_WRAPPER, "sh", request.workdir or WORKSPACE, *request.command)
+    return {
+        **hardening(request.name, run_as, anchor=True),
+        "Description": f"slicebox native sandbox {request.name}",
+        "Slice": unit,
+        "Type": "exec",
+        "ExecStart": [(argv[0], list(argv), False)],
+        "EnvironmentFiles": [(str(env_file), True)],
+        "Environment": [f"PATH={DEFAULT_PATH}", f"HOME={WORKSPACE}"],
+        "StandardInput": "null",
+        "StandardOutput": "journal",
+        "StandardError": "journal",
+    }
+
+
+def worker_properties(
+    request: SandboxRequest, unit: str, run_as: RunAs, env_file: Path, wasm_runtime: Path
+) -> dict[str, Any]:
+    """A wasm sandbox's anchor: the worker, ready once it listens on its socket in a
+    runtime directory of its own (root's and its user's alone)."""
+    properties = hardening(request.name, run_as, anchor=True)
+    path = wasm.socket_path(wasm_runtime, request.name)
+    argv = wasm.anchor_argv(path, WORKSPACE)
+    runtime = [*properties.get("RuntimeDirectory", []), f"{wasm.RUNTIME}/{request.name}"]
+    return {
+        **properties,
+        "RuntimeDirectory": runtime,
+        "RuntimeDirectoryMode": 0o700,
+        "Description": f"slicebox wasm sandbox {request.name}",
+        "Slice": unit,
+        "Type": "notify",
+        "NotifyAccess": "main",
+        "ExecStart": [(argv[0], argv, False)],
+        "EnvironmentFiles": [(str(env_file), True)],
+        "Environment": [
+            f"PATH={DEFAULT_PATH}",
+            f"HOME={WORKSPACE}",
+            f"PYTHONPATH={wasm.python_path()}",
+        ],
+        "WorkingDirectory": WORKSPACE,
+        "StandardInput": "null",
+        "StandardOutput": "journal",
+        "StandardError": "journal",
+    }
+
+
+def exec_properties(
+    backend_id: str, name: str, request: ExecRequest, run_as: RunAs, env_files: Sequence[Path]
+) -> dict[str, Any]:
+    """An exec's unit, in the sandbox's slice and its anchor's namespaces; its environment
+    files are the sandbox's, then the exec's own. Its stdio is the caller's to add."""
+    argv = (SHELL, "-c", EXEC_WRAPPER, "sh", request.cwd, *request.argv)
+    return {
+        **hardening(name, run_as),
+        "Description": f"slicebox exec in {name}",
+        "Slice": backend_id,
+        "Type": "exec",
+        "JoinsNamespaceOf": [anchor_unit(name)],
+        "ExecStart": [(argv[0], list(argv), False)],
+        "Environment": [f"PATH={DEFAULT_PATH}", f"HOME={WORKSPACE}"],
+        "EnvironmentFiles": [(str(path), True) for path in env_files],
+        "RuntimeMaxUSec": int((request.timeout + RUNTIME_BACKSTOP) * 1_000_000),
+    }

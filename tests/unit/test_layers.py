@@ -113,7 +113,6 @@ def test_no_module_grows_past_its_room() -> None:
 # One way to do each thing: no method beside an async twin of itself (``aX``/``_aX``/``X_async``
 # beside ``X``), in a class or a module. The public clients keep both, as users call both.
 TWINS_ALLOWED = ("client/",)
-TWINS_LEFT = {"backends/daytona.py"}  # its blocking SDK client beside its asyncio one
 
 
 def twins(tree: ast.Module) -> Iterator[str]:
@@ -157,7 +156,7 @@ def test_no_sync_and_async_twins() -> None:
     found = {}
     for path in PACKAGE.rglob("*.py"):
         name = str(path.relative_to(PACKAGE))
-        if name.startswith(TWINS_ALLOWED) or name in TWINS_LEFT:
+        if name.startswith(TWINS_ALLOWED):
             continue
         pairs = list(twins(ast.parse(path.read_text())))
         if pairs:

@@ -30,8 +30,13 @@ directory of its own). ``/workspace``, the default cwd, is made at create by one
 The SDK is imported when first needed: without it, :meth:`DaytonaBackend.availability` says
 what to install and every other call is ``backend_unavailable``. The API key is a secret: it
 is in no log line, message or repr of this module (what the SDK says is scrubbed of it).
-Blocking calls use the SDK's blocking client; the ``_async`` ones its asyncio client, one per
-event loop, so that nothing waits on the agent's loop.
+
+Every call is written once, async, over the SDK's asyncio client: one per event loop, as its
+HTTP session belongs to its loop. The awaited calls (inspect, the execs) use the running loop's;
+the blocking ones of :class:`~slicebox.backends.base.SandboxBackend` (availability, create,
+find, remove, usage), which worker threads call, await theirs through the
+:class:`~slicebox.backends.base.Portal` the backend is given, on the agent's core loop, so
+nothing waits on the agent's own loop.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import math
 import secrets
 import shlex
 import threading
+import weakref
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -51,6 +57,7 @@ from slicebox.backends.base import (
     WORKSPACE,
     AsyncExecAttachment,
     Availability,
+    Portal,
     SandboxInfo,
     SandboxRequest,
     SandboxState,
@@ -236,12 +243,10 @@ def _is_transport(exc: BaseException) -> bool:
 
 
 class ClientFactory(Protocol):
-    """Makes the SDK's client: ``daytona.AsyncDaytona`` when ``asynchronous``, else
-    ``daytona.Daytona`` (what the backend does without one)."""
+    """Makes the SDK's asyncio client, ``daytona.AsyncDaytona`` (what the backend does
+    without one)."""
 
-    def __call__(
-        self, *, api_url: str, api_key: str, target: str | None, asynchronous: bool
-    ) -> Any: ...
+    def __call__(self, *, api_url: str, api_key: str, target: str | None) -> Any: ...
 
 
 class _Key:
@@ -264,7 +269,7 @@ class _Exec:
     def __init__(self, daytona_id: str, request: ExecRequest, sandbox: Any) -> None:
         self.daytona_id = daytona_id
         self.request = request
-        self.sandbox = sandbox  # the SDK's Sandbox (or AsyncSandbox) its create found running
+        self.sandbox = sandbox  # the SDK's AsyncSandbox its create found running
         self.started = False
         self.running = False
         self.exit_code: int | None = None
@@ -272,7 +277,8 @@ class _Exec:
 
 
 class DaytonaBackend:
-    """:class:`~slicebox.backends.base.SandboxBackend` on a Daytona API."""
+    """:class:`~slicebox.backends.base.SandboxBackend` on a Daytona API; ``portal`` awaits
+    the blocking calls' coroutines on the agent's core loop."""
 
     def __init__(
         self,
@@ -280,15 +286,17 @@ class DaytonaBackend:
         api_key: str,
         target: str | None = None,
         *,
+        portal: Portal,
         client_factory: ClientFactory | None = None,
     ) -> None:
         self._api_url = api_url
         self._key = _Key(api_key)
         self._target = target
+        self._portal = portal
         self._factory = client_factory
         self._lock = threading.Lock()
-        self._sync: Any = None
-        self._async: tuple[asyncio.AbstractEventLoop, Any] | None = None
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any]
+        self._clients = weakref.WeakKeyDictionary()
         self._execs: dict[str, _Exec] = {}
 
     def __repr__(self) -> str:
@@ -298,7 +306,7 @@ class DaytonaBackend:
     def kind(self) -> Backend:
         return Backend.DAYTONA
 
-    # --- the SDK and its clients ----------------------------------------------------------------
+    # --- the SDK and its client -----------------------------------------------------------------
 
     def _sdk(self) -> Any:
         try:
@@ -306,39 +314,31 @@ class DaytonaBackend:
         except ImportError:
             raise Unavailable(NO_SDK, code=UNAVAILABLE) from None
 
-    def _make(self, *, asynchronous: bool) -> Any:
+    def _make(self) -> Any:
         sdk = self._sdk()
         try:
             if self._factory is not None:
                 return self._factory(
-                    api_url=self._api_url,
-                    api_key=self._key.value,
-                    target=self._target,
-                    asynchronous=asynchronous,
+                    api_url=self._api_url, api_key=self._key.value, target=self._target
                 )
             config = sdk.DaytonaConfig(
                 api_key=self._key.value, api_url=self._api_url, target=self._target
             )
-            return sdk.AsyncDaytona(config) if asynchronous else sdk.Daytona(config)
+            return sdk.AsyncDaytona(config)
         except SliceboxError:
             raise
         except Exception as exc:
             raise self._failure(exc, "making its client") from None
 
     def _client(self) -> Any:
-        """The blocking client, made once."""
-        with self._lock:
-            if self._sync is None:
-                self._sync = self._make(asynchronous=False)
-            return self._sync
-
-    def _aclient(self) -> Any:
-        """The asyncio client of the running loop (its HTTP session belongs to that loop)."""
+        """The running loop's asyncio client, made at its first call there (its HTTP session
+        belongs to that loop)."""
         loop = asyncio.get_running_loop()
         with self._lock:
-            if self._async is None or self._async[0] is not loop:
-                self._async = (loop, self._make(asynchronous=True))
-            return self._async[1]
+            client = self._clients.get(loop)
+            if client is None:
+                client = self._clients[loop] = self._make()
+            return client
 
     def _scrub(self, text: str) -> str:
         return text.replace(self._key.value, "***") if self._key.value else text
@@ -385,9 +385,15 @@ class DaytonaBackend:
             sdk = import_sdk()
         except ImportError:
             return Availability(kind=self.kind, available=False, detail=NO_SDK)
+        return self._portal(lambda: self._availability(sdk))
+
+    async def _availability(self, sdk: Any) -> Availability:
         try:
             query = sdk.ListSandboxesQuery(limit=1)
-            next(iter(self._client().list(query, request_timeout=CALL_TIMEOUT)), None)
+            listing = self._client().list(query, request_timeout=CALL_TIMEOUT)
+            async with contextlib.aclosing(listing):
+                async for _ in listing:
+                    break
         except Exception as exc:  # never raises: what is wrong, and what to check
             detail = self._scrub(str(exc)) or type(exc).__name__
             return Availability(
@@ -407,6 +413,9 @@ class DaytonaBackend:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def create(self, request: SandboxRequest) -> SandboxInfo:
+        return self._portal(lambda: self._create(request))
+
+    async def _create(self, request: SandboxRequest) -> SandboxInfo:
         refused = refusal(request)
         if refused is not None:
             raise InvalidRequest(f"the daytona backend cannot give {refused}", code=UNSUPPORTED)
@@ -422,11 +431,11 @@ class DaytonaBackend:
             resources=sdk.Resources(**resources) if resources else None,
         )
         try:
-            sandbox = client.create(params, timeout=CREATE_TIMEOUT)
+            sandbox = await client.create(params, timeout=CREATE_TIMEOUT)
         except Exception as exc:
             # The SDK may have made it before it failed (a start that failed, a wait that
             # timed out): whatever carries its name goes.
-            self._discard_named(request.name)
+            await self._discard_named(request.name)
             error = self._failure(exc, f"the create of {request.name}")
             if isinstance(error, HostError | SandboxNotFound):
                 error = InvalidRequest(
@@ -436,15 +445,15 @@ class DaytonaBackend:
                 )
             raise error from None
         try:
-            self._make_workspace(sandbox)
+            await self._make_workspace(sandbox)
             return self._info(sandbox)
         except BaseException:
-            self._discard(sandbox)
+            await self._discard(sandbox)
             raise
 
-    def _make_workspace(self, sandbox: Any) -> None:
+    async def _make_workspace(self, sandbox: Any) -> None:
         try:
-            answer = sandbox.process.exec(WORKSPACE_SETUP, cwd="/", timeout=SETUP_TIMEOUT)
+            answer = await sandbox.process.exec(WORKSPACE_SETUP, cwd="/", timeout=SETUP_TIMEOUT)
         except Exception as exc:
             raise self._failure(exc, "making /workspace") from None
         if answer.exit_code != 0:
@@ -456,19 +465,19 @@ class DaytonaBackend:
                 code=START_FAILED_CODE,
             )
 
-    def _discard(self, sandbox: Any) -> None:
+    async def _discard(self, sandbox: Any) -> None:
         try:
-            sandbox.delete(timeout=CALL_TIMEOUT)
+            await sandbox.delete(timeout=CALL_TIMEOUT)
         except Exception as exc:
             if _status(exc) != 404:
                 log.warning(
                     "daytona sandbox %s could not be deleted: %s", sandbox.id, self._scrub(str(exc))
                 )
 
-    def _discard_named(self, name: str) -> None:
+    async def _discard_named(self, name: str) -> None:
         try:
-            for sandbox in self._listed({NAME_LABEL: name}):
-                self._discard(sandbox)
+            for sandbox in await self._listed({NAME_LABEL: name}):
+                await self._discard(sandbox)
         except Exception as exc:
             log.warning(
                 "daytona sandboxes named %s could not be listed for deletion: %s",
@@ -485,27 +494,18 @@ class DaytonaBackend:
             state=state_of(getattr(sandbox, "state", None)),
         )
 
-    def _get(self, backend_id: str) -> Any | None:
-        """The SDK's Sandbox behind a backend id (or a name); None when there is none."""
-        if not is_daytona_id(backend_id):
-            found = self._listed({NAME_LABEL: backend_id})
-            return found[0] if found else None
-        try:
-            return self._client().get(daytona_id(backend_id), request_timeout=CALL_TIMEOUT)
-        except Exception as exc:
-            if _status(exc) == 404:
-                return None
-            raise self._failure(exc, f"a look-up of {backend_id}") from None
-
-    async def _aget(self, backend_id: str) -> Any | None:
-        client = self._aclient()
+    async def _get(self, backend_id: str) -> Any | None:
+        """The SDK's AsyncSandbox behind a backend id (or a name); None when there is none."""
+        client = self._client()
         try:
             if is_daytona_id(backend_id):
                 return await client.get(daytona_id(backend_id), request_timeout=CALL_TIMEOUT)
             query = self._sdk().ListSandboxesQuery(labels={NAME_LABEL: backend_id})
-            async for sandbox in client.list(query, request_timeout=CALL_TIMEOUT):
-                if (sandbox.labels or {}).get(NAME_LABEL) == backend_id:
-                    return sandbox
+            listing = client.list(query, request_timeout=CALL_TIMEOUT)
+            async with contextlib.aclosing(listing):
+                async for sandbox in listing:
+                    if (sandbox.labels or {}).get(NAME_LABEL) == backend_id:
+                        return sandbox
             return None
         except Exception as exc:
             if _status(exc) == 404:
@@ -513,13 +513,14 @@ class DaytonaBackend:
             raise self._failure(exc, f"a look-up of {backend_id}") from None
 
     async def inspect(self, backend_id: str) -> SandboxInfo | None:
-        sandbox = await self._aget(backend_id)
+        sandbox = await self._get(backend_id)
         return None if sandbox is None else self._info(sandbox)
 
-    def _listed(self, labels: Mapping[str, str]) -> list[Any]:
+    async def _listed(self, labels: Mapping[str, str]) -> list[Any]:
         query = self._sdk().ListSandboxesQuery(labels=dict(labels) or None)
         try:
-            found = list(self._client().list(query, request_timeout=CALL_TIMEOUT))
+            listing = self._client().list(query, request_timeout=CALL_TIMEOUT)
+            found = [sandbox async for sandbox in listing]
         except Exception as exc:
             raise self._failure(exc, "a listing") from None
         # Daytona filters by the labels already; this only guards against an API that did not.
@@ -530,14 +531,20 @@ class DaytonaBackend:
         ]
 
     def find(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
-        return [self._info(sandbox) for sandbox in self._listed(labels)]
+        return self._portal(lambda: self._find(labels))
+
+    async def _find(self, labels: Mapping[str, str]) -> list[SandboxInfo]:
+        return [self._info(sandbox) for sandbox in await self._listed(labels)]
 
     def remove(self, backend_id: str) -> bool:
-        sandbox = self._get(backend_id)
+        return self._portal(lambda: self._remove(backend_id))
+
+    async def _remove(self, backend_id: str) -> bool:
+        sandbox = await self._get(backend_id)
         if sandbox is None:
             return False
         try:
-            sandbox.delete(timeout=CALL_TIMEOUT)
+            await sandbox.delete(timeout=CALL_TIMEOUT)
         except Exception as exc:
             if _status(exc) == 404:
                 return False
@@ -547,7 +554,10 @@ class DaytonaBackend:
     def usage(self, backend_id: str) -> dict[str, float | None]:
         """What Daytona allocated the sandbox (not what it uses now): ``cpus``, and
         ``memory_bytes`` and ``disk_bytes`` from its GiB; None for what it does not say."""
-        sandbox = self._get(backend_id)
+        return self._portal(lambda: self._usage(backend_id))
+
+    async def _usage(self, backend_id: str) -> dict[str, float | None]:
+        sandbox = await self._get(backend_id)
         if sandbox is None:
             raise SandboxNotFound(f"no daytona sandbox {backend_id}")
 
@@ -606,7 +616,7 @@ class DaytonaBackend:
     async def exec_create(
         self, backend_id: str, request: ExecRequest, streamed_stdin: bool = False
     ) -> str:
-        return self._mint(self._running(backend_id, await self._aget(backend_id)), request)
+        return self._mint(self._running(backend_id, await self._get(backend_id)), request)
 
     def _start(self, exec_id: str) -> _Exec:
         with self._lock:
@@ -643,8 +653,6 @@ class DaytonaBackend:
     async def exec_start(self, exec_id: str, stdin: bytes | StdinSource) -> AsyncExecAttachment:
         run = self._start(exec_id)
         sandbox = run.sandbox
-        if not _is_async_sandbox(sandbox):  # created by a blocking call: the loop's one
-            sandbox = self._running(exec_id, await self._aget(ID_PREFIX + run.daytona_id))
 
         async def attempt() -> bytes:
             """Upload and execute; the stdin file removed again when it fails (or is cancelled)."""
@@ -709,7 +717,7 @@ class DaytonaBackend:
         if run is None:
             return False
         try:
-            client = self._aclient()
+            client = self._client()
             sandbox = await client.get(run.daytona_id, request_timeout=CALL_TIMEOUT)
             answer = await sandbox.process.exec(kill_script(exec_id), cwd="/", timeout=KILL_TIMEOUT)
         except Exception as exc:
@@ -720,25 +728,25 @@ class DaytonaBackend:
     # --- closing --------------------------------------------------------------------------------
 
     async def aclose(self) -> None:
-        """Close the running loop's asyncio client (its HTTP session)."""
+        """Close every client this backend made (their HTTP sessions), each on its own loop:
+        the running loop's here, the core loop's handed to it. A client of a loop that has
+        ended is dropped with it; the next call makes a new one."""
+        here = asyncio.get_running_loop()
         with self._lock:
-            held, self._async = self._async, None
-        if held is not None and held[0] is asyncio.get_running_loop():
-            await held[1].close()
-
-    def close(self) -> None:
-        """Forget the clients (the blocking one's connections close with it)."""
-        with self._lock:
-            self._sync = None
-            self._async = None
+            held = list(self._clients.items())
+            self._clients.clear()
+        for loop, client in held:
+            if loop is here:
+                await client.close()
+            elif loop.is_running():
+                closed = asyncio.run_coroutine_threadsafe(client.close(), loop)
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(CALL_TIMEOUT):
+                        await asyncio.wrap_future(closed)
 
 
 def _exec_timeout(run: _Exec) -> int:
     return math.ceil(run.request.timeout) + EXEC_BACKSTOP
-
-
-def _is_async_sandbox(sandbox: Any) -> bool:
-    return asyncio.iscoroutinefunction(getattr(sandbox.process, "exec", None))
 
 
 async def _chunks(source: StdinSource) -> AsyncIterator[bytes]:

@@ -8,6 +8,7 @@ from slicebox.backends.daytona import DaytonaBackend
 from slicebox.backends.docker import DockerBackend
 from slicebox.backends.native import NativeBackend, NativeSystemd
 from slicebox.backends.router import Backends
+from slicebox.core.blocking import on_core_loop
 from slicebox.host.systemd import PystemdSystemd
 from slicebox.model.config import Config, DaytonaConfig
 
@@ -25,8 +26,9 @@ def native_backend(systemd: NativeSystemd | None = None, *, workers: int = 4) ->
 
 
 def daytona_backend(remote: DaytonaConfig, key: str) -> DaytonaBackend:
-    """The Daytona API ``[daytona]`` names, with the key read from its file."""
-    return DaytonaBackend(remote.api_url, key, remote.target)
+    """The Daytona API ``[daytona]`` names, with the key read from its file; its blocking calls
+    are awaited on the core loop."""
+    return DaytonaBackend(remote.api_url, key, remote.target, portal=on_core_loop)
 
 
 def remote_backend(config: Config) -> DaytonaBackend | None:

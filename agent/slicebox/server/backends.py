@@ -4,6 +4,7 @@ so what doctor checks is what the agent runs."""
 
 import logging
 
+from slicebox.backends.base import Availability
 from slicebox.backends.daytona import DaytonaBackend
 from slicebox.backends.docker import DockerBackend
 from slicebox.backends.native import NativeBackend, NativeSystemd
@@ -29,6 +30,16 @@ def daytona_backend(remote: DaytonaConfig, key: str) -> DaytonaBackend:
     """The Daytona API ``[daytona]`` names, with the key read from its file; its blocking calls
     are awaited on the core loop."""
     return DaytonaBackend(remote.api_url, key, remote.target, portal=on_core_loop)
+
+
+def daytona_availability(remote: DaytonaConfig, key: str) -> Availability:
+    """Whether that Daytona API answers (doctor's one question); the client that asked is
+    closed after, as nothing asks it again."""
+    backend = daytona_backend(remote, key)
+    try:
+        return backend.availability()
+    finally:
+        on_core_loop(backend.aclose)
 
 
 def remote_backend(config: Config) -> DaytonaBackend | None:

@@ -15,18 +15,19 @@ from typing import TypeVar
 
 import pytest
 
-from slicebox.backends import daytona as backend_module
 from slicebox.backends.base import SandboxRequest, SandboxState
 from slicebox.backends.daytona import (
     NAME_LABEL,
     NO_SDK,
     DaytonaBackend,
     exec_script,
+    import_sdk,
     is_daytona_exec,
     is_daytona_id,
     resources_of,
     state_of,
 )
+from slicebox.backends.daytona import backend as backend_module  # where the create reads its setup
 from slicebox.core.blocking import on_core_loop
 from slicebox.model.errors import (
     InvalidRequest,
@@ -49,7 +50,7 @@ T = TypeVar("T")
 @pytest.fixture(scope="module", autouse=True)
 def _sdk_imported() -> None:
     """The SDK's import (most of a second) is paid once, not by the first test's clock."""
-    sdk = backend_module.import_sdk()
+    sdk = import_sdk()
     assert sdk.AsyncDaytona is not None
 
 

@@ -60,8 +60,10 @@ def build(out: Path, *options: str) -> list[Path]:
     return [Path(line) for line in done.stdout.split()]
 
 
+# Every subpackage, nested ones too (backends/daytona), as a path below the package.
 SUBPACKAGES = sorted(
-    path.name for path in (ROOT / "agent" / "slicebox").iterdir() if (path / "__init__.py").exists()
+    str(path.parent.relative_to(ROOT / "agent" / "slicebox"))
+    for path in (ROOT / "agent" / "slicebox").rglob("*/__init__.py")
 )
 
 

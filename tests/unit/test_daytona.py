@@ -15,18 +15,20 @@ from typing import TypeVar
 
 import pytest
 
-from slicebox.backends import daytona as backend_module
 from slicebox.backends.base import SandboxRequest, SandboxState
 from slicebox.backends.daytona import (
     NAME_LABEL,
     NO_SDK,
     DaytonaBackend,
     exec_script,
+    import_sdk,
     is_daytona_exec,
     is_daytona_id,
     resources_of,
     state_of,
 )
+from slicebox.backends.daytona import backend as backend_module  # where the create reads its setup
+from slicebox.core.blocking import on_core_loop
 from slicebox.model.errors import (
     InvalidRequest,
     SandboxNotFound,
@@ -48,8 +50,7 @@ T = TypeVar("T")
 @pytest.fixture(scope="module", autouse=True)
 def _sdk_imported() -> None:
     """The SDK's import (most of a second) is paid once, not by the first test's clock."""
-    sdk = backend_module.import_sdk()
-    assert sdk.Daytona is not None
+    sdk = import_sdk()
     assert sdk.AsyncDaytona is not None
 
 
@@ -59,9 +60,27 @@ def stand_in() -> Iterator[StandIn]:
         yield served
 
 
+Make = Callable[..., DaytonaBackend]
+
+
 @pytest.fixture
-def backend(stand_in: StandIn) -> DaytonaBackend:
-    return DaytonaBackend(stand_in.api_url, KEY, target="us")
+def make() -> Iterator[Make]:
+    """Makes backends whose blocking calls are awaited on the core loop, as the agent's are;
+    their clients are closed after the test."""
+    made: list[DaytonaBackend] = []
+
+    def maker(api_url: str, api_key: str = KEY, target: str | None = None) -> DaytonaBackend:
+        made.append(DaytonaBackend(api_url, api_key, target, portal=on_core_loop))
+        return made[-1]
+
+    yield maker
+    for backend in made:
+        on_core_loop(backend.aclose)
+
+
+@pytest.fixture
+def backend(stand_in: StandIn, make: Make) -> DaytonaBackend:
+    return make(stand_in.api_url, target="us")
 
 
 def request(name: str = "sbx-0a1b2c", **changes: object) -> SandboxRequest:
@@ -127,16 +146,16 @@ def test_available_against_the_api(backend: DaytonaBackend) -> None:
     assert backend.kind is Backend.DAYTONA
 
 
-def test_unavailable_when_nothing_listens_says_what_to_check() -> None:
-    backend = DaytonaBackend(f"http://127.0.0.1:{closed_port()}/api", KEY)
+def test_unavailable_when_nothing_listens_says_what_to_check(make: Make) -> None:
+    backend = make(f"http://127.0.0.1:{closed_port()}/api")
     answer = backend.availability()
     assert not answer.available
     assert "check the API URL" in answer.detail
     assert KEY not in answer.detail
 
 
-def test_a_wrong_key_is_unavailable_and_never_shown(stand_in: StandIn) -> None:
-    backend = DaytonaBackend(stand_in.api_url, KEY + "-wrong")
+def test_a_wrong_key_is_unavailable_and_never_shown(stand_in: StandIn, make: Make) -> None:
+    backend = make(stand_in.api_url, KEY + "-wrong")
     answer = backend.availability()
     assert not answer.available
     assert KEY not in answer.detail
@@ -391,10 +410,10 @@ def test_exec_in_a_missing_sandbox(backend: DaytonaBackend) -> None:
 
 
 def test_without_the_sdk_it_is_unavailable(
-    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+    stand_in: StandIn, make: Make, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "daytona", None)  # what an import of a missing one does
-    backend = DaytonaBackend(stand_in.api_url, KEY)
+    backend = make(stand_in.api_url)
 
     answer = backend.availability()
     assert not answer.available
@@ -455,8 +474,8 @@ def test_the_wrapper_names_no_absolute_path_but_its_stdin_file() -> None:
     assert script.endswith("sh ls -l")
 
 
-def test_errors_never_carry_the_key(stand_in: StandIn) -> None:
-    backend = DaytonaBackend(stand_in.api_url, KEY + "-wrong")
+def test_errors_never_carry_the_key(stand_in: StandIn, make: Make) -> None:
+    backend = make(stand_in.api_url, KEY + "-wrong")
     for call in (lambda: backend.create(request()), lambda: backend.remove("daytona-x")):
         with pytest.raises(SliceboxError) as raised:
             call()

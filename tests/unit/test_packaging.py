@@ -60,10 +60,10 @@ def build(out: Path, *options: str) -> list[Path]:
     return [Path(line) for line in done.stdout.split()]
 
 
-# Every package below slicebox, nested ones (backends/native) included.
+# Every subpackage, nested ones too (backends/daytona), as a path below the package.
 SUBPACKAGES = sorted(
     str(path.parent.relative_to(ROOT / "agent" / "slicebox"))
-    for path in (ROOT / "agent" / "slicebox").glob("*/**/__init__.py")
+    for path in (ROOT / "agent" / "slicebox").rglob("*/__init__.py")
 )
 
 

@@ -15,6 +15,7 @@ import pytest
 from slicebox.backends import daytona as backend_module
 from slicebox.backends.daytona import DaytonaBackend, is_daytona_id
 from slicebox.backends.router import Backends
+from slicebox.core.blocking import on_core_loop
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
 from slicebox.core.reaper import Reaper
@@ -55,7 +56,7 @@ class World:
         self.now = NOW
         self.systemd = FakeSystemd()
         self.docker = FakeDocker(self.systemd)
-        self.remote = DaytonaBackend(stand_in.api_url, KEY)
+        self.remote = DaytonaBackend(stand_in.api_url, KEY, portal=on_core_loop)
         self.backends = Backends(self.docker, None, daytona=self.remote)
         ids = (f"sbx-{n:012x}" for n in itertools.count(1))
         self.manager = SandboxManager(
@@ -87,7 +88,9 @@ class World:
 @pytest.fixture
 def world(tmp_path: Path) -> Iterator[World]:
     with running(KEY) as stand_in:
-        yield World(stand_in, tmp_path)
+        world = World(stand_in, tmp_path)
+        yield world
+        on_core_loop(world.remote.aclose)  # the core loop's client, which every call here used
 
 
 def test_a_remote_sandbox_is_made_listed_and_destroyed_by_its_labels(world: World) -> None:
@@ -177,6 +180,7 @@ def test_a_daytona_that_does_not_answer_is_left_out_of_listings(tmp_path: Path) 
         world.manager.create(world.spec())
     assert down.value.code == "backend_unavailable"
     assert KEY not in down.value.message
+    on_core_loop(world.remote.aclose)
 
 
 def test_an_agent_without_daytona_refuses_it_and_a_key_file_is_checked(tmp_path: Path) -> None:

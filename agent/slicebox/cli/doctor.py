@@ -233,9 +233,9 @@ def check_daytona(host: Host) -> Check:
         key = remote.api_key()
     except ValueError as exc:
         return verdict("daytona backend", False, str(exc), "fix the key file (root's, mode 0600)")
-    from slicebox.server.backends import daytona_backend
+    from slicebox.server.backends import daytona_availability
 
-    answer = daytona_backend(remote, key).availability()
+    answer = daytona_availability(remote, key)
     return verdict(
         "daytona backend", answer.available, answer.detail, "check [daytona] and the network"
     )

@@ -4,10 +4,12 @@ so what doctor checks is what the agent runs."""
 
 import logging
 
+from slicebox.backends.base import Availability
 from slicebox.backends.daytona import DaytonaBackend
 from slicebox.backends.docker import DockerBackend
 from slicebox.backends.native.backend import NativeBackend, NativeSystemd
 from slicebox.backends.router import Backends
+from slicebox.core.blocking import on_core_loop
 from slicebox.host.systemd import PystemdSystemd
 from slicebox.model.config import Config, DaytonaConfig
 
@@ -25,8 +27,19 @@ def native_backend(systemd: NativeSystemd | None = None, *, workers: int = 4) ->
 
 
 def daytona_backend(remote: DaytonaConfig, key: str) -> DaytonaBackend:
-    """The Daytona API ``[daytona]`` names, with the key read from its file."""
-    return DaytonaBackend(remote.api_url, key, remote.target)
+    """The Daytona API ``[daytona]`` names, with the key read from its file; its blocking calls
+    are awaited on the core loop."""
+    return DaytonaBackend(remote.api_url, key, remote.target, portal=on_core_loop)
+
+
+def daytona_availability(remote: DaytonaConfig, key: str) -> Availability:
+    """Whether that Daytona API answers (doctor's one question); the client that asked is
+    closed after, as nothing asks it again."""
+    backend = daytona_backend(remote, key)
+    try:
+        return backend.availability()
+    finally:
+        on_core_loop(backend.aclose)
 
 
 def remote_backend(config: Config) -> DaytonaBackend | None:

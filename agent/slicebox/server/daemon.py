@@ -234,6 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     async def reload() -> str:
         return await asyncio.to_thread(runtime.reload)
 
+    # Each backend's connections end with the agent; the remote one's clients on every loop.
+    remote = runtime.backend.daytona
+    closing = [runtime.docker.aclose, *([remote.aclose] if remote is not None else [])]
     agent = Agent(
         ROUTES,
         notifier,
@@ -249,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ENGINE: runtime.docker.found.describe(),
             CALLERS: Callers(lambda: runtime.sandboxes.config.callers),
         },
-        closing=[runtime.docker.aclose],
+        closing=closing,
         opening=[
             lambda: serve_resolver(
                 runtime.egress.config.gateway, runtime.egress.answer, gate=runtime.egress

@@ -6,8 +6,8 @@ from functools import cache
 
 def __getattr__(name: str) -> str:
     """``__version__``, read from the installed package's metadata when first asked for:
-    ``importlib.metadata`` costs a tenth of the agent's and every CLI call's start-up, which
-    an emulated guest pays many times over, for a string few of them print."""
+    ``importlib.metadata`` is a noticeable part of the agent's and every CLI call's start-up
+    (see docs/benchmarks.md), for a string few of them print."""
     if name == "__version__":
         return _version()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -84,8 +84,8 @@ DOCKER_TIMEOUT = 300
 # systemd's scope); further callers wait their turn in the agent instead.
 HEAVY_CALLS = 4
 # Removals at once: as many as the agent's request threads (server.pools). A removal mostly
-# waits (for the kill, the shim, the scope's stop), so four at once left the guest's CPUs
-# idle where eight callers of Docker's own API kept them busy.
+# waits (for the kill, the shim, the scope's stop), so fewer at once leave the CPUs idle that
+# as many callers of Docker's own API would keep busy (docs/benchmarks.md).
 REMOVALS = 8
 
 

@@ -3,10 +3,10 @@
 Creates, starts, removals, inspects, lists and volumes run on the agent's worker threads (the
 core is synchronous there). They went through docker-py's ``APIClient``, which is a requests
 session over urllib3 over http.client: for every call three layers of pure Python (adapters,
-hooks, cookies, retries, a pool per host), and for the process the import of all three, some
-8 MiB of the agent's idle memory and a quarter of its start-up under emulation (measured in the
-guest). Here each thread keeps one keep-alive ``http.client`` connection to the daemon, and a
-call is a request line, a JSON body and the JSON answer.
+hooks, cookies, retries, a pool per host), and for the process the import of all three, a
+sizeable share of the agent's idle memory and of its start-up (docs/benchmarks.md). Here each
+thread keeps one keep-alive ``http.client`` connection to the daemon, and a call is a request
+line, a JSON body and the JSON answer.
 
 As urllib3 does, a kept connection the daemon has closed meanwhile (readable while idle: an EOF)
 is dropped before it is used, so no request is sent into a closed connection and none is

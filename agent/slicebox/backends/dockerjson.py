@@ -3,9 +3,9 @@
 Every exec makes three small JSON calls beside its output stream (the container's inspect when
 it is looked up, the exec's create, the exec's inspect for its exit code). Through docker-py
 each one was a trip to a worker thread and through requests' and http.client's pure-Python
-layers, which under load cost the agent more than a quarter of its CPU (a guest profile of
-parallel execs). Here they go over one keep-alive connection pool (:mod:`slicebox.web.client`)
-on the loop that already reads the exec's output.
+layers, which were a large part of the agent's CPU when many execs ran at once (see
+docs/benchmarks.md). Here they go over one keep-alive connection pool
+(:mod:`slicebox.web.client`) on the loop that already reads the exec's output.
 
 What the answers mean is the Docker backend's (:func:`slicebox.backends.dockererrors.map_status`);
 this module only speaks HTTP to the daemon, at the API version the backend's client settled.

@@ -71,8 +71,8 @@ class Backends:
 
     def availabilities(self) -> list[Availability]:
         """Each backend's availability now, asked once as the agent starts: the engine's and
-        Daytona's questions while systemd is asked, each a round trip to a service of its own
-        (under emulation the engine's takes about 90 ms and systemd's 60)."""
+        Daytona's questions while systemd is asked, each a round trip to a service of its own,
+        so the start waits for the slowest answer, not for their sum (docs/benchmarks.md)."""
         with ThreadPoolExecutor(2, thread_name_prefix="availability") as asking:
             docker = asking.submit(self._available, Backend.DOCKER, fresh=True)
             daytona = asking.submit(self._available, Backend.DAYTONA, fresh=True)

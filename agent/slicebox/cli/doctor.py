@@ -66,7 +66,7 @@ def verdict(name: str, ok: bool, detail: str, fix: str) -> Check:
 
 def _discover() -> FoundEngine:
     # Imported when doctor runs, not with every CLI command: the Docker stream module it sits
-    # beside costs a command's start-up under emulation.
+    # beside would add its import to every command's start-up.
     from slicebox.backends.engines import discover
 
     return discover()

@@ -2,8 +2,8 @@
 
 A one-shot run's sandbox is used for one command and removed. Starting that command with a
 Docker exec costs a ``runc exec`` (a new runtime process that enters the container's
-namespaces): in the emulated guest about 0.4 s of a pooled run, where the rest of the run is a
-few tens of milliseconds. So a sandbox made for a one-shot run (cold, or a warm pool's member,
+namespaces), which was most of a pooled run, far more than all its other steps together (see
+docs/benchmarks.md). So a sandbox made for a one-shot run (cold, or a warm pool's member,
 whose request cannot know whether a run or a create will take it) starts with a *waiter* as its
 main process, under Docker's init, with its stdin open (``OpenStdin``, ``StdinOnce``):
 

@@ -1,6 +1,6 @@
 """The slice manager: the mechanism that makes slices exist with given ceilings.
 
-Why transient units plus runtime drop-ins (measured in the guest, systemd 257; pinned by
+Why transient units plus runtime drop-ins (as systemd 257 behaves, pinned by
 ``tests/host/test_slices.py``): a slice started with ``StartTransientUnit`` is written to
 ``/run/systemd/transient/`` with its properties, so ``systemctl daemon-reload`` re-reads it and
 the ceilings stay in force. A later change goes through ``SetUnitProperties(runtime=True)``,
@@ -22,8 +22,8 @@ ceilings instead, so two creates in a new project both succeed.
 
 A slice's ceilings are written once per activation, not at every create: ``SetUnitProperties``
 rewrites the slice's drop-in files and its cgroup files, and a create made that call for each
-of its three slices (about half of what systemd spent on a create beside the container's own
-scope, measured in the guest). ``ensure`` remembers which properties it set on which activation
+of its three slices, a large share of what systemd spent on a create beside the container's own
+scope (docs/benchmarks.md). ``ensure`` remembers which properties it set on which activation
 (systemd's ``InvocationID``) and asks only whether the slice still runs that activation: a
 slice stopped and started again, by anyone, has a new one and is given its ceilings again. A
 change of the config goes through ``update``, which sets them whatever was remembered.

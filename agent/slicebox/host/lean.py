@@ -4,23 +4,24 @@ schema, and no garbage collection while they start.
 
 The agent uses a few modules of each: pystemd's D-Bus binding, its unit property table and its
 journal call; pyroute2's ``IPRoute`` and ``setns``. Their packages' ``__init__`` import far more,
-used or not: pystemd's its object layer and, through it, lxml (4 MiB of the agent's RSS in the
-guest); pyroute2's every netlink family, IPDB, NDB and its CLI (14 MiB against 6 MiB for what
-the agent reads). The agent's entry point registers each package as a bare namespace of its
-submodules, the way the import system would have left it without an ``__init__``; importing
-``pystemd.dbuslib`` or ``pyroute2.netns`` then loads that module and what it needs, nothing more.
+used or not: pystemd's its object layer and, through it, lxml; pyroute2's every netlink
+family, IPDB, NDB and its CLI, more than twice what the agent reads. All of it would stay in the
+agent's resident memory for its life (docs/benchmarks.md). The agent's entry point registers
+each package as a bare namespace of its submodules, the way the import system would have left it
+without an ``__init__``; importing ``pystemd.dbuslib`` or ``pyroute2.netns`` then loads that
+module and what it needs, nothing more.
 
 pydantic calls its plugins (any installed distribution's entry point in the group ``pydantic``)
 at every validation of every model: third-party code that would see each request the agent
 validates, git tokens included, and whose discovery imports ``importlib.metadata`` and reads the
-metadata of every installed distribution at the first model built (about a twentieth of the
-agent's imports under emulation). slicebox's programs run without them.
+metadata of every installed distribution at the first model built, a cost every start pays for
+plugins slicebox never uses. slicebox's programs run without them.
 
 Python's cyclic garbage collector is paused while the program starts: imports and the models
 they build make some hundred thousand objects that live as long as the process, and every
-collection meanwhile walks them again (about a twentieth of the agent's imports under
-emulation). Once started, they are moved out of the collector's way (``gc.freeze``) and
-collection resumes for what the program makes from then on.
+collection meanwhile walks them again, for nothing to collect. Once started, they are moved out
+of the collector's way (``gc.freeze``) and collection resumes for what the program makes from
+then on. What each of these costs a start is in docs/benchmarks.md.
 
 Only slicebox's own programs do this, first thing (``sliceboxd``, :mod:`slicebox.server.entry`;
 ``slicebox``, :mod:`slicebox.cli.entry`): a program that imports slicebox as a library keeps the
@@ -86,9 +87,9 @@ def without_pydantic_plugins() -> bool:
 def without_schema_checks() -> None:
     """pydantic 2.10 (Debian trixie's) checks every core schema it generates against the schema
     of core schemas before it compiles it: a self-check of its own output, which pydantic 2.11
-    dropped, and about a twentieth of the agent's start under emulation. Its switch turns it off
-    in this process only; the guest tests' own processes, on the same pydantic, still build the
-    models with the check."""
+    dropped, paid for every model the process builds. Its switch turns it off in this process
+    only; the guest tests' own processes, on the same pydantic, still build the models with the
+    check."""
     os.environ["PYDANTIC_SKIP_VALIDATING_CORE_SCHEMAS"] = "1"
 
 

@@ -8,8 +8,8 @@ and so reads a real ``0``; a sandbox whose init process is gone reads ``None``.
 
 The counters are asked for with ``RTM_GETSTATS`` and the 64-bit link statistics alone, not with
 a whole link dump: pyroute2 decodes every attribute of every link it is sent (some fifty for
-each), which made the dump most of a destroy's final usage read (measured in the guest: 3.4 ms
-to decode a sandbox's one ``lo`` against 1.5 ms for its statistics, 15x that under load).
+each), and decoding a sandbox's interfaces was most of a destroy's final usage read, far more
+than the statistics alone; see docs/benchmarks.md.
 Statistics carry no name or flags; loopback is link 1 in every namespace (the kernel's
 ``LOOPBACK_IFINDEX``).
 """

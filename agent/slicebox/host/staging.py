@@ -145,8 +145,9 @@ class Stager:
 
     def unstage_later(self, sandbox_id: str) -> None:
         """``unstage`` on a thread of its own: a create does not wait for it (an unmount in
-        the host's namespace, which every namespace copied from it follows, took over a
-        second under emulation). One the agent dies before is the reaper's (``staged``)."""
+        the host's namespace, which every namespace copied from it follows, cost a create more
+        than its staging did; see docs/benchmarks.md). One the agent dies before is the
+        reaper's (``staged``)."""
         with self._lock:
             if sandbox_id in self._going:
                 return

@@ -436,8 +436,8 @@ def _method(name: bytes, args: list[Any]) -> Any:
 
     The methods are called by name with their D-Bus signatures written here, not through
     pystemd's ``Manager`` object: that object first fetches and parses the manager's whole
-    introspection XML, and keeps it, about 0.8 MiB for each thread that ever called systemd
-    (measured in the guest; Debian's pystemd, 0.13, also fetched it again at every ``with``)."""
+    introspection XML, and keeps it, for each thread that ever called systemd (and Debian's
+    pystemd, 0.13, fetched it again at every ``with``); see docs/benchmarks.md."""
     return _bus().call_method(SYSTEMD, MANAGER_PATH, MANAGER_INTERFACE, name, args).body
 
 

@@ -1,10 +1,10 @@
 """The base of every slicebox model: its validator is built at its first use, not at import.
 
-Building a pydantic model's core schema is most of what importing slicebox costs: measured in
-the guest (emulated), 2.5-3.5 s of the agent's 8-10 s start and 1.5-2.5 s of each CLI command's
-5 s, for models most processes never use (a CLI command sends one request and reads one answer;
-the agent answers what it is asked). Deferred, each model is built once, at its first
-validation or serialization, and the models a process never uses cost it no memory.
+Building a pydantic model's core schema is most of what importing slicebox costs, the agent's
+start and every CLI command's alike, for models most processes never use (a CLI command sends
+one request and reads one answer; the agent answers what it is asked; the figures are in
+docs/benchmarks.md). Deferred, each model is built once, at its first validation or
+serialization, and the models a process never uses cost it neither time nor memory.
 """
 
 from pydantic import BaseModel, ConfigDict

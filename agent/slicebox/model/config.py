@@ -88,8 +88,8 @@ DEFAULT_EXEC_OUTPUT_BUDGET = 256 * 1024 * 1024
 def _table(description: str, **fields: object) -> Any:
     """A nested table's default, as the file would give it: validated by ``Config``'s own
     validator when the file leaves the table out. (A model instance as the default would build
-    that model's validator when this module is imported: about a tenth of a second of the
-    agent's start under emulation, for ten tables.)"""
+    that model's validator when this module is imported, in every process that imports the
+    config, used or not; see docs/benchmarks.md.)"""
     return Field(default=fields, validate_default=True, description=description)
 
 

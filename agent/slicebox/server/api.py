@@ -308,8 +308,8 @@ def build_app(
             pools.shutdown()
 
     app.on_cleanup.append(shut_down)
-    # Made at its first request, not at start: it builds every model's JSON schema, which
-    # under emulation was a quarter of the agent's start (issue 39), and few callers ask.
+    # Made at its first request, not at start: it builds every model's JSON schema, a large
+    # part of the agent's start when made there (docs/benchmarks.md), and few callers ask.
     document: list[dict[str, Any]] = []
 
     async def openapi(request: Request) -> StreamResponse:

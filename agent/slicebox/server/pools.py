@@ -43,8 +43,8 @@ T = TypeVar("T")
 CALL_THREADS = 16
 BACKGROUND_THREADS = 2
 # Removals left running after their run's answer: each holds a calls thread for a second or so
-# (mostly waiting for Docker, which removes four at a time), so half of them at most, and
-# requests' own steps always find threads.
+# (mostly waiting for Docker, which removes ``backends.docker.REMOVALS`` at a time), so half of
+# them at most, and requests' own steps always find threads.
 AFTER_ANSWER_MAX = CALL_THREADS // 2
 # How long a graceful stop waits for them: well within the unit's TimeoutStopSec (30 s).
 AFTER_ANSWER_WAIT = 20.0

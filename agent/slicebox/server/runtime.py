@@ -164,7 +164,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
     docker = docker_backend()
     docker_host = docker.endpoint.base_url
     backend = backends(config, systemd, docker)
-    # One question to each backend at start (each is a round trip under emulation's cost).
+    # One question to each backend at start, each a round trip to its service, asked at once.
     answers = backend.availabilities()
     available = answers[0]
     if not available.available:

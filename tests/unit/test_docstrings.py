@@ -24,15 +24,6 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "agent" / "slicebox"
 
-# Modules being rewritten elsewhere at the time of writing: their docstrings are cleared with
-# that rewrite (the lead removes them from here). A path is relative to the package; a
-# directory excuses everything under it.
-NOT_YET = {
-    "backends/native.py",
-    "backends/native",
-    "backends/daytona.py",
-    "backends/daytona",
-}
 
 MEASUREMENT = [
     # the history itself: "measured in the guest", "a guest profile of parallel execs"
@@ -56,10 +47,6 @@ MEASUREMENT = [
     re.compile(r"\b(half|third|quarter|tenth|twentieth) of a second\b", re.IGNORECASE),
     re.compile(r"\b(took|takes|cost|costs) (over|about|some|nearly|almost) (a|one) second\b"),
 ]
-
-
-def excused(relative: str) -> bool:
-    return any(relative == path or relative.startswith(path + "/") for path in NOT_YET)
 
 
 def docstrings(tree: ast.AST) -> Iterator[tuple[int, str]]:
@@ -118,11 +105,7 @@ def measurements(path: Path) -> list[str]:
 
 
 def modules() -> list[Path]:
-    return [
-        path
-        for path in sorted(PACKAGE.rglob("*.py"))
-        if not excused(path.relative_to(PACKAGE).as_posix())
-    ]
+    return sorted(PACKAGE.rglob("*.py"))
 
 
 def test_no_docstring_or_comment_reports_a_measurement() -> None:
@@ -161,10 +144,3 @@ def test_a_reported_measurement_is_found(text: str) -> None:
 )
 def test_a_limit_or_a_unit_is_not_a_measurement(text: str) -> None:
     assert not any(reported(found) for _, found in [*docstrings(ast.parse(text)), *comments(text)])
-
-
-def test_an_excused_path_excuses_that_module_or_directory_alone() -> None:
-    assert excused("backends/native.py")
-    assert excused("backends/daytona/client.py")
-    assert not excused("backends/nativefoo.py")
-    assert not excused("backends/docker.py")

@@ -3,9 +3,10 @@
 Everything above this interface (placement, policy, lineage, deadlines, telemetry, audit) is
 backend-neutral; a backend only turns a :class:`SandboxRequest` into a running sandbox inside
 the project slice it is given, runs execs in it, lists sandboxes by their labels and removes
-them. ``docker`` is the one backend today (:mod:`slicebox.backends.docker`); ``native``,
-``wasm`` and ``daytona`` implement the same :class:`SandboxBackend` when they come, each with
-its own :class:`~slicebox.model.spec.Backend` kind.
+them. ``docker`` (:mod:`slicebox.backends.docker`, Podman's compatible API too), ``native``
+and ``wasm`` (systemd units on the host) and ``daytona`` (a remote API) implement the same
+:class:`SandboxBackend`, each with its own :class:`~slicebox.model.spec.Backend` kind, and
+:mod:`slicebox.backends.router` puts them behind one.
 
 Errors are the slicebox tree (:mod:`slicebox.model.errors`), mapped inside each backend: a
 backend that cannot be reached raises ``Unavailable``, an image that is neither present nor
@@ -201,7 +202,7 @@ class SandboxBackend(ExecApi, Protocol):
     async def release(self, backend_id: str, line: bytes) -> None:
         """Write ``line`` to the running sandbox's waiter (``core.launch``) and close its
         stdin, reading none of its output (its logs keep it): a sandbox whose own command
-        waits there until its mounts were verified (``core.sandboxes``)."""
+        waits there until its mounts were verified (``core.creation``)."""
 
     def prepare(self, image: str) -> None:
         """Make ``image`` usable (present, or pulled); ImageUnavailable when it cannot be."""

@@ -50,7 +50,7 @@ from slicebox.model.spec import SandboxSpec
 
 log = logging.getLogger(__name__)
 
-REFILL_THREADS = 4  # Docker starts four containers at once for the agent (core.sandboxes)
+REFILL_THREADS = 4  # Docker starts four containers at once for the agent (docker.HEAVY_CALLS)
 SAMPLES = 64  # refill and acquire durations kept for the medians
 
 

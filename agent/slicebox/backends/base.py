@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from pydantic import ConfigDict
 
 from slicebox.model.base import Model
-from slicebox.model.errors import Unavailable
+from slicebox.model.errors import InvalidRequest, Unavailable
 from slicebox.model.exec import ExecRequest, ExecState, StreamChunk
 from slicebox.model.limits import Limits
 from slicebox.model.spec import Backend, Mount
@@ -37,6 +37,8 @@ T = TypeVar("T")
 
 # The default exec cwd (``ExecRequest.cwd``): every backend makes it exist and writable.
 WORKSPACE = "/workspace"
+# The error code of a request for what the backend that runs it cannot give.
+UNSUPPORTED = "backend_unsupported"
 
 
 class Portal(Protocol):
@@ -234,6 +236,27 @@ class SandboxBackend(ExecApi, Protocol):
 
     def volumes(self, labels: Mapping[str, str]) -> list[VolumeInfo]:
         """Every volume carrying all of ``labels``, in one listing call."""
+
+
+class NoVolumes:
+    """The volume calls of a backend that has no named volumes: none is found, listed or
+    removed, and a create is refused (``backend_unsupported``)."""
+
+    @property
+    def kind(self) -> Backend:
+        raise NotImplementedError
+
+    def volume(self, name: str) -> VolumeInfo | None:
+        return None
+
+    def create_volume(self, name: str, labels: Mapping[str, str]) -> VolumeInfo:
+        raise InvalidRequest(f"the {self.kind.value} backend has no volumes", code=UNSUPPORTED)
+
+    def remove_volume(self, name: str) -> bool:
+        return False
+
+    def volumes(self, labels: Mapping[str, str]) -> list[VolumeInfo]:
+        return []
 
 
 def resolve_own(own: Backend, kind: Backend) -> Backend:

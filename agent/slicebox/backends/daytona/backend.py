@@ -11,15 +11,16 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from slicebox.backends.base import (
+    UNSUPPORTED,
     WORKSPACE,
     AsyncExecAttachment,
     Availability,
+    NoVolumes,
     Portal,
     SandboxInfo,
     SandboxRequest,
     SandboxState,
     StdinSource,
-    VolumeInfo,
     resolve_own,
 )
 from slicebox.backends.daytona.client import (
@@ -38,7 +39,6 @@ from slicebox.backends.daytona.terms import (
     NAME_LABEL,
     SDK_LABELS,
     START_FAILED_CODE,
-    UNSUPPORTED,
     daytona_id,
     is_daytona_id,
     refusal,
@@ -65,7 +65,7 @@ SETUP_TIMEOUT = 30  # seconds for the exec that makes /workspace
 KILL_TIMEOUT = 15  # seconds for the exec that kills another
 
 
-class DaytonaBackend:
+class DaytonaBackend(NoVolumes):
     """:class:`~slicebox.backends.base.SandboxBackend` on a Daytona API; ``portal`` awaits
     the blocking calls' coroutines on the agent's core loop."""
 
@@ -296,20 +296,6 @@ class DaytonaBackend:
             "memory_bytes": figure("memory", GIB),
             "disk_bytes": figure("disk", GIB),
         }
-
-    # --- volumes: none --------------------------------------------------------------------------
-
-    def volume(self, name: str) -> VolumeInfo | None:
-        return None
-
-    def create_volume(self, name: str, labels: Mapping[str, str]) -> VolumeInfo:
-        raise InvalidRequest("the daytona backend has no volumes", code=UNSUPPORTED)
-
-    def remove_volume(self, name: str) -> bool:
-        return False
-
-    def volumes(self, labels: Mapping[str, str]) -> list[VolumeInfo]:
-        return []
 
     # --- exec -----------------------------------------------------------------------------------
 

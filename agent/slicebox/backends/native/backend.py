@@ -21,13 +21,14 @@ from typing import Any, Protocol, TypeVar
 
 from slicebox.backends import wasm
 from slicebox.backends.base import (
+    UNSUPPORTED,
     AsyncExecAttachment,
     Availability,
+    NoVolumes,
     SandboxInfo,
     SandboxRequest,
     SandboxState,
     StdinSource,
-    VolumeInfo,
     resolve_own,
 )
 from slicebox.backends.native.envfiles import ENV_DIR, EnvFiles
@@ -75,7 +76,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 START_FAILED_CODE = "container_start_failed"
-UNSUPPORTED = "backend_unsupported"
 
 
 class NativeSystemd(Protocol):
@@ -98,7 +98,7 @@ class NativeSystemd(Protocol):
     def is_active(self, unit: str) -> bool: ...
 
 
-class NativeBackend:
+class NativeBackend(NoVolumes):
     """:class:`~slicebox.backends.base.SandboxBackend` on systemd alone."""
 
     def __init__(
@@ -257,20 +257,6 @@ class NativeBackend:
         self._env.forget(name)
         with self._lock:
             self._run_as.pop(unit, None)
-
-    # --- volumes: none -------------------------------------------------------------------------
-
-    def volume(self, name: str) -> VolumeInfo | None:
-        return None
-
-    def create_volume(self, name: str, labels: Mapping[str, str]) -> VolumeInfo:
-        raise InvalidRequest("the native backend has no volumes", code=UNSUPPORTED)
-
-    def remove_volume(self, name: str) -> bool:
-        return False
-
-    def volumes(self, labels: Mapping[str, str]) -> list[VolumeInfo]:
-        return []
 
     # --- exec ----------------------------------------------------------------------------------
 

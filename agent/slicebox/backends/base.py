@@ -39,6 +39,8 @@ T = TypeVar("T")
 WORKSPACE = "/workspace"
 # The error code of a request for what the backend that runs it cannot give.
 UNSUPPORTED = "backend_unsupported"
+# The error code of a sandbox its backend made but could not start (nothing of it is left).
+START_FAILED_CODE = "container_start_failed"
 
 
 class Portal(Protocol):

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from slicebox.backends.base import (
+    START_FAILED_CODE,
     Availability,
     SandboxInfo,
     SandboxRequest,
@@ -45,7 +46,6 @@ from slicebox.backends.dockerbody import (
 )
 from slicebox.backends.dockerendpoint import DockerEndpoint
 from slicebox.backends.dockererrors import (
-    START_FAILED_CODE,
     RemovalInProgress,
     map_error,
     map_status,

@@ -12,6 +12,7 @@ which the backend's remove takes as "not removed by this call").
 
 from __future__ import annotations
 
+from slicebox.backends.base import START_FAILED_CODE
 from slicebox.model.errors import (
     HostError,
     ImageUnavailable,
@@ -21,8 +22,6 @@ from slicebox.model.errors import (
     SliceboxError,
     Unavailable,
 )
-
-START_FAILED_CODE = "container_start_failed"
 
 
 class RemovalInProgress(HostError):

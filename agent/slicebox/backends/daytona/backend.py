@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from slicebox.backends.base import (
+    START_FAILED_CODE,
     UNSUPPORTED,
     WORKSPACE,
     AsyncExecAttachment,
@@ -38,7 +39,6 @@ from slicebox.backends.daytona.terms import (
     ID_PREFIX,
     NAME_LABEL,
     SDK_LABELS,
-    START_FAILED_CODE,
     daytona_id,
     is_daytona_id,
     refusal,

@@ -58,9 +58,7 @@ class Execs:
     def start(self, exec_id: str) -> Exec:
         """The exec, marked running; an exec starts once."""
         with self._lock:
-            run = self._known.get(exec_id)
-            if run is None:
-                raise SandboxNotFound(f"no daytona exec {exec_id}")
+            run = self._known_run(exec_id)
             if run.started:
                 raise InvalidRequest(f"daytona exec {exec_id} was started already")
             run.started = run.running = True
@@ -92,12 +90,17 @@ class Execs:
 
     def state(self, exec_id: str) -> ExecState:
         with self._lock:
-            run = self._known.get(exec_id)
-            if run is None:
-                raise SandboxNotFound(f"no daytona exec {exec_id}")
+            run = self._known_run(exec_id)
             return ExecState(
                 pid=0, running=run.running, exit_code=run.exit_code, verdict=run.verdict
             )
+
+    def _known_run(self, exec_id: str) -> Exec:
+        """The exec this backend made (the caller holds the lock); SandboxNotFound else."""
+        run = self._known.get(exec_id)
+        if run is None:
+            raise SandboxNotFound(f"no daytona exec {exec_id}")
+        return run
 
     def killable(self, exec_id: str) -> Exec | None:
         """The exec when it is running; None otherwise."""

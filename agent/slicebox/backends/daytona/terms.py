@@ -12,7 +12,6 @@ ID_PREFIX = "daytona-"
 EXEC_PREFIX = "daytona-exec-"
 NAME_LABEL = "slicebox.name"
 SDK_LABELS = frozenset({"code-toolbox-language", NAME_LABEL})  # bookkeeping, not the caller's
-START_FAILED_CODE = "container_start_failed"
 GIB = 2**30
 
 # Daytona's states, as slicebox's (Docker's words); any other is unknown.

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
 import os
 import secrets
 import shutil
@@ -21,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 from slicebox.backends import wasm
 from slicebox.backends.base import (
+    START_FAILED_CODE,
     UNSUPPORTED,
     AsyncExecAttachment,
     Availability,
@@ -72,10 +72,7 @@ from slicebox.model.names import escape
 from slicebox.model.spec import Backend
 from slicebox.model.wasm import WasmRun
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-START_FAILED_CODE = "container_start_failed"
 
 
 class NativeSystemd(Protocol):

@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable
 
 import docker
+from tests.fakes.threadside import created
 
 from slicebox.backends.base import SandboxRequest
 from slicebox.backends.docker import DockerBackend
@@ -110,7 +111,7 @@ def report(name: str, ours: list[tuple[float, bool]], bare: list[tuple[float, bo
 
 
 def bench_exec(agent: Agent, client: docker.DockerClient, count: int) -> None:
-    sandbox = agent.manager.create(SandboxSpec(user=USER, project=PROJECT))
+    sandbox = created(agent.manager, SandboxSpec(user=USER, project=PROJECT))
     try:
         container = client.containers.get(sandbox.container_id)
         ours, bare = [], []

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import docker
+from tests.fakes.threadside import created
 
 from slicebox.backends.docker import DockerBackend
 from slicebox.core.deadlines import Deadlines
@@ -84,7 +85,7 @@ def main() -> int:
         try:
             for index in range(args.count):
                 spec = {"user": USER, "project": f"p{index % 3}", "memory": "16MB"}
-                made.append(manager.create(SandboxSpec.model_validate(spec)).id)
+                made.append(created(manager, SandboxSpec.model_validate(spec)).id)
             assert reaper.run(dry_run=True).plan == [], "a clean host plans nothing"
             ours = median_seconds(lambda: reaper.run(dry_run=True), args.repeat)
             raw = median_seconds(lambda: raw_listing(client), args.repeat)

@@ -9,11 +9,23 @@ from collections.abc import Callable, Generator
 from typing import TypeVar
 
 from slicebox.core.blocking import from_thread
+from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.service import Service
 from slicebox.core.shares import Reservation
 from slicebox.host.identity import Identity
-from slicebox.model.api import Destroyed, RunRequest, RunResult
+from slicebox.model.api import (
+    CreateSandbox,
+    Destroyed,
+    Extend,
+    ReapRequest,
+    RunRequest,
+    RunResult,
+    SandboxView,
+)
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult
+from slicebox.model.reaper import Report
+from slicebox.model.spec import SandboxSpec
+from slicebox.model.usage import LevelNode, ResourceUsage
 
 T = TypeVar("T")
 
@@ -22,9 +34,47 @@ async def _offloaded(function: Callable[[], T]) -> T:
     return await asyncio.to_thread(function)
 
 
+def created(
+    manager: SandboxManager,
+    spec: SandboxSpec,
+    *,
+    one_shot: bool = False,
+    owner: tuple[int, int] | None = None,
+    pool_key: str = "",
+) -> Sandbox:
+    """``manager.create`` from the test's own thread."""
+    return from_thread(
+        lambda b: manager.create(spec, b, one_shot=one_shot, owner=owner, pool_key=pool_key)
+    )
+
+
 class ThreadSide:
     def __init__(self, service: Service) -> None:
         self._service = service
+
+    def create(self, who: Identity, request: CreateSandbox) -> SandboxView:
+        return from_thread(lambda b: self._service.create(who, request, b))
+
+    def list_sandboxes(self, who: Identity) -> list[SandboxView]:
+        return from_thread(lambda b: self._service.list_sandboxes(who, b))
+
+    def get(self, who: Identity, sandbox_id: str) -> SandboxView:
+        return from_thread(lambda b: self._service.get(who, sandbox_id, b))
+
+    def extend(self, who: Identity, sandbox_id: str, request: Extend) -> SandboxView:
+        return from_thread(lambda b: self._service.extend(who, sandbox_id, request, b))
+
+    def destroy_tree(self, who: Identity, root_task_id: str) -> list[Destroyed]:
+        return from_thread(lambda b: self._service.destroy_tree(who, root_task_id, b))
+
+    def usage(self, who: Identity, sandbox_id: str) -> ResourceUsage:
+        return from_thread(lambda b: self._service.usage(who, sandbox_id, b))
+
+    def level_tree(self, who: Identity) -> LevelNode:
+        return from_thread(lambda b: self._service.level_tree(who, b))
+
+    def reap(self, who: Identity, request: ReapRequest) -> Report:
+        return from_thread(lambda b: self._service.reap(who, request, b))
 
     def exec(
         self, who: Identity, sandbox_id: str, request: ExecRequest, held: Reservation | None = None

@@ -47,7 +47,7 @@ from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, OutputStream
 from slicebox.model.names import MANAGED_SLICE, slice_names
 from slicebox.model.spec import SandboxSpec
 from tests.fakes.journal import ListJournal
-from tests.fakes.threadside import ThreadSide
+from tests.fakes.threadside import ThreadSide, created
 from tests.host.helpers import TEST_IMAGE, unique
 from tests.host.sliceboxhost import active, cleanup_slices, reap_empty_slices, slicebox_units
 
@@ -132,7 +132,7 @@ def engine(agent: Agent) -> ExecEngine:
 
 @pytest.fixture(scope="module")
 def sandbox(agent: Agent) -> Iterator[Sandbox]:
-    made = agent.manager.create(agent.spec("shared"))
+    made = created(agent.manager, agent.spec("shared"))
     try:
         yield Sandbox(made.container_id, agent.engine, CgroupHost())
     finally:
@@ -333,7 +333,7 @@ def test_five_hundred_echoes_lose_no_byte(no_leftovers: Sandbox) -> None:
 
 
 def test_every_default_works_on_an_image_without_workspace(agent: Agent) -> None:
-    made = agent.manager.create(agent.spec("stock", image=STOCK_IMAGE))
+    made = created(agent.manager, agent.spec("stock", image=STOCK_IMAGE))
     try:
         box = Sandbox(made.container_id, agent.engine, CgroupHost())
         assert box.run(argv=["echo", "hi"]).stdout == b"hi\n"

@@ -48,6 +48,7 @@ from slicebox.model.paths import CGROUP_ROOT as PURE_ROOT
 from slicebox.model.spec import SandboxSpec
 from slicebox.server.runtime import decode_unit
 from tests.fakes.journal import ListJournal
+from tests.fakes.threadside import ThreadSide, created
 from tests.host.agentunits import SOCKET, agent_config, installed_agent
 from tests.host.helpers import CGROUP_ROOT, journal_records, sh, unique, wait_for
 from tests.host.sliceboxhost import active, cleanup_slices, reap_empty_slices, slicebox_units
@@ -135,7 +136,7 @@ def native() -> Iterator[Native]:
 
 @pytest.fixture(scope="module")
 def box(native: Native) -> Iterator[Sandbox]:
-    made = native.manager.create(native.spec("shared", memory="128MB", pids=64, cpus=1))
+    made = created(native.manager, native.spec("shared", memory="128MB", pids=64, cpus=1))
     try:
         yield made
     finally:
@@ -254,13 +255,13 @@ def test_missing_programs_and_cwds_answer_as_docker_s_exec(
 
 def test_its_usage_reads_like_a_docker_sandbox_s(native: Native, clean_box: Sandbox) -> None:
     native.run(clean_box, argv="i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done", shell=True)
-    usage = native.service.usage(native.who, clean_box.id).to_wire()
+    usage = ThreadSide(native.service).usage(native.who, clean_box.id).to_wire()
     assert usage["cpu_seconds"] > 0
     assert usage["memory_bytes"]["project"] > 0
     assert usage["disk_bytes_written"] >= 0
     assert usage["sandbox"]["backend"] == "native"
     assert usage["sandbox"]["provisioned"]["memory_bytes"] == 128 * MB
-    tree = native.service.level_tree(native.who).model_dump()
+    tree = ThreadSide(native.service).level_tree(native.who).model_dump()
     names = [sandbox["unit"] for project in tree["children"] for sandbox in project["children"]]
     assert clean_box.container_id in names
 
@@ -295,7 +296,7 @@ def test_what_a_native_sandbox_cannot_give_is_refused_before_anything_is_made(
         {"workspace": {"kind": "volume"}},
     ):
         with pytest.raises(InvalidRequest) as refused:
-            native.manager.create(native.spec("refused", **fields))
+            created(native.manager, native.spec("refused", **fields))
         assert refused.value.code == "backend_unsupported"
     assert not slicebox_units(slice_names(native.user, "refused").project)
 
@@ -320,7 +321,7 @@ def test_writable_executable_memory_only_where_the_operator_allows_jit(
     )
     jit = Native("native_allow_jit = true\n")
     try:
-        made = jit.manager.create(jit.spec("jit"))
+        made = created(jit.manager, jit.spec("jit"))
         assert jit.run(made, argv=["python3", "-c", WX]).stdout == b"mapped\n"
     finally:
         jit.cleanup()
@@ -338,7 +339,7 @@ def test_a_host_workspace_runs_as_the_caller_with_their_directory() -> None:
         os.chown(root, 4321, 4321)  # the user's own directory of the root is theirs
         os.chown(root / "w", 4321, 4321)
         spec = native.spec("hw", workspace={"kind": "host", "path": str(root / "w")})
-        made = native.manager.create(spec, owner=(4321, 4321))
+        made = created(native.manager, spec, owner=(4321, 4321))
         ran = native.run(made, argv="id -u; pwd; echo mine > out; touch /srv/x", shell=True)
         assert ran.stdout == b"4321\n/workspace\n"
         assert b"Read-only file system" in ran.stderr
@@ -357,8 +358,8 @@ def test_a_host_workspace_runs_as_the_caller_with_their_directory() -> None:
 
 def test_a_task_tree_is_destroyed_whole_and_leaves_nothing(native: Native) -> None:
     """The cascade: a child sandbox with a process left running, destroyed with its parent."""
-    made = native.manager.create(native.spec("gone"))
-    child = native.manager.create(native.spec("gone", parent_id=made.id))
+    made = created(native.manager, native.spec("gone"))
+    child = created(native.manager, native.spec("gone", parent_id=made.id))
     assert child.lineage.root_task_id == made.lineage.root_task_id
     assert native.run(child, argv="echo x > f; sleep 60 &", shell=True).exit_code == 0
     gone = native.manager.destroy_tree(made.lineage.root_task_id)
@@ -377,11 +378,11 @@ def test_with_docker_stopped_a_create_falls_back_to_native_unless_the_config_say
         falls = Native()
         refuses = Native("allow_native_fallback = false\n")
         try:
-            made = falls.manager.create(SandboxSpec(user=falls.user, project="fb"))
+            made = created(falls.manager, SandboxSpec(user=falls.user, project="fb"))
             assert made.backend == "native"
             assert falls.run(made, argv=["echo", "native"]).stdout == b"native\n"
             with pytest.raises(Unavailable) as refused:
-                refuses.manager.create(SandboxSpec(user=refuses.user, project="fb"))
+                created(refuses.manager, SandboxSpec(user=refuses.user, project="fb"))
             assert refused.value.code == "backend_unavailable"
             assert "allow_native_fallback" in refused.value.message
         finally:

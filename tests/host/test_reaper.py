@@ -35,6 +35,7 @@ from slicebox.model.names import MANAGED_SLICE
 from slicebox.model.reaper import Action, Kind, Rule
 from slicebox.model.spec import SandboxSpec
 from tests.fakes.journal import ListJournal
+from tests.fakes.threadside import created
 from tests.host.agentunits import SOCKET, agent_config, installed_agent, prop
 from tests.host.helpers import TEST_IMAGE, journal_records, sh, unique, wait_for
 from tests.host.sliceboxhost import active, cleanup_slices, slicebox_units
@@ -76,7 +77,7 @@ class Host:
 
     def create(self, project: str = "p", **fields: object) -> str:
         spec = {"user": self.user, "project": project, "memory": "32MB", **fields}
-        return self.manager.create(SandboxSpec.model_validate(spec)).id
+        return created(self.manager, SandboxSpec.model_validate(spec)).id
 
     def containers(self) -> list[dict[str, Any]]:
         found = self.client.api.containers(

@@ -26,6 +26,7 @@ from slicebox.model.errors import SliceboxError
 from slicebox.model.labels import selector
 from slicebox.model.names import MANAGED_SLICE, slice_names
 from slicebox.model.spec import Mount, SandboxSpec
+from tests.fakes.threadside import created
 from tests.host.helpers import TEST_IMAGE, unique, wait_for
 from tests.host.sliceboxhost import (
     active,
@@ -100,7 +101,7 @@ def pid_cgroup(env: Env, sandbox: Sandbox) -> str:
 
 def test_sandbox_in_its_scope_with_lineage_limits_and_hardening(env: Env) -> None:
     manager = env.manager()
-    box = manager.create(spec(env, "demo-1.x", command=("sleep", "600"), task_id="task-1"))
+    box = created(manager, spec(env, "demo-1.x", command=("sleep", "600"), task_id="task-1"))
     try:
         scope = box.scope_cgroup()
         cgroups = box.slice_cgroups()
@@ -156,8 +157,8 @@ def test_sandbox_in_its_scope_with_lineage_limits_and_hardening(env: Env) -> Non
 
 def test_project_ceiling_oom_kills_inside_that_project_only(env: Env) -> None:
     manager = env.manager()
-    other = manager.create(spec(env, "roomy", command=HOG, memory="200MB"))
-    tight = [manager.create(spec(env, "tight", command=HOG, memory="200MB")) for _ in range(3)]
+    other = created(manager, spec(env, "roomy", command=HOG, memory="200MB"))
+    tight = [created(manager, spec(env, "tight", command=HOG, memory="200MB")) for _ in range(3)]
     try:
         project = tight[0].slice_cgroups().project
         assert read(project, "memory.max").strip() == str(400 * MiB)
@@ -182,8 +183,8 @@ def test_project_ceiling_oom_kills_inside_that_project_only(env: Env) -> None:
 
 def test_fork_bombs_main_and_exec_stay_under_project_tasksmax(env: Env) -> None:
     manager = env.manager()
-    main = manager.create(spec(env, "pids", command=("sh", "-c", BOMB), pids=30))
-    other = manager.create(spec(env, "pids", command=("sleep", "600"), pids=30))
+    main = created(manager, spec(env, "pids", command=("sh", "-c", BOMB), pids=30))
+    other = created(manager, spec(env, "pids", command=("sleep", "600"), pids=30))
     try:
         project = main.slice_cgroups().project
         assert read(project, "pids.max").strip() == "40"
@@ -214,7 +215,7 @@ def test_user_ceiling_caps_the_sum_of_its_projects(env: Env) -> None:
     )
     manager = env.manager(config)
     boxes = [
-        manager.create(SandboxSpec(user=user, project=p, command=HOG, memory="200MB"))
+        created(manager, SandboxSpec(user=user, project=p, command=HOG, memory="200MB"))
         for p in ("one", "two")
     ]
     try:
@@ -262,7 +263,7 @@ NOBODY = (65534, 65534)
 
 def create_error(manager: SandboxManager, fields: dict[str, object]) -> str:
     try:
-        box = manager.create(SandboxSpec.model_validate(fields), owner=NOBODY)
+        box = created(manager, SandboxSpec.model_validate(fields), owner=NOBODY)
     except SliceboxError as exc:
         return exc.code
     manager.destroy(box.id)
@@ -312,11 +313,11 @@ def test_a_symlink_planted_through_a_writable_bind_cannot_reach_the_hosts_root(e
 
     def refusal(source: Path) -> tuple[str, str]:
         with pytest.raises(SliceboxError) as refused:
-            boxes.append(manager.create(bind(source, "refused"), owner=NOBODY))
+            boxes.append(created(manager, bind(source, "refused"), owner=NOBODY))
         return refused.value.code, refused.value.message
 
     try:
-        boxes.append(manager.create(bind(mine / "ws"), owner=NOBODY))
+        boxes.append(created(manager, bind(mine / "ws"), owner=NOBODY))
         planted = env.client.containers.get(boxes[0].container_id).exec_run(
             ["ln", "-s", "/", "/workspace/esc"]
         )
@@ -334,7 +335,7 @@ def test_a_symlink_planted_through_a_writable_bind_cannot_reach_the_hosts_root(e
         assert not (mine / "ws" / "absent").exists(), "nothing made the missing source"
         assert env.leftovers(env.user)[0] == [boxes[0].container_id]
 
-        boxes.append(manager.create(bind(mine / "ws" / "sub"), owner=NOBODY))
+        boxes.append(created(manager, bind(mine / "ws" / "sub"), owner=NOBODY))
         inside = env.client.api.inspect_container(boxes[1].container_id)["Mounts"]
         # Docker got the root-owned staging point (host.staging), gone once the sandbox ran;
         # what the sandbox has there is the directory that was pinned.
@@ -368,9 +369,9 @@ def _said(refused: tuple[str, str]) -> tuple[str, str]:
 
 def test_cascade_destroys_a_root_task_deepest_first(env: Env) -> None:
     manager = env.manager()
-    root = manager.create(spec(env, "tree", command=("sleep", "600"), task_id="root-t"))
-    child = manager.create(spec(env, "tree", command=("sleep", "600"), parent_id=root.id))
-    grandchild = manager.create(spec(env, "tree", command=("sleep", "600"), parent_id=child.id))
+    root = created(manager, spec(env, "tree", command=("sleep", "600"), task_id="root-t"))
+    child = created(manager, spec(env, "tree", command=("sleep", "600"), parent_id=root.id))
+    grandchild = created(manager, spec(env, "tree", command=("sleep", "600"), parent_id=child.id))
     assert [b.lineage.depth for b in (root, child, grandchild)] == [0, 1, 2]
     assert {b.lineage.root_task_id for b in (root, child, grandchild)} == {"root-t"}
     assert grandchild.lineage.parent_id == child.id

@@ -34,6 +34,7 @@ from slicebox.model.exec import ExecRequest
 from slicebox.model.names import MANAGED_SLICE, slice_names
 from slicebox.model.spec import SandboxSpec
 from slicebox.model.wasm import digest
+from tests.fakes.threadside import ThreadSide, created
 from tests.host.agentunits import SOCKET, agent_config, installed_agent
 from tests.host.helpers import CGROUP_ROOT, sh, wait_for
 from tests.host.sliceboxhost import active, cleanup_slices
@@ -80,7 +81,7 @@ def b64(data: bytes) -> str:
 
 @pytest.fixture(scope="module")
 def box(wasm: Wasm, toolkit: Path) -> Iterator[Sandbox]:
-    made = wasm.manager.create(wasm.spec("plugins", memory="128MB", wasm=module_of(toolkit)))
+    made = created(wasm.manager, wasm.spec("plugins", memory="128MB", wasm=module_of(toolkit)))
     try:
         yield made
     finally:
@@ -135,7 +136,7 @@ def test_the_worker_runs_in_the_sandbox_slice_under_the_project_and_is_counted_t
     assert b"slicebox.backends.wasmrun" in Path(f"/proc/{pid}/cmdline").read_bytes()
     echoed = wasm.run(clean_box, argv=["echo"], stdin=b64(b"x" * MB), output_cap=2 * MB)
     assert echoed.stdout == b"x" * MB
-    tree = wasm.service.level_tree(wasm.who).model_dump()
+    tree = ThreadSide(wasm.service).level_tree(wasm.who).model_dump()
     unit = clean_box.container_id
     nodes = [s for p in tree["children"] for s in p["children"] if s["unit"] == unit]
     assert nodes, tree
@@ -160,7 +161,7 @@ def test_a_plugin_reaches_an_allowed_host_and_no_other(
 ) -> None:
     (tmp_path / "hello.txt").write_text("hello from the guest\n")
     allow = {"egress": {"allow": ["127.0.0.1"]}}
-    made = wasm.manager.create(wasm.spec("http", wasm=module_of(toolkit), network=allow))
+    made = created(wasm.manager, wasm.spec("http", wasm=module_of(toolkit), network=allow))
     try:
         with web_server(tmp_path) as port:
             url = f"http://127.0.0.1:{port}/hello.txt"

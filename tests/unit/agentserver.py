@@ -23,6 +23,7 @@ from slicebox.server.routes import ROUTES
 from slicebox.server.state import SERVICE
 from slicebox.web.server import serve
 from tests.fakes.exec_fakes import FakeExec
+from tests.fakes.threadside import ThreadSide
 from tests.unit.test_service import World
 
 
@@ -54,7 +55,10 @@ class Agent:
     def sandboxes(self) -> list[str]:
         """The sandboxes left, once what requests left running after their answers is done."""
         wait_for(lambda: not self.pools.after_answer)
-        return [v.id for v in self.world.service.list_sandboxes(self.world.service_identity())]
+        return [
+            v.id
+            for v in ThreadSide(self.world.service).list_sandboxes(self.world.service_identity())
+        ]
 
 
 @contextmanager

@@ -123,7 +123,7 @@ def test_an_exec_gives_its_share_back_when_it_ends_or_fails(world: World) -> Non
     box = world.create(ALICE)
     ThreadSide(world.service).exec(ALICE, box, ExecRequest(argv=("x",), output_cap=CAP))
     assert world.budget.in_use == 0
-    world.docker.stop(world.service.get(ALICE, box).container_id)
+    world.docker.stop(ThreadSide(world.service).get(ALICE, box).container_id)
     with pytest.raises(SandboxNotRunning):
         ThreadSide(world.service).exec(ALICE, box, ExecRequest(argv=("x",), output_cap=CAP))
     assert world.budget.in_use == 0

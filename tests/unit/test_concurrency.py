@@ -18,6 +18,7 @@ import pytest
 
 from slicebox.backends.base import StdinSource
 from slicebox.client import AsyncClient, Client
+from slicebox.core.blocking import Blocking
 from slicebox.host.identity import CachedUsers, PeerCredentials, SystemUsers, resolve
 from slicebox.model.api import CreateSandbox
 from slicebox.model.exec import (
@@ -233,17 +234,16 @@ def test_work_after_answers_is_bounded_and_a_stopping_app_waits_for_it(tmp_path:
     pools = app[POOLS]
     gate, finished = threading.Event(), list[int]()
 
-    def removal(n: int) -> None:
-        gate.wait(10)
-        time.sleep(0.05)
+    async def removal(n: int, blocking: Blocking) -> None:
+        await blocking(lambda: gate.wait(10))
+        await asyncio.sleep(0.05)
         finished.append(n)
-
-    taken = [pools.aside(functools.partial(removal, n)) for n in range(AFTER_ANSWER_MAX + 1)]
-    assert taken == [True] * AFTER_ANSWER_MAX + [False], "beyond the bound the caller runs it"
-    assert len(pools.after_answer) == AFTER_ANSWER_MAX
 
     async def cycle() -> None:
         serving = await serve_path(app, str(tmp_path / "s.sock"))
+        taken = [pools.aside(functools.partial(removal, n)) for n in range(AFTER_ANSWER_MAX + 1)]
+        assert taken == [True] * AFTER_ANSWER_MAX + [False], "beyond the bound the caller awaits"
+        assert len(pools.after_answer) == AFTER_ANSWER_MAX
         threading.Timer(0.2, gate.set).start()
         await serving.close()
 
@@ -254,14 +254,16 @@ def test_work_after_answers_is_bounded_and_a_stopping_app_waits_for_it(tmp_path:
 
 
 def test_a_stop_waits_for_work_after_answers_a_bounded_time() -> None:
-    after, pool = AfterAnswer(limit=1), ThreadPoolExecutor(1)
-    gate = threading.Event()
-    try:
-        assert after.submit(pool, lambda: gate.wait(10))
-        assert asyncio.run(after.drain(0.05)) == 1, "unfinished: left to the reaper"
-    finally:
+    after = AfterAnswer(limit=1)
+
+    async def main() -> None:
+        gate = asyncio.Event()
+        assert after.submit(gate.wait)
+        assert not after.submit(gate.wait), "beyond the bound the caller awaits it itself"
+        assert await after.drain(0.05) == 1, "unfinished: left to the reaper"
         gate.set()
-        pool.shutdown()
-    assert asyncio.run(after.drain(0.05)) == 0
-    pool.shutdown()
-    assert not after.submit(pool, int), "a pool shut down takes nothing: the caller runs it"
+        await asyncio.sleep(0.01)
+        assert await after.drain(0.05) == 0
+        assert not after.submit(gate.wait), "a stopping agent takes nothing: the caller awaits it"
+
+    asyncio.run(main())

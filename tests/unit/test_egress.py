@@ -35,6 +35,7 @@ from slicebox.model.usage import EgressCounters, Level, LevelNode
 from tests.fakes.docker import FakeDocker
 from tests.fakes.nft import FakeNftApi
 from tests.fakes.systemd import FakeSystemd
+from tests.fakes.threadside import created
 
 GATEWAY = IPv4Address("10.213.0.1")
 HOST_ADDRESSES = (IPv4Network("192.0.2.10/32"), IPv4Network("10.0.2.15/32"))
@@ -528,7 +529,7 @@ class Managed:
 
 def test_a_create_with_egress_is_placed_labelled_and_its_destroy_releases_it() -> None:
     world = Managed()
-    box = world.manager.create(world.spec(["pypi.org", "10.20.0.0/16"]))
+    box = created(world.manager, world.spec(["pypi.org", "10.20.0.0/16"]))
     request = world.docker.requests[box.container_id]
     assert request.network == NETWORK
     assert request.dns == (str(GATEWAY),)
@@ -540,7 +541,7 @@ def test_a_create_with_egress_is_placed_labelled_and_its_destroy_releases_it() -
     assert world.egress.api.table().maps["sandboxes"] == {
         request.address: {"jump": {"target": f"sb_{key_of(box.id)}"}}
     }
-    plain = world.manager.create(SandboxSpec.model_validate({"user": "alice", "project": "web"}))
+    plain = created(world.manager, SandboxSpec.model_validate({"user": "alice", "project": "web"}))
     assert world.docker.requests[plain.container_id].address is None, "no egress, no place"
     world.manager.destroy(box.id)
     assert world.egress.api.table().maps["sandboxes"] == {}
@@ -551,7 +552,7 @@ def test_a_create_that_fails_to_start_leaves_no_rule() -> None:
     world = Managed()
     world.docker.fail_start = True
     with pytest.raises(Exception, match="cannot start"):
-        world.manager.create(world.spec(["pypi.org"]))
+        created(world.manager, world.spec(["pypi.org"]))
     assert world.egress.api.table().maps["sandboxes"] == {}
     assert world.egress.guard.firewall().sandbox_keys() == set()
 
@@ -559,11 +560,11 @@ def test_a_create_that_fails_to_start_leaves_no_rule() -> None:
 def test_policy_refuses_what_no_rule_allows_before_anything_is_made() -> None:
     world = Managed('[[egress.rule]]\nusers = ["alice"]\nallow = ["*.org"]\n')
     with pytest.raises(PolicyViolation) as refused:
-        world.manager.create(world.spec(["pypi.org", "10.0.0.0/8"]))
+        created(world.manager, world.spec(["pypi.org", "10.0.0.0/8"]))
     assert refused.value.code == "policy_egress"
     assert "10.0.0.0/8" in refused.value.message
     with pytest.raises(PolicyViolation, match="not allowed for user 'bob'"):
-        world.manager.create(world.spec(["pypi.org"], user="bob"))
+        created(world.manager, world.spec(["pypi.org"], user="bob"))
     assert world.docker.containers == {}
     assert world.egress.api.tables == {}, "nothing made"
 
@@ -579,7 +580,7 @@ def test_an_agent_without_egress_refuses_it_clearly() -> None:
         instance_id="r",
     )
     with pytest.raises(Unavailable) as refused:
-        manager.create(Managed().spec(["pypi.org"]))
+        created(manager, Managed().spec(["pypi.org"]))
     assert refused.value.code == "egress_unavailable"
     assert docker.containers == {}
 

@@ -25,6 +25,7 @@ from slicebox.model.spec import SandboxSpec
 from tests.fakes.docker import FakeDocker
 from tests.fakes.journal import ListJournal
 from tests.fakes.systemd import FakeSystemd
+from tests.fakes.threadside import created
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 PROJECT_CGROUP = "slicebox.slice/slicebox-alice.slice/slicebox-alice-p.slice"
@@ -61,7 +62,7 @@ class Host:
 
     def create(self, ttl: int = 60, project: str = "p") -> tuple[str, str]:
         spec = {"user": "alice", "project": project, "ttl_seconds": ttl}
-        sandbox = self.manager.create(SandboxSpec.model_validate(spec))
+        sandbox = created(self.manager, SandboxSpec.model_validate(spec))
         for level in ("slicebox.slice", *_parents(project)):
             _write(self.cgroupfs / level, {"memory.current": "4096\n"})
         _write(

@@ -27,6 +27,7 @@ from slicebox.model.exec import ExecRequest, ExecState, OutputStream, StreamChun
 from slicebox.model.spec import GitCredential, MountKind, SandboxSpec, Workspace, parse_spec
 from tests.fakes.docker import FakeDocker
 from tests.fakes.systemd import FakeSystemd
+from tests.fakes.threadside import created
 from tests.unit.test_sandboxes import FakeBinds
 
 TOKEN = "ghp_s3cr3tTOKENvalue"
@@ -194,7 +195,7 @@ def test_a_git_create_delivers_the_token_to_its_directory_only_and_clones(
 ) -> None:
     docker = CloningDocker()
     sandboxes = manager(docker, tmp_path)
-    box = sandboxes.create(git_spec())
+    box = created(sandboxes, git_spec())
     request: SandboxRequest = docker.requests[box.container_id]
     assert request.env == {"GIT_ASKPASS": ASKPASS, "GIT_TERMINAL_PROMPT": "0"}
     mounts = {m.target: m for m in request.mounts}
@@ -216,7 +217,7 @@ def test_a_failed_clone_says_why_without_the_token_and_leaves_nothing(tmp_path: 
     docker = CloningDocker(128, f"fatal: Authentication failed for {TOKEN}\n".encode())
     sandboxes = manager(docker, tmp_path)
     with pytest.raises(InvalidRequest) as failed:
-        sandboxes.create(git_spec())
+        created(sandboxes, git_spec())
     assert failed.value.code == "git_clone_failed"
     assert "Authentication failed" in failed.value.message
     assert TOKEN not in failed.value.message

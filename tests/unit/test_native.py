@@ -44,6 +44,7 @@ from slicebox.model.names import scope_name
 from slicebox.model.spec import Backend, Mount, SandboxSpec
 from tests.fakes.docker import FakeDocker
 from tests.fakes.native import FakeNativeSystemd
+from tests.fakes.threadside import created
 
 MiB = 1024 * 1024
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -351,14 +352,14 @@ def spec(**fields: object) -> SandboxSpec:
 
 
 def test_docker_answering_runs_docker(host: Host) -> None:
-    made = host.manager.create(spec())
+    made = created(host.manager, spec())
     assert made.backend == "docker"
     assert host.docker.created == 1
 
 
 def test_docker_down_falls_back_to_native_and_says_so(host: Host) -> None:
     host.docker.down = "connection refused"
-    made = host.manager.create(spec(image="alpine:3.19"))
+    made = created(host.manager, spec(image="alpine:3.19"))
     assert made.backend == "native"
     assert made.lineage.launcher == ""
     assert is_native_id(made.container_id)
@@ -372,7 +373,7 @@ def test_no_fallback_when_the_config_says_not(tmp_path: Path) -> None:
     host = Host(tmp_path / "env", "allow_native_fallback = false\n")
     host.docker.down = "connection refused"
     with pytest.raises(Unavailable) as refused:
-        host.manager.create(spec())
+        created(host.manager, spec())
     assert refused.value.code == "backend_unavailable"
     assert "allow_native_fallback" in refused.value.message
     assert host.systemd.calls == [], "refused before any slice"
@@ -381,19 +382,19 @@ def test_no_fallback_when_the_config_says_not(tmp_path: Path) -> None:
 def test_a_pool_member_never_falls_back(host: Host) -> None:
     host.docker.down = "connection refused"
     with pytest.raises(Unavailable):
-        host.manager.create(spec(), pool_key="k")
+        created(host.manager, spec(), pool_key="k")
 
 
 def test_native_refusals_come_before_any_slice(host: Host) -> None:
     with pytest.raises(InvalidRequest) as refused:
-        host.manager.create(spec(backend="native", network="bridge"))
+        created(host.manager, spec(backend="native", network="bridge"))
     assert refused.value.code == "backend_unsupported"
     assert refused.value.field == "network"
     assert host.systemd.calls == []
 
 
 def test_a_native_one_shot_has_no_waiter(host: Host) -> None:
-    made = host.manager.create(spec(backend="native"), one_shot=True)
+    made = created(host.manager, spec(backend="native"), one_shot=True)
     assert made.lineage.launcher == ""
     host.manager.end_operation(made.id)
 
@@ -436,8 +437,8 @@ def test_the_start_asks_each_backend_once() -> None:
 
 
 def test_a_listing_with_docker_down_is_the_native_sandboxes(host: Host) -> None:
-    native = host.manager.create(spec(backend="native"))
-    docker = host.manager.create(spec(project="q"))
+    native = created(host.manager, spec(backend="native"))
+    docker = created(host.manager, spec(project="q"))
     assert {s.id for s in host.manager.find(user="al-ice")} == {native.id, docker.id}
     host.docker.down = "refused"
     assert [s.id for s in host.manager.find(user="al-ice")] == [native.id]
@@ -477,7 +478,7 @@ def test_a_native_spec_refuses_volumes_and_a_chosen_user(
     host: Host, fields: dict[str, Any], named: str
 ) -> None:
     with pytest.raises(InvalidRequest) as refused:
-        host.manager.create(spec(backend="native", **fields))
+        created(host.manager, spec(backend="native", **fields))
     assert refused.value.field == named
 
 
@@ -492,11 +493,11 @@ def test_an_anchor_systemd_could_not_start_says_why(
 
 def test_jit_runtimes_are_the_operator_s_choice(tmp_path: Path) -> None:
     strict = Host(tmp_path / "a")
-    made = strict.manager.create(spec(backend="native"))
+    made = created(strict.manager, spec(backend="native"))
     anchor = strict.systemd.services[f"{ANCHOR_PREFIX}{made.id}.service"]
     assert anchor["MemoryDenyWriteExecute"] is True
     jit = Host(tmp_path / "b", "native_allow_jit = true\n")
-    made = jit.manager.create(spec(backend="native"))
+    made = created(jit.manager, spec(backend="native"))
     assert (
         jit.systemd.services[f"{ANCHOR_PREFIX}{made.id}.service"]["MemoryDenyWriteExecute"] is False
     )

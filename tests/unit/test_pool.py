@@ -35,7 +35,7 @@ from slicebox.model.spec import SandboxSpec
 from tests.fakes.docker import FakeDocker
 from tests.fakes.journal import ListJournal
 from tests.fakes.systemd import FakeSystemd
-from tests.fakes.threadside import ThreadSide
+from tests.fakes.threadside import ThreadSide, created
 
 MiB = 1024 * 1024
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -201,7 +201,7 @@ def test_a_request_whose_settings_differ_never_gets_a_member(
 ) -> None:
     world.docker.images.add("busybox")
     before = {m.id for m in world.members()}
-    made = world.service.create(
+    made = ThreadSide(world.service).create(
         ALICE, CreateSandbox.model_validate({"project": "web", "memory": "128MB", **differs})
     )
     assert made.id not in before
@@ -215,7 +215,7 @@ def test_a_request_of_the_key_takes_a_ready_member_and_the_refill_runs_elsewhere
     world: World,
 ) -> None:
     created = world.docker.created
-    view = world.service.create(
+    view = ThreadSide(world.service).create(
         ALICE, CreateSandbox(project="web", memory="128MB", task_id="t1", ttl_seconds=60)
     )
     assert view.pool == "acquired"
@@ -234,9 +234,9 @@ def test_a_request_of_the_key_takes_a_ready_member_and_the_refill_runs_elsewhere
 def test_a_member_that_died_while_idle_is_replaced_never_handed_out(world: World) -> None:
     oldest, younger = world.members()
     world.dead.add(oldest.container_id)  # say, OOM-killed or killed by hand while idle
-    view = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB"))
+    view = ThreadSide(world.service).create(ALICE, CreateSandbox(project="web", memory="128MB"))
     assert (view.id, view.pool) == (younger.id, "acquired")
-    cold = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB"))
+    cold = ThreadSide(world.service).create(ALICE, CreateSandbox(project="web", memory="128MB"))
     assert cold.id not in (oldest.id, younger.id)
     assert cold.pool == "", "none was ready: created cold"
     world.queue.drain()  # the dead one is destroyed, the pool filled again
@@ -247,7 +247,7 @@ def test_a_member_that_died_while_idle_is_replaced_never_handed_out(world: World
 
 def test_an_empty_pool_is_a_miss_and_the_request_is_created_cold(world: World) -> None:
     for _ in range(3):
-        world.service.create(ALICE, CreateSandbox(project="web", memory="128MB"))
+        ThreadSide(world.service).create(ALICE, CreateSandbox(project="web", memory="128MB"))
     stats = world.pool.stats().pools[0]
     assert (stats.hits, stats.misses, stats.ready) == (2, 1, 0)
     assert stats.hit_rate == pytest.approx(2 / 3)
@@ -256,24 +256,28 @@ def test_an_empty_pool_is_a_miss_and_the_request_is_created_cold(world: World) -
 def test_an_idle_member_is_no_one_s_to_use(world: World) -> None:
     idle = world.members()[0]
     with pytest.raises(NotFound):
-        world.service.get(ALICE, idle.id)
-    listed = {v.id: v.pool for v in world.service.list_sandboxes(ALICE)}
+        ThreadSide(world.service).get(ALICE, idle.id)
+    listed = {v.id: v.pool for v in ThreadSide(world.service).list_sandboxes(ALICE)}
     assert listed[idle.id] == "idle"
     assert not ThreadSide(world.service).destroy(ALICE, idle.id).destroyed
-    assert world.service.destroy_tree(ALICE, idle.id) == [], "its label task id is no task's"
+    assert ThreadSide(world.service).destroy_tree(ALICE, idle.id) == [], (
+        "its label task id is no task's"
+    )
     assert idle.id in {m.id for m in world.members()}
 
 
 def test_an_acquired_member_s_lineage_survives_a_restart_from_systemd_alone(
     world: World,
 ) -> None:
-    parent = world.service.create(ALICE, CreateSandbox(project="api", root_task_id="root-7"))
-    child = world.service.create(
+    parent = ThreadSide(world.service).create(
+        ALICE, CreateSandbox(project="api", root_task_id="root-7")
+    )
+    child = ThreadSide(world.service).create(
         ALICE, CreateSandbox(project="web", memory="128MB", parent_id=parent.id, task_id="t2")
     )
     assert child.pool == "acquired"
     world.start("run-2")  # kill -9: nothing in memory survives
-    again = world.service.get(ALICE, child.id)
+    again = ThreadSide(world.service).get(ALICE, child.id)
     assert (again.root_task_id, again.task_id, again.parent_id, again.depth) == (
         "root-7",
         "t2",
@@ -284,21 +288,23 @@ def test_an_acquired_member_s_lineage_survives_a_restart_from_systemd_alone(
     assert world.pool.adopt() == 1, "the idle member is taken back; the acquired one is not"
     report = world.reaper.run()
     assert [a for a in report.plan if a.kind is Kind.DESTROY] == []
-    destroyed = [d.id for d in world.service.destroy_tree(ALICE, "root-7")]
+    destroyed = [d.id for d in ThreadSide(world.service).destroy_tree(ALICE, "root-7")]
     assert destroyed == [child.id, parent.id], "deepest first, found by its lease"
     assert world.systemd.timers == {}, "the lease went with its container"
 
 
 def test_extending_an_acquired_member_keeps_its_lease(world: World) -> None:
-    view = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB", task_id="t3"))
+    view = ThreadSide(world.service).create(
+        ALICE, CreateSandbox(project="web", memory="128MB", task_id="t3")
+    )
     world.manager.extend(view.id, 7200)
     world.start("run-2")
-    again = world.service.get(ALICE, view.id)
+    again = ThreadSide(world.service).get(ALICE, view.id)
     assert (again.task_id, again.expires_at) == ("t3", NOW + timedelta(seconds=7200))
 
 
 def test_a_release_destroys_the_member_and_only_then_its_lease(world: World) -> None:
-    view = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB"))
+    view = ThreadSide(world.service).create(ALICE, CreateSandbox(project="web", memory="128MB"))
     container = view.container_id
     assert ThreadSide(world.service).destroy(ALICE, view.id).destroyed
     assert container in world.docker.removed
@@ -309,7 +315,9 @@ def test_a_release_destroys_the_member_and_only_then_its_lease(world: World) -> 
 def test_a_failed_removal_leaves_the_member_leased_not_idle(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    view = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB", task_id="t4"))
+    view = ThreadSide(world.service).create(
+        ALICE, CreateSandbox(project="web", memory="128MB", task_id="t4")
+    )
     monkeypatch.setattr(world.docker, "remove", lambda container_id: False)
     ThreadSide(world.service).destroy(ALICE, view.id)
     assert world.manager.get(view.id).pool_state == "acquired", "a used member never looks idle"
@@ -322,14 +330,18 @@ def test_a_reuse_member_comes_back_reset_and_only_to_reuse_requests(tmp_path: Pa
     request = world.docker.requests[idle.container_id]
     assert (request.command, request.open_stdin) == (KEEP_ALIVE, False), "its waiter would be used"
     assert idle.lineage.launcher == ""
-    first = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB", reuse=True))
+    first = ThreadSide(world.service).create(
+        ALICE, CreateSandbox(project="web", memory="128MB", reuse=True)
+    )
     assert first.pool == "acquired"
     assert ThreadSide(world.service).destroy(ALICE, first.id).destroyed
     assert world.reset.resets == [(first.id, 77)], "killed since its acquire mark"
     assert world.systemd.timers == {}, "its lease is gone: it is idle"
-    plain = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB"))
+    plain = ThreadSide(world.service).create(ALICE, CreateSandbox(project="web", memory="128MB"))
     assert plain.id != first.id, "a request without reuse never gets a used member"
-    again = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB", reuse=True))
+    again = ThreadSide(world.service).create(
+        ALICE, CreateSandbox(project="web", memory="128MB", reuse=True)
+    )
     assert again.id == first.id
     world.reset.healthy = False
     ThreadSide(world.service).destroy(ALICE, again.id)
@@ -339,7 +351,7 @@ def test_a_reuse_member_comes_back_reset_and_only_to_reuse_requests(tmp_path: Pa
 def test_members_never_fill_the_project_past_its_memory_ceiling(tmp_path: Path) -> None:
     config = POOL.replace('memory = "1GB"', 'memory = "400MB"').replace("size = 2", "size = 5")
     world = World(tmp_path, config)
-    world.manager.create(spec(project="web", memory="100MB"))
+    created(world.manager, spec(project="web", memory="100MB"))
     world.fill()
     stats = world.pool.stats().pools[0]
     assert stats.ready == 2, "100 + 2 x 128 MB fit under 400 MB; a third would not"
@@ -374,7 +386,7 @@ def test_a_pool_whose_creates_are_refused_says_why_once_and_recovers(
 def test_the_reaper_trims_idle_members_past_their_timeout_and_size_never_acquired_ones(
     world: World,
 ) -> None:
-    taken = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB"))
+    taken = ThreadSide(world.service).create(ALICE, CreateSandbox(project="web", memory="128MB"))
     world.queue.drain()  # the refill: two idle members again
     waiting = {m.id for m in world.members() if m.pool_state == "idle"}
     world.now = NOW + timedelta(seconds=700)
@@ -391,7 +403,7 @@ def test_the_reaper_trims_idle_members_past_their_timeout_and_size_never_acquire
 def test_surplus_idle_members_of_an_undeclared_key_go_an_acquired_one_stays(
     world: World,
 ) -> None:
-    taken = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB"))
+    taken = ThreadSide(world.service).create(ALICE, CreateSandbox(project="web", memory="128MB"))
     world.config = parse_config("")
     world.start("run-2")  # the [[pool]] table was removed meanwhile
     report = world.reaper.run()
@@ -431,7 +443,7 @@ max_pools = 1
 
 def cold_create(world: World, **fields: object) -> str:
     body = {"project": "web", "memory": "128MB", **fields}
-    return world.service.create(ALICE, CreateSandbox.model_validate(body)).id
+    return ThreadSide(world.service).create(ALICE, CreateSandbox.model_validate(body)).id
 
 
 def test_a_key_asked_for_enough_within_the_window_gets_a_pool_of_its_own(tmp_path: Path) -> None:
@@ -447,7 +459,7 @@ def test_a_key_asked_for_enough_within_the_window_gets_a_pool_of_its_own(tmp_pat
     assert learned.key.limits.memory_bytes == 128 * MiB
     member = next(m for m in world.members() if m.pool_state == "idle")
     assert member.lineage.launcher == LAUNCHER
-    third = world.service.create(ALICE, CreateSandbox(project="web", memory="128MB"))
+    third = ThreadSide(world.service).create(ALICE, CreateSandbox(project="web", memory="128MB"))
     assert (third.id, third.pool) == (member.id, "acquired"), "the next request takes it"
     assert world.pool.stats().pools[0].hits == 1
 

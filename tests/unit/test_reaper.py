@@ -30,6 +30,7 @@ from slicebox.model.spec import SandboxSpec
 from tests.fakes.docker import FakeDocker, volume_labels
 from tests.fakes.journal import ListJournal
 from tests.fakes.systemd import FakeSystemd
+from tests.fakes.threadside import created
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 NOW_S = "2026-01-02T03:04:05+00:00"
@@ -367,7 +368,7 @@ class World:
 
     def create(self, **fields: object) -> str:
         spec = SandboxSpec.model_validate({"user": "alice", "project": "p", **fields})
-        return self.manager.create(spec).id
+        return created(self.manager, spec).id
 
 
 @pytest.fixture
@@ -531,7 +532,7 @@ def test_a_pass_destroys_the_expired_audits_each_action_and_dry_run_changes_noth
 
 def test_a_one_shot_sandbox_is_held_from_its_create_and_taken_once_let_go(world: World) -> None:
     spec = SandboxSpec.model_validate({"user": "alice", "project": "p"})
-    held = world.manager.create(spec, one_shot=True)
+    held = created(world.manager, spec, one_shot=True)
     assert held.lineage.oneshot
     assert world.manager.busy() == {held.id}, "held as it left in flight"
     assert world.reaper.run().plan == [], "a run holds it: not even planned"
@@ -562,7 +563,7 @@ def test_a_one_shot_left_by_an_agent_that_died_is_removed_at_the_next_start(
         deadlines=Deadlines(world.systemd),
     )
     spec = SandboxSpec.model_validate({"user": "alice", "project": "p"})
-    before.create(spec, one_shot=True)  # its run's hold died with that agent
+    created(before, spec, one_shot=True)  # its run's hold died with that agent
     kept = world.create()
     report = world.reaper.run()
     assert [(a.kind, a.rule, a.target) for a in report.plan] == [

@@ -31,6 +31,7 @@ from tests.fakes.daytona import StandIn, running
 from tests.fakes.docker import FakeDocker
 from tests.fakes.journal import ListJournal
 from tests.fakes.systemd import FakeSystemd
+from tests.fakes.threadside import created
 
 KEY = "dtn_agent-test-key-fedcba9876543210"
 NOW = datetime(2026, 12, 5, 8, 0, 0, tzinfo=UTC)
@@ -94,7 +95,7 @@ def world(tmp_path: Path) -> Iterator[World]:
 
 
 def test_a_remote_sandbox_is_made_listed_and_destroyed_by_its_labels(world: World) -> None:
-    made = world.manager.create(world.spec(ttl_seconds=600, memory="1GB"))
+    made = created(world.manager, world.spec(ttl_seconds=600, memory="1GB"))
     assert made.backend == "daytona"
     assert is_daytona_id(made.container_id)
     [info] = world.remote.find({"slicebox.sandbox_id": made.id})
@@ -109,7 +110,7 @@ def test_a_remote_sandbox_is_made_listed_and_destroyed_by_its_labels(world: Worl
 
 
 def test_an_exec_runs_remotely_and_never_asks_this_host(world: World) -> None:
-    made = world.manager.create(world.spec())
+    made = created(world.manager, world.spec())
     ran = world.engine.run(made.container_id, ExecRequest(argv=("sh", "-c", "echo hi; exit 3")))
     assert (ran.exit_code, ran.stdout) == (3, b"hi\n")
     fed = world.engine.run(made.container_id, ExecRequest(argv=("cat",), stdin=b"in\x00put"))
@@ -122,8 +123,8 @@ def test_an_exec_runs_remotely_and_never_asks_this_host(world: World) -> None:
 def test_the_reaper_expires_a_remote_sandbox_by_its_label_with_its_children(
     world: World,
 ) -> None:
-    parent = world.manager.create(world.spec(ttl_seconds=60))
-    child = world.manager.create(world.spec(parent_id=parent.id, ttl_seconds=3600))
+    parent = created(world.manager, world.spec(ttl_seconds=60))
+    child = created(world.manager, world.spec(parent_id=parent.id, ttl_seconds=3600))
     plan = world.reaper.run(dry_run=True).plan
     assert not [a for a in plan if a.rule is Rule.DEADLINE_MISSING], "the label's holds"
     world.now = NOW + timedelta(seconds=61)
@@ -148,7 +149,7 @@ def test_another_agent_s_remote_sandbox_is_found_by_the_reaper(world: World) -> 
         instance_id="run-before",
         clock=lambda: world.now,
     )
-    orphan = other.create(world.spec())
+    orphan = created(other, world.spec())
     report = world.reaper.run(dry_run=True)
     assert orphan.id in {a.sandbox_id for a in report.plan}, report.plan
     world.manager.destroy(orphan.id)
@@ -159,11 +160,11 @@ def test_what_a_remote_sandbox_cannot_give_is_refused_before_anything_is_made(
 ) -> None:
     for extra in ({"network": "bridge"}, {"cap_add": ["NET_ADMIN"]}, {"reuse": True}):
         with pytest.raises(InvalidRequest) as refused:
-            world.manager.create(world.spec(**extra))
+            created(world.manager, world.spec(**extra))
         assert refused.value.code == "backend_unsupported"
         assert "daytona sandbox" in refused.value.message
     assert world.remote.find({}) == []
-    made = world.manager.create(world.spec(ttl_seconds=60))
+    made = created(world.manager, world.spec(ttl_seconds=60))
     with pytest.raises(InvalidRequest) as extend:
         world.manager.extend(made.id, 600)
     assert extend.value.code == "backend_unsupported"
@@ -173,11 +174,11 @@ def test_what_a_remote_sandbox_cannot_give_is_refused_before_anything_is_made(
 def test_a_daytona_that_does_not_answer_is_left_out_of_listings(tmp_path: Path) -> None:
     with running(KEY) as stand_in:
         world = World(stand_in, tmp_path)
-        docker_made = world.manager.create(world.spec(backend="docker", image="alpine:3.19"))
+        docker_made = created(world.manager, world.spec(backend="docker", image="alpine:3.19"))
     # The stand-in is gone: listings go on with what answers; a create there is refused.
     assert [s.id for s in world.manager.find(user="alice")] == [docker_made.id]
     with pytest.raises(Unavailable) as down:
-        world.manager.create(world.spec())
+        created(world.manager, world.spec())
     assert down.value.code == "backend_unavailable"
     assert KEY not in down.value.message
     on_core_loop(world.remote.aclose)

@@ -30,6 +30,7 @@ from slicebox.model.spec import Mount, MountKind, SandboxSpec, parse_spec
 from tests.fakes.counting import counting
 from tests.fakes.docker import FakeDocker, volume_labels
 from tests.fakes.systemd import FakeSystemd
+from tests.fakes.threadside import created
 
 MiB = 1024 * 1024
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -70,7 +71,7 @@ def spec(**fields: object) -> SandboxSpec:
 
 
 def test_create_places_hardens_and_labels(world: World) -> None:
-    box = world.manager.create(spec(memory="200MB", ttl_seconds=60, env={"TOKEN": "s3cret"}))
+    box = created(world.manager, spec(memory="200MB", ttl_seconds=60, env={"TOKEN": "s3cret"}))
     request = world.docker.requests[box.container_id]
     assert request.slice == "slicebox-al\\x2dice-p.slice"
     assert (request.network, request.cap_add, request.mounts) == ("none", (), ())
@@ -88,8 +89,8 @@ def test_create_places_hardens_and_labels(world: World) -> None:
 
 
 def test_destroy_is_idempotent_and_leaves_the_slices_to_the_reaper(world: World) -> None:
-    first = world.manager.create(spec())
-    second = world.manager.create(spec(project="q"))
+    first = created(world.manager, spec())
+    second = created(world.manager, spec(project="q"))
     assert world.manager.destroy(first.id) == first
     assert world.manager.destroy(first.id) is None
     world.manager.destroy(second.id)
@@ -109,7 +110,7 @@ def test_one_shot_runs_in_a_project_make_its_slices_once_and_never_stop_them(
     world: World,
 ) -> None:
     for _ in range(3):
-        world.manager.destroy(world.manager.create(spec()).id)
+        world.manager.destroy(created(world.manager, spec()).id)
     slice_calls = [(call, unit) for call, unit in world.systemd.calls if unit.endswith(".slice")]
     made = [unit for call, unit in slice_calls if call == "start_transient"]
     assert made == [MANAGED_SLICE, "slicebox-al\\x2dice.slice", "slicebox-al\\x2dice-p.slice"]
@@ -117,15 +118,15 @@ def test_one_shot_runs_in_a_project_make_its_slices_once_and_never_stop_them(
 
 
 def test_a_create_into_a_kept_slice_gives_it_the_ceiling_in_force(world: World) -> None:
-    world.manager.destroy(world.manager.create(spec()).id)
+    world.manager.destroy(created(world.manager, spec()).id)
     assert world.systemd.properties["slicebox-al\\x2dice-p.slice"]["MemoryMax"] == 400 * MiB
     world.manager.reconfigure(parse_config('[projects."al-ice/p"]\nmemory = "300MB"\n'))
-    world.manager.create(spec())
+    created(world.manager, spec())
     assert world.systemd.properties["slicebox-al\\x2dice-p.slice"]["MemoryMax"] == 300 * MiB
 
 
 def test_destroy_while_another_removal_runs_is_idempotent(world: World) -> None:
-    box = world.manager.create(spec())
+    box = created(world.manager, spec())
     world.docker.begin_removal(box.container_id)  # say, the reaper's destroy of it
     destroyed = world.manager.destroy(box.id)
     assert destroyed is not None, "no error: the sandbox is on its way out"
@@ -146,18 +147,18 @@ def test_a_name_taken_on_the_backend_is_refused_and_leaves_no_slice(world: World
         instance_id="run-1",
         new_id=lambda: next(ids),
     )
-    world.manager.create(spec(project="one"))
+    created(world.manager, spec(project="one"))
     with pytest.raises(HostError) as taken:
-        world.manager.create(spec(project="two"))
+        created(world.manager, spec(project="two"))
     assert taken.value.code == "sandbox_name_conflict"
     assert "slicebox-al\\x2dice-two.slice" not in world.systemd.running
 
 
 def test_cascade_destroys_deepest_first(world: World) -> None:
-    root = world.manager.create(spec(task_id="t"))
-    child = world.manager.create(spec(parent_id=root.id))
-    grandchild = world.manager.create(spec(parent_id=child.id))
-    other = world.manager.create(spec())
+    root = created(world.manager, spec(task_id="t"))
+    child = created(world.manager, spec(parent_id=root.id))
+    grandchild = created(world.manager, spec(parent_id=child.id))
+    other = created(world.manager, spec())
     assert (child.lineage.depth, grandchild.lineage.depth) == (1, 2)
     assert grandchild.lineage.root_task_id == "t"
     gone = world.manager.destroy_tree("t")
@@ -167,18 +168,18 @@ def test_cascade_destroys_deepest_first(world: World) -> None:
 
 
 def test_child_of_another_users_sandbox_is_not_found(world: World) -> None:
-    parent = world.manager.create(spec(user="bob"))
+    parent = created(world.manager, spec(user="bob"))
     with pytest.raises(NotFound):
-        world.manager.create(spec(parent_id=parent.id))
+        created(world.manager, spec(parent_id=parent.id))
     with pytest.raises(InvalidRequest, match="root_task_id"):
-        world.manager.create(spec(user="bob", parent_id=parent.id, root_task_id="other"))
+        created(world.manager, spec(user="bob", parent_id=parent.id, root_task_id="other"))
 
 
 def test_missing_image_is_pulled_or_refused_before_anything_exists(world: World) -> None:
     world.docker.registry.add("busybox:1")
-    assert world.manager.create(spec(image="busybox:1")).id
+    assert created(world.manager, spec(image="busybox:1")).id
     with pytest.raises(ImageUnavailable):
-        world.manager.create(spec(user="z", image="nope:1"))
+        created(world.manager, spec(user="z", image="nope:1"))
     assert not any("slicebox-z" in u for u in world.systemd.running)
 
 
@@ -186,29 +187,29 @@ def test_an_image_a_create_found_is_not_checked_again_unless_a_create_misses_it(
     """One backend call fewer per create: the create itself tells a missing image."""
     calls: Counter[str] = Counter()
     world = World(calls=calls)
-    world.manager.create(spec())
-    world.manager.create(spec())
+    created(world.manager, spec())
+    created(world.manager, spec())
     assert (calls["docker.prepare"], calls["docker.create"]) == (1, 2)
     world.docker.images.discard("alpine:3.19")  # removed by hand meanwhile; pullable
     world.docker.registry.add("alpine:3.19")
-    assert world.manager.create(spec()).id
+    assert created(world.manager, spec()).id
     assert (calls["docker.prepare"], calls["docker.create"]) == (2, 4), "pulled, tried again"
     world.docker.images.discard("alpine:3.19")
     world.docker.registry.discard("alpine:3.19")
     with pytest.raises(ImageUnavailable):
-        world.manager.create(spec(project="new"))
+        created(world.manager, spec(project="new"))
     assert len(world.docker.containers) == 3
     assert "slicebox-al\\x2dice-new.slice" not in world.user_slices(), "its new slice is undone"
     with pytest.raises(ImageUnavailable):  # now unknown: refused before anything exists
-        world.manager.create(spec(project="other"))
+        created(world.manager, spec(project="other"))
     assert calls["docker.create"] == 5
 
 
 def test_failed_start_removes_container_and_new_slices(world: World) -> None:
-    kept = world.manager.create(spec(project="keep"))
+    kept = created(world.manager, spec(project="keep"))
     world.docker.fail_start = True
     with pytest.raises(InvalidRequest):
-        world.manager.create(spec(project="new"))
+        created(world.manager, spec(project="new"))
     assert [c.id for c in world.docker.containers.values()] == [kept.container_id]
     assert world.user_slices() == {"slicebox-al\\x2dice.slice", "slicebox-al\\x2dice-keep.slice"}
 
@@ -216,7 +217,7 @@ def test_failed_start_removes_container_and_new_slices(world: World) -> None:
 def test_failed_slice_start_undoes_the_user_slice(world: World) -> None:
     world.systemd.fail_start.add("slicebox-al\\x2dice-p.slice")
     with pytest.raises(HostError):
-        world.manager.create(spec())
+        created(world.manager, spec())
     assert world.user_slices() == set()
     assert world.docker.containers == {}
 
@@ -227,7 +228,7 @@ def test_get_unknown_is_not_found(world: World) -> None:
 
 
 def test_get_looks_up_the_name_and_believes_only_the_labels(world: World) -> None:
-    box = world.manager.create(spec())
+    box = created(world.manager, spec())
     assert world.manager.get(box.id) == box
     world.docker.containers["c-x"] = SandboxInfo(
         id="c-x",
@@ -305,7 +306,7 @@ def test_docker_gets_the_staged_source_and_the_mount_is_checked_once_running() -
     # between the check and runc's mount.
     binds = FakeBinds()
     world = bind_world(binds)
-    box = world.manager.create(spec(mounts=BINDS), owner=(1000, 1000))
+    box = created(world.manager, spec(mounts=BINDS), owner=(1000, 1000))
     request = world.docker.requests[box.container_id]
     assert [m.source for m in request.mounts] == [f"/stage/{box.id}/0", "cache"]
     pid = world.docker.sandbox_pid(box.container_id)
@@ -318,7 +319,7 @@ def test_a_source_swapped_before_the_mount_undoes_the_create() -> None:
     binds = FakeBinds(swapped=True)
     world = bind_world(binds)
     with pytest.raises(PolicyViolation, match="changed while"):
-        world.manager.create(spec(mounts=BINDS, command=("evil",)), owner=(1000, 1000))
+        created(world.manager, spec(mounts=BINDS, command=("evil",)), owner=(1000, 1000))
     assert world.docker.containers == {}
     assert world.user_slices() == set()
     assert world.docker.released == [], "the caller's command never ran"
@@ -331,7 +332,7 @@ def test_a_sandboxs_own_command_waits_for_its_mounts_to_be_checked() -> None:
     binds = FakeBinds()
     world = bind_world(binds)
     command = ("sh", "-c", 'printf \'%s|\' "$0" "$1"', "a 'b'\\n", "two\nlines")
-    box = world.manager.create(spec(mounts=BINDS, command=command), owner=(1000, 1000))
+    box = created(world.manager, spec(mounts=BINDS, command=command), owner=(1000, 1000))
     request = world.docker.requests[box.container_id]
     assert (request.command, request.open_stdin) == (WAITER_COMMAND, True)
     assert not box.lineage.launcher, "no one-shot run may launch into it"
@@ -344,7 +345,7 @@ def test_a_sandboxs_own_command_waits_for_its_mounts_to_be_checked() -> None:
 def test_without_binds_nothing_is_staged_and_the_command_runs_as_before() -> None:
     binds = FakeBinds()
     world = bind_world(binds)
-    box = world.manager.create(spec(command=("sleep", "9")))
+    box = created(world.manager, spec(command=("sleep", "9")))
     assert world.docker.requests[box.container_id].command == ("sleep", "9")
     assert (binds.unstaged, world.docker.released) == ([], [])
 
@@ -362,7 +363,7 @@ def test_another_users_root_is_refused_before_anything_is_pinned() -> None:
     binds = FakeBinds()
     world = bind_world(binds)
     with pytest.raises(PolicyViolation, match="outside the allowed roots /srv/ws/al-ice"):
-        world.manager.create(spec(mounts=[Mount(source="/srv/ws/bob/src", target="/w")]))
+        created(world.manager, spec(mounts=[Mount(source="/srv/ws/bob/src", target="/w")]))
     assert binds.verified == []
     assert world.docker.containers == {}
 
@@ -371,7 +372,7 @@ def test_another_users_root_is_refused_before_anything_is_pinned() -> None:
 
 
 def test_a_sandbox_runs_as_the_configured_non_root_default(world: World) -> None:
-    box = world.manager.create(spec())
+    box = created(world.manager, spec())
     assert world.docker.requests[box.container_id].user == "65534:65534"
 
 
@@ -379,7 +380,7 @@ def test_a_host_workspace_is_bound_at_workspace_and_runs_as_its_owner() -> None:
     binds = FakeBinds()
     world = bind_world(binds)
     workspace = {"kind": "host", "path": "/srv/ws/al-ice/alias/code"}
-    box = world.manager.create(spec(workspace=workspace), owner=(1234, 99))
+    box = created(world.manager, spec(workspace=workspace), owner=(1234, 99))
     request = world.docker.requests[box.container_id]
     assert request.user == "1234:99", "what the sandbox writes there is the caller's"
     assert [(m.kind, m.source, m.target, m.read_only) for m in request.mounts] == [
@@ -393,7 +394,7 @@ def test_a_host_workspace_is_bound_at_workspace_and_runs_as_its_owner() -> None:
 def test_a_host_workspace_outside_the_callers_root_is_refused_with_nothing_made() -> None:
     world = bind_world(FakeBinds())
     with pytest.raises(PolicyViolation, match="outside the allowed roots") as refused:
-        world.manager.create(spec(workspace={"kind": "host", "path": "/srv/ws/bob/code"}))
+        created(world.manager, spec(workspace={"kind": "host", "path": "/srv/ws/bob/code"}))
     assert refused.value.code == "policy_mount"
     assert world.docker.containers == {}
     assert world.user_slices() == set()
@@ -416,7 +417,7 @@ def test_uid_0_is_refused_unless_allowed_and_never_with_a_writable_host_mount(
 ) -> None:
     world = bind_world(FakeBinds(), config)
     with pytest.raises(PolicyViolation, match=why) as refused:
-        world.manager.create(spec(**fields))
+        created(world.manager, spec(**fields))
     assert refused.value.code == "policy_root"
     assert world.docker.containers == {}
 
@@ -425,7 +426,7 @@ def test_uid_0_is_refused_for_a_root_user_with_a_read_only_host_workspace_too() 
     world = bind_world(FakeBinds(), 'root_users = ["al-ice"]\n')
     workspace = {"kind": "host", "path": "/srv/ws/al-ice/code", "read_only": True}
     with pytest.raises(PolicyViolation) as refused:  # any host bind runs as its owner
-        world.manager.create(spec(run_as="0:0", workspace=workspace), owner=(1234, 99))
+        created(world.manager, spec(run_as="0:0", workspace=workspace), owner=(1234, 99))
     assert refused.value.code == "policy_run_as"
     assert world.docker.containers == {}
 
@@ -435,7 +436,7 @@ def test_a_user_name_that_is_uid_0_in_the_image_is_found_running_and_undone() ->
     binds.ids = (0, 0)  # the image's passwd maps "toor" to uid 0
     world = bind_world(binds)
     with pytest.raises(PolicyViolation, match="may not run as uid 0"):
-        world.manager.create(spec(run_as="toor"))
+        created(world.manager, spec(run_as="toor"))
     assert world.docker.containers == {}
     assert world.user_slices() == set()
 
@@ -443,7 +444,7 @@ def test_a_user_name_that_is_uid_0_in_the_image_is_found_running_and_undone() ->
 def test_a_volume_workspace_is_made_with_lineage_given_to_the_sandbox_and_goes_with_it() -> None:
     binds = FakeBinds()
     world = bind_world(binds)
-    box = world.manager.create(spec(workspace={"kind": "volume"}, root_task_id="t1"))
+    box = created(world.manager, spec(workspace={"kind": "volume"}, root_task_id="t1"))
     name = f"slicebox-al-ice-{box.id.replace('-', '_')}"
     request = world.docker.requests[box.container_id]
     assert [(m.kind, m.source, m.target) for m in request.mounts] == [
@@ -461,13 +462,13 @@ def test_a_volume_workspace_is_made_with_lineage_given_to_the_sandbox_and_goes_w
 def test_a_volume_stays_while_its_root_task_has_a_sandbox_and_when_kept() -> None:
     world = bind_world(FakeBinds())
     shared = {"kind": "volume", "name": "src"}
-    first = world.manager.create(spec(workspace=shared, root_task_id="t1"))
-    second = world.manager.create(spec(workspace=shared, root_task_id="t1"))
+    first = created(world.manager, spec(workspace=shared, root_task_id="t1"))
+    second = created(world.manager, spec(workspace=shared, root_task_id="t1"))
     world.manager.destroy(first.id)
     assert "slicebox-al-ice-src" in world.docker.volume_table, "its root task goes on"
     world.manager.destroy(second.id)
     assert "slicebox-al-ice-src" not in world.docker.volume_table
-    kept = world.manager.create(spec(workspace={"kind": "volume", "name": "k", "keep": True}))
+    kept = created(world.manager, spec(workspace={"kind": "volume", "name": "k", "keep": True}))
     world.manager.destroy(kept.id)
     assert "slicebox-al-ice-k" in world.docker.volume_table
 
@@ -476,7 +477,7 @@ def test_a_kept_volume_is_mounted_again_by_name_and_not_given_away_twice() -> No
     binds = FakeBinds()
     world = bind_world(binds)
     world.docker.create_volume("slicebox-al-ice-k", volume_labels("al-ice", keep=True))
-    box = world.manager.create(spec(workspace={"kind": "volume", "name": "k"}))
+    box = created(world.manager, spec(workspace={"kind": "volume", "name": "k"}))
     assert world.docker.requests[box.container_id].mounts[0].source == "slicebox-al-ice-k"
     assert binds.owned == [], "a volume in use keeps its owner"
 
@@ -499,7 +500,7 @@ def test_a_foreign_or_another_users_volume_is_refused_with_nothing_made(
         {"workspace": {"kind": "volume", "name": "db"}},
     ):
         with pytest.raises(error) as refused:
-            world.manager.create(spec(**fields))
+            created(world.manager, spec(**fields))
         assert getattr(refused.value, "code", None) == code
     assert world.docker.containers == {}
     assert world.user_slices() == set()
@@ -509,7 +510,7 @@ def test_a_foreign_or_another_users_volume_is_refused_with_nothing_made(
 def test_a_missing_volume_in_mounts_is_refused_rather_than_made_by_docker() -> None:
     world = bind_world(FakeBinds())
     with pytest.raises(PolicyViolation) as refused:
-        world.manager.create(spec(mounts=[{"kind": "volume", "source": "nope", "target": "/d"}]))
+        created(world.manager, spec(mounts=[{"kind": "volume", "source": "nope", "target": "/d"}]))
     assert refused.value.code == "mount_source_missing"
     assert "nope" not in world.docker.volume_table
 
@@ -525,7 +526,7 @@ def test_a_failed_start_removes_the_volume_it_made() -> None:
     world = bind_world(FakeBinds())
     world.docker.fail_start = True
     with pytest.raises(InvalidRequest):
-        world.manager.create(spec(workspace={"kind": "volume", "name": "w"}))
+        created(world.manager, spec(workspace={"kind": "volume", "name": "w"}))
     assert "slicebox-al-ice-w" not in world.docker.volume_table
 
 
@@ -534,7 +535,7 @@ def test_a_container_s_labels_are_decoded_once_whatever_its_state_later(
 ) -> None:
     """A reaper pass reads every container's labels; they never change, so each container's
     are validated once. Other labels under the same id (no Docker makes them) decode anew."""
-    made = world.manager.create(spec())
+    made = created(world.manager, spec())
     info = world.docker.containers[made.container_id]
     decodes = Counter[str]()
 

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 from collections import Counter
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
-from slicebox.core.blocking import inline
+from slicebox.core.blocking import Blocking, from_thread, inline
 from slicebox.core.budget import OutputBudget
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
@@ -28,6 +29,7 @@ from slicebox.host.cgroupfs import CgroupFS
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
 from slicebox.model.api import CreateSandbox, Extend, ReapRequest, RunRequest, RunResult
+from slicebox.model.audit import AuditRecord
 from slicebox.model.config import DEFAULT_EXEC_OUTPUT_BUDGET, ReaperConfig, parse_config
 from slicebox.model.errors import Forbidden, NotFound, SandboxNotRunning
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, OutputStream, StreamChunk
@@ -105,7 +107,7 @@ class World:
         return ORCH
 
     def create(self, who: Identity, user: str | None = None) -> str:
-        return self.service.create(who, CreateSandbox(user=user, project="web")).id
+        return ThreadSide(self.service).create(who, CreateSandbox(user=user, project="web")).id
 
 
 @pytest.fixture
@@ -115,13 +117,13 @@ def world(tmp_path: Path) -> World:
 
 def test_a_user_sees_only_its_own_sandboxes(world: World) -> None:
     mine = world.create(ALICE)
-    assert world.service.get(ALICE, mine).user == "alice"
-    assert [v.id for v in world.service.list_sandboxes(ALICE)] == [mine]
-    assert world.service.list_sandboxes(BOB) == []
+    assert ThreadSide(world.service).get(ALICE, mine).user == "alice"
+    assert [v.id for v in ThreadSide(world.service).list_sandboxes(ALICE)] == [mine]
+    assert ThreadSide(world.service).list_sandboxes(BOB) == []
     with pytest.raises(NotFound) as caught:
-        world.service.get(BOB, mine)
+        ThreadSide(world.service).get(BOB, mine)
     with pytest.raises(NotFound) as unknown:
-        world.service.get(BOB, "sbx-nothing")
+        ThreadSide(world.service).get(BOB, "sbx-nothing")
     assert caught.value.message.replace(mine, "X") == unknown.value.message.replace(
         "sbx-nothing", "X"
     ), "another user's sandbox must look exactly like a missing one"
@@ -132,7 +134,7 @@ def test_others_cannot_exec_in_or_destroy_my_sandbox(world: World) -> None:
     with pytest.raises(NotFound):
         ThreadSide(world.service).exec(BOB, mine, ExecRequest(argv=("id",)))
     assert ThreadSide(world.service).destroy(BOB, mine).destroyed is False
-    assert world.service.get(ALICE, mine).id == mine
+    assert ThreadSide(world.service).get(ALICE, mine).id == mine
 
 
 def test_only_admins_act_for_other_users(world: World) -> None:
@@ -140,8 +142,8 @@ def test_only_admins_act_for_other_users(world: World) -> None:
         world.create(ALICE, user="bob")
     assert ("request_refused", "forbidden") in world.journal.events()
     theirs = world.create(ORCH, user="bob")
-    assert world.service.get(BOB, theirs).user == "bob"
-    assert {v.id for v in world.service.list_sandboxes(ORCH)} == {theirs}
+    assert ThreadSide(world.service).get(BOB, theirs).user == "bob"
+    assert {v.id for v in ThreadSide(world.service).list_sandboxes(ORCH)} == {theirs}
 
 
 def test_every_action_is_audited_with_the_caller(world: World) -> None:
@@ -215,7 +217,7 @@ def test_a_restarted_agent_looks_a_sandbox_up_on_the_loop_before_its_destroy(
     assert on_loop(restarted.service.destroy(ALICE, target, inline)).destroyed
     assert restarted.calls["docker.inspect"] == 0, "known since the look-up before"
     assert restarted.calls["docker.remove"] == 1
-    assert restarted.service.list_sandboxes(ALICE) == []
+    assert ThreadSide(restarted.service).list_sandboxes(ALICE) == []
 
 
 def test_a_known_sandbox_removed_behind_the_agents_back_is_destroyed_false(
@@ -239,7 +241,7 @@ def test_a_destroy_while_another_removal_runs_answers_false_and_no_error(world: 
     assert world.journal.events()[-1] == ("sandbox_destroyed", "ok")
     world.docker.finish_removal(world.sandboxes.get(mine).container_id)
     assert ThreadSide(world.service).destroy(ALICE, mine).destroyed is False
-    assert world.service.list_sandboxes(ALICE) == []
+    assert ThreadSide(world.service).list_sandboxes(ALICE) == []
 
 
 def test_one_shot_run_leaves_nothing(world: World) -> None:
@@ -247,7 +249,7 @@ def test_one_shot_run_leaves_nothing(world: World) -> None:
         ALICE, RunRequest(sandbox=CreateSandbox(project="web"), exec=ExecRequest(argv=("x",)))
     )
     assert outcome.result.stdout == b"hi\n"
-    assert world.service.list_sandboxes(ALICE) == []
+    assert ThreadSide(world.service).list_sandboxes(ALICE) == []
     assert [event for event, _ in world.journal.events()] == [
         "sandbox_created",
         "exec",
@@ -256,29 +258,29 @@ def test_one_shot_run_leaves_nothing(world: World) -> None:
 
 
 def test_destroy_tree_only_touches_what_the_caller_may_see(world: World) -> None:
-    alices = world.service.create(ALICE, CreateSandbox(project="p", root_task_id="t1"))
-    bobs = world.service.create(BOB, CreateSandbox(project="p", root_task_id="t1"))
-    gone = world.service.destroy_tree(ALICE, "t1")
+    alices = ThreadSide(world.service).create(ALICE, CreateSandbox(project="p", root_task_id="t1"))
+    bobs = ThreadSide(world.service).create(BOB, CreateSandbox(project="p", root_task_id="t1"))
+    gone = ThreadSide(world.service).destroy_tree(ALICE, "t1")
     assert [d.id for d in gone] == [alices.id]
-    assert world.service.get(BOB, bobs.id).id == bobs.id
+    assert ThreadSide(world.service).get(BOB, bobs.id).id == bobs.id
 
 
 def test_only_admins_run_the_reaper_and_a_dry_run_is_not_audited(world: World) -> None:
     with pytest.raises(Forbidden):
-        world.service.reap(ALICE, ReapRequest(dry_run=True))
+        ThreadSide(world.service).reap(ALICE, ReapRequest(dry_run=True))
     world.create(ALICE)
     before = len(world.journal.entries)
-    assert world.service.reap(ORCH, ReapRequest(dry_run=True)).plan == []
+    assert ThreadSide(world.service).reap(ORCH, ReapRequest(dry_run=True)).plan == []
     assert len(world.journal.entries) == before
 
 
 def test_extending_my_deadline_is_audited_and_others_cannot(world: World) -> None:
     mine = world.create(ALICE)
     with pytest.raises(NotFound):
-        world.service.extend(BOB, mine, Extend(ttl_seconds=60))
-    view = world.service.extend(ALICE, mine, Extend(ttl_seconds=7200))
+        ThreadSide(world.service).extend(BOB, mine, Extend(ttl_seconds=60))
+    view = ThreadSide(world.service).extend(ALICE, mine, Extend(ttl_seconds=7200))
     assert view.expires_at == NOW + timedelta(seconds=7200)
-    assert world.service.get(ALICE, mine).expires_at == NOW + timedelta(seconds=7200)
+    assert ThreadSide(world.service).get(ALICE, mine).expires_at == NOW + timedelta(seconds=7200)
     assert world.journal.events()[-1] == ("deadline_changed", "ok")
     assert [unit for unit in world.systemd.timers if mine in unit] == [
         f"slicebox-ttl-{mine}-{int((NOW + timedelta(seconds=7200)).timestamp())}.timer"
@@ -368,7 +370,7 @@ def test_a_timed_out_exec_says_so(world: World) -> None:
 
 def test_an_exec_that_fails_while_running_is_audited_with_its_code(world: World) -> None:
     box = world.create(ALICE)
-    world.docker.stop(world.service.get(ALICE, box).container_id)
+    world.docker.stop(ThreadSide(world.service).get(ALICE, box).container_id)
     with pytest.raises(SandboxNotRunning):
         ThreadSide(world.service).exec(ALICE, box, ExecRequest(argv=("id",)))
     [record] = execs(world)
@@ -454,6 +456,12 @@ def test_an_exec_on_the_loop_refused_or_timed_out_says_so(world: World) -> None:
     assert free(world, mine)
 
 
+def created_record(step: Callable[[], object]) -> bool:
+    """Whether ``step`` writes a create's audit record: the create is over."""
+    args = step.args if isinstance(step, functools.partial) else ()
+    return any(isinstance(a, AuditRecord) and a.event == "sandbox_created" for a in args)
+
+
 def test_a_run_on_the_loop_destroys_its_sandbox_even_when_the_exec_fails(world: World) -> None:
     run = RunRequest(sandbox=CreateSandbox(project="web"), exec=ExecRequest(argv=("x",)))
     assert on_loop(world.service.run(ALICE, run, None, inline)).result.stdout == b"hi\n"
@@ -461,8 +469,9 @@ def test_a_run_on_the_loop_destroys_its_sandbox_even_when_the_exec_fails(world: 
     async def stopping(function: Callable[[], T]) -> T:
         """Runs each step in place; the sandbox's container stops right after its create."""
         value = function()
-        if isinstance(value, Sandbox):
-            world.docker.stop(value.container_id)
+        if created_record(function):
+            (container_id,) = world.docker.containers
+            world.docker.stop(container_id)
         return value
 
     with pytest.raises(SandboxNotRunning):
@@ -475,7 +484,7 @@ def test_a_run_on_the_loop_destroys_its_sandbox_even_when_the_exec_fails(world: 
         ("exec", "sandbox_not_running"),
         ("sandbox_destroyed", "ok"),
     ]
-    assert world.service.list_sandboxes(ALICE) == []
+    assert ThreadSide(world.service).list_sandboxes(ALICE) == []
     assert world.budget.in_use == 0
 
 
@@ -488,9 +497,10 @@ def test_a_run_holds_its_sandbox_from_the_create_until_it_is_removed(world: Worl
     async def reaping(function: Callable[[], T]) -> T:
         """Runs each step in place; a reaper pass right after the create."""
         value = function()
-        if isinstance(value, Sandbox):
-            seen.append(value.lineage.oneshot)
-            seen.append(world.service.reap(ORCH, ReapRequest()).plan)
+        if created_record(function):
+            (made,) = world.sandboxes.find()
+            seen.append(made.lineage.oneshot)
+            seen.append(ThreadSide(world.service).reap(ORCH, ReapRequest()).plan)
         return value
 
     on_loop(world.service.run(ALICE, run, None, reaping))
@@ -512,16 +522,16 @@ class Later:
 
     def __init__(self, *, takes: bool = True) -> None:
         self.takes = takes
-        self.taken: list[Callable[[], object]] = []
+        self.taken: list[Callable[[Blocking], Awaitable[object]]] = []
 
-    def __call__(self, function: Callable[[], object]) -> bool:
+    def __call__(self, make: Callable[[Blocking], Awaitable[object]]) -> bool:
         if self.takes:
-            self.taken.append(function)
+            self.taken.append(make)
         return self.takes
 
     def finish(self) -> None:
         while self.taken:
-            self.taken.pop(0)()
+            from_thread(self.taken.pop(0))
 
 
 def usage_reads(world: World) -> list[str]:
@@ -545,7 +555,7 @@ def test_a_run_answers_before_its_removal_which_follows_held_and_audited(world: 
     assert len(later.taken) == 1, "the removal is left for after the answer"
     assert [s.id for s in world.sandboxes.find()] == [outcome.sandbox_id]
     assert world.sandboxes.busy() == {outcome.sandbox_id}, "held: the reaper leaves it be"
-    assert world.service.reap(ORCH, ReapRequest()).plan == []
+    assert ThreadSide(world.service).reap(ORCH, ReapRequest()).plan == []
     assert world.journal.events() == [("sandbox_created", "ok"), ("exec", "ok")]
     assert world.budget.in_use == 0, "the answer's reservation does not wait for the removal"
     later.finish()
@@ -580,7 +590,7 @@ def test_a_failed_removal_after_the_answer_is_audited_and_left_to_the_reaper(
     assert world.journal.events()[2:] == [("sandbox_destroyed", "unavailable")]
     assert world.sandboxes.busy() == frozenset(), "let go: the reaper may take it"
     world.docker.down = None
-    report = world.service.reap(ORCH, ReapRequest())
+    report = ThreadSide(world.service).reap(ORCH, ReapRequest())
     assert [(a.rule, a.target) for a in report.plan][:1] == [("run_ended", outcome.sandbox_id)]
     assert world.docker.containers == {}
 
@@ -735,7 +745,7 @@ def test_a_created_sandbox_sleeps_and_a_reuse_pool_member_too(world: World) -> N
     line: a created sandbox and a command of the caller's are what they were."""
     world.create(ALICE)
     commanded = CreateSandbox(project="web", command=("sleep", "9"))
-    world.service.create(ALICE, commanded)
+    ThreadSide(world.service).create(ALICE, commanded)
     requests = list(world.docker.requests.values())
     assert [(r.command, r.open_stdin) for r in requests] == [
         (KEEP_ALIVE, False),
@@ -757,7 +767,7 @@ def test_an_exec_in_a_running_sandbox_costs_one_look_up(world: World) -> None:
 
 def test_an_exec_in_a_stopped_sandbox_asks_for_its_init_and_is_refused(world: World) -> None:
     box = world.create(ALICE)
-    world.docker.stop(world.service.get(ALICE, box).container_id)
+    world.docker.stop(ThreadSide(world.service).get(ALICE, box).container_id)
     world.calls.clear()
     with pytest.raises(SandboxNotRunning):
         on_loop(world.service.exec(ALICE, box, ExecRequest(argv=("x",)), None, inline))

@@ -15,6 +15,7 @@ from slicebox.host.identity import CachedUsers, PeerCredentials, resolve
 from slicebox.model.config import CallersConfig, parse_config
 from slicebox.model.errors import AdmissionRefused, ConfigError, Forbidden, PolicyViolation
 from slicebox.model.spec import MAX_GIT_HOSTS, GitCredential
+from tests.fakes.threadside import created
 from tests.unit.test_identity import Users
 from tests.unit.test_sandboxes import FakeBinds, bind_world, spec
 
@@ -63,7 +64,7 @@ HOST_RO = {**HOST_WS, "read_only": True}
 def test_a_host_bind_runs_as_its_owner_and_nothing_else(fields: dict[str, object]) -> None:
     world = bind_world(FakeBinds())
     with pytest.raises(PolicyViolation) as refused:
-        world.manager.create(spec(**fields), owner=ALICE)
+        created(world.manager, spec(**fields), owner=ALICE)
     assert refused.value.code == "policy_run_as"
     assert refused.value.field == "run_as"
     assert world.docker.containers == {}
@@ -74,23 +75,23 @@ def test_a_host_bind_runs_as_its_owner_and_nothing_else(fields: dict[str, object
 def test_a_host_bind_runs_as_the_owners_uid_and_primary_gid(run_as: str | None) -> None:
     world = bind_world(FakeBinds())
     mounts = [{"source": "/srv/ws/al-ice/a", "target": "/a", "read_only": True}]
-    box = world.manager.create(spec(run_as=run_as, mounts=mounts), owner=ALICE)
+    box = created(world.manager, spec(run_as=run_as, mounts=mounts), owner=ALICE)
     assert world.docker.requests[box.container_id].user == "1000:1000"
 
 
 def test_gid_0_is_refused_without_a_host_bind_too() -> None:
     world = bind_world(FakeBinds())
     with pytest.raises(PolicyViolation) as refused:
-        world.manager.create(spec(run_as="1234:0"), owner=ALICE)
+        created(world.manager, spec(run_as="1234:0"), owner=ALICE)
     assert refused.value.code == "policy_run_as"
-    box = world.manager.create(spec(run_as="1234:1234"), owner=ALICE)
+    box = created(world.manager, spec(run_as="1234:1234"), owner=ALICE)
     assert world.docker.requests[box.container_id].user == "1234:1234", "their choice"
 
 
 def test_a_host_bind_of_a_user_the_host_does_not_know_is_refused() -> None:
     world = bind_world(FakeBinds())
     with pytest.raises(PolicyViolation) as refused:  # an admin acting for al-ice: no passwd
-        world.manager.create(spec(workspace=HOST_WS))
+        created(world.manager, spec(workspace=HOST_WS))
     assert refused.value.code == "policy_run_as"
     assert world.docker.containers == {}
 

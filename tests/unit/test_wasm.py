@@ -48,6 +48,7 @@ from slicebox.model.spec import Backend, SandboxSpec, parse_spec
 from slicebox.model.wasm import EXIT_OOM, EXIT_TIMEOUT, WasmSpec, digest, max_pages_for
 from tests.fakes.docker import FakeDocker
 from tests.fakes.native import FakeNativeSystemd
+from tests.fakes.threadside import created
 from tests.wasm.build import TOOLKIT, build
 
 MiB = 1024 * 1024
@@ -337,7 +338,7 @@ def test_a_wasm_sandbox_s_worker_is_its_anchor_and_answers_its_execs(
 ) -> None:
     host = Host(tmp_path)
     module = base64.b64encode(toolkit).decode()
-    made = host.manager.create(wasm_spec(wasm={"module": module}))
+    made = created(host.manager, wasm_spec(wasm={"module": module}))
     assert made.backend == "wasm"
     description = host.systemd.slice_descriptions[made.container_id]
     run_as = run_as_described(description)
@@ -369,16 +370,18 @@ def test_a_plugin_named_by_sha_or_path_and_pages_that_stop_a_grower(
     root.mkdir(parents=True)
     (root / "toolkit.wasm").write_bytes(toolkit)
     host = Host(tmp_path, f'bind_roots = ["{tmp_path}/ws/{{user}}"]')
-    by_path = host.manager.create(
-        wasm_spec(wasm={"path": str(root / "toolkit.wasm")}, memory="4m"), owner=(os.getuid(), 0)
+    by_path = created(
+        host.manager,
+        wasm_spec(wasm={"path": str(root / "toolkit.wasm")}, memory="4m"),
+        owner=(os.getuid(), 0),
     )
     state, _, err, _ = host.call(by_path.container_id, "grow")
     assert (state.exit_code, state.verdict) == (EXIT_OOM, "oom")
     assert b"32 pages" in err
-    by_sha = host.manager.create(wasm_spec(wasm={"sha256": digest(toolkit)}))
+    by_sha = created(host.manager, wasm_spec(wasm={"sha256": digest(toolkit)}))
     assert host.call(by_sha.container_id, "echo", b"again")[1] == b"again"
     with pytest.raises(NotFound) as missing:
-        host.manager.create(wasm_spec(wasm={"sha256": "c" * 64}))
+        created(host.manager, wasm_spec(wasm={"sha256": "c" * 64}))
     assert missing.value.code == "wasm_not_found"
     with pytest.raises(InvalidRequest) as bad:
         host.call(by_sha.container_id, "echo; id")
@@ -394,7 +397,7 @@ def test_an_allow_list_becomes_the_plugin_s_hosts_and_gives_it_the_network(
     host = Host(tmp_path, "[[egress.rule]]\n")  # egress is closed by default
     module = base64.b64encode(toolkit).decode()
     allow = {"egress": {"allow": ["api.example.org", "*.example.net", "10.1.2.3"]}}
-    made = host.manager.create(wasm_spec(wasm={"module": module}, network=allow))
+    made = created(host.manager, wasm_spec(wasm={"module": module}, network=allow))
     run_as = run_as_described(host.systemd.slice_descriptions[made.container_id])
     assert run_as.wasm is not None
     assert run_as.wasm.allowed_hosts == ("api.example.org", "*.example.net", "10.1.2.3")
@@ -403,8 +406,9 @@ def test_an_allow_list_becomes_the_plugin_s_hosts_and_gives_it_the_network(
     assert props["RestrictAddressFamilies"] == (True, ["AF_UNIX", "AF_INET", "AF_INET6"])
     for entries, said in ((["api.example.org:443"], "no port"), (["10.20.0.0/16"], "networks")):
         with pytest.raises(InvalidRequest, match=said):
-            host.manager.create(
-                wasm_spec(wasm={"module": module}, network={"egress": {"allow": entries}})
+            created(
+                host.manager,
+                wasm_spec(wasm={"module": module}, network={"egress": {"allow": entries}}),
             )
     host.manager.destroy(made.id)
 
@@ -415,7 +419,7 @@ def test_what_a_wasm_sandbox_cannot_give_is_refused_before_anything_is_made(
     host = Host(tmp_path)
     for extra in ({"cap_add": ["NET_ADMIN"]}, {"network": "bridge"}, {"run_as": "0:0"}):
         with pytest.raises(InvalidRequest) as refused:
-            host.manager.create(wasm_spec(wasm={"sha256": "a" * 64}, **extra))
+            created(host.manager, wasm_spec(wasm={"sha256": "a" * 64}, **extra))
         assert refused.value.code == "backend_unsupported"
         assert "wasm sandbox" in refused.value.message
     assert not host.systemd.services
@@ -463,7 +467,7 @@ def test_concurrent_calls_into_one_sandbox_each_get_their_own_answer(
     tmp_path: Path, toolkit: bytes
 ) -> None:
     host = Host(tmp_path)
-    made = host.manager.create(wasm_spec(wasm={"module": base64.b64encode(toolkit).decode()}))
+    made = created(host.manager, wasm_spec(wasm={"module": base64.b64encode(toolkit).decode()}))
 
     async def one(n: int) -> tuple[int | None, bytes]:
         request = ExecRequest(argv=("echo",), timeout=30)
@@ -516,7 +520,7 @@ def test_a_wasm_pool_keeps_workers_ready_for_its_plugin_and_learns_one_from_dema
         upload = {"module": base64.b64encode(other).decode()}
         for _ in range(2):
             assert pool.acquire(wasm_spec(wasm=upload, memory="64m")) is None
-            host.manager.create(wasm_spec(wasm=upload, memory="64m"))  # what a miss does
+            created(host.manager, wasm_spec(wasm=upload, memory="64m"))  # what a miss does
         learned = [p for p in pool.stats().pools if p.learned]
         assert [p.key.plugin for p in learned] == [digest(other)]
         pool.refill()
@@ -534,7 +538,7 @@ def test_a_module_the_runtime_refuses_fails_the_create_and_leaves_nothing(tmp_pa
     host = Host(tmp_path)
     broken = b"\0asm\x01\0\0\0\xff\xff\xff"  # the magic, then no valid section
     with pytest.raises(InvalidRequest) as refused:
-        host.manager.create(wasm_spec(wasm={"module": base64.b64encode(broken).decode()}))
+        created(host.manager, wasm_spec(wasm={"module": base64.b64encode(broken).decode()}))
     assert refused.value.code == "wasm_invalid"
     assert "cannot be run" in refused.value.message
     assert not [unit for unit in host.systemd.running if "sbx" in unit]

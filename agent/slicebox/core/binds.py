@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import logging
 import pwd
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from slicebox.backends.base import WORKSPACE, SandboxBackend, VolumeInfo
 from slicebox.core.admission import unknown_user
@@ -90,17 +88,6 @@ def pin_binds(
         for m in spec.mounts
     )
     return admitted.model_copy(update={"spec": spec.model_copy(update={"mounts": mounts})}), pinned
-
-
-@contextmanager
-def staging_points(guard: BindGuard, sandbox_id: str, staging: bool) -> Iterator[None]:
-    """The block's staging points (host.staging) removed after it, whatever its end: the
-    running sandbox has its own mounts by then."""
-    try:
-        yield
-    finally:
-        if staging:
-            guard.unstage(sandbox_id)
 
 
 def to_staging(

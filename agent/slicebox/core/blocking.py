@@ -29,10 +29,11 @@ class Blocking(Protocol):
 
 
 class Aside(Protocol):
-    def __call__(self, function: Callable[[], object], /) -> bool:
-        """Start ``function()`` where it may block, and return without waiting for it: True
-        when it was taken (whoever passes this sees it to its end, and a graceful stop of the
-        agent waits for it); False when no more is taken now, and the caller runs it itself."""
+    def __call__(self, make: Callable[[Blocking], Awaitable[object]], /) -> bool:
+        """Start the coroutine ``make(blocking)`` with a ``blocking`` of its own, and return
+        without waiting for it: True when it was taken (whoever passes this sees it to its end,
+        and a graceful stop of the agent waits for it); False when no more is taken now, and
+        the caller awaits it itself."""
 
 
 async def inline(function: Callable[[], T]) -> T:

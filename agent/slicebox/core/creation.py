@@ -12,8 +12,9 @@ before the error reaches the caller.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 
 from slicebox.backends.base import SandboxBackend, SandboxInfo, SandboxRequest, VolumeInfo
@@ -22,11 +23,10 @@ from slicebox.core.binds import (
     caller_ids,
     check_started,
     pin_binds,
-    staging_points,
     to_staging,
     wasm_plugin,
 )
-from slicebox.core.blocking import from_thread
+from slicebox.core.blocking import Blocking, settle
 from slicebox.core.credentials import GIT_ENV
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.egress import EgressGuard, Placement
@@ -86,7 +86,7 @@ class Creator:
         instance_id: str,
         clock: Callable[[], datetime],
         new_id: Callable[[], str],
-        lookup: Callable[[str], Sandbox],
+        lookup: Callable[[str, Blocking], Awaitable[Sandbox]],
         deadlines: Deadlines | None,
         egress: EgressGuard | None,
     ) -> None:
@@ -104,45 +104,54 @@ class Creator:
         # The images known present (KNOWN_IMAGES).
         self._images: Recent[str, None] = Recent(KNOWN_IMAGES)
 
-    def create(
+    async def create(
         self,
         spec: SandboxSpec,
         config: Config,
+        blocking: Blocking,
         *,
         one_shot: bool,
         owner: tuple[int, int] | None,
         pool_key: str,
     ) -> SandboxInfo:
-        """The started container of a new sandbox (``SandboxManager.create``)."""
-        kind = self._resolve(spec, config, pool_key=pool_key)
-        ids = caller_ids(spec, owner)
+        """The started container of a new sandbox (``SandboxManager.create``). Each step that
+        asks the host or the backend runs through ``blocking``; what undoes a failed create
+        runs to its end even when the caller is cancelled meanwhile."""
+        backend = self._backend
+        kind = await blocking(lambda: self._resolve(spec, config, pool_key=pool_key))
+        ids = await blocking(lambda: caller_ids(spec, owner))
         decided = decide(spec, kind, config, self._host_memory, ids, pool_key=pool_key)
         spec = decided.admitted.spec
-        check_volume_mounts(self._backend, spec)
-        admitted, pinned = pin_binds(self._binds, config, decided.admitted, ids)
-        lineage = self._lineage(admitted, config, one_shot=one_shot, pool_key=pool_key)
+        await blocking(lambda: check_volume_mounts(backend, spec))
+        admitted, pinned = await blocking(
+            lambda: pin_binds(self._binds, config, decided.admitted, ids)
+        )
+        parent = await self._lookup(spec.parent_id, blocking) if spec.parent_id else None
+        lineage = self._lineage(admitted, config, parent, one_shot=one_shot, pool_key=pool_key)
         # A native sandbox runs the host's programs: it has no image to look for.
         known = spec.backend in NO_IMAGE or admitted.image in self._images
-        plugin = wasm_plugin(self._backend, config, admitted, owner, decided.plugin_hosts)
+        plugin = await blocking(
+            lambda: wasm_plugin(backend, config, admitted, owner, decided.plugin_hosts)
+        )
         if not known:  # an image that cannot be had is refused before anything exists
-            self._backend.prepare(admitted.image)
+            await blocking(lambda: backend.prepare(admitted.image))
         staging = bool(pinned) and spec.backend is Backend.DOCKER
         sandbox_id = lineage.sandbox_id
-        with (
-            self._operations.creating(lineage, hold=one_shot or bool(pool_key)),
-            staging_points(self._binds, sandbox_id, staging),
-        ):
-            made = self._ensure_slices(admitted, sandbox_id)
-            fresh: VolumeInfo | None = None
-            placed: Placement | None = None
-            info: SandboxInfo | None = None
+        made: list[str] = []
+        fresh: VolumeInfo | None = None
+        placed: Placement | None = None
+        info: SandboxInfo | None = None
+        with self._operations.creating(lineage, hold=one_shot or bool(pool_key)):
             try:
-                placed = self._place_egress(admitted.spec, sandbox_id)
+                made = await blocking(lambda: self._ensure_slices(admitted, sandbox_id))
+                placed = await blocking(lambda: self._place_egress(admitted.spec, sandbox_id))
                 lineage = _placed(lineage, placed)
-                fresh = ensure_volume(self._backend, admitted.spec, lineage)
-                write_credentials(config, admitted.spec, sandbox_id)
+                fresh = await blocking(lambda: ensure_volume(backend, admitted.spec, lineage))
+                await blocking(lambda: write_credentials(config, admitted.spec, sandbox_id))
                 staged = (
-                    to_staging(self._binds, admitted, pinned, sandbox_id) if staging else admitted
+                    await blocking(lambda: to_staging(self._binds, admitted, pinned, sandbox_id))
+                    if staging
+                    else admitted
                 )
                 request = _request(staged, lineage, config, placed)
                 if plugin is not None:
@@ -151,42 +160,68 @@ class Creator:
                     request = request.model_copy(
                         update={"command": WAITER_COMMAND, "open_stdin": True}
                     )
-                info = self._start(request, image_known=known)
-                check_started(
-                    self._backend,
-                    self._binds,
-                    config,
-                    info.id,
-                    spec=admitted.spec,
-                    pinned=pinned,
-                    fresh=fresh,
-                    lineage=lineage,
+                info = await self._start(request, blocking, image_known=known)
+                started = info
+                await blocking(
+                    lambda: check_started(
+                        backend,
+                        self._binds,
+                        config,
+                        started.id,
+                        spec=admitted.spec,
+                        pinned=pinned,
+                        fresh=fresh,
+                        lineage=lineage,
+                    )
                 )
-                clone_workspace(self._backend, config, info.id, admitted.spec)
+                await clone_workspace(backend, config, info.id, admitted.spec)
                 if staging and spec.command is not None:
-                    line = exec_line(spec.command)
-                    from_thread(lambda _: self._backend.release(info.id, line))
-                arm(
-                    self._deadlines,
-                    self._backend,
-                    sandbox_id,
-                    info.id,
-                    lineage.expires_at,
-                    new=True,
+                    await backend.release(info.id, exec_line(spec.command))
+                expires_at = lineage.expires_at
+                await blocking(
+                    lambda: arm(
+                        self._deadlines, backend, sandbox_id, started.id, expires_at, new=True
+                    )
                 )
             except BaseException:
-                if info is not None:
-                    remove_container(self._backend, self._slices, info.id)
-                self._release_egress(placed, sandbox_id)
-                credential_store(config).remove(sandbox_id)
-                drop_volume(self._backend, fresh)
-                self._undo(made, sandbox_id)
+                undo = functools.partial(
+                    self._roll_back,
+                    config,
+                    sandbox_id,
+                    info=info,
+                    placed=placed,
+                    fresh=fresh,
+                    made=made,
+                )
+                await settle(blocking, undo)
                 raise
+            finally:
+                if staging:  # the running sandbox has its own mounts by now
+                    await settle(blocking, lambda: self._binds.unstage(sandbox_id))
         # At debug: the service's sandbox_created audit record tells it in the journal.
         log.debug(
             "created %s (%s) in %s", sandbox_id, info.id[:12], admitted.placement.names.project
         )
         return info
+
+    def _roll_back(
+        self,
+        config: Config,
+        sandbox_id: str,
+        *,
+        info: SandboxInfo | None,
+        placed: Placement | None,
+        fresh: VolumeInfo | None,
+        made: list[str],
+    ) -> None:
+        """Remove what a failed create made: its container, egress rules, credentials, new
+        volume and new slices."""
+        if info is not None:
+            remove_container(self._backend, self._slices, info.id)
+        self._release_egress(placed, sandbox_id)
+        credential_store(config).remove(sandbox_id)
+        drop_volume(self._backend, fresh)
+        self._undo(made, sandbox_id)
 
     def _resolve(self, spec: SandboxSpec, config: Config, *, pool_key: str) -> Backend:
         """The backend that runs ``spec``: the one it names, or native in Docker's place when
@@ -196,12 +231,18 @@ class Creator:
         return self._backend.resolve(spec.backend, fallback=fallback)
 
     def _lineage(
-        self, admitted: Admitted, config: Config, *, one_shot: bool, pool_key: str
+        self,
+        admitted: Admitted,
+        config: Config,
+        parent: Sandbox | None,
+        *,
+        one_shot: bool,
+        pool_key: str,
     ) -> Lineage:
         spec, limits, now = admitted.spec, admitted.limits, self._clock()
         sandbox_id = self._new_id()
         task_id = spec.task_id or sandbox_id
-        root, depth = ancestry(spec, task_id, self._lookup)
+        root, depth = ancestry(spec, task_id, parent)
         # A pool member has no deadline until its acquire arms its lease's.
         ttl = None if pool_key else spec.ttl_seconds or config.default_ttl_seconds
         return Lineage(
@@ -227,20 +268,23 @@ class Creator:
             launcher=LAUNCHER if _waits(spec, one_shot=one_shot, pool_key=pool_key) else "",
         )
 
-    def _start(self, request: SandboxRequest, *, image_known: bool) -> SandboxInfo:
+    async def _start(
+        self, request: SandboxRequest, blocking: Blocking, *, image_known: bool
+    ) -> SandboxInfo:
         """Create and start the container. An image a create found present before is not
         checked first (one backend call fewer per create): should it be gone since, the create
         says so (``ImageUnavailable``, leaving nothing), and the image is prepared (pulled) and
         the create tried once more."""
+        backend = self._backend
         try:
-            info = self._backend.create(request)
+            info = await blocking(lambda: backend.create(request))
         except ImageUnavailable:
             self._images.pop(request.image)
             if not image_known:
                 raise
             log.info("image %s is gone since its last create; preparing it again", request.image)
-            self._backend.prepare(request.image)
-            info = self._backend.create(request)
+            await blocking(lambda: backend.prepare(request.image))
+            info = await blocking(lambda: backend.create(request))
         self._images.put(request.image, None)
         return info
 
@@ -286,12 +330,11 @@ class Creator:
             self._egress.release(sandbox_id)
 
 
-def ancestry(spec: SandboxSpec, task_id: str, lookup: Callable[[str], Sandbox]) -> tuple[str, int]:
-    """(root task id, depth): a child inherits its parent's root task (its parent found by
-    ``lookup``)."""
-    if spec.parent_id is None:
+def ancestry(spec: SandboxSpec, task_id: str, parent: Sandbox | None) -> tuple[str, int]:
+    """(root task id, depth): a child inherits its parent's root task (``parent``: the
+    sandbox its ``parent_id`` names, looked up by the caller)."""
+    if spec.parent_id is None or parent is None:
         return spec.root_task_id or task_id, 0
-    parent = lookup(spec.parent_id)
     if parent.user != spec.user:
         raise NotFound(f"no sandbox {spec.parent_id}; list sandboxes to see the ids")
     root = parent.lineage.root_task_id

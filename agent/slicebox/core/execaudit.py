@@ -15,6 +15,10 @@ An exec asked for is recorded exactly once, when it ends:
 The detail counts output bytes (kept, or streamed before the caller went away, and dropped) and
 the duration; never argv, environment or output, which may hold secrets.
 
+Every other action (a create, a destroy, a deadline's change) is recorded once it has ended,
+with its outcome (:func:`audited`); a create refused by policy or admission is
+``request_refused``.
+
 A request body that does not parse (bad JSON, an invalid field, too large) is answered with its
 code at the HTTP edge and not audited: it named no command, and no sandbox was looked up.
 """
@@ -31,9 +35,11 @@ from slicebox.core.sandbox import Sandbox
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
 from slicebox.model.audit import AuditEvent, AuditRecord
-from slicebox.model.errors import SliceboxError
+from slicebox.model.errors import AdmissionRefused, Forbidden, InvalidRequest, SliceboxError
 from slicebox.model.exec import ExecEvent, ExecResult, OutputStream
 
+# What a create refused before anything was made is: ``request_refused``, not a failed create.
+REFUSALS = (InvalidRequest, AdmissionRefused, Forbidden)
 OK = "ok"
 TIMED_OUT = "timed_out"
 ABANDONED = "abandoned"
@@ -144,3 +150,27 @@ def subject(sandbox: Sandbox) -> dict[str, object]:
 
 def _record(event: AuditEvent, *, detail: str, **fields: object) -> AuditRecord:
     return AuditRecord.model_validate({"event": event, **fields, "detail": detail[:DETAIL_MAX]})
+
+
+@contextlib.asynccontextmanager
+async def audited(
+    auditor: Auditor, event: AuditEvent, who: Identity, blocking: Blocking, **fields: object
+) -> AsyncIterator[dict[str, object]]:
+    """The block's audit record, written (through ``blocking``: a journal write) once it has
+    ended, with its outcome: the block fills in its fields."""
+    record: dict[str, object] = {"event": event, "caller": who.caller, **fields}
+    try:
+        yield record
+    except SliceboxError as exc:
+        refusal = isinstance(exc, REFUSALS) and event == AuditEvent.SANDBOX_CREATED
+        record["event"] = AuditEvent.REQUEST_REFUSED if refusal else event
+        await _write(auditor, AuditRecord.model_validate({**record, "result": exc.code}), blocking)
+        raise
+    except Exception:
+        await _write(auditor, AuditRecord.model_validate({**record, "result": INTERNAL}), blocking)
+        raise
+    await _write(auditor, AuditRecord.model_validate(record), blocking)
+
+
+async def _write(auditor: Auditor, record: AuditRecord, blocking: Blocking) -> None:
+    await settle(blocking, functools.partial(auditor.record, record))

@@ -38,6 +38,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Protocol
 
+from slicebox.core.blocking import from_thread
 from slicebox.core.demand import Demand
 from slicebox.core.policy import Admitted
 from slicebox.core.poolkeys import key_of, learned_table, spec_of
@@ -426,7 +427,8 @@ class WarmPool:
     def _make(self, pool: _Pool) -> None:
         started = self._clock()
         try:
-            member = self._manager.create(spec_of(pool.config), pool_key=pool.key.fingerprint())
+            spec, key = spec_of(pool.config), pool.key.fingerprint()
+            member = from_thread(lambda b: self._manager.create(spec, b, pool_key=key))
         except SliceboxError as exc:
             # A refusal says what to do (the image to pull, the plugin to upload): once, as a
             # warning, and in the pool's stats, not a traceback at every refill until then.
@@ -481,8 +483,8 @@ class WarmPool:
             misses=pool.misses,
             hit_rate=pool.hits / asked if asked else None,
             refill_seconds_last=pool.refills[-1] if pool.refills else None,
-            refill_seconds_p50=_median(pool.refills),
-            acquire_seconds_p50=_median(pool.acquires),
+            refill_seconds_p50=statistics.median(pool.refills) if pool.refills else None,
+            acquire_seconds_p50=statistics.median(pool.acquires) if pool.acquires else None,
             held_back=pool.failing or pool.held_back,
             learned=pool.learned,
         )
@@ -494,7 +496,3 @@ class WarmPool:
 
 def _nothing(sandbox: Sandbox) -> None:
     """A destroy's last look that reads nothing (a member no task used)."""
-
-
-def _median(samples: deque[float]) -> float | None:
-    return statistics.median(samples) if samples else None

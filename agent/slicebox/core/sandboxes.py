@@ -17,6 +17,7 @@ workspace (core.workspaces).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -26,7 +27,7 @@ from typing import TypeVar
 from slicebox.backends.base import SandboxBackend, SandboxInfo
 from slicebox.core.admission import admitted
 from slicebox.core.binds import caller_ids
-from slicebox.core.blocking import from_thread
+from slicebox.core.blocking import Blocking, from_thread
 from slicebox.core.creation import (
     KEEP_ALIVE,
     Creator,
@@ -96,7 +97,7 @@ class SandboxManager:
             instance_id=instance_id,
             clock=clock,
             new_id=new_id,
-            lookup=self.get,
+            lookup=self.found,
             deadlines=deadlines,
             egress=egress,
         )
@@ -160,9 +161,10 @@ class SandboxManager:
         """Use ``config`` from now on (``systemctl reload``); running sandboxes keep theirs."""
         self._config = config
 
-    def create(
+    async def create(
         self,
         spec: SandboxSpec,
+        blocking: Blocking,
         *,
         one_shot: bool = False,
         owner: tuple[int, int] | None = None,
@@ -177,9 +179,10 @@ class SandboxManager:
         ``owner``: the (uid, gid) of the user the sandbox is for, as the kernel told the agent
         (the caller's own); left out, it is looked up by name. A host workspace runs as it.
         ``pool_key``: a warm pool's member of that key (core.pool), labelled so, with no
-        deadline until it is acquired, and returned held as a one-shot's is."""
-        info = self._creator.create(
-            spec, self._config, one_shot=one_shot, owner=owner, pool_key=pool_key
+        deadline until it is acquired, and returned held as a one-shot's is. Each step that
+        blocks runs through ``blocking``."""
+        info = await self._creator.create(
+            spec, self._config, blocking, one_shot=one_shot, owner=owner, pool_key=pool_key
         )
         return self._remember(Sandbox.from_info(info))
 
@@ -197,7 +200,8 @@ class SandboxManager:
         if deadlines is None or ttl is None:
             raise InvalidRequest("a pool member is leased only with a deadline in systemd")
         task_id = spec.task_id or member.id
-        root, depth = ancestry(spec, task_id, self.get)
+        parent = self.get(spec.parent_id) if spec.parent_id else None
+        root, depth = ancestry(spec, task_id, parent)
         lease = Lease(
             task_id=task_id,
             root_task_id=root,
@@ -236,12 +240,17 @@ class SandboxManager:
         however many containers there are (a list filtered by label goes through them all);
         its labels still decide whether it is that sandbox."""
         sandbox = from_thread(lambda _: self.look_up(sandbox_id))
-        if sandbox.lineage.pool:  # its lineage and deadline are its lease's
-            return self.with_lease(sandbox)
-        if current_deadline and self._deadlines is not None:
-            held = self._deadlines.current_of(sandbox.id)
-            return sandbox.model_copy(update={"expires_at": held}) if held else sandbox
+        if sandbox.lineage.pool or current_deadline:
+            return self.with_deadline(sandbox)
         return sandbox
+
+    def with_deadline(self, sandbox: Sandbox) -> Sandbox:
+        """The sandbox with the deadline systemd holds for it now (one call): a pool member's
+        lease (its lineage and deadline are the lease's), anyone else's timer."""
+        if sandbox.lineage.pool:
+            return self.with_lease(sandbox)
+        held = self._deadlines.current_of(sandbox.id) if self._deadlines is not None else None
+        return sandbox.model_copy(update={"expires_at": held}) if held else sandbox
 
     async def look_up(self, sandbox_id: str) -> Sandbox:
         """The sandbox, looked up on the running event loop, with the deadline its labels
@@ -250,6 +259,14 @@ class SandboxManager:
         named = CONTAINER_NAME.fullmatch(sandbox_id)
         info = await self._backend.inspect(sandbox_id) if named else None
         return self._remember(_found(info, sandbox_id))
+
+    async def found(self, sandbox_id: str, blocking: Blocking) -> Sandbox:
+        """``look_up``, with a pool member's lease read through ``blocking`` (a systemd
+        call): its lineage as its task sees it."""
+        sandbox = await self.look_up(sandbox_id)
+        if sandbox.lineage.pool:
+            sandbox = await blocking(functools.partial(self.with_lease, sandbox))
+        return sandbox
 
     def known(self, sandbox_id: str) -> Sandbox | None:
         """The sandbox as this agent made or last looked it up, if it did: its lineage is

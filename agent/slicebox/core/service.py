@@ -13,16 +13,17 @@ within its share; streams and transfers in flight are bound for all and per user
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from datetime import UTC, datetime
 
-from slicebox.core.blocking import Aside, Blocking, settle
+from slicebox.core.blocking import Aside, Blocking
 from slicebox.core.budget import OutputBudget
 from slicebox.core.egress import EgressGuard
-from slicebox.core.execaudit import audited_exec, refused, subject
+from slicebox.core.execaudit import audited, audited_exec, refused, subject
 from slicebox.core.execution import ExecEngine, result_of
 from slicebox.core.files import Files
 from slicebox.core.launch import LAUNCHER, can_launch
@@ -43,12 +44,10 @@ from slicebox.model.api import (
     RunResult,
     SandboxView,
 )
-from slicebox.model.audit import AuditEvent, AuditRecord
+from slicebox.model.audit import AuditEvent
 from slicebox.model.config import DEFAULT_EXEC_OUTPUT_BUDGET
 from slicebox.model.errors import (
-    AdmissionRefused,
     Forbidden,
-    InvalidRequest,
     NotFound,
     SliceboxError,
 )
@@ -60,7 +59,6 @@ from slicebox.model.usage import LevelNode, ResourceUsage
 
 log = logging.getLogger(__name__)
 
-REFUSALS = (InvalidRequest, AdmissionRefused, Forbidden)
 # What a destroy reads of a sandbox just before removing it: its final usage.
 LastLook = Callable[[Sandbox], ResourceUsage | None]
 
@@ -103,15 +101,25 @@ class Service:
 
     # --- sandboxes -------------------------------------------------------------------------
 
-    def create(self, who: Identity, request: CreateSandbox) -> SandboxView:
-        return view_of(self._create(who, request))
+    # Every call that blocks takes a ``Blocking`` (core.blocking), through which its Docker,
+    # systemd and cgroupfs steps run. A create, a destroy and a deadline's change run to their
+    # end even when their caller is cancelled meanwhile: what they make is never half made.
 
-    def list_sandboxes(self, who: Identity) -> list[SandboxView]:
-        found = self._sandboxes.find() if who.is_admin else self._sandboxes.find(user=who.user_name)
+    async def create(
+        self, who: Identity, request: CreateSandbox, blocking: Blocking
+    ) -> SandboxView:
+        return view_of(await asyncio.shield(self._create(who, request, blocking)))
+
+    async def list_sandboxes(self, who: Identity, blocking: Blocking) -> list[SandboxView]:
+        labels = {} if who.is_admin else {"user": who.user_name}
+        found = await blocking(functools.partial(self._sandboxes.find, **labels))
         return [view_of(sandbox) for sandbox in found]
 
-    def get(self, who: Identity, sandbox_id: str) -> SandboxView:
-        return view_of(self._visible(who, sandbox_id, current_deadline=True))
+    async def get(self, who: Identity, sandbox_id: str, blocking: Blocking) -> SandboxView:
+        """The sandbox with the deadline systemd holds for it now."""
+        sandbox = await self._sandboxes.look_up(sandbox_id)
+        current = await blocking(functools.partial(self._sandboxes.with_deadline, sandbox))
+        return view_of(self._visible_to(who, current, sandbox_id))
 
     async def destroy(self, who: Identity, sandbox_id: str, blocking: Blocking) -> Destroyed:
         """Idempotent: a sandbox already gone (or never the caller's) is ``destroyed: false``.
@@ -128,33 +136,45 @@ class Service:
             )
         except NotFound:
             return Destroyed(id=sandbox_id, destroyed=False)
-        return await blocking(functools.partial(self._destroy, who, sandbox))
+        return await asyncio.shield(self._destroy(who, sandbox, blocking))
 
-    def destroy_tree(self, who: Identity, root_task_id: str) -> list[Destroyed]:
+    async def destroy_tree(
+        self, who: Identity, root_task_id: str, blocking: Blocking
+    ) -> list[Destroyed]:
         """Every sandbox of a root task the caller may see, children before parents."""
+        found = await blocking(functools.partial(self._sandboxes.find, root_task_id=root_task_id))
         members = [
             s
-            for s in self._sandboxes.find(root_task_id=root_task_id)
+            for s in found
             if who.may_see(s.user) and s.pool_state != "idle"  # the pool's, no task's
         ]
         members.sort(key=lambda s: -s.lineage.depth)
-        return [self._destroy(who, sandbox) for sandbox in members]
+        return [await asyncio.shield(self._destroy(who, s, blocking)) for s in members]
 
-    def extend(self, who: Identity, sandbox_id: str, request: Extend) -> SandboxView:
-        sandbox = self._visible(who, sandbox_id)
-        with self._audit(AuditEvent.DEADLINE_CHANGED, who, **subject(sandbox)) as record:
-            extended = self._sandboxes.extend(sandbox.id, request.ttl_seconds)
+    async def extend(
+        self, who: Identity, sandbox_id: str, request: Extend, blocking: Blocking
+    ) -> SandboxView:
+        sandbox = await self._looked_up(who, sandbox_id, blocking)
+        return await asyncio.shield(self._extend(who, sandbox, request.ttl_seconds, blocking))
+
+    async def _extend(
+        self, who: Identity, sandbox: Sandbox, ttl_seconds: int, blocking: Blocking
+    ) -> SandboxView:
+        event = AuditEvent.DEADLINE_CHANGED
+        async with audited(self._auditor, event, who, blocking, **subject(sandbox)) as record:
+            extend = functools.partial(self._sandboxes.extend, sandbox.id, ttl_seconds)
+            extended = await blocking(extend)
             expires = extended.expires_at.isoformat() if extended.expires_at else "none"
             record["detail"] = f"expires_at {expires}"
             return view_of(extended)
 
-    def reap(self, who: Identity, request: ReapRequest) -> Report:
+    async def reap(self, who: Identity, request: ReapRequest, blocking: Blocking) -> Report:
         """One reaper pass now (admins only: it acts on every user's sandboxes)."""
         if not who.is_admin:
             raise Forbidden("only root and members of group slicebox-admin may run the reaper")
         if self._reaper is None:
             raise NotFound("this agent runs no reaper")
-        return self._reaper.run(dry_run=request.dry_run)
+        return await blocking(functools.partial(self._reaper.run, dry_run=request.dry_run))
 
     def pools(self, who: Identity) -> PoolList:
         """The warm pools: every one for admins, the caller's own user's for everyone else."""
@@ -169,22 +189,31 @@ class Service:
         usage = self._views.final_usage(sandbox)
         return usage.to_wire() if usage else None
 
-    def _create(self, who: Identity, request: CreateSandbox, *, one_shot: bool = False) -> Sandbox:
+    async def _create(
+        self, who: Identity, request: CreateSandbox, blocking: Blocking, *, one_shot: bool = False
+    ) -> Sandbox:
         """``create``; ``one_shot``: a run's, returned with an operation held on it (see
         ``SandboxManager.create``) that ``_finish_run`` ends."""
         made: Sandbox | None = None
+        event = AuditEvent.SANDBOX_CREATED
         try:
-            with self._audit(AuditEvent.SANDBOX_CREATED, who, project=request.project) as record:
+            async with audited(
+                self._auditor, event, who, blocking, project=request.project
+            ) as record:
                 user = who.acting_user(request.user)
                 spec = SandboxSpec.model_validate({**request.model_dump(), "user": user})
                 # The kernel's word for the caller's own ids; another user's are looked up.
                 owner = who.owner if user == who.user_name else None
-                made = (
-                    self._pool.acquire(spec, owner=owner, one_shot=one_shot) if self._pool else None
-                )
+                if self._pool is not None:
+                    acquire = functools.partial(
+                        self._pool.acquire, spec, owner=owner, one_shot=one_shot
+                    )
+                    made = await blocking(acquire)
                 if made is not None:
                     record["detail"] = f"from warm pool {made.lineage.pool_key}"
-                made = made or self._sandboxes.create(spec, one_shot=one_shot, owner=owner)
+                made = made or await self._sandboxes.create(
+                    spec, blocking, one_shot=one_shot, owner=owner
+                )
                 record.update(subject(made))
                 if made.lineage.credentials:  # that they were, never what they are
                     record["detail"] = f"credentials delivered: {made.lineage.credentials}"
@@ -194,34 +223,39 @@ class Service:
             raise
         return made
 
-    def _finish_run(self, who: Identity, sandbox: Sandbox, last_look: LastLook) -> None:
+    async def _finish_run(
+        self, who: Identity, sandbox: Sandbox, last_look: LastLook, blocking: Blocking
+    ) -> None:
         """Destroy a run's sandbox, then end the operation its create left held. The run has
         answered, or answers whatever this does: a failure is logged and audited (its
         ``sandbox_destroyed`` record says the code), never raised, and the reaper removes the
         sandbox later (``run_ended``)."""
         try:
-            self._destroy(who, sandbox, last_look)
+            await self._destroy(who, sandbox, blocking, last_look)
         except Exception:
             log.exception("could not remove %s after its run; the reaper will", sandbox.id)
         finally:
             self._sandboxes.end_operation(sandbox.id)
 
-    def _destroy(
-        self, who: Identity, sandbox: Sandbox, last_look: LastLook | None = None
+    async def _destroy(
+        self, who: Identity, sandbox: Sandbox, blocking: Blocking, last_look: LastLook | None = None
     ) -> Destroyed:
         """``destroyed`` says whether this call removed it: of two destroys at once (or one and
         the reaper's), the other answers false. ``last_look`` gives the final usage (by default
         it is read from the cgroup just before the removal)."""
-        with self._audit(AuditEvent.SANDBOX_DESTROYED, who, **subject(sandbox)) as record:
+        event = AuditEvent.SANDBOX_DESTROYED
+        async with audited(self._auditor, event, who, blocking, **subject(sandbox)) as record:
             look = last_look or self._views.final_usage
-            if self._pool is not None and self._pool.takes_back(sandbox):
-                usage = look(sandbox)
-                if self._pool.release(sandbox):
+            pool = self._pool
+            if pool is not None and pool.takes_back(sandbox):
+                usage = await blocking(functools.partial(look, sandbox))
+                if await blocking(functools.partial(pool.release, sandbox)):
                     record["usage"] = usage.to_wire() if usage else None
                     record["detail"] = "released: reset and back in its reuse pool"
                     return Destroyed(id=sandbox.id, destroyed=True, usage=usage)
                 look = functools.partial(_read, usage)
-            gone, usage = self._sandboxes.destroy_sandbox(sandbox, look)
+            destroy = functools.partial(self._sandboxes.destroy_sandbox, sandbox, look)
+            gone, usage = await blocking(destroy)
             record["usage"] = usage.to_wire() if usage else None
             if not gone:
                 record["detail"] = "gone already: another removal took it"
@@ -370,8 +404,8 @@ class Service:
     ) -> AsyncGenerator[StreamChunk | RunResult, None]:
         output_cap = request.exec.output_cap
         async with self._holding(who, output_cap, held, blocking=blocking, action="run") as holding:
-            create = functools.partial(self._create, who, request.sandbox, one_shot=True)
-            sandbox = await blocking(create)
+            create = self._create(who, request.sandbox, blocking, one_shot=True)
+            sandbox = await asyncio.shield(create)
             last_look: LastLook = self._views.final_usage
             try:
                 launch = sandbox.lineage.launcher == LAUNCHER and can_launch(request.exec)
@@ -392,7 +426,7 @@ class Service:
             finally:
                 removal = functools.partial(self._finish_run, who, sandbox, last_look)
                 if aside is None or not aside(removal):
-                    await settle(blocking, removal)
+                    await asyncio.shield(removal(blocking))
         yield RunResult(sandbox_id=sandbox.id, result=result, usage=usage)
 
     @contextlib.asynccontextmanager
@@ -417,12 +451,13 @@ class Service:
 
     # --- telemetry -------------------------------------------------------------------------
 
-    def usage(self, who: Identity, sandbox_id: str) -> ResourceUsage:
-        return self._views.usage(self._visible(who, sandbox_id))
+    async def usage(self, who: Identity, sandbox_id: str, blocking: Blocking) -> ResourceUsage:
+        sandbox = await self._looked_up(who, sandbox_id, blocking)
+        return await blocking(functools.partial(self._views.usage, sandbox))
 
-    def level_tree(self, who: Identity) -> LevelNode:
+    async def level_tree(self, who: Identity, blocking: Blocking) -> LevelNode:
         """The whole tree for admins; for everyone else, their own user level only."""
-        tree = self._views.tree()
+        tree = await blocking(self._views.tree)
         if who.is_admin:
             return tree
         own = [node for node in tree.children if node.name == who.user_name]
@@ -441,9 +476,7 @@ class Service:
     async def _looked_up(self, who: Identity, sandbox_id: str, blocking: Blocking) -> Sandbox:
         """The sandbox looked up on the running event loop, if the caller may see it; a pool
         member's lease is read through ``blocking`` (a systemd call)."""
-        sandbox = await self._sandboxes.look_up(sandbox_id)
-        if sandbox.lineage.pool:
-            sandbox = await blocking(functools.partial(self._sandboxes.with_lease, sandbox))
+        sandbox = await self._sandboxes.found(sandbox_id, blocking)
         return self._visible_to(who, sandbox, sandbox_id)
 
     @staticmethod
@@ -453,20 +486,3 @@ class Service:
             # The same answer as for a sandbox that does not exist: nothing leaks.
             raise NotFound(f"no sandbox {sandbox_id}; list sandboxes to see the ids")
         return sandbox
-
-    @contextlib.contextmanager
-    def _audit(
-        self, event: AuditEvent, who: Identity, **fields: object
-    ) -> Iterator[dict[str, object]]:
-        record: dict[str, object] = {"event": event, "caller": who.caller, **fields}
-        try:
-            yield record
-        except SliceboxError as exc:
-            refusal = isinstance(exc, REFUSALS) and event == AuditEvent.SANDBOX_CREATED
-            record["event"] = AuditEvent.REQUEST_REFUSED if refusal else event
-            self._auditor.record(AuditRecord.model_validate({**record, "result": exc.code}))
-            raise
-        except Exception:
-            self._auditor.record(AuditRecord.model_validate({**record, "result": "internal"}))
-            raise
-        self._auditor.record(AuditRecord.model_validate(record))

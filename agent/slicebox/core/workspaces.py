@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 
 from slicebox.backends.base import WORKSPACE, SandboxBackend, VolumeInfo
-from slicebox.core.blocking import from_thread
 from slicebox.core.credentials import MOUNTED_AT, CredentialStore
 from slicebox.core.gitclone import clone
 from slicebox.core.sandbox import Sandbox
@@ -93,7 +92,7 @@ def write_credentials(config: Config, spec: SandboxSpec, sandbox_id: str) -> Non
         credential_store(config).write(sandbox_id, git, spec.user)
 
 
-def clone_workspace(
+async def clone_workspace(
     backend: SandboxBackend, config: Config, container_id: str, spec: SandboxSpec
 ) -> None:
     """A git workspace's clone, in the running sandbox (core.gitclone)."""
@@ -103,7 +102,7 @@ def clone_workspace(
     git = spec.credentials.git if spec.credentials else None
     secrets = (git.token.get_secret_value(),) if git else ()
     timeout = config.git_clone_timeout_seconds
-    from_thread(lambda _: clone(backend, container_id, workspace, timeout=timeout, secrets=secrets))
+    await clone(backend, container_id, workspace, timeout=timeout, secrets=secrets)
     log.info("cloned %s into %s", workspace.url, container_id[:12])
 
 

@@ -5,8 +5,8 @@ a command, and an exec holds no thread while its command runs: its output is rea
 loop (:meth:`slicebox.core.execution.ExecEngine.stream`). Which pool a call runs on decides
 what it can hold up:
 
-- ``calls``: the short steps of every request: a create, get, list, destroy or usage read, an
-  identity look-up, and an exec's own steps (finding the sandbox and its cgroup, creating the
+- ``calls``: the short steps of every request: a create's, get's, list's, destroy's or usage
+  read's Docker, systemd and cgroupfs calls, an identity look-up, and an exec's own steps (finding the sandbox and its cgroup, creating the
   exec, polling its exit code, killing it at its timeout, writing its audit record).
 - ``background``: the reaper's passes and the memory sampler, which never wait behind requests
   and never make requests wait.
@@ -14,11 +14,12 @@ what it can hold up:
 Each pool is bounded, and nothing else makes threads per request: the agent's thread count does
 not grow with the number of callers or of execs running.
 
-Some work goes on after its request has been answered: a one-shot run's removal. It runs on the
-calls pool too, at most :data:`AFTER_ANSWER_MAX` at once (beyond that, a run removes its sandbox
-before answering, as it once always did), and :class:`AfterAnswer` keeps track of it, so that a
-graceful stop of the agent waits for it (at most :data:`AFTER_ANSWER_WAIT` seconds; whatever is
-left then, the reaper finishes at the next start).
+Some work goes on after its request has been answered: a one-shot run's removal. It is a task on
+the event loop whose steps run on the calls pool too, at most :data:`AFTER_ANSWER_MAX` at once
+(beyond that, a run removes its sandbox before answering, as it once always did), and
+:class:`AfterAnswer` keeps track of it, so that a graceful stop of the agent waits for it (at
+most :data:`AFTER_ANSWER_WAIT` seconds; whatever is left then, the reaper finishes at the next
+start).
 """
 
 from __future__ import annotations
@@ -26,20 +27,20 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from slicebox.core.blocking import Blocking
 from slicebox.web.app import AppKey
 from slicebox.web.request import Request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# A create holds a calls thread for up to a second or so (systemd, Docker create and start) and
-# every exec passes through several times: 16 keeps an exec's steps from queueing long behind a
-# burst of creates, and the agent well under 40 threads in all.
+# Each step of a create holds a calls thread (Docker's create and start, the longest, up to a
+# second or so) and every exec passes through several times: 16 keeps an exec's steps from
+# queueing long behind a burst of creates, and the agent well under 40 threads in all.
 CALL_THREADS = 16
 BACKGROUND_THREADS = 2
 # Removals left running after their run's answer: each holds a calls thread for a second or so
@@ -51,48 +52,48 @@ AFTER_ANSWER_WAIT = 20.0
 
 
 class AfterAnswer:
-    """Work left running after its request was answered: bounded, and tracked to its end."""
+    """Work left running after its request was answered: bounded, and tracked to its end. It
+    is taken on the event loop, and only there."""
 
     def __init__(self, limit: int = AFTER_ANSWER_MAX) -> None:
         self._limit = limit
-        self._lock = threading.Lock()
-        self._running: set[Future[object]] = set()
+        self._running: set[asyncio.Task[object]] = set()
+        self._closed = False
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._running)
+        return len(self._running)
 
-    def submit(self, pool: ThreadPoolExecutor, function: Callable[[], object]) -> bool:
-        """Start ``function()`` on ``pool``; False (nothing started) when ``limit`` are running
-        or the pool is shut down: the caller then runs it itself."""
-        with self._lock:
-            if len(self._running) >= self._limit:
-                return False
-            try:
-                future = pool.submit(function)
-            except RuntimeError:  # shut down: the agent is stopping
-                return False
-            self._running.add(future)
-        future.add_done_callback(self._done)
+    def submit(self, make: Callable[[], Awaitable[object]]) -> bool:
+        """Start ``make()`` as a task of the running loop; False (nothing started) when
+        ``limit`` are running or the agent is stopping: the caller then awaits it itself."""
+        if self._closed or len(self._running) >= self._limit:
+            return False
+        task = asyncio.get_running_loop().create_task(_awaited(make))
+        self._running.add(task)
+        task.add_done_callback(self._done)
         return True
 
     async def drain(self, timeout: float = AFTER_ANSWER_WAIT) -> int:
-        """Wait up to ``timeout`` seconds for the work started so far; how much is unfinished."""
-        with self._lock:
-            running = list(self._running)
+        """Take no more, and wait up to ``timeout`` seconds for the work started so far; how
+        much is unfinished."""
+        self._closed = True
+        running = list(self._running)
         if not running:
             return 0
         log.info("waiting up to %.0f s for %d removals after answers", timeout, len(running))
-        _, left = await asyncio.wait([asyncio.wrap_future(f) for f in running], timeout=timeout)
+        _, left = await asyncio.wait(running, timeout=timeout)
         if left:
             log.warning("%d removals after answers unfinished; the reaper finishes them", len(left))
         return len(left)
 
-    def _done(self, future: Future[object]) -> None:
-        with self._lock:
-            self._running.discard(future)
-        if not future.cancelled() and (error := future.exception()) is not None:
+    def _done(self, task: asyncio.Task[object]) -> None:
+        self._running.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
             log.error("work after an answer failed", exc_info=error)
+
+
+async def _awaited(make: Callable[[], Awaitable[object]]) -> object:
+    return await make()
 
 
 def _pool(size: int, name: str) -> ThreadPoolExecutor:
@@ -110,10 +111,10 @@ class Pools:
         :class:`~slicebox.core.blocking.Blocking` for a request's steps."""
         return await run_in(self.calls, function)
 
-    def aside(self, function: Callable[[], object]) -> bool:
-        """``function()`` on the calls pool after the answer, tracked: the core's
+    def aside(self, make: Callable[[Blocking], Awaitable[object]]) -> bool:
+        """The coroutine ``make(self.call)`` after the answer, tracked: the core's
         :class:`~slicebox.core.blocking.Aside`."""
-        return self.after_answer.submit(self.calls, function)
+        return self.after_answer.submit(lambda: make(self.call))
 
     def shutdown(self) -> None:
         for pool in (self.calls, self.background):

@@ -71,20 +71,18 @@ T = TypeVar("T")
 
 async def create(request: Request) -> StreamResponse:
     body = await parse_body(request, CreateSandbox)
-    view = await _call(request, service_of(request).create, identity_of(request), body)
+    view = await service_of(request).create(identity_of(request), body, pools_of(request).call)
     return json_ok(view, status=201)
 
 
 async def list_sandboxes(request: Request) -> StreamResponse:
-    return json_ok(
-        SandboxList(await _call(request, service_of(request).list_sandboxes, identity_of(request)))
-    )
+    found = await service_of(request).list_sandboxes(identity_of(request), pools_of(request).call)
+    return json_ok(SandboxList(found))
 
 
 async def get(request: Request) -> StreamResponse:
-    return json_ok(
-        await _call(request, service_of(request).get, identity_of(request), _id(request))
-    )
+    service, calls = service_of(request), pools_of(request).call
+    return json_ok(await service.get(identity_of(request), _id(request), calls))
 
 
 async def destroy(request: Request) -> StreamResponse:
@@ -94,11 +92,8 @@ async def destroy(request: Request) -> StreamResponse:
 
 async def destroy_task(request: Request) -> StreamResponse:
     root = request.match_info["root_task_id"]
-    return json_ok(
-        DestroyedList(
-            await _call(request, service_of(request).destroy_tree, identity_of(request), root)
-        )
-    )
+    service, calls = service_of(request), pools_of(request).call
+    return json_ok(DestroyedList(await service.destroy_tree(identity_of(request), root, calls)))
 
 
 async def exec_(request: Request) -> StreamResponse:
@@ -139,28 +134,30 @@ async def run_stream(request: Request) -> StreamResponse:
 
 
 async def usage(request: Request) -> StreamResponse:
-    found = await _call(request, service_of(request).usage, identity_of(request), _id(request))
+    service, calls = service_of(request), pools_of(request).call
+    found = await service.usage(identity_of(request), _id(request), calls)
     return json_ok(UsageAnswer(usage=found))
 
 
 async def tree(request: Request) -> StreamResponse:
-    return json_ok(await _call(request, service_of(request).level_tree, identity_of(request)))
+    service, calls = service_of(request), pools_of(request).call
+    return json_ok(await service.level_tree(identity_of(request), calls))
 
 
 async def extend(request: Request) -> StreamResponse:
     body = await parse_body(request, Extend)
-    return json_ok(
-        await _call(request, service_of(request).extend, identity_of(request), _id(request), body)
-    )
+    service, calls = service_of(request), pools_of(request).call
+    return json_ok(await service.extend(identity_of(request), _id(request), body, calls))
 
 
 async def pools(request: Request) -> StreamResponse:
-    return json_ok(await _call(request, service_of(request).pools, identity_of(request)))
+    return json_ok(service_of(request).pools(identity_of(request)))
 
 
 async def reap(request: Request) -> StreamResponse:
     body = await parse_body(request, ReapRequest)
-    return json_ok(await _call(request, service_of(request).reap, identity_of(request), body))
+    service, calls = service_of(request), pools_of(request).call
+    return json_ok(await service.reap(identity_of(request), body, calls))
 
 
 # Every route of the agent: data; the app they are served by holds the Service.

@@ -6,8 +6,8 @@ loop (:meth:`slicebox.core.execution.ExecEngine.stream`). Which pool a call runs
 what it can hold up:
 
 - ``calls``: the short steps of every request: a create's, get's, list's, destroy's or usage
-  read's Docker, systemd and cgroupfs calls, an identity look-up, and an exec's own steps (finding the sandbox and its cgroup, creating the
-  exec, polling its exit code, killing it at its timeout, writing its audit record).
+  read's Docker, systemd and cgroupfs calls, an identity look-up, and an exec's own steps
+  (finding the sandbox and its cgroup, killing it at its timeout, writing its audit record).
 - ``background``: the reaper's passes and the memory sampler, which never wait behind requests
   and never make requests wait.
 

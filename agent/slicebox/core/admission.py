@@ -6,7 +6,9 @@ and the caller's ids alone.
 (core.refusals), policy and admission against the slice ceilings (core.policy), who the
 sandbox runs as, and a wasm sandbox's allowed hosts from its egress allow-list. The create
 (core.creation) then acts on the decided spec: it checks the volumes it names, pins its
-binds, reads its wasm plugin and places it.
+binds, reserves its limits where ``[admission]`` counts what each level's sandboxes hold (the
+one stateful part of admission, checked and counted at once: core.commitments, its arithmetic
+in core.headroom, which the capacity answer shares), reads its wasm plugin and places it.
 """
 
 from __future__ import annotations

@@ -27,9 +27,11 @@ from slicebox.core.binds import (
     wasm_plugin,
 )
 from slicebox.core.blocking import Blocking, settle
+from slicebox.core.commitments import REMOTE, Commitments
 from slicebox.core.credentials import GIT_ENV
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.egress import EgressGuard, Placement
+from slicebox.core.headroom import ratios_of
 from slicebox.core.launch import LAUNCHER, WAITER_COMMAND, exec_line
 from slicebox.core.operations import Operations
 from slicebox.core.policy import Admitted, capability_name
@@ -81,6 +83,7 @@ class Creator:
         slices: SliceManager,
         binds: BindGuard,
         operations: Operations,
+        commitments: Commitments,
         *,
         host_memory: int,
         instance_id: str,
@@ -94,6 +97,7 @@ class Creator:
         self._slices = slices
         self._binds = binds
         self._operations = operations
+        self._commitments = commitments
         self._host_memory = host_memory
         self._instance_id = instance_id
         self._clock = clock
@@ -128,81 +132,93 @@ class Creator:
         )
         parent = await self._lookup(spec.parent_id, blocking) if spec.parent_id else None
         lineage = self._lineage(admitted, config, parent, one_shot=one_shot, pool_key=pool_key)
-        # A native sandbox runs the host's programs: it has no image to look for.
-        known = spec.backend in NO_IMAGE or admitted.image in self._images
-        plugin = await blocking(
-            lambda: wasm_plugin(backend, config, admitted, owner, decided.plugin_hosts)
-        )
-        if not known:  # an image that cannot be had is refused before anything exists
-            await blocking(lambda: backend.prepare(admitted.image))
-        staging = bool(pinned) and spec.backend is Backend.DOCKER
         sandbox_id = lineage.sandbox_id
-        made: list[str] = []
-        fresh: VolumeInfo | None = None
-        placed: Placement | None = None
-        info: SandboxInfo | None = None
-        with self._operations.creating(lineage, hold=one_shot or bool(pool_key)):
-            try:
-                made = await blocking(lambda: self._ensure_slices(admitted, sandbox_id))
-                placed = await blocking(lambda: self._place_egress(admitted.spec, sandbox_id))
-                lineage = _placed(lineage, placed)
-                fresh = await blocking(lambda: ensure_volume(backend, admitted.spec, lineage))
-                await blocking(lambda: write_credentials(config, admitted.spec, sandbox_id))
-                staged = (
-                    await blocking(lambda: to_staging(self._binds, admitted, pinned, sandbox_id))
-                    if staging
-                    else admitted
-                )
-                request = _request(staged, lineage, config, placed)
-                if plugin is not None:
-                    request = request.model_copy(update={"wasm": plugin})
-                if staging and spec.command is not None:  # its command waits for the check
-                    request = request.model_copy(
-                        update={"command": WAITER_COMMAND, "open_stdin": True}
+        # Admission's count (core.commitments): the sandbox's limits are reserved here, checked
+        # against what each level holds, and held while it lives; a failed create gives them
+        # back. A remote sandbox takes nothing under this host's ceilings.
+        with self._commitments.held(
+            sandbox_id,
+            admitted,
+            ratios_of(config.admission),
+            counted=kind not in REMOTE,
+        ):
+            plugin = await blocking(
+                lambda: wasm_plugin(backend, config, admitted, owner, decided.plugin_hosts)
+            )
+            known = await self._prepared(admitted, blocking)
+            staging = bool(pinned) and spec.backend is Backend.DOCKER
+            made: list[str] = []
+            fresh: VolumeInfo | None = None
+            placed: Placement | None = None
+            info: SandboxInfo | None = None
+            with self._operations.creating(lineage, hold=one_shot or bool(pool_key)):
+                try:
+                    made = await blocking(lambda: self._ensure_slices(admitted, sandbox_id))
+                    placed = await blocking(lambda: self._place_egress(admitted.spec, sandbox_id))
+                    lineage = _placed(lineage, placed)
+                    fresh = await blocking(lambda: ensure_volume(backend, admitted.spec, lineage))
+                    await blocking(lambda: write_credentials(config, admitted.spec, sandbox_id))
+                    stage = functools.partial(to_staging, self._binds, admitted, pinned, sandbox_id)
+                    staged = await blocking(stage) if staging else admitted
+                    request = _request(staged, lineage, config, placed)
+                    if plugin is not None:
+                        request = request.model_copy(update={"wasm": plugin})
+                    if staging and spec.command is not None:  # its command waits for the check
+                        request = request.model_copy(
+                            update={"command": WAITER_COMMAND, "open_stdin": True}
+                        )
+                    info = await self._start(request, blocking, image_known=known)
+                    started = info
+                    await blocking(
+                        lambda: check_started(
+                            backend,
+                            self._binds,
+                            config,
+                            started.id,
+                            spec=admitted.spec,
+                            pinned=pinned,
+                            fresh=fresh,
+                            lineage=lineage,
+                        )
                     )
-                info = await self._start(request, blocking, image_known=known)
-                started = info
-                await blocking(
-                    lambda: check_started(
-                        backend,
-                        self._binds,
+                    await clone_workspace(backend, config, info.id, admitted.spec)
+                    if staging and spec.command is not None:
+                        await backend.release(info.id, exec_line(spec.command))
+                    expires_at = lineage.expires_at
+                    await blocking(
+                        lambda: arm(
+                            self._deadlines, backend, sandbox_id, started.id, expires_at, new=True
+                        )
+                    )
+                except BaseException:
+                    undo = functools.partial(
+                        self._roll_back,
                         config,
-                        started.id,
-                        spec=admitted.spec,
-                        pinned=pinned,
+                        sandbox_id,
+                        info=info,
+                        placed=placed,
                         fresh=fresh,
-                        lineage=lineage,
+                        made=made,
                     )
-                )
-                await clone_workspace(backend, config, info.id, admitted.spec)
-                if staging and spec.command is not None:
-                    await backend.release(info.id, exec_line(spec.command))
-                expires_at = lineage.expires_at
-                await blocking(
-                    lambda: arm(
-                        self._deadlines, backend, sandbox_id, started.id, expires_at, new=True
-                    )
-                )
-            except BaseException:
-                undo = functools.partial(
-                    self._roll_back,
-                    config,
-                    sandbox_id,
-                    info=info,
-                    placed=placed,
-                    fresh=fresh,
-                    made=made,
-                )
-                await settle(blocking, undo)
-                raise
-            finally:
-                if staging:  # the running sandbox has its own mounts by now
-                    await settle(blocking, lambda: self._binds.unstage(sandbox_id))
+                    await settle(blocking, undo)
+                    raise
+                finally:
+                    if staging:  # the running sandbox has its own mounts by now
+                        await settle(blocking, lambda: self._binds.unstage(sandbox_id))
         # At debug: the service's sandbox_created audit record tells it in the journal.
         log.debug(
             "created %s (%s) in %s", sandbox_id, info.id[:12], admitted.placement.names.project
         )
         return info
+
+    async def _prepared(self, admitted: Admitted, blocking: Blocking) -> bool:
+        """Whether the image was known present: one that is not is prepared (pulled) now, and
+        one that cannot be had is refused before anything exists. A native sandbox runs the
+        host's programs: it has no image to look for."""
+        known = admitted.spec.backend in NO_IMAGE or admitted.image in self._images
+        if not known:
+            await blocking(lambda: self._backend.prepare(admitted.image))
+        return known
 
     def _roll_back(
         self,

@@ -1,7 +1,9 @@
 """Create-time policy: what a sandbox may ask for, and admission against the slice ceilings.
 
-Pure functions of (request, config, host memory) that raise before anything is created. Each
-refusal has its own stable code so a caller can tell them apart:
+Pure functions of (request, config, host memory) that raise before anything is created. What
+the sandboxes already placed are provisioned is counted apart, where ``[admission]`` asks for it
+(core.headroom, at the create's reservation in core.commitments). Each refusal has its own
+stable code so a caller can tell them apart:
 
     policy_privileged, policy_host_namespace, policy_network, policy_capability, policy_mount,
     policy_root, policy_run_as, mount_escape (the kernel's checks of a bind source: host.beneath),
@@ -63,12 +65,20 @@ def admit(spec: SandboxSpec, config: Config, host_memory: int) -> Admitted:
     """Check ``spec`` against the policy and the ceilings; raise on the first refusal."""
     check_security(spec, config)
     check_ttl(spec.ttl_seconds, config)
-    limits = resolve_limits(spec, config)
-    placement = place(spec.user, spec.project, config, host_memory)
-    check_admission(limits, placement)
+    limits, placement = sized(spec, config, host_memory)
     return Admitted(
         spec=spec, image=spec.image or config.default_image, limits=limits, placement=placement
     )
+
+
+def sized(spec: SandboxSpec, config: Config, host_memory: int) -> tuple[Limits, Placement]:
+    """The spec's limits (the defaults for those it leaves out) and its place in the slice
+    tree, refused when no ceiling above could ever grant them: what a create's admission and
+    the capacity answer's shape both go through, so a shape gets the codes a create would."""
+    limits = resolve_limits(spec, config)
+    placement = place(spec.user, spec.project, config, host_memory)
+    check_admission(limits, placement)
+    return limits, placement
 
 
 def place(user: str, project: str, config: Config, host_memory: int) -> Placement:

@@ -12,9 +12,9 @@ systemd call) and the member is the request's sandbox. Anything else, and a key 
 has nothing ready, is created cold. Pools are also learned from demand (``core.demand``).
 
 Refills run on the pool's own threads, never on a request's: an acquire only asks for one.
-They make members up to each pool's size, and never past its project's headroom: what the
-project's running sandboxes and the members being made are provisioned, against the project's
-MemoryMax and TasksMax.
+They make members up to each pool's size, and never past a level's headroom: what its
+sandboxes, creates in flight and members being made are provisioned, against its MemoryMax and
+TasksMax (and what more ``[admission]`` counts), as admission reckons it (core.headroom).
 
 A release destroys the member by default (the caller's destroy), and the refill makes a fresh
 one. A ``reuse`` pool (whose key says so, so only requests that asked for reuse ever match it)
@@ -40,12 +40,14 @@ from typing import Protocol
 
 from slicebox.core.blocking import from_thread
 from slicebox.core.demand import Demand
+from slicebox.core.headroom import WARM, LevelUse, amounts, fit, ratios_of, shown, where
 from slicebox.core.policy import Admitted
 from slicebox.core.poolkeys import key_of, learned_table, spec_of
 from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.model.config import Config, PoolLearning
 from slicebox.model.errors import SliceboxError
 from slicebox.model.limits import human_bytes
+from slicebox.model.names import slice_names
 from slicebox.model.pool import PoolConfig, PoolKey, PoolList, PoolStats
 from slicebox.model.spec import SandboxSpec
 
@@ -398,31 +400,20 @@ class WarmPool:
         return wanted
 
     def _headroom(self, pool: _Pool) -> tuple[int, str]:
-        """Members of this pool the project still has room for under its MemoryMax and
-        TasksMax: what its sandboxes and the members being made are provisioned counts."""
-        key, ceiling = pool.key, pool.admitted.placement.project
-        running = self._manager.find(user=key.user, project=key.project)
+        """Members of this pool the slice tree still has room for (``core.headroom``, as
+        admission counts): what each level's sandboxes and creates in flight are provisioned,
+        and the members still to be made, against its MemoryMax and TasksMax at least."""
+        key = pool.key
+        found = self._manager.commitments.levels(key.user, key.project, pool.admitted.placement)
         with self._lock:
-            making = [
-                p
-                for p in self._pools.values()
-                if (p.key.user, p.key.project) == (key.user, key.project)
-            ]
-            memory = sum(s.limits.memory_bytes for s in running) + sum(
-                p.creating * p.key.limits.memory_bytes for p in making
-            )
-            pids = sum(s.limits.pids for s in running) + sum(
-                p.creating * p.key.limits.pids for p in making
-            )
-        rooms = [(1 << 30, "")]
-        if ceiling.memory_bytes is not None:
-            left = max(0, ceiling.memory_bytes - memory)
-            rooms.append((left // key.limits.memory_bytes, f"{human_bytes(left)} of memory"))
-        if ceiling.pids is not None:
-            left_pids = max(0, ceiling.pids - pids)
-            rooms.append((left_pids // key.limits.pids, f"{left_pids} pids"))
-        room, left_words = min(rooms)
-        return room, f"project {key.user}/{key.project} has {left_words} left under its ceiling"
+            making = [(p.key, p.creating) for p in self._pools.values() if p.creating]
+        ratios = WARM.within(ratios_of(self._manager.config.admission))
+        room = fit(key.limits, [_making(use, making) for use in found], ratios)
+        if room.fits is None or room.level is None or room.room is None:
+            return 1 << 30, ""
+        left, resource = room.room.left or 0, room.room.resource
+        why = f"{shown(resource, left)} of {resource.value} left under its ceiling"
+        return room.fits, f"{where(room.level)} has {why}"
 
     def _make(self, pool: _Pool) -> None:
         started = self._clock()
@@ -492,6 +483,15 @@ class WarmPool:
     def shutdown(self) -> None:
         if isinstance(self._executor, ThreadPoolExecutor):
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _making(use: LevelUse, making: list[tuple[PoolKey, int]]) -> LevelUse:
+    """The level with the members still to be made below it (each a create to come)."""
+    used = use.used
+    for key, count in making:
+        if use.unit in slice_names(key.user, key.project).model_dump().values():
+            used = used.plus(amounts(key.limits), count)
+    return use._replace(used=used)
 
 
 def _nothing(sandbox: Sandbox) -> None:

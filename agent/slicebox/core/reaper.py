@@ -107,6 +107,7 @@ class Reaper:
     def _run(self, *, dry_run: bool) -> Report:
         now = self._clock()
         listed_at = time.monotonic()
+        mark = self._sandboxes.commitments.mark()
         observed = self.observe()
         actions, empty_since = plan_pass(observed, now, self._config())
         report = Report(dry_run=dry_run, at=now, instance_id=observed.instance_id, plan=actions)
@@ -115,6 +116,8 @@ class Reaper:
         self._empty_since = empty_since
         outcomes = [self._carry_out(action) for action in actions]
         self._sync_egress(observed, listed_at)
+        # What admission counts, in line with the listing (core.commitments).
+        self._sandboxes.sync_commitments(observed.containers, mark)
         self._sandboxes.sweep_staging()
         if actions:
             log.info("reaper: %d actions, %d ok", len(actions), _count_ok(outcomes))

@@ -28,6 +28,7 @@ from slicebox.backends.base import SandboxBackend, SandboxInfo
 from slicebox.core.admission import admitted
 from slicebox.core.binds import caller_ids
 from slicebox.core.blocking import Blocking, from_thread
+from slicebox.core.commitments import REMOTE, Commitments, Listed
 from slicebox.core.creation import (
     KEEP_ALIVE,
     Creator,
@@ -46,9 +47,9 @@ from slicebox.core.slices import SliceManager
 from slicebox.core.workspaces import credential_store, release_volume
 from slicebox.host.beneath import BindGuard, KernelBindGuard
 from slicebox.model.config import Config
-from slicebox.model.errors import HostError, InvalidRequest, NotFound
+from slicebox.model.errors import HostError, InvalidRequest, NotFound, SliceboxError
 from slicebox.model.labels import EGRESS_ADDRESS, decode, selector
-from slicebox.model.names import scope_name
+from slicebox.model.names import scope_name, slice_names
 from slicebox.model.pool import Lease
 from slicebox.model.spec import Backend, SandboxSpec
 
@@ -88,11 +89,13 @@ class SandboxManager:
         self._clock = clock
         self._deadlines = deadlines
         self._operations = Operations()
+        self._commitments = Commitments()
         self._creator = Creator(
             backend,
             slices,
             self._binds,
             self._operations,
+            self._commitments,
             host_memory=host_memory,
             instance_id=instance_id,
             clock=clock,
@@ -121,6 +124,16 @@ class SandboxManager:
     @property
     def deadlines(self) -> Deadlines | None:
         return self._deadlines
+
+    @property
+    def host_memory(self) -> int:
+        """The host's MemTotal, the base of percentage ceilings."""
+        return self._host_memory
+
+    @property
+    def commitments(self) -> Commitments:
+        """What this host's sandboxes are provisioned (core.commitments): admission's count."""
+        return self._commitments
 
     @property
     def operations(self) -> Operations:
@@ -336,6 +349,7 @@ class SandboxManager:
         with self.operation(sandbox.id):
             seen = last_look(sandbox)
             gone = self._backend.remove(sandbox.container_id)
+            self._commitments.release(sandbox.id)  # gone now, by this call or another's
             # The container's scope only, not Podman's monitor beside it: after an exec that
             # stays for Podman's exit_command_delay, and the emptied slice is the reaper's.
             self._slices.wait_stopped(scope_name(sandbox.container_id))
@@ -377,6 +391,20 @@ class SandboxManager:
                 )
             )
         self._egress.sync(found, observed_at, self._operations.engaged())
+
+    def sync_commitments(self, containers: list[SandboxInfo], mark: int) -> None:
+        """What admission counts in line with a listing that began at ``mark`` (the reaper's
+        pass): sandboxes removed behind the agent's back go, those it did not make come in."""
+        listed = []
+        for info in containers:
+            try:
+                sandbox = Sandbox.from_info(info)
+                names = slice_names(sandbox.user, sandbox.project)
+            except SliceboxError:
+                continue
+            if sandbox.backend not in REMOTE:
+                listed.append(Listed(sandbox.id, names, sandbox.limits))
+        self._commitments.sync(listed, mark)
 
     def remove_container(self, container_id: str) -> bool:
         """Remove a container whatever its labels say (the reaper's last resort)."""

@@ -338,8 +338,11 @@ CODES: tuple[ErrorCode, ...] = (
     _c(
         "admission_refused",
         409,
-        "The sandbox's own limits exceed its project's or user's ceiling.",
-        "Ask for at most the ceiling the message names, or raise that ceiling in the config.",
+        "The sandbox's own limits exceed its project's or user's ceiling; or, where "
+        "`[admission]` counts a resource, a level's sandboxes and creates in flight hold all "
+        "of it that the level admits.",
+        "Ask for at most what the message (or GET /v1/capacity) says is left, destroy "
+        "sandboxes you no longer need, or ask an operator to raise that ceiling.",
     ),
     _c(
         "credentials_share_exceeded",

@@ -29,6 +29,8 @@ when the file is loaded, so a bad value is refused at load time, naming its fiel
     orphans = "adopt"        # or "reap": what becomes of another agent run's sandboxes
     pool_size = 0            # idle pool members kept per kind
     empty_slice_grace_seconds = 300  # an empty user or project slice is kept this long
+    [admission]              # count the sandboxes' limits against each ceiling (docs/capacity.md)
+    memory_ratio = 1.0       # unset (the default): not counted, the kernel shares the ceiling
     [[pool]]                 # members kept ready for one key (docs/pool.md); one table each
     user = "alice"
     project = "web"
@@ -53,6 +55,7 @@ from typing import Any
 from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from slicebox.model.base import Model
+from slicebox.model.capacity import AdmissionConfig
 from slicebox.model.egress import EgressConfig
 from slicebox.model.errors import ConfigError
 from slicebox.model.limits import (
@@ -301,6 +304,10 @@ class Config(_Strict):
         "set replace [project]'s",
     )
     sandbox: SandboxDefaults = _table("what a sandbox gets when its request leaves a limit out")
+    admission: AdmissionConfig = _table(
+        "whether a create counts what each level's sandboxes are provisioned against its "
+        "ceilings (docs/capacity.md); by default it does not, and the kernel shares them"
+    )
     bind_roots: tuple[PurePosixPath, ...] = Field(
         default=(),
         description="the roots a caller may bind from and use as host workspaces; {user} is "

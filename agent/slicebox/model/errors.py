@@ -15,7 +15,7 @@ with its status and what the caller should do, in :mod:`slicebox.model.codes`.
     │   ├── InvalidTimeout        an exec timeout that is not a positive number of seconds
     │   └── TooLarge              a file transfer over the agent's size cap (413)
     ├── Forbidden                 the caller may not act for the user it named (403)
-    ├── AdmissionRefused          limits larger than a project or user ceiling allow (409)
+    ├── AdmissionRefused          limits no ceiling, or no room left under one, allows (409)
     ├── SandboxNotRunning         the sandbox exists but is stopped or paused (409)
     ├── NotFound                  no such sandbox, or not the caller's (404)
     │   └── SandboxNotFound       no container with that id (an exec target)

@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 
 from slicebox.core.blocking import Aside, Blocking
 from slicebox.core.budget import OutputBudget
+from slicebox.core.capacity import Capacities
 from slicebox.core.egress import EgressGuard
 from slicebox.core.execaudit import audited, audited_exec, refused, subject
 from slicebox.core.execution import ExecEngine, result_of
@@ -45,6 +46,7 @@ from slicebox.model.api import (
     SandboxView,
 )
 from slicebox.model.audit import AuditEvent
+from slicebox.model.capacity import Capacity, CapacityQuery
 from slicebox.model.config import DEFAULT_EXEC_OUTPUT_BUDGET
 from slicebox.model.errors import (
     Forbidden,
@@ -98,6 +100,7 @@ class Service:
         self.files = Files(engine, auditor, sandboxes, self._visible)
         # Streamed execs and runs in flight, bound for all and per user (core/shares.py).
         self.streams = Slots(STREAMS, lambda: sandboxes.config.shares)
+        self._capacities = Capacities(sandboxes, pool)  # what fits (core/capacity.py)
 
     # --- sandboxes -------------------------------------------------------------------------
 
@@ -464,6 +467,10 @@ class Service:
         if not own:
             raise NotFound(f"no sandboxes for user {who.user_name} yet; create one first")
         return own[0]
+
+    async def capacity(self, who: Identity, query: CapacityQuery, blocking: Blocking) -> Capacity:
+        """What each level has left and how many of a shape fit, as admission counts them."""
+        return await self._capacities.answer(who, query, blocking)
 
     # --- authorization and audit -----------------------------------------------------------
 

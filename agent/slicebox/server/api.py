@@ -104,6 +104,14 @@ async def parse_body(request: Request, model: type[Model], limit: int = MAX_BODY
         raise refusal(exc) from exc
 
 
+def parse_query(request: Request, model: type[Model]) -> Model:
+    """The query string as ``model``: every schema error names what to fix, as a body's."""
+    try:
+        return model.model_validate(dict(request.query))
+    except ValidationError as exc:
+        raise refusal(exc) from exc
+
+
 def identity_of(request: Request) -> Identity:
     identity: Identity = request[IDENTITY_KEY]
     return identity

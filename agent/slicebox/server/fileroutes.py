@@ -22,12 +22,9 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator
 
-from pydantic import ValidationError
-
 from slicebox.model.errors import SliceboxError
 from slicebox.model.files import FileFormat, FilesQuery, FileStat, Transferred
-from slicebox.model.validation import refusal
-from slicebox.server.api import Route, identity_of, json_ok
+from slicebox.server.api import Route, identity_of, json_ok, parse_query
 from slicebox.server.pools import pools_of
 from slicebox.server.state import service_of
 from slicebox.web.message import ProtocolError
@@ -56,18 +53,11 @@ class RequestBody:
             raise ConnectionResetError(f"the upload's body was cut off ({exc})") from exc
 
 
-def parse_query(request: Request) -> FilesQuery:
-    try:
-        return FilesQuery.model_validate(dict(request.query))
-    except ValidationError as exc:
-        raise refusal(exc) from exc
-
-
 # The handlers, one a route; FILE_ROUTES below names each with its method, path and models.
 
 
 async def upload(request: Request) -> StreamResponse:
-    query, files = parse_query(request), service_of(request).files
+    query, files = parse_query(request, FilesQuery), service_of(request).files
     done = await files.upload(
         identity_of(request),
         request.match_info["id"],
@@ -80,7 +70,7 @@ async def upload(request: Request) -> StreamResponse:
 
 
 async def download(request: Request) -> StreamResponse:
-    query, files = parse_query(request), service_of(request).files
+    query, files = parse_query(request, FilesQuery), service_of(request).files
     chunks = files.download(
         identity_of(request), request.match_info["id"], query, pools_of(request).call
     )
@@ -89,7 +79,7 @@ async def download(request: Request) -> StreamResponse:
 
 
 async def stat(request: Request) -> StreamResponse:
-    query, files = parse_query(request), service_of(request).files
+    query, files = parse_query(request, FilesQuery), service_of(request).files
     found = await files.stat(
         identity_of(request), request.match_info["id"], query, pools_of(request).call
     )

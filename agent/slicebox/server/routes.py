@@ -43,6 +43,7 @@ from slicebox.model.api import (
     SandboxView,
     UsageAnswer,
 )
+from slicebox.model.capacity import Capacity, CapacityQuery
 from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
 from slicebox.model.pool import PoolList
@@ -55,6 +56,7 @@ from slicebox.server.api import (
     identity_of,
     json_ok,
     parse_body,
+    parse_query,
 )
 from slicebox.server.fileroutes import FILE_ROUTES
 from slicebox.server.pools import pools_of, run_in
@@ -144,6 +146,12 @@ async def tree(request: Request) -> StreamResponse:
     return json_ok(await service.level_tree(identity_of(request), calls))
 
 
+async def capacity(request: Request) -> StreamResponse:
+    query = parse_query(request, CapacityQuery)
+    service, calls = service_of(request), pools_of(request).call
+    return json_ok(await service.capacity(identity_of(request), query, calls))
+
+
 async def extend(request: Request) -> StreamResponse:
     body = await parse_body(request, Extend)
     service, calls = service_of(request), pools_of(request).call
@@ -204,6 +212,15 @@ ROUTES: list[Route] = [
         StreamChunk,
     ),
     Route("GET", "/usage/tree", tree, "The level tree with OOM/throttle blame", None, LevelNode),
+    Route(
+        "GET",
+        "/capacity",
+        capacity,
+        "What is left at each level and how many sandboxes of a shape fit, as admission counts",
+        None,
+        Capacity,
+        query=CapacityQuery,
+    ),
     Route("GET", "/pool", pools, "Warm pools: key, ready/busy, hit rate, refill", None, PoolList),
     Route(
         "POST",

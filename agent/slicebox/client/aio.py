@@ -32,6 +32,7 @@ from slicebox.model.api import (
     RunResult,
     SandboxView,
 )
+from slicebox.model.capacity import Capacity, CapacityQuery
 from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
 from slicebox.model.files import FileFormat, FilesQuery, FileStat, Transferred
@@ -114,6 +115,10 @@ class AsyncClient:
 
     async def run(self, request: RunRequest) -> RunResult:
         return await self._call(wire.run(request))
+
+    async def capacity(self, query: CapacityQuery) -> Capacity:
+        """``Client.capacity``: what is left at each level and how many of a shape fit."""
+        return await self._call(wire.capacity(query))
 
     async def reap(self, request: ReapRequest | None = None) -> Report:
         return await self._call(wire.reap(request or ReapRequest()))

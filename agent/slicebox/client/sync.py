@@ -41,6 +41,7 @@ from slicebox.model.api import (
     RunResult,
     SandboxView,
 )
+from slicebox.model.capacity import Capacity, CapacityQuery
 from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
 from slicebox.model.files import FileFormat, FilesQuery, FileStat, Transferred
@@ -136,6 +137,12 @@ class Client:
     def pools(self) -> PoolList:
         """The warm pools: key, ready and busy members, hit rate, refill time."""
         return self._call(wire.pools())
+
+    def capacity(self, query: CapacityQuery) -> Capacity:
+        """What each level (host, user, project) has left under its ceilings, and how many
+        sandboxes of the query's shape a create admits now: ``CapacityQuery(project="web",
+        memory="512MB")``, or ``pool=`` a pool key's fingerprint."""
+        return self._call(wire.capacity(query))
 
     def reap(self, request: ReapRequest | None = None) -> Report:
         return self._call(wire.reap(request or ReapRequest()))

@@ -35,6 +35,7 @@ from slicebox.model.api import (
     UsageAnswer,
 )
 from slicebox.model.base import Model
+from slicebox.model.capacity import Capacity, CapacityQuery
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
 from slicebox.model.files import FilesQuery, FileStat, Transferred
 from slicebox.model.pool import PoolList
@@ -151,6 +152,13 @@ def run_stream(request: RunRequest) -> Call[RunResult]:
 
 def pools() -> Call[PoolList]:
     return Call("GET", "/pool", PoolList)
+
+
+def capacity(query: CapacityQuery) -> Call[Capacity]:
+    """What is left at each level and how many sandboxes of the query's shape fit; the
+    query's fields in its query string, those left out not sent."""
+    fields = urlencode(query.model_dump(mode="json", exclude_none=True))
+    return Call("GET", f"/capacity?{fields}" if fields else "/capacity", Capacity)
 
 
 def reap(request: ReapRequest) -> Call[Report]:

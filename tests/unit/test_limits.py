@@ -47,6 +47,12 @@ def test_bad_sizes_name_the_field(raw: int | str) -> None:
         parse_size("memory", raw)
 
 
+def test_a_size_of_more_digits_than_a_float_holds_is_refused_not_a_crash() -> None:
+    for raw, total in (("9" * 400, None), ("9" * 400 + "MB", None), ("9" * 400 + "%", 4000)):
+        with pytest.raises(InvalidLimit, match="too large a size"):
+            parse_size("memory", raw, total)
+
+
 @pytest.mark.parametrize("raw", [0, -0.5, "lots", "nan", "inf", False])
 def test_bad_cpus(raw: float | str) -> None:
     with pytest.raises(InvalidLimit, match="cpus"):

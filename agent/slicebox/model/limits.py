@@ -57,13 +57,17 @@ def parse_size(field: str, value: RawSize, total: int | None = None) -> int:
 
 def _size_from_text(field: str, text: str, total: int | None) -> int:
     percent = _PERCENT.fullmatch(text)
-    if percent and total is not None:
-        return int(total * float(percent.group(1)) / 100)
     match = _SIZE.fullmatch(text)
-    if match is None:
+    if percent and total is not None:
+        nbytes = total * float(percent.group(1)) / 100
+    elif match is not None:
+        nbytes = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    else:
         where = " or a percentage of host memory like '75%'" if total is not None else ""
         raise InvalidLimit(f"{field}: {text!r} is not a size; use bytes or '256MB', '1GB'{where}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if not math.isfinite(nbytes):  # more digits than a float holds: no memory is that large
+        raise InvalidLimit(f"{field}: {text[:40]!r}... is too large a size; use '256MB', '1GB'")
+    return int(nbytes)
 
 
 def parse_cpus(field: str, value: RawNumber) -> float:

@@ -22,6 +22,7 @@ from slicebox.model.api import (
     RunResult,
     SandboxView,
 )
+from slicebox.model.capacity import Capacity, CapacityQuery
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult
 from slicebox.model.reaper import Report
 from slicebox.model.spec import SandboxSpec
@@ -72,6 +73,9 @@ class ThreadSide:
 
     def level_tree(self, who: Identity) -> LevelNode:
         return from_thread(lambda b: self._service.level_tree(who, b))
+
+    def capacity(self, who: Identity, query: CapacityQuery) -> Capacity:
+        return from_thread(lambda b: self._service.capacity(who, query, b))
 
     def reap(self, who: Identity, request: ReapRequest) -> Report:
         return from_thread(lambda b: self._service.reap(who, request, b))

@@ -28,9 +28,6 @@ from slicebox.model.base import Model
 from slicebox.model.limits import Limits
 from slicebox.model.usage import Level
 
-# A shape's value as a query string gives it: the size, CPUs or tasks syntax of a create.
-_Value = Annotated[str, Field(min_length=1, max_length=64)]
-
 
 class Resource(StrEnum):
     MEMORY = "memory"  # bytes: MemoryMax
@@ -75,11 +72,13 @@ class CapacityQuery(Model):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    project: _Value | None = None
-    user: _Value | None = None
-    memory: int | _Value | None = None
-    cpus: float | _Value | None = None
-    pids: int | _Value | None = None
+    # As a create takes them, checked where a create's are (a name by its slice unit, a size by
+    # its parser), so that each gets the code and words a create of it would.
+    project: str | None = None
+    user: str | None = None
+    memory: int | str | None = None
+    cpus: float | str | None = None
+    pids: int | str | None = None
     pool: Annotated[str | None, Field(pattern=r"^[0-9a-f]{24}$")] = None
 
 

@@ -361,11 +361,14 @@ def test_a_bad_shape_answers_the_code_a_create_of_it_gets(
     assert (made.value.code, made.value.field) == (asked.value.code, asked.value.field)
 
 
-def test_a_query_without_a_project_or_with_shape_and_pool_is_refused(world: World) -> None:
+def test_a_query_without_a_project_or_with_a_shape_and_a_pool_is_refused(world: World) -> None:
     with pytest.raises(errors.InvalidName, match="project: required"):
         ThreadSide(world.service).capacity(ALICE, CapacityQuery(memory="1GB"))
     with pytest.raises(NotFound, match="no pool"):
         ask(world, pool="0" * 24)
+    with pytest.raises(errors.InvalidRequest, match="not both") as both:
+        ask(world, pool="0" * 24, memory="1GB")
+    assert (both.value.code, both.value.field) == ("invalid_field", "pool")
 
 
 # --- who may see whose --------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from slicebox.model.capacity import (
     Resource,
     Room,
 )
-from slicebox.model.errors import InvalidName, NotFound
+from slicebox.model.errors import InvalidName, InvalidRequest, NotFound
 from slicebox.model.limits import Limits
 from slicebox.model.pool import PoolStats
 from slicebox.model.spec import parse_spec
@@ -62,6 +62,12 @@ class Capacities:
     async def answer(self, who: Identity, query: CapacityQuery, blocking: Blocking) -> Capacity:
         """The answer to ``query`` as ``who`` may have it. The host's memory is read, and a
         pool looked up (its stats list Docker's pool members), through ``blocking``."""
+        if query.pool and _shape(query, None) != _NO_SHAPE:
+            raise InvalidRequest(
+                "pool: give a shape (memory, cpus, pids) or a pool, not both",
+                code="invalid_field",
+                field="pool",
+            )
         pool = await self._pool_of(who, query, blocking) if query.pool else None
         user = pool.key.user if pool else _user(who, query.user)
         project = pool.key.project if pool else query.project
@@ -88,6 +94,9 @@ class Capacities:
             if pool.fingerprint == query.pool and mine and query.project in (None, key.project):
                 return pool
         raise NotFound(f"no pool {query.pool} of yours; GET /v1/pool lists their keys")
+
+
+_NO_SHAPE = {"memory": None, "cpus": None, "pids": None}
 
 
 def _shape(query: CapacityQuery, pool: PoolStats | None) -> dict[str, object]:

@@ -173,8 +173,15 @@ class FakeNftApi:
         table = self._table(spec)
         if kind == "counters":
             return [
-                {"counter": {"family": spec["family"], "table": spec["table"], "name": name,
-                             "packets": packets, "bytes": size}}
+                {
+                    "counter": {
+                        "family": spec["family"],
+                        "table": spec["table"],
+                        "name": name,
+                        "packets": packets,
+                        "bytes": size,
+                    }
+                }
                 for name, (packets, size) in table.counters.items()
             ]
         if kind == "counter":

@@ -83,7 +83,7 @@ class WarmPool:
         """``alive``: whether an idle member still has its processes (its scope's cgroup is
         populated), asked at every acquire: a member killed while idle is replaced, never
         handed out. ``instruments``: where acquire and refill times are observed."""
-        self._instruments = instruments
+        self.instruments = instruments
         # Container id -> its pool's fingerprint, of the members handed out (``census``).
         self._handed: Recent[str, str] = Recent(KNOWN_SANDBOXES)
         self._manager = manager
@@ -178,7 +178,7 @@ class WarmPool:
         )
         if pool is not None and leased is not None:
             took = self._clock() - started
-            self._instruments.pool_acquire_seconds.labels(pool.key.user, pool.key.project).observe(
+            self.instruments.pool_acquire_seconds.labels(pool.key.user, pool.key.project).observe(
                 took
             )
             self._handed.put(leased.container_id, pool.key.fingerprint())
@@ -431,7 +431,7 @@ class WarmPool:
             self._failed(pool, "internal: see the agent's log")
             return
         took = self._clock() - started
-        self._instruments.pool_refill_seconds.labels(pool.key.user, pool.key.project).observe(took)
+        self.instruments.pool_refill_seconds.labels(pool.key.user, pool.key.project).observe(took)
         with self._lock:
             pool.creating -= 1
             pool.ready.append(member)

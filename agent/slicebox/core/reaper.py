@@ -60,7 +60,7 @@ class Reaper:
         pool: PoolView | None = None,
         instruments: Instruments = NOWHERE,
     ) -> None:
-        self._instruments = instruments  # each action counted by rule and outcome
+        self.instruments = instruments  # each action counted by rule and outcome
         self._listed: list[SandboxInfo] = []  # the last pass's listing (``listed``)
         self._pool = pool
         self._sandboxes = sandboxes
@@ -150,7 +150,7 @@ class Reaper:
         except Exception as exc:
             log.exception("reaper: %s %s failed", action.kind, action.target)
             outcome = Outcome(action=action, result="internal", message=str(exc))
-        self._instruments.reaped(action.rule.value, outcome.result)
+        self.instruments.reaped(action.rule.value, outcome.result)
         self._auditor.record(
             AuditRecord(
                 event=AuditEvent.REAPER_ACTION,

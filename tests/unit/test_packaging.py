@@ -90,6 +90,7 @@ def expected_files(version: str) -> set[str]:
             f"{info}/top_level.txt",
             "/usr/share/doc/slicebox/README.md",
             "/usr/share/doc/slicebox/PACKAGING.md",
+            "/usr/share/doc/slicebox/grafana/slicebox.json",
         }
     )
 

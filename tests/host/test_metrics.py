@@ -29,7 +29,7 @@ from slicebox.client import Client
 from slicebox.model.api import CreateSandbox, RunRequest
 from slicebox.model.exec import ExecRequest
 from tests.host.agentunits import CONFIG, SOCKET, agent_config, installed_agent
-from tests.host.helpers import sh, wait_for
+from tests.host.helpers import CGROUP_ROOT, sh, wait_for
 
 pytestmark = pytest.mark.host
 
@@ -219,6 +219,21 @@ def test_a_timed_out_exec_is_counted(prometheus: Prometheus) -> None:
     assert ran.timed_out
     assert seen(prometheus, expr, before) >= before + 1
     client().destroy(box.id)
+
+
+def test_psi_series_are_there_exactly_where_the_kernel_has_pressure_files(
+    prometheus: Prometheus,
+) -> None:
+    """Whichever way the guest's kernel is built (PSI on, off, or off by default and not
+    turned on with psi=1), the managed level's PSI series follow its cpu.pressure file."""
+    has_psi = (CGROUP_ROOT / "slicebox.slice" / "cpu.pressure").exists()
+    expr = 'slicebox_level_pressure_cpu_waiting_seconds_total{level="managed"}'
+    if has_psi:
+        assert seen(prometheus, f"{expr} >= 0", -1.0) >= 0
+    else:
+        time.sleep(3)  # three scrapes
+        assert prometheus.query(expr) is None, "no pressure file: no series, not a zero"
+    print(f"the guest's kernel has PSI files: {has_psi}")
 
 
 def test_a_user_who_is_no_admin_reads_only_their_own_series_on_the_socket(

@@ -171,6 +171,19 @@ class FakeNftApi:
                 for chain in table.chains
             ]
         table = self._table(spec)
+        if kind == "counters":
+            return [
+                {
+                    "counter": {
+                        "family": spec["family"],
+                        "table": spec["table"],
+                        "name": name,
+                        "packets": packets,
+                        "bytes": size,
+                    }
+                }
+                for name, (packets, size) in table.counters.items()
+            ]
         if kind == "counter":
             if spec["name"] not in table.counters:
                 raise _Refused("Could not process rule: No such file or directory")

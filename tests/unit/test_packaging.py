@@ -39,6 +39,7 @@ FEDORA_REQUIRES = {
     "python3-pyroute2 >= 0.7",
     "python3-sdnotify >= 0.3",
     "python3-h11 >= 0.14",
+    "python3-prometheus_client >= 0.16",  # Fedora's name
     "python3-nftables",
     "systemd",
     "shadow-utils",
@@ -46,7 +47,8 @@ FEDORA_REQUIRES = {
 DEBIAN_DEPENDS = (
     "python3 (>= 3.11), python3-pydantic (>= 2.5), python3-docker (>= 7.0), "
     "python3-pystemd (>= 0.13), python3-pyroute2 (>= 0.7), python3-sdnotify (>= 0.3), "
-    "python3-h11 (>= 0.14), python3-nftables, systemd, init-system-helpers, passwd"
+    "python3-h11 (>= 0.14), python3-prometheus-client (>= 0.16), "
+    "python3-nftables, systemd, init-system-helpers, passwd"
 )
 
 
@@ -88,6 +90,7 @@ def expected_files(version: str) -> set[str]:
             f"{info}/top_level.txt",
             "/usr/share/doc/slicebox/README.md",
             "/usr/share/doc/slicebox/PACKAGING.md",
+            "/usr/share/doc/slicebox/grafana/slicebox.json",
         }
     )
 

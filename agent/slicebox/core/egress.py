@@ -25,6 +25,7 @@ from ipaddress import IPv4Address, IPv4Network
 from typing import NamedTuple, Protocol
 
 from slicebox.core.dnsbounds import TCP_MAX, TCP_PER_SANDBOX, Bucket, DeniedTally, SandboxDns
+from slicebox.core.egresstally import EgressTally, Project, Released
 from slicebox.core.policy import check_reachable
 from slicebox.core.recent import Recent
 from slicebox.host.addresses import host_addresses
@@ -134,6 +135,7 @@ class EgressGuard:
         # Per sandbox, bounded (core.dnsbounds): its query rate, names denied, answers opened.
         self._dns: dict[str, SandboxDns] = {}
         self._tcp: dict[IPv4Address, int] = {}  # resolver TCP connections open, per source
+        self._gone = Released()  # released sandboxes' last counters, by project (``totals``)
 
     @property
     def config(self) -> EgressConfig:
@@ -181,6 +183,7 @@ class EgressGuard:
         if firewall is not None:
             firewall.remove_sandbox(sandbox_id, guarded.address if guarded else None)
         if guarded is not None:
+            self._gone.add((guarded.user, guarded.project), counts, denied.total)
             self._audit(_summary(guarded, denied, counts))
 
     def guarding(self) -> bool:
@@ -204,6 +207,26 @@ class EgressGuard:
             dropped_queries=state.dropped if state else 0,
             refused_connections=state.refused if state else 0,
         )
+
+    def totals(self) -> dict[Project, EgressTally]:
+        """Packets, bytes and refused names by project, the sandboxes guarded now and those
+        released since the agent started together: one listing of the table's counters."""
+        found = self._gone.sums()
+        firewall = self._firewall
+        if firewall is None or not self._by_id:
+            return found
+        every = firewall.all_counts()
+        for guarded in list(self._by_id.values()):
+            sandbox_id = guarded.sandbox_id
+            # Two calls a sandbox only where libnftables cannot list the table's counters.
+            counts = (
+                every.get(key_of(sandbox_id)) if every is not None else firewall.counts(sandbox_id)
+            )
+            state = self._dns.get(sandbox_id)
+            project = (guarded.user, guarded.project)
+            tally = found.get(project, EgressTally())
+            found[project] = tally.plus(counts, state.denied.total if state else 0)
+        return found
 
     def sync(self, found: Iterable[Labelled], observed_at: float, busy: frozenset[str]) -> None:
         """Bring the rules and the resolver's map in line with what Docker listed at

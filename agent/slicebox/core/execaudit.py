@@ -12,6 +12,10 @@ An exec asked for is recorded exactly once, when it ends:
   result was already made (the exec's processes are killed);
 - failed while running (the container went away, Docker failed): ``exec`` with the code.
 
+Each is also counted once in ``slicebox_execs_total`` (:mod:`slicebox.core.instruments`) by its
+owner and how it ended: ``refused``, ``ok``, ``timed_out``, ``oom_killed``, ``abandoned`` or
+``failed``; a run or exec the output budget refused (``refused`` below) is counted ``refused``.
+
 The detail counts output bytes (kept, or streamed before the caller went away, and dropped) and
 the duration; never argv, environment or output, which may hold secrets.
 
@@ -30,7 +34,9 @@ import contextlib
 import functools
 from collections.abc import AsyncIterator
 
+from slicebox.core import instruments as counted
 from slicebox.core.blocking import Blocking, settle
+from slicebox.core.instruments import NOWHERE, Instruments
 from slicebox.core.sandbox import Sandbox
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
@@ -84,6 +90,23 @@ class ExecTally:
     def outcome(self) -> str:
         return TIMED_OUT if self.result is not None and self.result.timed_out else OK
 
+    def counted(self, who: Identity, error: BaseException | None, into: Instruments) -> None:
+        """Count how it ended (``error`` as in ``ending``), under its sandbox's user (the
+        caller's while no sandbox was found)."""
+        if not self.started:
+            result = counted.REFUSED
+        elif error is None:
+            timed_out = self.result is not None and self.result.timed_out
+            oom = self.result is not None and self.result.oom_killed
+            result = counted.TIMED_OUT if timed_out else counted.OOM_KILLED if oom else counted.OK
+        elif isinstance(error, GeneratorExit | asyncio.CancelledError):
+            result = counted.ABANDONED
+        elif isinstance(error, Exception):
+            result = counted.FAILED
+        else:
+            return
+        into.exec_ended(str(self.subject.get("user") or who.user_name), result)
+
     def counters(self) -> str:
         result = self.result
         if result is None:
@@ -112,23 +135,38 @@ class ExecTally:
 
 @contextlib.asynccontextmanager
 async def audited_exec(
-    auditor: Auditor, who: Identity, sandbox_id: str, blocking: Blocking
+    auditor: Auditor,
+    who: Identity,
+    sandbox_id: str,
+    blocking: Blocking,
+    instruments: Instruments = NOWHERE,
 ) -> AsyncIterator[ExecTally]:
     """Write the exec's one record when the block ends, however it ends (see above): through
     ``blocking`` (a journal write may block), and even when the writer is cancelled
-    meanwhile."""
+    meanwhile; and count it in ``instruments``."""
     tally = ExecTally(sandbox_id)
     try:
         yield tally
     except BaseException as exc:
+        tally.counted(who, exc, instruments)
         if (record := tally.ending(who, exc)) is not None:
             await settle(blocking, functools.partial(auditor.record, record))
         raise
+    tally.counted(who, None, instruments)
     await settle(blocking, functools.partial(auditor.record, tally.record(who, tally.outcome())))
 
 
-def refused(who: Identity, action: str, exc: SliceboxError, sandbox_id: str = "") -> AuditRecord:
-    """The record of a request refused before any sandbox was looked up (the budget's)."""
+def refused(
+    who: Identity,
+    action: str,
+    exc: SliceboxError,
+    sandbox_id: str = "",
+    instruments: Instruments = NOWHERE,
+) -> AuditRecord:
+    """The record of a request refused before any sandbox was looked up (the budget's); an
+    exec or a run is counted ``refused`` in ``instruments``."""
+    if action in ("exec", "run"):
+        instruments.exec_ended(who.user_name, counted.REFUSED)
     return _record(
         AuditEvent.REQUEST_REFUSED,
         caller=who.caller,

@@ -29,10 +29,8 @@ from Docker and systemd: an idle member of a declared key is adopted, the rest i
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -41,20 +39,22 @@ from typing import Protocol
 from slicebox.core.blocking import from_thread
 from slicebox.core.demand import Demand
 from slicebox.core.headroom import WARM, LevelUse, amounts, fit, ratios_of, shown, where
-from slicebox.core.policy import Admitted
+from slicebox.core.instruments import NOWHERE, Instruments
 from slicebox.core.poolkeys import key_of, learned_table, spec_of
+from slicebox.core.poolstate import PoolCensus, PoolState, census_of, stats_of
+from slicebox.core.recent import Recent
+from slicebox.core.sandbox import KNOWN_SANDBOXES
 from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.model.config import Config, PoolLearning
 from slicebox.model.errors import SliceboxError
 from slicebox.model.limits import human_bytes
 from slicebox.model.names import slice_names
-from slicebox.model.pool import PoolConfig, PoolKey, PoolList, PoolStats
+from slicebox.model.pool import PoolConfig, PoolKey, PoolList
 from slicebox.model.spec import SandboxSpec
 
 log = logging.getLogger(__name__)
 
 REFILL_THREADS = 4  # Docker starts four containers at once for the agent (docker.HEAVY_CALLS)
-SAMPLES = 64  # refill and acquire durations kept for the medians
 
 
 class Reset(Protocol):
@@ -66,25 +66,6 @@ class Reset(Protocol):
     def reset(self, sandbox: Sandbox, since: int) -> bool:
         """Kill every process of the sandbox started since ``since`` and empty its scratch
         places; whether it is healthy after."""
-
-
-class _Pool:
-    def __init__(self, config: PoolConfig, key: PoolKey, admitted: Admitted) -> None:
-        self.config = config
-        self.key = key
-        self.admitted = admitted
-        self.ready: list[Sandbox] = []
-        self.acquiring: set[str] = set()
-        self.creating = 0
-        self.hits = 0
-        self.misses = 0
-        self.held_back = ""
-        # Why its last member could not be made (a create's refusal), until one is.
-        self.failing = ""
-        self.refills: deque[float] = deque(maxlen=SAMPLES)
-        self.acquires: deque[float] = deque(maxlen=SAMPLES)
-        self.learned = False  # made for demand (``[pool_learning]``), not declared
-        self.last_asked = 0.0  # when a request of its key last came (the pool's clock)
 
 
 class WarmPool:
@@ -99,10 +80,14 @@ class WarmPool:
         clock: Callable[[], float] = time.monotonic,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
         alive: Callable[[Sandbox], bool] = lambda member: True,
+        instruments: Instruments = NOWHERE,
     ) -> None:
         """``alive``: whether an idle member still has its processes (its scope's cgroup is
         populated), asked at every acquire: a member killed while idle is replaced, never
-        handed out."""
+        handed out. ``instruments``: where acquire and refill times are observed."""
+        self.instruments = instruments
+        # Container id -> its pool's fingerprint, of the members handed out (``census``).
+        self._handed: Recent[str, str] = Recent(KNOWN_SANDBOXES)
         self._manager = manager
         self._alive = alive
         self._reset = reset
@@ -112,7 +97,7 @@ class WarmPool:
         self._clock = clock
         self._now = now
         self._lock = threading.Lock()
-        self._pools: dict[PoolKey, _Pool] = {}
+        self._pools: dict[PoolKey, PoolState] = {}
         self._cold = 0
         self._kicked = False  # a refill pass is queued and has not begun
         self._filling = threading.Lock()  # one refill pass at a time: each counts what is made
@@ -130,13 +115,15 @@ class WarmPool:
         """Take the ``[[pool]]`` tables of ``config`` (at start and on reload). A pool kept
         keeps its members; a removed one's are the reaper's (``pool_surplus``). Pools learned
         from demand stay while learning is on (a table declaring the same key takes over)."""
-        pools: dict[PoolKey, _Pool] = {}
+        pools: dict[PoolKey, PoolState] = {}
         for table in config.pool:
             made = self._pool_of(table)
             if made is not None:
                 with self._lock:
                     kept = self._pools.get(made.key)
-                pools[made.key] = _Pool(table, made.key, made.admitted) if kept is None else kept
+                pools[made.key] = (
+                    PoolState(table, made.key, made.admitted) if kept is None else kept
+                )
                 pools[made.key].config = table
                 pools[made.key].learned = False
         with self._lock:
@@ -148,14 +135,14 @@ class WarmPool:
                 self._demand.clear()
             self._pools = pools
 
-    def _pool_of(self, table: PoolConfig) -> _Pool | None:
+    def _pool_of(self, table: PoolConfig) -> PoolState | None:
         try:
             admitted = self._manager.admitted(spec_of(table))
         except SliceboxError as exc:
             log.warning("pool of %s/%s is off: %s", table.user, table.project, exc.message)
             return None
         key = key_of(admitted)
-        return None if key is None else _Pool(table, key, admitted)
+        return None if key is None else PoolState(table, key, admitted)
 
     def adopt(self) -> int:
         """Take the idle members a previous agent run made for a declared key into their
@@ -192,13 +179,18 @@ class WarmPool:
             None if pool is None or member is None else self._lease(pool, member, spec, one_shot)
         )
         if pool is not None and leased is not None:
+            took = self._clock() - started
+            self.instruments.pool_acquire_seconds.labels(pool.key.user, pool.key.project).observe(
+                took
+            )
+            self._handed.put(leased.container_id, pool.key.fingerprint())
             with self._lock:
                 pool.hits += 1
-                pool.acquires.append(self._clock() - started)
+                pool.acquires.append(took)
         self.kick()
         return leased
 
-    def _pool_for(self, spec: SandboxSpec, owner: tuple[int, int] | None) -> _Pool | None:
+    def _pool_for(self, spec: SandboxSpec, owner: tuple[int, int] | None) -> PoolState | None:
         """The pool of the spec's exact key, counted as a miss when it has nothing ready."""
         ttl = spec.ttl_seconds or self._manager.config.default_ttl_seconds
         key = key_of(self._manager.admitted(spec, owner))
@@ -262,7 +254,7 @@ class WarmPool:
                 del self._pools[key]
                 log.info("forgot the learned pool of %s/%s: not asked for", key.user, key.project)
 
-    def _take(self, pool: _Pool) -> Sandbox | None:
+    def _take(self, pool: PoolState) -> Sandbox | None:
         """The oldest ready member that is still alive (the idle timeout takes the fewest);
         a dead one (killed, OOM-killed while idle) is destroyed on the pool's threads."""
         while True:
@@ -283,7 +275,7 @@ class WarmPool:
             self._executor.submit(self._manager.destroy_sandbox, member, _nothing)
 
     def _lease(
-        self, pool: _Pool, member: Sandbox, spec: SandboxSpec, one_shot: bool
+        self, pool: PoolState, member: Sandbox, spec: SandboxSpec, one_shot: bool
     ) -> Sandbox | None:
         """The member with its lease armed; None when the lease failed (a parent not found,
         systemd refusing): the request is created cold, which says what is wrong, and the
@@ -334,7 +326,7 @@ class WarmPool:
             self._ready_since[sandbox.id] = self._now()
         return True
 
-    def _reuse_pool(self, sandbox: Sandbox) -> _Pool | None:
+    def _reuse_pool(self, sandbox: Sandbox) -> PoolState | None:
         for pool in self._pools.values():
             if pool.key.reuse and pool.key.fingerprint() == sandbox.lineage.pool_key:
                 return pool
@@ -386,7 +378,7 @@ class WarmPool:
                 for _ in range(self._wanted(pool)):
                     self._executor.submit(self._make, pool)
 
-    def _wanted(self, pool: _Pool) -> int:
+    def _wanted(self, pool: PoolState) -> int:
         """How many members to start now: up to the size, within the project's headroom."""
         with self._lock:
             short = pool.config.size - len(pool.ready) - len(pool.acquiring) - pool.creating
@@ -399,7 +391,7 @@ class WarmPool:
             pool.creating += wanted
         return wanted
 
-    def _headroom(self, pool: _Pool) -> tuple[int, str]:
+    def _headroom(self, pool: PoolState) -> tuple[int, str]:
         """Members of this pool the slice tree still has room for (``core.headroom``, as
         admission counts): what each level's sandboxes and creates in flight are provisioned,
         and the members still to be made, against its MemoryMax and TasksMax at least."""
@@ -415,7 +407,7 @@ class WarmPool:
         why = f"{shown(resource, left)} of {resource.value} left under its ceiling"
         return room.fits, f"{where(room.level)} has {why}"
 
-    def _make(self, pool: _Pool) -> None:
+    def _make(self, pool: PoolState) -> None:
         started = self._clock()
         try:
             spec, key = spec_of(pool.config), pool.key.fingerprint()
@@ -429,16 +421,18 @@ class WarmPool:
             log.exception("could not make a member of pool %s/%s", pool.key.user, pool.key.project)
             self._failed(pool, "internal: see the agent's log")
             return
+        took = self._clock() - started
+        self.instruments.pool_refill_seconds.labels(pool.key.user, pool.key.project).observe(took)
         with self._lock:
             pool.creating -= 1
             pool.ready.append(member)
-            pool.refills.append(self._clock() - started)
+            pool.refills.append(took)
             recovered, pool.failing = pool.failing, ""
         if recovered:
             log.info("pool %s/%s makes members again", pool.key.user, pool.key.project)
         self._manager.end_operation(member.id)  # held since its create: now the pool's
 
-    def _failed(self, pool: _Pool, why: str) -> None:
+    def _failed(self, pool: PoolState, why: str) -> None:
         with self._lock:
             pool.creating -= 1
             new, pool.failing = why != pool.failing, why
@@ -458,27 +452,19 @@ class WarmPool:
             if member.pool_state == "acquired":
                 busy[member.lineage.pool_key] = busy.get(member.lineage.pool_key, 0) + 1
         with self._lock:
-            pools = [self._stats(p, busy.get(p.key.fingerprint(), 0)) for p in self._pools.values()]
+            pools = [stats_of(p, busy.get(p.key.fingerprint(), 0)) for p in self._pools.values()]
             return PoolList(pools=pools, cold=self._cold)
 
-    def _stats(self, pool: _Pool, busy: int) -> PoolStats:
-        asked = pool.hits + pool.misses
-        return PoolStats(
-            key=pool.key,
-            fingerprint=pool.key.fingerprint(),
-            size=pool.config.size,
-            ready=len(pool.ready),
-            busy=busy,
-            creating=pool.creating,
-            hits=pool.hits,
-            misses=pool.misses,
-            hit_rate=pool.hits / asked if asked else None,
-            refill_seconds_last=pool.refills[-1] if pool.refills else None,
-            refill_seconds_p50=statistics.median(pool.refills) if pool.refills else None,
-            acquire_seconds_p50=statistics.median(pool.acquires) if pool.acquires else None,
-            held_back=pool.failing or pool.held_back,
-            learned=pool.learned,
-        )
+    def census(self) -> list[PoolCensus]:
+        """Each pool as a scrape sees it, from memory alone (``stats`` lists Docker)."""
+        handed: dict[str, set[str]] = {}
+        for container_id, fingerprint in self._handed.items():
+            handed.setdefault(fingerprint, set()).add(container_id)
+        with self._lock:
+            return [
+                census_of(p, frozenset(handed.get(p.key.fingerprint(), ())))
+                for p in self._pools.values()
+            ]
 
     def shutdown(self) -> None:
         if isinstance(self._executor, ThreadPoolExecutor):

@@ -16,9 +16,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol
 
-from slicebox.backends.base import SandboxBackend
+from slicebox.backends.base import SandboxBackend, SandboxInfo
 from slicebox.core.credentials import CredentialStore
 from slicebox.core.deadlines import Timer
+from slicebox.core.instruments import NOWHERE, Instruments
 from slicebox.core.reaping import FinalUsage, Observed, plan_pass
 from slicebox.core.sandbox import Sandbox
 from slicebox.core.sandboxes import SandboxManager
@@ -57,7 +58,10 @@ class Reaper:
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         final_usage: FinalUsage | None = None,
         pool: PoolView | None = None,
+        instruments: Instruments = NOWHERE,
     ) -> None:
+        self.instruments = instruments  # each action counted by rule and outcome
+        self._listed: list[SandboxInfo] = []  # the last pass's listing (``listed``)
         self._pool = pool
         self._sandboxes = sandboxes
         self._slices = slices
@@ -94,6 +98,11 @@ class Reaper:
             ready_since=self._pool.ready_since() if self._pool is not None else {},
         )
 
+    def listed(self) -> list[SandboxInfo]:
+        """Every backend's sandboxes as the last pass listed them (at start, then every
+        interval): what a scrape knows of sandboxes without asking a backend itself."""
+        return self._listed
+
     def _seen_empty_since(self) -> dict[str, datetime]:
         """Since when each slice is empty: the first pass that saw it so, or the last destroy
         in it since, whichever is later (a slice used between passes starts its grace anew)."""
@@ -109,6 +118,7 @@ class Reaper:
         listed_at = time.monotonic()
         mark = self._sandboxes.commitments.mark()
         observed = self.observe()
+        self._listed = observed.containers
         actions, empty_since = plan_pass(observed, now, self._config())
         report = Report(dry_run=dry_run, at=now, instance_id=observed.instance_id, plan=actions)
         if dry_run:
@@ -143,6 +153,7 @@ class Reaper:
         except Exception as exc:
             log.exception("reaper: %s %s failed", action.kind, action.target)
             outcome = Outcome(action=action, result="internal", message=str(exc))
+        self.instruments.reaped(action.rule.value, outcome.result)
         self._auditor.record(
             AuditRecord(
                 event=AuditEvent.REAPER_ACTION,

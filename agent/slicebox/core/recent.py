@@ -37,6 +37,11 @@ class Recent(Generic[K, V]):
             while len(self._entries) > self._size:
                 del self._entries[next(iter(self._entries))]
 
+    def items(self) -> list[tuple[K, V]]:
+        """Every entry, least recently used first (none becomes more recent for it)."""
+        with self._lock:
+            return list(self._entries.items())
+
     def pop(self, key: K) -> None:
         with self._lock:
             self._entries.pop(key, None)

@@ -27,6 +27,7 @@ from slicebox.core.egress import EgressGuard
 from slicebox.core.execaudit import audited, audited_exec, refused, subject
 from slicebox.core.execution import ExecEngine, result_of
 from slicebox.core.files import Files
+from slicebox.core.instruments import NOWHERE, Instruments
 from slicebox.core.launch import LAUNCHER, can_launch
 from slicebox.core.pool import WarmPool
 from slicebox.core.reaper import Reaper
@@ -85,7 +86,9 @@ class Service:
         budget: OutputBudget | None = None,
         pool: WarmPool | None = None,
         egress: EgressGuard | None = None,
+        instruments: Instruments = NOWHERE,
     ) -> None:
+        self.instruments = instruments  # what it counts for GET /metrics (core.instruments)
         self._egress = egress
         self._pool = pool
         self._reaper = reaper
@@ -276,7 +279,7 @@ class Service:
         try:
             return self._budget.reserve(output_cap, holder_of(who))
         except SliceboxError as exc:
-            self._auditor.record(refused(who, action, exc, sandbox_id))
+            self._auditor.record(refused(who, action, exc, sandbox_id, self.instruments))
             raise
 
     def reserve_stream(
@@ -287,7 +290,7 @@ class Service:
         try:
             stream = self.streams.take(who)
         except SliceboxError as exc:
-            self._auditor.record(refused(who, action, exc, sandbox_id))
+            self._auditor.record(refused(who, action, exc, sandbox_id, self.instruments))
             raise
         try:
             held = self.reserve(who, output_cap, action, sandbox_id)
@@ -327,7 +330,7 @@ class Service:
         one-shot run's fresh sandbox), not a Docker exec."""
         async with (
             self._holding(who, request.output_cap, held, blocking=blocking, sandbox_id=sandbox_id),
-            audited_exec(self._auditor, who, sandbox_id, blocking) as tally,
+            audited_exec(self._auditor, who, sandbox_id, blocking, self.instruments) as tally,
         ):
             sandbox = known or await self._looked_up(who, sandbox_id, blocking)
             tally.found(sandbox)

@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = CGROUP_MOUNT
 
-# Errors that mean "this cgroup or file is gone or not there", not "the host is broken".
-_VANISHED = frozenset({errno.ENOENT, errno.ENODEV, errno.ESRCH, errno.ENOTDIR})
+# Errors that mean "this cgroup or file is gone or not there", not "the host is broken". A
+# pressure file of a kernel whose PSI is off (``psi=0``) answers EOPNOTSUPP: no value either.
+_VANISHED = frozenset({errno.ENOENT, errno.ENODEV, errno.ESRCH, errno.ENOTDIR, errno.EOPNOTSUPP})
 
 
 class CgroupFiles(Protocol):
@@ -132,6 +133,22 @@ def parse_io_stat(text: str | None) -> dict[str, dict[str, int]] | None:
     return devices
 
 
+def parse_pressure(text: str | None) -> dict[str, int] | None:
+    """A PSI file (cpu.pressure, memory.pressure, io.pressure): each line's ``total`` stall
+    time in microseconds by its kind (``some``, ``full``); a kind the kernel does not write is
+    left out."""
+    if text is None:
+        return None
+    totals: dict[str, int] = {}
+    for line in text.splitlines():
+        kind, *fields = line.split() or [""]
+        for field in fields:
+            key, _, value = field.partition("=")
+            if key == "total" and value.isdigit():
+                totals[kind] = int(value)
+    return totals
+
+
 # --- typed readings ------------------------------------------------------------------------
 
 
@@ -236,6 +253,11 @@ class CgroupReader:
         if limit is None or limit[0] is None:
             return None
         return limit[0] / limit[1]
+
+    def pressure(self, cgroup: str, resource: str) -> dict[str, int] | None:
+        """``<resource>.pressure`` (cpu, memory, io): stall microseconds by kind; None where
+        the kernel has no such file (no PSI, or it is off)."""
+        return parse_pressure(self.files.read(cgroup, f"{resource}.pressure"))
 
     def pids_current(self, cgroup: str) -> int | None:
         return self.value(cgroup, "pids.current")

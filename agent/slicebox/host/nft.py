@@ -198,6 +198,25 @@ class Firewall:
             return None
         return Counts(ok[0], ok[1], deny[0], deny[1])
 
+    def all_counts(self) -> dict[str, Counts] | None:
+        """Every sandbox's counters by its key (``key_of``), in one call for the whole table
+        (a scrape with many egress sandboxes makes one libnftables call, not two each); None
+        when the table cannot be listed so."""
+        rc, out, _ = self._call([{"list": {"counters": {"family": FAMILY, "table": TABLE}}}])
+        if rc:
+            return None
+        found: dict[str, list[int]] = {}
+        for item in _items(out):
+            counter = item.get("counter")
+            if not isinstance(counter, dict) or counter.get("table") != TABLE:
+                continue
+            kind, _, key = str(counter.get("name", "")).partition("_")
+            if kind in ("ok", "deny") and key:
+                values = found.setdefault(key, [0, 0, 0, 0])
+                at = 0 if kind == "ok" else 2
+                values[at : at + 2] = [int(counter.get("packets", 0)), int(counter.get("bytes", 0))]
+        return {key: Counts(*values) for key, values in found.items()}
+
     # --- what is there ----------------------------------------------------------------------
 
     def sandbox_chains(self) -> set[str]:

@@ -228,6 +228,14 @@ CODES: tuple[ErrorCode, ...] = (
     ),
     # Who may do what.
     _c(
+        "unauthorized",
+        401,
+        "A scrape of the metrics listener (`[metrics] listen`) without the bearer token, or "
+        "with another one.",
+        "Send `Authorization: Bearer <token>` with the token of `[metrics] token_file` "
+        "(Prometheus: `authorization: {credentials_file: ...}`).",
+    ),
+    _c(
         "no_peer_credentials",
         403,
         "The agent could not read the caller's identity (not a unix socket connection).",

@@ -44,6 +44,10 @@ when the file is loaded, so a bad value is refused at load time, naming its fiel
     window_seconds = 600     # kept while asked for within it; then its members are trimmed
     size = 1                 # members per learned key
     max_pools = 8            # learned pools at once, all users
+    [metrics]                # GET /metrics (docs/metrics.md)
+    listen = "127.0.0.1:9464"  # a TCP listener for a scraper (bearer token); unset: none
+    token_file = "/etc/slicebox/metrics.token"  # root's, mode 0600
+    per_sandbox = false      # series of each sandbox, at most per_sandbox_max of them
 """
 
 import logging
@@ -68,6 +72,7 @@ from slicebox.model.limits import (
     parse_pids,
     parse_size,
 )
+from slicebox.model.metrics import MetricsConfig
 from slicebox.model.paths import CONFIG_PATH
 from slicebox.model.pool import MAX_POOL_SIZE, PoolConfig
 from slicebox.model.shares import SharesConfig
@@ -373,6 +378,9 @@ class Config(_Strict):
         default=(), description="warm pools, one [[pool]] table each (docs/pool.md)"
     )
     pool_learning: PoolLearning = _table("pools learned from demand, for keys no [[pool]] names")
+    metrics: MetricsConfig = _table(
+        "GET /metrics: per-sandbox series, a TCP listener (docs/metrics.md)"
+    )
 
     @field_validator("pool")
     @classmethod

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -63,6 +64,8 @@ class Route(NamedTuple):
     query: type[BaseModel] | None = None  # the query string's model
     raw_body: bool = False  # the body is bytes (a file, a tar stream), not JSON
     raw_answer: bool = False  # so is the success answer
+    prefix: str = API_PREFIX  # "" for what is served outside the API (``/metrics``)
+    answer_types: tuple[str, ...] = ()  # a raw answer's media types (default: tar, bytes)
 
 
 class Callers(NamedTuple):
@@ -72,6 +75,15 @@ class Callers(NamedTuple):
 
 
 CALLERS = AppKey("slicebox.callers", Callers)
+
+
+class Measure(Protocol):
+    """What counts each answer (``server.metrics.Requests``): ``MEASURE`` in the app."""
+
+    def observe(self, route: str, method: str, status: int, seconds: float) -> None: ...
+
+
+MEASURE = AppKey("slicebox.measure", Measure)  # type: ignore[type-abstract]
 
 
 def error_response(status: int, code: str, message: str, field: str | None = None) -> Response:
@@ -129,6 +141,15 @@ def _peer(request: Request) -> PeerCredentials | None:
 
 
 def make_middlewares(users: UserDirectory) -> list[Middleware]:
+    async def measured(request: Request, handler: Handler) -> StreamResponse:
+        """Each answer counted by its route's pattern (``MEASURE``, when the app has one)."""
+        started = time.monotonic()
+        answer = await handler(request)
+        if MEASURE in request.app:
+            elapsed = time.monotonic() - started
+            request.app[MEASURE].observe(request.route, request.method, answer.status, elapsed)
+        return answer
+
     async def envelope(request: Request, handler: Handler) -> StreamResponse:
         try:
             creds = _peer(request)
@@ -151,7 +172,7 @@ def make_middlewares(users: UserDirectory) -> list[Middleware]:
             log.exception("unexpected error on %s %s", request.method, request.path)
             return error_response(500, "internal", "the agent failed; see its journal")
 
-    return [envelope]
+    return [measured, envelope]
 
 
 _HTTP_CODES = {
@@ -226,13 +247,14 @@ def openapi_document(routes: Sequence[Route]) -> dict[str, Any]:
                 "content": {"application/json": {"schema": _ref(route.body, schemas)}},
             }
         if route.raw_answer:
-            operation["responses"]["200"] = {"description": "success", "content": _RAW}
+            content = dict.fromkeys(route.answer_types, _BINARY) if route.answer_types else _RAW
+            operation["responses"]["200"] = {"description": "success", "content": content}
         elif route.response is not None:
             operation["responses"]["200"] = {
                 "description": "success",
                 "content": {"application/json": {"schema": _ref(route.response, schemas)}},
             }
-        paths.setdefault(API_PREFIX + route.path, {})[route.method.lower()] = operation
+        paths.setdefault(route.prefix + route.path, {})[route.method.lower()] = operation
     return {
         "openapi": "3.1.0",
         "info": {"title": "slicebox agent API", "version": slicebox.__version__},
@@ -259,10 +281,8 @@ def _ref(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, str]:
 
 
 # Bytes as they are: a tar stream (format=tar) or one file's contents (format=file).
-_RAW = {
-    media: {"schema": {"type": "string", "format": "binary"}}
-    for media in ("application/x-tar", "application/octet-stream")
-}
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+_RAW = dict.fromkeys(("application/x-tar", "application/octet-stream"), _BINARY)
 
 
 def _parameters(model: type[BaseModel]) -> list[dict[str, Any]]:
@@ -327,5 +347,5 @@ def build_app(
 
     app.router.add_get(API_PREFIX + "/openapi.json", openapi)
     for route in routes:
-        app.router.add_route(route.method, API_PREFIX + route.path, route.handler)
+        app.router.add_route(route.method, route.prefix + route.path, route.handler)
     return app

@@ -32,11 +32,21 @@ from slicebox.model.audit import AuditEvent, AuditRecord
 from slicebox.model.config import DEFAULT_PATH as DEFAULT_CONFIG
 from slicebox.model.errors import SliceboxError
 from slicebox.model.paths import AGENT_SOCKET
-from slicebox.server.api import CALLERS, ENGINE, SOCKET_LIMITS, Callers, Route, build_app
+from slicebox.server.api import (
+    CALLERS,
+    ENGINE,
+    MEASURE,
+    SOCKET_LIMITS,
+    Callers,
+    Route,
+    build_app,
+)
+from slicebox.server.metrics import METRICS
 from slicebox.server.pools import POOLS, run_in
 from slicebox.server.resolver import serve_resolver
 from slicebox.server.routes import ROUTES
-from slicebox.server.runtime import assemble, assemble_expiry
+from slicebox.server.runtime import Runtime, assemble, assemble_expiry
+from slicebox.server.scrape import ScrapeListener
 from slicebox.server.state import SERVICE
 from slicebox.web.app import AppKey
 from slicebox.web.server import serve
@@ -167,6 +177,20 @@ async def _every(interval: float, job: Callable[[], object], pool: ThreadPoolExe
             log.exception("periodic %s failed", getattr(job, "__name__", job))
 
 
+async def _opened_listener(
+    runtime: Runtime, listener: ScrapeListener
+) -> Callable[[], Awaitable[None]]:
+    """The metrics listener as the configuration says (none unless ``[metrics] listen``);
+    its close also ends the scrape thread."""
+    await listener.apply(runtime.config.metrics)
+
+    async def close() -> None:
+        await listener.close()
+        runtime.metrics.close()
+
+    return close
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sliceboxd", description=__doc__)
     parser.add_argument("--version", action=VersionAction)
@@ -231,8 +255,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("cannot start: %s", exc)  # systemd shows it in `systemctl status`
         return 1
 
+    listener = ScrapeListener(runtime.metrics)
+
     async def reload() -> str:
-        return await asyncio.to_thread(runtime.reload)
+        status = await asyncio.to_thread(runtime.reload)
+        await listener.apply(runtime.config.metrics)  # moved, re-keyed or stopped
+        return status
 
     # Each backend's connections end with the agent; the remote one's clients on every loop.
     remote = runtime.backend.daytona
@@ -251,12 +279,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             SERVICE: runtime.service,
             ENGINE: runtime.docker.found.describe(),
             CALLERS: Callers(lambda: runtime.sandboxes.config.callers),
+            METRICS: runtime.metrics,
+            MEASURE: runtime.metrics.requests,
         },
         closing=closing,
         opening=[
             lambda: serve_resolver(
                 runtime.egress.config.gateway, runtime.egress.answer, gate=runtime.egress
-            )
+            ),
+            lambda: _opened_listener(runtime, listener),
         ],
     )
     asyncio.run(agent.run(options.socket))

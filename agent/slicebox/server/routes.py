@@ -59,6 +59,7 @@ from slicebox.server.api import (
     parse_query,
 )
 from slicebox.server.fileroutes import FILE_ROUTES
+from slicebox.server.metrics import metrics
 from slicebox.server.pools import pools_of, run_in
 from slicebox.server.state import service_of
 from slicebox.web.request import Request
@@ -229,6 +230,15 @@ ROUTES: list[Route] = [
         "One reaper pass now (admins); dry_run only plans",
         ReapRequest,
         Report,
+    ),
+    Route(
+        "GET",
+        "/metrics",
+        metrics,
+        "Prometheus metrics (OpenMetrics when Accept asks); a non-admin sees their own series",
+        raw_answer=True,
+        prefix="",
+        answer_types=("text/plain", "application/openmetrics-text"),
     ),
 ]
 

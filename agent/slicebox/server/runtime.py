@@ -50,6 +50,8 @@ from slicebox.model.paths import CGROUP_MOUNT
 from slicebox.model.reaper import Kind
 from slicebox.model.usage import Level
 from slicebox.server.backends import backends, docker_backend
+from slicebox.server.collectors import Sources
+from slicebox.server.metrics import AgentMetrics
 from slicebox.server.resolver import UdpUpstream, resolv_conf
 
 log = logging.getLogger(__name__)
@@ -86,7 +88,9 @@ class Runtime:
         backend: Backends,
         docker: DockerBackend,
         egress: EgressGuard,
+        metrics: AgentMetrics,
     ) -> None:
+        self.metrics = metrics
         self.config_path = config_path
         self.config = config
         self.host_memory = host_memory
@@ -194,6 +198,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
     )
     integrator = MemoryIntegrator(time.monotonic)
     files = CgroupFS()
+    metrics = AgentMetrics()
     usage = UsageReader(files, NetnsCounters(), integrator)
 
     def pid_of(sandbox: Sandbox) -> int | None:
@@ -208,6 +213,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         sandboxes,
         reset=MemberReset(backend, engine, host, lambda s: cgroups_of(s).scope),
         alive=lambda member: populated(files, cgroups_of(member).scope),
+        instruments=metrics.instruments,
     )
     reaper = Reaper(
         sandboxes,
@@ -217,6 +223,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         config=lambda: sandboxes.config.reaper,  # what a reload leaves in force
         final_usage=final_usage,
         pool=pool,
+        instruments=metrics.instruments,
     )
     agent_memory = agent_memory_max()  # read once; the config's budget is re-read on reload
     budget = OutputBudget(
@@ -235,6 +242,10 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         budget=budget,
         pool=pool,
         egress=egress,
+        instruments=metrics.instruments,
+    )
+    metrics.watch(
+        Sources(files, lambda: sandboxes.config.metrics, reaper.listed, pool.census, egress.totals)
     )
     return Runtime(
         config_path=config_path,
@@ -251,6 +262,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         backend=backend,
         docker=docker,
         egress=egress,
+        metrics=metrics,
     )
 
 

@@ -64,9 +64,11 @@ class Router:
     def add_get(self, path: str, handler: Handler) -> None:
         self.add_route("GET", path, handler)
 
-    def resolve(self, method: str, raw_path: str) -> tuple[Handler, dict[str, str]]:
-        """The handler of ``method`` on ``raw_path`` and what its pattern matched; else
-        HTTPError 405 (the path is served, not that method) or 404."""
+    def resolve(self, method: str, raw_path: str) -> tuple[Handler, dict[str, str], str]:
+        """The handler of ``method`` on ``raw_path``, what its pattern matched, and the pattern
+        (``/v1/sandboxes/{id}``: what the request is counted under, never the path, whose ids
+        are no label values); else HTTPError 405 (the path is served, not that method) or
+        404."""
         segments = [unquote(segment) for segment in raw_path.split("/")[1:]]
         if any("/" in segment or "\x00" in segment for segment in segments):
             raise HTTPError(400, "a path segment holds an encoded / (%2F) or NUL; name it plainly")
@@ -74,7 +76,7 @@ class Router:
         for verb, pattern, handler in self._routes:
             matched = _match(pattern, segments)
             if matched is not None and verb == method:
-                return handler, matched
+                return handler, matched, "/" + "/".join(pattern)
             served = served or matched is not None
         raise HTTPError(405 if served else 404)
 
@@ -132,7 +134,9 @@ class Application:
         return await self._chain(request)
 
     async def _route(self, request: Request) -> StreamResponse:
-        handler, request.match_info = self.router.resolve(request.method, request._target_path)
+        handler, request.match_info, request.route = self.router.resolve(
+            request.method, request._target_path
+        )
         return await handler(request)
 
 

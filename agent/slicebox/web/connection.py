@@ -83,7 +83,10 @@ class Connection:
         sock, self._sock = self._sock, None
         assert sock is not None
         try:
-            self._reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+            if sock.family == socket.AF_UNIX:
+                self._reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+            else:  # the metrics listener's TCP peer
+                self._reader, self._writer = await asyncio.open_connection(sock=sock)
         except BaseException:
             sock.close()
             raise

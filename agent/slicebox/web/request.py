@@ -40,6 +40,7 @@ class Request:
         self.content = content
         self.app = app
         self.match_info: dict[str, str] = {}
+        self.route = ""  # the route's pattern once routed (``Router.resolve``); "": none
         self.client_max_size = app.client_max_size
         self._conn = conn
         self._state: dict[Hashable, Any] = {}

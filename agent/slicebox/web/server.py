@@ -2,8 +2,9 @@
 
 Handlers, middlewares, typed app state and the response classes keep aiohttp's meaning, so the
 agent's routes ported one to one (``web.app``, ``web.request``, ``web.response``). What is gone
-is what the agent never used: TCP sites, TLS, HEAD, websockets, access logs, and most of
-aiohttp's resident memory.
+is what the agent never used: TCP sites (but the metrics listener's one socket, served the same
+way: ``server.scrape``), TLS, HEAD, websockets, access logs, and most of aiohttp's resident
+memory.
 
 This module serves: ``Serving`` accepts on the listening socket, knows each peer's uid before
 it spends anything on its connection, and holds each uid to ``Limits``; one task per
@@ -32,7 +33,10 @@ _PEERCRED = struct.Struct("3i")
 
 
 def peer_uid(sock: socket.socket) -> int | None:
-    """The uid of the process at the other end of a unix socket (None: not known)."""
+    """The uid of the process at the other end of a unix socket (None: not known, as for
+    every TCP peer: all of a TCP listener's connections are held to one uid's caps)."""
+    if sock.family != socket.AF_UNIX:
+        return None
     try:
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
     except (OSError, AttributeError):
@@ -42,8 +46,8 @@ def peer_uid(sock: socket.socket) -> int | None:
 
 
 class Serving:
-    """An application answering on a listening socket, until ``close``: it accepts, and
-    holds each uid to ``limits``."""
+    """An application answering on a listening socket (a unix socket, or the metrics
+    listener's TCP one), until ``close``: it accepts, and holds each uid to ``limits``."""
 
     def __init__(self, app: Application, keepalive_timeout: float, limits: Limits) -> None:
         self.app = app

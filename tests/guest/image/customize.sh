@@ -39,6 +39,13 @@ printf '[engine]\nexit_command_delay = 10\n' \
 chroot "$root" systemctl disable podman.socket podman.service podman-restart.service \
     podman-auto-update.timer podman-clean-transient.service 2>/dev/null || true
 
+# Debian's Prometheus server, for the metrics test (issue 41), which starts it with its own
+# config, token and storage: nothing of it runs at boot (nor the node exporter, if pulled in).
+# One call each: systemctl disables none of its units when one of them is not installed.
+for unit in prometheus.service prometheus-node-exporter.service; do
+    chroot "$root" systemctl disable "$unit" >/dev/null 2>&1 || true
+done
+
 # Docker with the systemd cgroup driver (the product's requirement), no userland proxy.
 install -d "$root/etc/docker"
 cat > "$root/etc/docker/daemon.json" <<JSON

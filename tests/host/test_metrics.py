@@ -62,6 +62,7 @@ class Prometheus:
     """Debian's Prometheus, run here with a config of its own: one job, the agent's listener."""
 
     def __init__(self, directory: Path, target: str) -> None:
+        self.target = target  # the agent's listener it scrapes
         self.port = free_port()
         config = directory / "prometheus.yml"
         config.write_text(
@@ -259,3 +260,20 @@ def test_a_user_who_is_no_admin_reads_only_their_own_series_on_the_socket(
     finally:
         client().destroy(theirs.id)
         client().destroy(mine.id)
+
+
+def test_the_listener_answers_only_its_token_and_only_metrics(prometheus: Prometheus) -> None:
+    """Any local user reaches a TCP port: without the token, or with another, 401; with it,
+    nothing but /metrics."""
+    url = f"http://{prometheus.target}"
+
+    def status(path: str, *header: str) -> str:
+        argv = ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", *header, url + path]
+        return sh("runuser", "-u", USER, "--", *argv).stdout
+
+    token = TOKEN.read_text().strip()
+    assert status("/metrics") == "401"
+    assert status("/metrics", "-H", "Authorization: Bearer not-" + token) == "401"
+    assert status("/metrics", "-H", "Authorization: Basic " + token) == "401"
+    assert status("/metrics", "-H", "Authorization: Bearer " + token) == "200"
+    assert status("/v1/sandboxes", "-H", "Authorization: Bearer " + token) == "404"

@@ -477,11 +477,9 @@ class Service:
 
     # --- authorization and audit -----------------------------------------------------------
 
-    def _visible(
-        self, who: Identity, sandbox_id: str, *, current_deadline: bool = False
-    ) -> Sandbox:
-        sandbox = self._sandboxes.get(sandbox_id, current_deadline=current_deadline)
-        return self._visible_to(who, sandbox, sandbox_id)
+    def _visible(self, who: Identity, sandbox_id: str) -> Sandbox:
+        """The sandbox, if the caller may see it, from a worker thread (file transfers)."""
+        return self._visible_to(who, self._sandboxes.get(sandbox_id), sandbox_id)
 
     async def _looked_up(self, who: Identity, sandbox_id: str, blocking: Blocking) -> Sandbox:
         """The sandbox looked up on the running event loop, if the caller may see it; a pool

@@ -20,8 +20,8 @@ class FilesWorld(World):
         (self.root / "workspace").mkdir(parents=True)
         self.execs, self.local = LocalExecs(self.root), LocalHost()
         engine = ExecEngine(self.execs, self.local)
-        visible = self.service._visible
-        self.service.files = Files(engine, Auditor(self.journal), self.sandboxes, visible)
+        looked_up = self.service._looked_up
+        self.service.files = Files(engine, Auditor(self.journal), self.sandboxes, looked_up)
         if cap is not None:
             self.sandboxes.reconfigure(parse_config(f"files_max_bytes = {cap}"))
 

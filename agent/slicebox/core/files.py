@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from enum import StrEnum
 
 from slicebox.backends.base import StdinSource
@@ -251,12 +251,14 @@ class Files:
         engine: ExecEngine,
         auditor: Auditor,
         sandboxes: SandboxManager,
-        visible: Callable[[Identity, str], Sandbox],
+        looked_up: Callable[[Identity, str, Blocking], Awaitable[Sandbox]],
     ) -> None:
+        """``looked_up``: the sandbox if the caller may see it, looked up on the event loop
+        (an exec's look-up: a pool member's lease is read through the ``Blocking``)."""
         self._engine = engine
         self._auditor = auditor
         self._sandboxes = sandboxes
-        self._visible = visible
+        self._looked_up = looked_up
         # Transfers in flight, bound for all and per user (core/shares.py).
         self.slots = Slots(TRANSFERS, lambda: sandboxes.config.shares)
 
@@ -322,7 +324,7 @@ class Files:
         self, who: Identity, sandbox_id: str, query: FilesQuery, blocking: Blocking
     ) -> FileStat:
         """What is at ``path``: a look like ``get``, not audited."""
-        sandbox = await blocking(functools.partial(self._visible, who, sandbox_id))
+        sandbox = await self._looked_up(who, sandbox_id, blocking)
         with self._sandboxes.operation(sandbox.id):
             events = self._engine.stream(
                 sandbox.container_id,
@@ -350,7 +352,7 @@ class Files:
         tally = TransferTally(sandbox_id, direction, query)
         try:
             with self.slots.take(who):
-                found = await blocking(functools.partial(self._visible, who, sandbox_id))
+                found = await self._looked_up(who, sandbox_id, blocking)
                 sandbox = tally.found(found)
                 with self._sandboxes.operation(sandbox.id):
                     yield tally, sandbox

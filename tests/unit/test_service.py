@@ -137,6 +137,16 @@ def test_others_cannot_exec_in_or_destroy_my_sandbox(world: World) -> None:
     assert ThreadSide(world.service).get(ALICE, mine).id == mine
 
 
+def test_another_users_get_is_refused_before_systemd_is_asked(world: World) -> None:
+    mine = world.create(ALICE)
+    world.calls.clear()
+    with pytest.raises(NotFound):
+        ThreadSide(world.service).get(BOB, mine)
+    assert not [call for call in world.calls if call.startswith("systemd.")], world.calls
+    ThreadSide(world.service).get(ALICE, mine)
+    assert [call for call in world.calls if call.startswith("systemd.")], "the owner's reads it"
+
+
 def test_only_admins_act_for_other_users(world: World) -> None:
     with pytest.raises(Forbidden):
         world.create(ALICE, user="bob")

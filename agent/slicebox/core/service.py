@@ -100,7 +100,7 @@ class Service:
             sandboxes, usage=usage, tree=tree, pid_of=pid_of, clock=clock, egress=egress
         )
         # Files in and out (core/files.py): the same look-up, operation mark and engine.
-        self.files = Files(engine, auditor, sandboxes, self._visible)
+        self.files = Files(engine, auditor, sandboxes, self._looked_up)
         # Streamed execs and runs in flight, bound for all and per user (core/shares.py).
         self.streams = Slots(STREAMS, lambda: sandboxes.config.shares)
         self._capacities = Capacities(sandboxes, pool)  # what fits (core/capacity.py)
@@ -122,8 +122,12 @@ class Service:
         return [view_of(sandbox) for sandbox in found]
 
     async def get(self, who: Identity, sandbox_id: str, blocking: Blocking) -> SandboxView:
-        """The sandbox with the deadline systemd holds for it now."""
+        """The sandbox with the deadline systemd holds for it now. Another user's is refused
+        before systemd is asked anything about it; a pool member's user is its lease's, read
+        first."""
         sandbox = await self._sandboxes.look_up(sandbox_id)
+        if not sandbox.lineage.pool:
+            self._visible_to(who, sandbox, sandbox_id)
         current = await blocking(functools.partial(self._sandboxes.with_deadline, sandbox))
         return view_of(self._visible_to(who, current, sandbox_id))
 
@@ -476,10 +480,6 @@ class Service:
         return await self._capacities.answer(who, query, blocking)
 
     # --- authorization and audit -----------------------------------------------------------
-
-    def _visible(self, who: Identity, sandbox_id: str) -> Sandbox:
-        """The sandbox, if the caller may see it, from a worker thread (file transfers)."""
-        return self._visible_to(who, self._sandboxes.get(sandbox_id), sandbox_id)
 
     async def _looked_up(self, who: Identity, sandbox_id: str, blocking: Blocking) -> Sandbox:
         """The sandbox looked up on the running event loop, if the caller may see it; a pool

@@ -277,3 +277,59 @@ def test_the_listener_answers_only_its_token_and_only_metrics(prometheus: Promet
     assert status("/metrics", "-H", "Authorization: Basic " + token) == "401"
     assert status("/metrics", "-H", "Authorization: Bearer " + token) == "200"
     assert status("/v1/sandboxes", "-H", "Authorization: Bearer " + token) == "404"
+
+
+HOLD = """
+import socket, sys
+held = []
+for _ in range({count}):
+    s = socket.socket()
+    try:
+        s.connect(("{host}", {port}))
+        held.append(s)
+    except OSError:
+        s.close()
+print(len(held), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_user_holding_every_connection_leaves_the_scraper_its_share(
+    prometheus: Prometheus,
+) -> None:
+    """Any local user can connect to the listener and hold what they open: they are held to
+    their own share (the kernel names who owns a loopback connection's far end), and the
+    scraper, another uid, still scrapes. As one bucket for every TCP peer, 8 idle connections
+    of one user starved Prometheus."""
+    host, _, port = prometheus.target.partition(":")
+    token = TOKEN.read_text().strip()
+    code = HOLD.format(count=200, host=host, port=port)
+    holder = subprocess.Popen(
+        ["runuser", "-u", USER, "--", "python3", "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdin is not None
+    assert holder.stdout is not None
+    try:
+        assert int(holder.stdout.readline()) > 0, "the user opened connections and holds them"
+
+        def status(*run_as: str) -> str:
+            argv = ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "20"]
+            argv += ["-H", "Authorization: Bearer " + token, f"http://{prometheus.target}/metrics"]
+            return sh(*run_as, *argv, check=False).stdout
+
+        assert status() == "200", "root, another uid, is answered while the user holds theirs"
+        assert status("runuser", "-u", USER, "--") == "429", "the user's own share is full"
+        # Scrapes go on (a failed one would record up 0): the last one, seconds later, is new.
+        before = prometheus.query('timestamp(up{job="slicebox"})')
+        time.sleep(5)
+        assert prometheus.query('up{job="slicebox"}') == 1.0, "Prometheus still scrapes"
+        after = prometheus.query('timestamp(up{job="slicebox"})')
+        assert before is not None
+        assert after is not None
+        assert after > before
+    finally:
+        holder.stdin.close()
+        holder.wait(30)

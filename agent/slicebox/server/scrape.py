@@ -14,7 +14,11 @@ starts and at every reload (``apply``: a new token takes over without dropping t
 address moves the listener); it is never logged.
 
 What a connection may hold is bounded as on the socket (``web.limits``), tighter: a scraper
-needs a connection or two, each reading one head and sending no body.
+needs a connection or two, each reading one head and sending no body. The caps count per local
+user, as the socket's do: a connection from this host's loopback is counted under the uid that
+owns its far end, which the kernel says (``host.tcpowner``), so a user who holds every
+connection they may open leaves the scraper's own uid its share. Peers from elsewhere (a
+listener on another address) are counted together, under no uid.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import stat
 from ipaddress import ip_address
 from pathlib import Path
 
+from slicebox.host.tcpowner import loopback_owner
 from slicebox.model.metrics import MetricsConfig
 from slicebox.server.api import error_response, http_error
 from slicebox.server.metrics import AgentMetrics
@@ -41,16 +46,17 @@ log = logging.getLogger(__name__)
 
 TOKEN_MOST = 4096  # bytes: a token file longer than this is no token
 BACKLOG = 16
-# Every TCP peer counts as one "uid" (web.server.peer_uid): the per-uid caps are the totals.
+# Per local user (host.tcpowner; peers from elsewhere all count as one): a scraper needs a
+# connection or two; the totals leave room for a few dozen users at their caps at once.
 SCRAPER_LIMITS = Limits(
-    connections_per_uid=8,
-    connections=8,
-    in_flight_per_uid=4,
-    in_flight=4,
+    connections_per_uid=4,
+    connections=128,
+    in_flight_per_uid=2,
+    in_flight=32,
     body_bytes_per_uid=64 * 1024,
-    body_bytes=64 * 1024,
-    triage=4,
-    triage_per_uid=4,
+    body_bytes=1024 * 1024,
+    triage=32,
+    triage_per_uid=2,
     exempt_uids=frozenset(),
 )
 KEEPALIVE = 120.0  # seconds: a scraper keeps its connection between scrapes a minute apart
@@ -129,7 +135,11 @@ class ScrapeListener:
         self._wanted = wanted
         self._address = sock.getsockname()[:2]
         self._serving = await serve(
-            self._app(), sock, keepalive_timeout=KEEPALIVE, limits=SCRAPER_LIMITS
+            self._app(),
+            sock,
+            keepalive_timeout=KEEPALIVE,
+            limits=SCRAPER_LIMITS,
+            peer=loopback_owner,
         )
         log.info("metrics listener on %s (bearer token from %s)", config.listen, config.token_file)
 

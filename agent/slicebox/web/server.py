@@ -20,6 +20,7 @@ import os
 import socket
 import stat
 import struct
+from collections.abc import Callable
 
 from slicebox.web.app import Application
 from slicebox.web.connection import Connection
@@ -32,9 +33,13 @@ ACCEPT_RETRY = 0.1  # seconds between two accepts while descriptors are out
 _PEERCRED = struct.Struct("3i")
 
 
+PeerOf = Callable[[socket.socket], int | None]  # who a connection is counted under
+
+
 def peer_uid(sock: socket.socket) -> int | None:
-    """The uid of the process at the other end of a unix socket (None: not known, as for
-    every TCP peer: all of a TCP listener's connections are held to one uid's caps)."""
+    """The uid of the process at the other end of a unix socket (None: not known, as for a
+    TCP peer: a TCP listener names its peers with a ``PeerOf`` of its own, or all of its
+    connections are held to one uid's caps)."""
     if sock.family != socket.AF_UNIX:
         return None
     try:
@@ -49,8 +54,16 @@ class Serving:
     """An application answering on a listening socket (a unix socket, or the metrics
     listener's TCP one), until ``close``: it accepts, and holds each uid to ``limits``."""
 
-    def __init__(self, app: Application, keepalive_timeout: float, limits: Limits) -> None:
+    def __init__(
+        self,
+        app: Application,
+        keepalive_timeout: float,
+        limits: Limits,
+        peer: PeerOf = peer_uid,
+    ) -> None:
+        """``peer``: who a new connection's caps are counted under (``peer_uid``)."""
         self.app = app
+        self._peer = peer
         self.keepalive_timeout = keepalive_timeout
         self.limits = limits
         self.closing = False
@@ -133,7 +146,7 @@ class Serving:
             self._admit(client)
 
     def _admit(self, client: socket.socket) -> None:
-        uid = peer_uid(client)
+        uid = self._peer(client)
         triage = False
         why = self.open.take(uid)
         if why is not None:
@@ -186,9 +199,11 @@ async def serve(
     *,
     keepalive_timeout: float = 75.0,
     limits: Limits | None = None,
+    peer: PeerOf = peer_uid,
 ) -> Serving:
-    """Serve ``app`` on ``sock``, a bound and listening unix socket (systemd's, say)."""
-    serving = Serving(app, keepalive_timeout, limits or Limits())
+    """Serve ``app`` on ``sock``, a bound and listening unix socket (systemd's, say), or a
+    TCP one whose ``peer`` names who connected."""
+    serving = Serving(app, keepalive_timeout, limits or Limits(), peer)
     serving._listen(sock)
     return serving
 

@@ -11,12 +11,10 @@ did not keep are destroyed.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import logging
-import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Iterable, Iterator
@@ -33,21 +31,14 @@ from pydantic import AnyUrl
 from slicebox import __version__
 from slicebox.mcp import inputs
 from slicebox.mcp.calls import Progress
+from slicebox.mcp.options import parser
 from slicebox.mcp.outputs import Json, error, error_text
-from slicebox.mcp.session import (
-    DEFAULT_MAX_TRANSFER,
-    DEFAULT_PROJECT,
-    DEFAULT_TTL,
-    Session,
-    Settings,
-)
+from slicebox.mcp.session import Session, Settings
 from slicebox.mcp.tools import TOOLS
 from slicebox.model.errors import InvalidRequest, NotFound, SliceboxError
-from slicebox.model.paths import AGENT_SOCKET
 
 log = logging.getLogger(__name__)
 
-TTL_ENV = "SLICEBOX_MCP_TTL"
 TREE_URI = "slicebox://tree"
 USAGE_TEMPLATE = "slicebox://sandboxes/{sandbox_id}/usage"
 JSON_MEDIA = "application/json"
@@ -235,39 +226,6 @@ async def serving(settings: Settings) -> AsyncIterator[Server[Any, Any]]:
     finally:
         with anyio.CancelScope(shield=True):
             await session.close()
-
-
-def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="slicebox mcp", description="slicebox's tools for MCP clients, on stdio"
-    )
-    parser.add_argument("--socket", default=AGENT_SOCKET, help="the agent's unix socket")
-    add_options(parser)
-    return parser
-
-
-def add_options(parser: argparse.ArgumentParser) -> None:
-    """The options ``slicebox mcp`` takes, and passes on as they are."""
-    parser.add_argument(
-        "--ttl",
-        type=int,
-        default=int(os.environ.get(TTL_ENV) or DEFAULT_TTL),
-        metavar="SECONDS",
-        help=f"the deadline of a sandbox made here unless its create gives one (default "
-        f"{DEFAULT_TTL}, or ${TTL_ENV})",
-    )
-    parser.add_argument(
-        "--project",
-        default=DEFAULT_PROJECT,
-        help=f"the project of a sandbox made here unless its create names one ({DEFAULT_PROJECT})",
-    )
-    parser.add_argument(
-        "--max-transfer",
-        type=int,
-        default=DEFAULT_MAX_TRANSFER,
-        metavar="BYTES",
-        help=f"bytes one file or tree call moves at most (default {DEFAULT_MAX_TRANSFER})",
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

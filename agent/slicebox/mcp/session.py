@@ -12,13 +12,10 @@ import logging
 from dataclasses import dataclass, field
 
 from slicebox.client.aio import AsyncClient
+from slicebox.mcp.options import DEFAULT_MAX_TRANSFER, DEFAULT_PROJECT, DEFAULT_TTL
 from slicebox.model.errors import InvalidRequest, SliceboxError
 
 log = logging.getLogger(__name__)
-
-DEFAULT_TTL = 3600  # seconds: an MCP-made sandbox's deadline unless its create gives one
-DEFAULT_PROJECT = "default"  # as the CLI's --project
-DEFAULT_MAX_TRANSFER = 32 * 1024 * 1024  # bytes one tool call moves as base64 at most
 
 
 @dataclass(frozen=True)

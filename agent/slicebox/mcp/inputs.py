@@ -91,7 +91,7 @@ class ExecArgs(_Input):
     output_cap: int = _of(ExecRequest, "output_cap")
 
 
-class ExecInArgs(SandboxRef, ExecArgs):
+class ExecInArgs(ExecArgs, SandboxRef):
     pass
 
 

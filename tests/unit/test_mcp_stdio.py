@@ -59,26 +59,25 @@ def _send(stdin: IO[bytes], message: dict[str, Any]) -> None:
 
 
 def test_sigterm_ends_the_session_and_its_sandboxes(agent: Agent) -> None:
-    server = subprocess.Popen(
+    with subprocess.Popen(
         server_argv(agent), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=ENV
-    )
-    assert server.stdin is not None
-    assert server.stdout is not None
-    try:
-        hello = {"protocolVersion": "2025-06-18", "capabilities": {}}
-        hello["clientInfo"] = {"name": "test", "version": "0"}
-        _send(server.stdin, {"id": 1, "method": "initialize", "params": hello})
-        assert json.loads(server.stdout.readline())["id"] == 1
-        _send(server.stdin, {"method": "notifications/initialized"})
-        call = {"name": "sandbox_create", "arguments": {}}
-        _send(server.stdin, {"id": 2, "method": "tools/call", "params": call})
-        made = json.loads(server.stdout.readline())["result"]["structuredContent"]
-        assert agent.sandboxes() == [made["id"]]
-        server.send_signal(signal.SIGTERM)  # stdin still open: the signal alone ends it
-        assert server.wait(timeout=30) == 0
-    finally:
-        server.kill()
-        server.wait()
+    ) as server:
+        assert server.stdin is not None
+        assert server.stdout is not None
+        try:
+            hello = {"protocolVersion": "2025-06-18", "capabilities": {}}
+            hello["clientInfo"] = {"name": "test", "version": "0"}
+            _send(server.stdin, {"id": 1, "method": "initialize", "params": hello})
+            assert json.loads(server.stdout.readline())["id"] == 1
+            _send(server.stdin, {"method": "notifications/initialized"})
+            call = {"name": "sandbox_create", "arguments": {}}
+            _send(server.stdin, {"id": 2, "method": "tools/call", "params": call})
+            made = json.loads(server.stdout.readline())["result"]["structuredContent"]
+            assert agent.sandboxes() == [made["id"]]
+            server.send_signal(signal.SIGTERM)  # stdin still open: the signal alone ends it
+            assert server.wait(timeout=30) == 0
+        finally:
+            server.kill()  # a no-op once it ended; the block then closes its pipes and waits
     assert agent.sandboxes() == []
 
 

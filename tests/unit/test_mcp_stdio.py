@@ -119,3 +119,16 @@ def test_without_the_sdk_the_mcp_venvs_python_runs_the_server(
 
 def test_the_sdk_is_here_in_the_dev_venv() -> None:
     assert cli_mcp.sdk_here()
+
+
+def test_stdin_that_epoll_refuses_ends_the_session_as_a_closed_pipe_does(tmp_path: Path) -> None:
+    """/dev/null and a regular file go to the SDK's own reader: its end is seen, no hang."""
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    argv = [sys.executable, "-m", "slicebox.mcp", "--socket", str(tmp_path / "none.sock")]
+    with empty.open("rb") as file:
+        for stdin in (subprocess.DEVNULL, file):
+            ran = subprocess.run(
+                argv, stdin=stdin, capture_output=True, env=ENV, timeout=60, check=False
+            )
+            assert ran.returncode == 0, ran.stderr

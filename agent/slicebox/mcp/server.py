@@ -15,7 +15,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
+import stat
 import sys
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
@@ -179,13 +181,14 @@ class _Lines:
 
 
 async def _stdin(limit: int) -> _Lines | None:
-    """Stdin on the loop when it is a pipe, socket or terminal; None (the SDK's reader) else."""
+    """Stdin on the loop when it is a pipe or a socket (what an MCP client gives); None (the
+    SDK's own reader) otherwise: epoll refuses a regular file and /dev/null."""
+    mode = os.fstat(sys.stdin.fileno()).st_mode
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+        return None
     reader = asyncio.StreamReader(limit=limit)
     loop = asyncio.get_running_loop()
-    try:
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    except ValueError:  # a regular file: epoll cannot wait on it
-        return None
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     return _Lines(reader)
 
 

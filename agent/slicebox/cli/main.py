@@ -20,7 +20,7 @@ from typing import BinaryIO, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from slicebox import VersionAction
-from slicebox.cli import capacity, copying, doctor, tables
+from slicebox.cli import capacity, copying, doctor, mcp, tables
 from slicebox.client import DEFAULT_SOCKET, Client
 from slicebox.model.api import (
     CreateSandbox,
@@ -202,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("destination", help="SANDBOX:/path, a local path, or - (a tar on stdout)")
     commands.add_parser("pool", help="the warm pools: key, ready/busy, hit rate, refill time")
     capacity.add_parser(commands)
+    mcp.add_parser(commands)
     reap = commands.add_parser("reap", help="one reaper pass now (root and slicebox-admin)")
     reap.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     return parser
@@ -462,6 +463,7 @@ COMMANDS: dict[str, Command] = {
     "pool": cmd_pool,
     "capacity": capacity.run,
     "cp": cmd_cp,
+    "mcp": mcp.run,
 }
 
 

@@ -552,6 +552,14 @@ CODES: tuple[ErrorCode, ...] = (
         "GET /v1/health).",
     ),
     _c(
+        "mcp_unavailable",
+        None,
+        "`slicebox mcp` finds no MCP SDK in its own Python and no MCP environment at "
+        "$SLICEBOX_MCP_PYTHON or /opt/slicebox-mcp/bin/python.",
+        "Install it as the message and docs/mcp.md say: a venv with --system-site-packages "
+        "and `pip install 'mcp>=1.20,<2'` in it.",
+    ),
+    _c(
         "http_error",
         None,
         "The agent answered an error without the JSON envelope.",

@@ -94,17 +94,32 @@ WantedBy=multi-user.target
 UNIT
 chroot "$root" systemctl enable rig-sealed-runc.service
 
-# The wheels of image/wheels.txt, unpacked as pip would install them (a wheel is a zip).
+# The wheels a list names, unpacked into a site directory as pip would install them (a wheel
+# is a zip).
+unpack_wheels() {
+    local list=$1 site=$2 spec name version wheel
+    mkdir -p "$site"
+    while read -r spec; do
+        case $spec in ''|'#'*) continue ;; esac
+        name=${spec%%==*}; version=${spec#*==}
+        wheel=$(ls "$WHEELHOUSE"/"${name//-/_}"-"$version"-*.whl | head -n1)
+        python3 -m zipfile -e "$wheel" "$site"
+    done < "$list"
+    chmod -R a+rX "$site"
+}
+
+# image/wheels.txt, for the agent's own Python.
 site=$(ls -d "$root"/usr/lib/python3.*/ | head -n1)
-site="$root/usr/local/lib/$(basename "$site")/dist-packages"
-mkdir -p "$site"
-while read -r spec; do
-    case $spec in ''|'#'*) continue ;; esac
-    name=${spec%%==*}; version=${spec#*==}
-    wheel=$(ls "$WHEELHOUSE"/"${name//-/_}"-"$version"-*.whl | head -n1)
-    python3 -m zipfile -e "$wheel" "$site"
-done < "$(dirname "$0")/wheels.txt"
-chmod -R a+rX "$site"
+unpack_wheels "$(dirname "$0")/wheels.txt" "$root/usr/local/lib/$(basename "$site")/dist-packages"
+
+# The MCP venv that `slicebox mcp` runs when Debian's python cannot import the SDK (issue 42,
+# docs/mcp.md): it sees Debian's packages and the checkout (--system-site-packages), and its
+# own site-packages, first on its path, holds image/mcp-wheels.txt (the SDK and a newer
+# pydantic), which therefore shadow nothing outside it. No pip in it: the wheels are unpacked.
+chroot "$root" python3 -m venv --system-site-packages --without-pip /opt/slicebox-mcp
+unpack_wheels "$(dirname "$0")/mcp-wheels.txt" \
+    "$(ls -d "$root"/opt/slicebox-mcp/lib/python3.*/site-packages)"
+chmod -R a+rX "$root/opt/slicebox-mcp"
 
 # The checkout's agent/ is importable as the installed project (the rig adds the scripts).
 py=$(ls -d "$root"/usr/lib/python3/dist-packages)

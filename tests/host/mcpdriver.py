@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import json
 import os
 import sys
-import tarfile
 import time
 from typing import Any
 
@@ -20,26 +18,9 @@ from mcp import ClientSession, StdioServerParameters, types
 from mcp.client.stdio import stdio_client
 from pydantic import AnyUrl
 
+from tests.tarfiles import files_of, tar_of
+
 SERVER = StdioServerParameters(command="slicebox", args=["mcp", "--project", "mcp"])
-
-
-def tar_of(files: dict[str, bytes]) -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w") as archive:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-    return out.getvalue()
-
-
-def files_of(tar: bytes) -> dict[str, str]:
-    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
-        return {
-            m.name: archive.extractfile(m).read().hex()  # type: ignore[union-attr]
-            for m in archive.getmembers()
-            if m.isfile()
-        }
 
 
 class Driver:
@@ -83,7 +64,8 @@ class Driver:
         )
         down = await self.call("tree_download", sandbox_id=box, path="/workspace/src")
         self.seen["tree_sent"] = {f"./{k}": v.hex() for k, v in tree.items()}
-        self.seen["tree_back"] = files_of(base64.b64decode(down["tar_base64"]))
+        back = files_of(base64.b64decode(down["tar_base64"]))
+        self.seen["tree_back"] = {name: data.hex() for name, data in back.items()}
         self.seen["listed"] = await self.call("dir_list", sandbox_id=box, path="/workspace/src")
 
     async def run(self, other: str) -> None:

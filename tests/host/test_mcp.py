@@ -35,7 +35,7 @@ def session() -> Iterator[dict[str, Any]]:
             made = sh("runuser", "-u", OTHER, "--", "slicebox", "create", "--project", "mcp")
             other = made.stdout.strip()
             ran = subprocess.run(
-                ["runuser", "-u", USER, "--", VENV_PYTHON, "tests/host/mcpdriver.py", other],
+                ["runuser", "-u", USER, "--", VENV_PYTHON, "-m", "tests.host.mcpdriver", other],
                 capture_output=True,
                 text=True,
                 check=False,

@@ -5,10 +5,8 @@ directory listed, a tree up and down, and the agent's cap refused with its code.
 from __future__ import annotations
 
 import base64
-import io
 import os
 import subprocess
-import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from mcp import ClientSession
 
 from slicebox.mcp import outputs
 from slicebox.model.exec import ExecResult
+from tests.tarfiles import files_of, tar_of
 from tests.unit.agentserver import Agent, served
 from tests.unit.filesworld import FilesWorld
 from tests.unit.test_mcp import answer, create, over_mcp, refusal
@@ -30,25 +29,6 @@ def agent(tmp_path: Path) -> Iterator[Agent]:
     with served(tmp_path, FilesWorld(tmp_path, cap=4 * MiB)) as running:
         yield running
         assert running.sandboxes() == [], "a test left a sandbox behind"
-
-
-def tar_of(files: dict[str, bytes]) -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w") as archive:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-    return out.getvalue()
-
-
-def files_of(tar: bytes) -> dict[str, bytes]:
-    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
-        return {
-            m.name: archive.extractfile(m).read()  # type: ignore[union-attr]
-            for m in archive.getmembers()
-            if m.isfile()
-        }
 
 
 def test_a_binary_file_goes_in_and_out_byte_exact(agent: Agent) -> None:

@@ -19,11 +19,13 @@ pytestmark = pytest.mark.host
 
 USER = "sbxcap"
 PROJECT = unique("fill")
+RACE = unique("race")  # room for exactly two of BIG: 60 pids
 # Admission counts memory and pids; this project's ceilings make pids run out first: three
 # sandboxes of 30 pids take 90 of its 100, and 10 are left.
 CONFIG = TEST_CONFIG + (
     "[admission]\nmemory_ratio = 1.0\npids_ratio = 1.0\n"
     f'[projects."{USER}/{PROJECT}"]\nmemory = "512MB"\npids = 100\n'
+    f'[projects."{USER}/{RACE}"]\nmemory = "512MB"\npids = 60\n'
 )
 BIG = ("--memory", "32MB", "--pids", "30")
 SMALL = ("--memory", "32MB", "--pids", "10")
@@ -38,8 +40,8 @@ def slicebox(*argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def capacity(*shape: str) -> dict[str, object]:
-    asked = slicebox("--json", "capacity", "--project", PROJECT, *shape)
+def capacity(*shape: str, project: str = PROJECT) -> dict[str, object]:
+    asked = slicebox("--json", "capacity", "--project", project, *shape)
     assert asked.returncode == 0, asked.stderr
     return dict(json.loads(asked.stdout))
 
@@ -106,3 +108,30 @@ def test_a_project_filled_to_what_capacity_says_refuses_the_next_and_admits_what
     for box in made:
         assert slicebox("rm", str(box["id"])).returncode == 0
     assert capacity(*BIG)["fits"] == 3, "each destroy gives its room back"
+
+
+def test_creates_racing_for_the_last_room_admit_exactly_what_fits(agent: None) -> None:
+    """Six creates at once where two fit: the ledger checks and counts under one lock, so two
+    are admitted and four refused, never a third past the ceiling."""
+    assert capacity(*BIG, project=RACE)["fits"] == 2
+    racing = [
+        subprocess.Popen(
+            ["runuser", "-u", USER, "--", "slicebox", "--json", "create", "--project", RACE, *BIG],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(6)
+    ]
+    ended = [(race.wait(300), *race.communicate()) for race in racing]
+    made = [json.loads(out) for code, out, _ in ended if code == 0]
+    refusals = [err for code, _, err in ended if code != 0]
+    try:
+        assert len(made) == 2, ended
+        assert len(refusals) == 4
+        assert all(err.startswith("slicebox: admission_refused: pids 30:") for err in refusals)
+        assert capacity(*BIG, project=RACE)["fits"] == 0
+    finally:
+        for box in made:
+            slicebox("rm", str(box["id"]))
+    assert capacity(*BIG, project=RACE)["fits"] == 2

@@ -1,0 +1,71 @@
+"""An exec run by a native sandbox's init, on the event loop: its output pipes and its
+connection to the init, on which the init reports how the command ended.
+
+The exec ends when its command (the process the init forked for it) has exited and its output
+has ended. A process the command left running in the background may hold stdout and stderr
+open for as long as it runs; as ``docker exec`` does, the exec does not wait for it: it ends
+a grace after the command's exit (``STREAM_GRACE``), with what was written by then. The pipes
+are then handed to the init, which reads and drops what the background process still writes,
+so a server left running keeps writing its log without meeting a closed pipe (where a
+container's would be cut off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from slicebox.backends.native.initwire import LOST, MAX_REPORT, Report, hand_back, report_of
+from slicebox.backends.native.pipes import AsyncPipes
+
+STREAM_GRACE = 0.2
+
+
+class InitExec(AsyncPipes):
+    """:class:`AsyncPipes` that end with the command: ``report`` once the init has said how
+    it ended (None while it runs)."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        out_fd: int,
+        err_fd: int,
+        conn: socket.socket,
+        grace: float = STREAM_GRACE,
+    ) -> None:
+        super().__init__(loop, out_fd, err_fd)
+        self.report: Report | None = None
+        self._conn = conn
+        self._grace = grace
+        self._said = b""
+        self._listening = True
+        conn.setblocking(False)
+        loop.add_reader(conn.fileno(), self._heard)
+
+    def _heard(self) -> None:
+        try:
+            data = self._conn.recv(MAX_REPORT)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        self._said += data
+        if data and b"\n" not in self._said and len(self._said) < MAX_REPORT:
+            return
+        line = self._said.split(b"\n", 1)[0]
+        self._stop_listening()
+        self.report = report_of(line) if line else LOST
+        self.finish(self._grace, self._hand_back)
+
+    def _hand_back(self, fds: list[int]) -> None:
+        hand_back(self._conn, fds)
+
+    def _stop_listening(self) -> None:
+        if self._listening:
+            self._listening = False
+            self._loop.remove_reader(self._conn.fileno())
+
+    def close(self) -> None:
+        super().close()
+        self._stop_listening()
+        self._conn.close()

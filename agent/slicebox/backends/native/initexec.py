@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from slicebox.backends.native.initwire import LOST, MAX_REPORT, Report, hand_back, report_of
+from slicebox.backends.native.initwire import MAX_REPORT, Report, hand_back, lost, report_of
 from slicebox.backends.native.pipes import AsyncPipes
 
 STREAM_GRACE = 0.2
@@ -54,7 +54,7 @@ class InitExec(AsyncPipes):
             return
         line = self._said.split(b"\n", 1)[0]
         self._stop_listening()
-        self.report = report_of(line) if line else LOST
+        self.report = report_of(line) if line else lost()
         self.finish(self._grace, self._hand_back)
 
     def _hand_back(self, fds: list[int]) -> None:

@@ -25,9 +25,10 @@ HANDSHAKE_TIMEOUT = 10.0  # the order's answer: a hello, or the init's refusal
 MAX_REPORT = 4096
 
 
-class InitError(HostError):
-    """The sandbox's init did not run the exec: it refused, or what it said cannot be
-    believed (a hello from a process that is not a new child of the init)."""
+# The sandbox's init did not run the exec: it refused, or what it said cannot be believed (a
+# hello from a process that is not a new child of the init). The error tree's own class (its
+# classes are found by their code): a host_error, which the exec's caller is answered.
+InitError = HostError
 
 
 class Order(Model):
@@ -62,7 +63,9 @@ class Report(Model):
         return 128 + (self.signaled if self.signaled is not None else 9)
 
 
-LOST = Report(error="the sandbox's init is gone (the sandbox was stopped)")
+def lost() -> Report:
+    """The report of an exec whose init hung up first: the sandbox was stopped."""
+    return Report(error="the sandbox's init is gone (the sandbox was stopped)")
 
 
 def report_of(line: bytes) -> Report:

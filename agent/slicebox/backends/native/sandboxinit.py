@@ -179,6 +179,10 @@ class Init:
             os.unlink(path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(path)
+        # The agent has no CAP_DAC_OVERRIDE: the socket is anyone's to connect to, and its
+        # directory (0700, the sandbox user's) is what keeps everyone else away. Whoever gets
+        # through is still served only if it is the agent (its peer credentials).
+        os.chmod(path, 0o666)  # noqa: S103
         listener.listen(64)
         listener.setblocking(False)
         return listener

@@ -9,6 +9,9 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -22,6 +25,7 @@ from slicebox.backends.native.backend import NativeBackend
 from slicebox.backends.native.claims import ProcClaims
 from slicebox.backends.native.initwire import InitError, Order, Report
 from slicebox.backends.native.names import ANCHOR_PREFIX, slice_cgroup, unit_cgroup
+from slicebox.backends.native.units import INIT_SCRIPT
 from slicebox.model.errors import SandboxNotRunning
 from slicebox.model.exec import ExecRequest, ExecState
 from slicebox.model.limits import Limits
@@ -220,3 +224,47 @@ def test_the_init_s_reports_read_as_a_shell_reports_them() -> None:
     assert Report(error="x").exit_code == 137
     frame = Order(argv=("a",), cwd="/", env={}, stdin=False).frame()
     assert int.from_bytes(frame[:4], "big") == len(frame) - 4
+
+
+def spawn_init(runtime: Path, agent_uid: int, *command: str) -> subprocess.Popen[bytes]:
+    path = runtime / "init.sock"
+    argv = [sys.executable, "-I", "-B", str(INIT_SCRIPT), str(path), str(agent_uid), "/"]
+    init = subprocess.Popen([*argv, *command])
+    deadline = time.monotonic() + 10
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return init
+
+
+def ordered_and_heard(conn: socket.socket, order: Order, fds: list[int]) -> int:
+    initwire.send_order(conn, order, fds)
+    return initwire.hello_pid(conn)
+
+
+def test_the_init_serves_the_agent_s_uid_alone(runtime: Path) -> None:
+    init = spawn_init(runtime, os.getuid() + 1)  # as the sandbox's own processes are refused
+    try:
+        conn = initwire.connect(str(runtime / "init.sock"))
+        out_read, out_write = os.pipe()
+        order = Order(argv=("true",), cwd="/", env={}, stdin=False)
+        with pytest.raises(InitError, match="hung up"):
+            ordered_and_heard(conn, order, [out_write, out_write])
+        conn.close()
+        os.close(out_read)
+        os.close(out_write)
+    finally:
+        init.kill()
+        init.wait()
+
+
+def test_the_init_ends_with_the_sandbox_s_own_command(runtime: Path) -> None:
+    assert spawn_init(runtime, os.getuid(), "sh", "-c", "exit 7").wait(timeout=30) == 7
+    idle = spawn_init(runtime, os.getuid(), "sleep", "infinity")
+    try:
+        time.sleep(0.3)
+        assert idle.poll() is None, "the default command is the init's own waiting"
+        children = Path(f"/proc/{idle.pid}/task/{idle.pid}/children").read_text().split()
+        assert children == []
+    finally:
+        idle.kill()
+        idle.wait()

@@ -91,18 +91,24 @@ def connect(path: str) -> socket.socket:
 
 def send_order(conn: socket.socket, order: Order, fds: list[int]) -> None:
     frame = order.frame()
-    sent = socket.send_fds(conn, [frame], fds)
-    if sent < len(frame):
-        conn.sendall(frame[sent:])
+    try:
+        sent = socket.send_fds(conn, [frame], fds)
+        if sent < len(frame):
+            conn.sendall(frame[sent:])
+    except OSError as exc:
+        raise InitError(f"the sandbox's init hung up on the exec's order: {exc}") from exc
 
 
 def hello_pid(conn: socket.socket) -> int:
     """The pid the kernel gives for the sender of the child's hello; InitError when the init
     refused the order, hung up, or the hello came without credentials."""
     space = socket.CMSG_SPACE(CREDENTIALS.size)
-    data, ancillary, _, _ = conn.recvmsg(1, space)
+    try:
+        data, ancillary, _, _ = conn.recvmsg(1, space)
+        rest = data + _line(conn) if data and data != HELLO else b""
+    except OSError as exc:  # reset, or no answer in time
+        raise InitError(f"the sandbox's init did not run the exec: it hung up ({exc})") from exc
     if data != HELLO:
-        rest = b"" if not data else data + _line(conn)
         why = report_of(rest).error if rest else "it hung up"
         raise InitError(f"the sandbox's init did not run the exec: {why}")
     for level, kind, payload in ancillary:

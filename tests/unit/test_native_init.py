@@ -108,11 +108,11 @@ def run(
             if kill_after and time.monotonic() - began > kill_after:
                 assert await native.exec_kill(exec_id)
                 break
+        attachment.close()  # as the engine does, before it asks for the exit code
         state = await native.exec_inspect(exec_id)
-        while state.running:  # as the engine asks: the output may end before the report
+        while state.running:  # the output may end before the report
             await asyncio.sleep(0.01)
             state = await native.exec_inspect(exec_id)
-        attachment.close()
         return exec_id, out, err, state
 
     return asyncio.run(go())

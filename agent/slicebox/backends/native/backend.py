@@ -468,7 +468,10 @@ class NativeBackend(NoVolumes):
     def _end(self, exec_id: str, state: ExecState) -> ExecState:
         with self._lock:
             self._calls.pop(exec_id, None)
-            self._running.pop(exec_id, None)
+            running = self._running.pop(exec_id, None)
+        if running is not None:
+            running.hang_up_soon()
+        with self._lock:
             if exec_id in self._ended:
                 return self._ended[exec_id]  # the first end stands (a kill's, then its read)
             self._ended[exec_id] = state

@@ -39,6 +39,7 @@ class InitExec(AsyncPipes):
         self._grace = grace
         self._said = b""
         self._listening = True
+        self._closed = False
         conn.setblocking(False)
         loop.add_reader(conn.fileno(), self._heard)
 
@@ -56,6 +57,8 @@ class InitExec(AsyncPipes):
         self._stop_listening()
         self.report = report_of(line) if line else lost()
         self.finish(self._grace, self._hand_back)
+        if self._closed:
+            self.hang_up()
 
     def _hand_back(self, fds: list[int]) -> None:
         hand_back(self._conn, fds)
@@ -66,6 +69,21 @@ class InitExec(AsyncPipes):
             self._loop.remove_reader(self._conn.fileno())
 
     def close(self) -> None:
+        """The output is done with; the connection stays until the report has come (the
+        engine asks for the exit code after it closes the output), or the exec's end."""
         super().close()
+        self._closed = True
+        if self.report is not None:
+            self.hang_up()
+
+    def hang_up(self) -> None:
+        """Done with the exec (its end, or its kill): the init hears the connection close."""
         self._stop_listening()
         self._conn.close()
+
+    def hang_up_soon(self) -> None:
+        """``hang_up`` from any thread: on the loop, where the connection is watched."""
+        try:
+            self._loop.call_soon_threadsafe(self.hang_up)
+        except RuntimeError:  # the loop is closed: nothing watches the connection any more
+            self._conn.close()

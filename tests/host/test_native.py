@@ -550,7 +550,7 @@ def test_a_native_sandbox_is_one_machine_through_the_agent() -> None:
             assert ex(sid, ["python3", "-c", FETCH], timeout=60).stdout == b"hello\n"
             seen = ex(theirs["id"], ["ps", "-eo", "args"]).stdout.decode()
             assert "http.server" not in seen, seen
-            assert "sleep" not in seen, seen
+            assert "sleep 4242" not in seen, seen
             assert len(seen.splitlines()) == 3, f"a header, its init and ps: {seen}"
         finally:
             for sandbox in (made, theirs):
@@ -561,7 +561,7 @@ def test_a_native_sandbox_is_one_machine_through_the_agent() -> None:
 
 
 HOSTILE = (
-    "import os, socket, struct, sys\n"
+    "import os, socket, struct, sys, time\n"
     "path = sys.argv[1]\n"
     "os.unlink(path)\n"
     "server = socket.socket(socket.AF_UNIX)\n"
@@ -578,6 +578,7 @@ HOSTILE = (
     "    print('forged pid 1 refused', e.errno, flush=True)\n"
     "    conn.sendmsg([b'C'])\n"
     "print('answer', conn.recv(1), flush=True)\n"
+    "time.sleep(600)\n"
 )
 
 

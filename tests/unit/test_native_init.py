@@ -159,7 +159,7 @@ def test_an_exec_ends_with_its_command_and_what_it_left_running_writes_on(
     loop = "(trap '' PIPE; while echo x; do sleep 0.05; done; echo gone > /dev/null) &"
     began = time.monotonic()
     _, out, _, state = run(native, made.id, ExecRequest(argv=("sh", "-c", f"{loop} echo $!")))
-    assert time.monotonic() - began < 3
+    assert time.monotonic() - began < 2 + 3, "the grace for its output, and no more"
     assert state.exit_code == 0
     writer = int(out.split(b"\n")[0])
     time.sleep(0.5)

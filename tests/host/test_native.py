@@ -227,7 +227,11 @@ def test_a_native_sandbox_has_its_own_loopback_and_no_other_network(
 
 def test_a_fork_bomb_is_held_by_the_sandbox_s_tasks_max(native: Native, clean_box: Sandbox) -> None:
     before = _events(slice_dir(clean_box) / "pids.events").get("max", 0)
-    result = native.run(clean_box, argv="b() { b | b & }; b; sleep 30", shell=True, timeout=4)
+    # The shell becomes sleep (no fork, which the bomb leaves none of): it runs to the timeout,
+    # whose stop of the exec's scope takes the bomb. A shell that ended first would leave the
+    # bomb in the background, where what an exec starts lives on.
+    bomb = "b() { b | b & }; b; exec sleep 30"
+    result = native.run(clean_box, argv=bomb, shell=True, timeout=4)
     assert result.timed_out
     assert result.exit_code == 124
     assert _events(slice_dir(clean_box) / "pids.events")["max"] > before, "TasksMax hit"
@@ -536,7 +540,7 @@ def test_a_native_sandbox_is_one_machine_through_the_agent() -> None:
             assert "http.server 8123" in listed
             assert ex(sid, ["kill", pid]).exit_code == 0
             assert "sleep 4242" not in ex(sid, ["ps", "-eo", "args"]).stdout.decode()
-            bomb = ex(sid, ["sh", "-c", "b() { b | b & }; b; sleep 30"], timeout=4)
+            bomb = ex(sid, ["sh", "-c", "b() { b | b & }; b; exec sleep 30"], timeout=4)
             assert (bomb.timed_out, bomb.exit_code) == (True, 124)
             directory = CGROUP_ROOT / slice_cgroup(made["container_id"]).lstrip("/")
             anchor = f"{ANCHOR_PREFIX}{sid}.service"

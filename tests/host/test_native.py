@@ -26,6 +26,7 @@ import pytest
 from slicebox.backends.docker import DockerBackend
 from slicebox.backends.native.backend import NativeBackend
 from slicebox.backends.native.names import ANCHOR_PREFIX, EXEC_PREFIX, slice_cgroup
+from slicebox.backends.native.units import hardening
 from slicebox.backends.router import Backends
 from slicebox.client import Client
 from slicebox.core.deadlines import Deadlines
@@ -41,7 +42,7 @@ from slicebox.host.journal import Auditor
 from slicebox.host.procs import CgroupHost
 from slicebox.host.systemd import PystemdSystemd
 from slicebox.model.config import parse_config, read_host_memory
-from slicebox.model.errors import HostError, InvalidRequest, Unavailable
+from slicebox.model.errors import HostError, InvalidRequest, SandboxNotRunning, Unavailable
 from slicebox.model.exec import ExecRequest, ExecResult
 from slicebox.model.names import MANAGED_SLICE, slice_names
 from slicebox.model.paths import CGROUP_ROOT as PURE_ROOT
@@ -613,3 +614,36 @@ def test_a_hostile_init_cannot_have_the_agent_move_another_process(native: Nativ
         assert len(scopes) == 1, f"the hostile exec's own scope alone: {scopes}"
     finally:
         assert native.manager.destroy(made.id) is not None
+
+
+def test_a_sandbox_from_before_the_init_is_listed_refused_execs_and_destroyed(
+    native: Native,
+) -> None:
+    """A native sandbox an older agent made: its anchor the plain command, no init. Its slice's
+    labels still list it; an exec is refused, saying what to do; its destroy leaves nothing."""
+    made = created(native.manager, native.spec("old"))
+    systemd = PystemdSystemd()
+    anchor = f"{ANCHOR_PREFIX}{made.id}.service"
+    systemd.stop(anchor)
+    systemd.reset_failed(anchor)  # its SIGKILL'd init left it failed, and loaded
+    old = ("/bin/sh", "-c", 'cd -- "$1" || exit 126; shift; exec "$@"', "sh", "/workspace")
+    systemd.start_service(
+        anchor,
+        {
+            **hardening(made.id, anchor=True),
+            "Slice": made.container_id,
+            "Type": "exec",
+            "ExecStart": [(old[0], [*old, "sleep", "infinity"], False)],
+        },
+        wait=True,
+    )
+    try:
+        [found] = native.manager.find(user=native.user, project="old")
+        assert found.id == made.id
+        with pytest.raises(SandboxNotRunning) as refused:
+            native.run(found, argv=["true"])
+        assert "destroy it and create another" in refused.value.message
+    finally:
+        assert native.manager.destroy(made.id) is not None
+    assert not slicebox_units(f"*{made.id}*")
+    assert not Path(f"/run/slicebox/native/{made.id}").exists()

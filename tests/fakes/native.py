@@ -139,16 +139,17 @@ class LiveInitSystemd(FakeNativeSystemd):
                 self.scope_pids[unit] = int(_fdinfo_pid(pidfd))
         super().start_service(unit, properties, wait=wait)
         argv = list(properties.get("ExecStart", [("", [], False)])[0][1])
-        if unit.endswith(".service") and argv[3:4] == [str(INIT_SCRIPT)]:
-            argv[5] = str(os.getuid())
-            self._start_init(unit, argv)
+        if unit.endswith(".service") and str(INIT_SCRIPT) in argv:
+            script = argv.index(str(INIT_SCRIPT))
+            argv[script + 2] = str(os.getuid())  # its AGENT_UID: this test's
+            self._start_init(unit, argv, Path(argv[script + 1]))
 
-    def _start_init(self, unit: str, argv: list[str]) -> None:
-        Path(argv[4]).parent.mkdir(parents=True, exist_ok=True)
+    def _start_init(self, unit: str, argv: list[str], path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/"}
         self.inits[unit] = subprocess.Popen(argv, env=env)
         deadline = time.monotonic() + 10
-        while not Path(argv[4]).exists() and time.monotonic() < deadline:
+        while not path.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
 
     def stop(self, unit: str) -> None:

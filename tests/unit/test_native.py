@@ -156,7 +156,7 @@ def test_create_makes_the_slice_then_the_anchor_in_it(
     anchor = systemd.services[f"{ANCHOR_PREFIX}sbx-000000000001.service"]
     assert anchor["Slice"] == unit
     assert anchor["ExecStart"][0][1][-2:] == ["sleep", "infinity"]
-    assert anchor["ExecStart"][0][1][3].endswith("sandboxinit.py"), "its init runs it"
+    assert anchor["ExecStart"][0][1][4].endswith("sandboxinit.py"), "its init runs it"
     assert (anchor["Type"], anchor["PrivatePIDs"]) == ("notify", "yes")
     assert anchor["RestrictAddressFamilies"] == (True, ["AF_UNIX", "AF_INET", "AF_INET6"])
     assert anchor["IPAddressAllow"] == LOCALHOST, "its own loopback, nothing else"

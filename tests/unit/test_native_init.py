@@ -228,7 +228,7 @@ def test_the_init_s_reports_read_as_a_shell_reports_them() -> None:
 
 def spawn_init(runtime: Path, agent_uid: int, *command: str) -> subprocess.Popen[bytes]:
     path = runtime / "init.sock"
-    argv = [sys.executable, "-I", "-B", str(INIT_SCRIPT), str(path), str(agent_uid), "/"]
+    argv = [sys.executable, "-I", "-S", "-B", str(INIT_SCRIPT), str(path), str(agent_uid), "/"]
     init = subprocess.Popen([*argv, *command])
     deadline = time.monotonic() + 10
     while not path.exists() and time.monotonic() < deadline:

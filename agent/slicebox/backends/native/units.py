@@ -122,10 +122,10 @@ def slice_properties(request: SandboxRequest) -> list[Property]:
 
 
 def identity(name: str, run_as: RunAs, *, anchor: bool) -> dict[str, Any]:
-    """Who the units run as and what is bound at /workspace. The workspace is the anchor's
-    runtime directory alone: an exec that declared it too would have systemd move it to
-    /run/private (a preserved runtime directory of a dynamic user goes there), away from the
-    anchor's removal."""
+    """Who the anchor runs as and what is bound at /workspace. The workspace is the anchor's
+    runtime directory alone: another unit joined to it (the benchmark's bare exec) that
+    declared it too would have systemd move it to /run/private (a preserved runtime directory
+    of a dynamic user goes there), away from the anchor's removal."""
     if not run_as.user:
         workspace = {
             "DynamicUser": True,

@@ -29,6 +29,7 @@ from slicebox.backends.native.names import ANCHOR_PREFIX, EXEC_PREFIX, slice_cgr
 from slicebox.backends.native.units import hardening
 from slicebox.backends.router import Backends
 from slicebox.client import Client
+from slicebox.core.blocking import Blocking, from_thread
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
 from slicebox.core.sandbox import Sandbox
@@ -647,3 +648,28 @@ def test_a_sandbox_from_before_the_init_is_listed_refused_execs_and_destroyed(
         assert native.manager.destroy(made.id) is not None
     assert not slicebox_units(f"*{made.id}*")
     assert not Path(f"/run/slicebox/native/{made.id}").exists()
+
+
+def test_an_abandoned_exec_takes_what_it_started_and_nothing_else(
+    native: Native, clean_box: Sandbox
+) -> None:
+    """A caller that goes away mid-exec: its processes go, a double fork's included; what an
+    earlier exec left in the background lives on, until a later exec kills it."""
+    kept = native.run(clean_box, argv="sleep 4343 > /dev/null 2>&1 & echo $!", shell=True)
+    request = ExecRequest.parse(
+        {"argv": "setsid sh -c 'sleep 4444' & echo started; exec sleep 4445", "shell": True}
+    )
+    scope = clean_box.running_scope()
+
+    async def abandon(blocking: Blocking) -> None:
+        events = native.engine.stream(clean_box.container_id, request, blocking, scope)
+        async with contextlib.aclosing(events):
+            async for _ in events:  # its first output: it runs; then the caller is gone
+                break
+
+    from_thread(abandon)
+    listed = native.run(clean_box, argv=["ps", "-eo", "args"]).stdout.decode()
+    assert "sleep 4343" in listed
+    assert "sleep 4444" not in listed
+    assert "sleep 4445" not in listed
+    assert native.run(clean_box, argv=["kill", kept.stdout.decode().strip()]).exit_code == 0

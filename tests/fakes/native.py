@@ -9,10 +9,17 @@ every unit in it; unit patterns match with backslashes as themselves (``FNM_NOES
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import os
+import signal
+import subprocess
+import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+from slicebox.backends.native.units import INIT_SCRIPT
 from slicebox.host.systemd import ListedUnit, ServiceStatus
 from slicebox.model.errors import HostError
 from slicebox.model.limits import Property
@@ -112,3 +119,72 @@ class FakeNativeSystemd(FakeSystemd):
             status = self.service_states.get(unit)
             if status is not None and status.active_state == "failed":
                 del self.service_states[unit]
+
+
+class LiveInitSystemd(FakeNativeSystemd):
+    """:class:`FakeNativeSystemd` whose native anchors run their init for real (as a plain
+    child process here, no namespace), so an exec goes over the real wire: the order, the
+    hello, the go, the report. An exec's scope is its process's session: a stop kills it.
+    The init takes orders from this test's own uid (``AGENT_UID`` in its argv)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inits: dict[str, subprocess.Popen[bytes]] = {}  # anchor -> its init
+        self.scope_pids: dict[str, int] = {}  # scope -> the pid its pidfd named
+
+    def start_service(self, unit: str, properties: Mapping[str, Any], *, wait: bool) -> None:
+        if unit.endswith(".scope"):
+            [pidfd] = properties["PIDFDs"]
+            with self._lock:
+                self.scope_pids[unit] = int(_fdinfo_pid(pidfd))
+        super().start_service(unit, properties, wait=wait)
+        argv = list(properties.get("ExecStart", [("", [], False)])[0][1])
+        if unit.endswith(".service") and str(INIT_SCRIPT) in argv:
+            script = argv.index(str(INIT_SCRIPT))
+            argv[script + 2] = str(os.getuid())  # its AGENT_UID: this test's
+            self._start_init(unit, argv, Path(argv[script + 1]))
+
+    def _start_init(self, unit: str, argv: list[str], path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/"}
+        self.inits[unit] = subprocess.Popen(argv, env=env)
+        deadline = time.monotonic() + 10
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def stop(self, unit: str) -> None:
+        pid = self.scope_pids.pop(unit, None)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        for anchor, init in list(self.inits.items()):
+            if unit == anchor or unit == self.services[anchor].get("Slice"):
+                init.kill()
+                init.wait()
+                del self.inits[anchor]
+        super().stop(unit)
+
+    def close(self) -> None:
+        for init in self.inits.values():
+            init.kill()
+            init.wait()
+        self.inits.clear()
+
+
+def _fdinfo_pid(pidfd: int) -> str:
+    for line in Path(f"/proc/self/fdinfo/{pidfd}").read_text().splitlines():
+        if line.startswith("Pid:"):
+            return line.split()[1]
+    raise AssertionError("not a pidfd")
+
+
+class ChildClaims:
+    """``claims.Claims`` for a plain init: any live process is the init's child (the real
+    check, of the anchor's cgroup, is the guest's)."""
+
+    def __init__(self) -> None:
+        self.claimed: list[tuple[int, str]] = []
+
+    def claim(self, pid: int, cgroup: str) -> int:
+        self.claimed.append((pid, cgroup))
+        return os.pidfd_open(pid)

@@ -1,10 +1,11 @@
-"""The native backend on a real host (issue 16): a sandbox that systemd isolates, in the same
-slice tree, under the same ceilings, through the agent's own create path.
+"""The native backend on a real host (issues 16 and 43): a sandbox that systemd isolates, in
+the same slice tree, under the same ceilings, through the agent's own create path, and one
+machine: every exec a fork of its init, in the sandbox's one process space.
 
-One native sandbox (128 MB, 64 pids) serves most of the module: its execs are transient
-services in its slice, so each test also checks that nothing of its execs is left in the
-slice but the sandbox's anchor. The fallback test stops the guest's Docker for real; the last
-test kills the installed agent with ``kill -9`` while native sandboxes run.
+One native sandbox (128 MB, 64 pids) serves most of the module: each exec's processes are a
+scope in its slice, so each test also checks that nothing of its execs is left in the slice
+but the sandbox's anchor (its init). The fallback test stops the guest's Docker for real; the
+last tests run the installed agent (one kills it with ``kill -9`` while native sandboxes run).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import contextlib
 import os
 import re
 import shutil
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,9 +25,11 @@ import pytest
 
 from slicebox.backends.docker import DockerBackend
 from slicebox.backends.native.backend import NativeBackend
-from slicebox.backends.native.names import ANCHOR_PREFIX, EXEC_PREFIX
+from slicebox.backends.native.names import ANCHOR_PREFIX, EXEC_PREFIX, slice_cgroup
+from slicebox.backends.native.units import hardening
 from slicebox.backends.router import Backends
 from slicebox.client import Client
+from slicebox.core.blocking import Blocking, from_thread
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
 from slicebox.core.sandbox import Sandbox
@@ -41,7 +43,7 @@ from slicebox.host.journal import Auditor
 from slicebox.host.procs import CgroupHost
 from slicebox.host.systemd import PystemdSystemd
 from slicebox.model.config import parse_config, read_host_memory
-from slicebox.model.errors import InvalidRequest, Unavailable
+from slicebox.model.errors import HostError, InvalidRequest, SandboxNotRunning, Unavailable
 from slicebox.model.exec import ExecRequest, ExecResult
 from slicebox.model.names import MANAGED_SLICE, slice_names
 from slicebox.model.paths import CGROUP_ROOT as PURE_ROOT
@@ -117,6 +119,7 @@ def processes(directory: Path) -> dict[str, list[int]]:
 
 
 def only_the_anchor(sandbox: Sandbox) -> bool:
+    """Nothing runs in the sandbox but its init (the anchor's one process)."""
     units = processes(slice_dir(sandbox))
     return (
         list(units) == [f"{ANCHOR_PREFIX}{sandbox.id}.service"]
@@ -199,23 +202,38 @@ def test_the_host_is_read_only_and_its_secrets_unreadable(
     assert home.exit_code != 0
 
 
-def test_a_native_sandbox_has_no_network(native: Native, clean_box: Sandbox) -> None:
+def test_a_native_sandbox_has_its_own_loopback_and_no_other_network(
+    native: Native, clean_box: Sandbox
+) -> None:
     code = (
         "import socket\n"
-        "for family in (socket.AF_INET, socket.AF_INET6, socket.AF_NETLINK):\n"
+        "try:\n"
+        "    socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM)\n"
+        "except OSError as e:\n"
+        "    print('netlink refused', e.errno)\n"
+        "server = socket.create_server(('127.0.0.1', 0))\n"
+        "client = socket.create_connection(server.getsockname())\n"
+        "print('loopback', server.accept()[0].send(b'x'), client.recv(1))\n"
+        "for where in (('10.0.2.2', 22), ('1.1.1.1', 53)):\n"
         "    try:\n"
-        "        socket.socket(family, socket.SOCK_DGRAM)\n"
-        "        print('opened', family)\n"
+        "        socket.create_connection(where, timeout=2)\n"
+        "        print('reached', where)\n"
         "    except OSError as e:\n"
-        "        print('refused', e.errno)\n"
+        "        print('unreachable', e.errno)\n"
     )
     result = native.run(clean_box, argv=["python3", "-c", code])
-    assert result.stdout == b"refused 97\n" * 3, result
+    assert result.stdout == (
+        b"netlink refused 97\nloopback 1 b'x'\nunreachable 101\nunreachable 101\n"
+    ), result
 
 
 def test_a_fork_bomb_is_held_by_the_sandbox_s_tasks_max(native: Native, clean_box: Sandbox) -> None:
     before = _events(slice_dir(clean_box) / "pids.events").get("max", 0)
-    result = native.run(clean_box, argv="b() { b | b & }; b; sleep 30", shell=True, timeout=4)
+    # The shell becomes sleep (no fork, which the bomb leaves none of): it runs to the timeout,
+    # whose stop of the exec's scope takes the bomb. A shell that ended first would leave the
+    # bomb in the background, where what an exec starts lives on.
+    bomb = "b() { b | b & }; b; exec sleep 30"
+    result = native.run(clean_box, argv=bomb, shell=True, timeout=4)
     assert result.timed_out
     assert result.exit_code == 124
     assert _events(slice_dir(clean_box) / "pids.events")["max"] > before, "TasksMax hit"
@@ -266,25 +284,17 @@ def test_its_usage_reads_like_a_docker_sandbox_s(native: Native, clean_box: Sand
     assert clean_box.container_id in names
 
 
-def test_an_exec_unit_s_exposure_is_at_most_2(native: Native, clean_box: Sandbox) -> None:
-    """``systemd-analyze security`` of an exec's unit while it runs."""
-    request = ExecRequest(argv=("sleep", "30"), timeout=60)
-    scope = clean_box.running_scope()
-    runner = threading.Thread(
-        target=lambda: native.engine.run(clean_box.container_id, request, scope), daemon=True
-    )
-    runner.start()
-    pattern = f"{EXEC_PREFIX}{clean_box.id}-*.service"
-    wait_for(lambda: bool(slicebox_units(pattern)), timeout=30, step=0.2)
-    [unit] = slicebox_units(pattern)
-    try:
-        said = sh("systemd-analyze", "security", "--no-pager", unit).stdout
-        match = re.search(r"Overall exposure level for \S+: ([0-9.]+)", said)
-        assert match is not None, said
-        assert float(match.group(1)) <= 2.0, said
-    finally:
-        sh("systemctl", "kill", "--signal=SIGKILL", unit, check=False)
-        runner.join(timeout=30)
+def test_what_runs_the_sandbox_s_processes_is_exposed_at_most_2(
+    native: Native, box: Sandbox
+) -> None:
+    """``systemd-analyze security`` of the anchor, whose init every process of the sandbox is
+    forked from (an exec's scope runs nothing of its own: it only holds the processes)."""
+    anchor = f"{ANCHOR_PREFIX}{box.id}.service"
+    said = sh("systemd-analyze", "security", "--no-pager", anchor).stdout
+    match = re.search(r"Overall exposure level for \S+: ([0-9.]+)", said)
+    assert match is not None, said
+    print(f"exposure of {anchor}: {match.group(1)}")
+    assert float(match.group(1)) <= 2.0, said
 
 
 def test_what_a_native_sandbox_cannot_give_is_refused_before_anything_is_made(
@@ -489,3 +499,177 @@ def records(sandbox_id: str) -> list[dict[str, Any]]:
 
 def _events(path: Path) -> dict[str, int]:
     return {k: int(v) for k, v in (line.split() for line in path.read_text().splitlines())}
+
+
+FETCH = (
+    "import time, urllib.request\n"
+    "for _ in range(150):\n"
+    "    try:\n"
+    "        answer = urllib.request.urlopen('http://127.0.0.1:8123/hello.txt')\n"
+    "        print(answer.read().decode(), end='')\n"
+    "        break\n"
+    "    except OSError:\n"
+    "        time.sleep(0.2)\n"
+)
+
+
+def test_a_native_sandbox_is_one_machine_through_the_agent() -> None:
+    """Issue 43, through the installed agent: what one exec leaves running, the next sees,
+    reaches and kills; a timed-out exec's fork bomb goes alone; another user's sandbox sees
+    none of it; the destroy leaves no process."""
+    with installed_agent(agent_config()):
+        sh("systemctl", "start", "slicebox.socket")
+        client = Client(str(SOCKET), timeout=120)
+        made = create(client, "one")
+        theirs = create(client, "one", user=unique("nat-"))
+        sid = made["id"]
+
+        def ex(sandbox: str, argv: list[str], **fields: object) -> ExecResult:
+            body = {"argv": argv, **fields}
+            answer = client.request("POST", f"/sandboxes/{sandbox}/exec", body)
+            return ExecResult.model_validate(answer)
+
+        try:
+            assert ex(sid, ["sh", "-c", "echo hello > hello.txt"]).exit_code == 0
+            server = "python3 -m http.server 8123 --bind 127.0.0.1 & echo $!"
+            started = ex(sid, ["sh", "-c", server])
+            assert started.exit_code == 0
+            assert started.duration < 10, "the exec answers at its command's exit"
+            assert ex(sid, ["python3", "-c", FETCH], timeout=60).stdout == b"hello\n"
+            assert ex(sid, ["sh", "-c", "sleep 4242 &"]).exit_code == 0
+            listed = ex(sid, ["ps", "-eo", "pid,args"]).stdout.decode()
+            [pid] = [line.split()[0] for line in listed.splitlines() if "sleep 4242" in line]
+            assert "http.server 8123" in listed
+            assert ex(sid, ["kill", pid]).exit_code == 0
+            assert "sleep 4242" not in ex(sid, ["ps", "-eo", "args"]).stdout.decode()
+            bomb = ex(sid, ["sh", "-c", "b() { b | b & }; b; exec sleep 30"], timeout=4)
+            assert (bomb.timed_out, bomb.exit_code) == (True, 124)
+            directory = CGROUP_ROOT / slice_cgroup(made["container_id"]).lstrip("/")
+            anchor = f"{ANCHOR_PREFIX}{sid}.service"
+
+            def only_the_server_is_left() -> bool:
+                units = processes(directory)
+                scopes = [unit for unit in units if unit.endswith(".scope")]
+                return set(units) == {anchor, *scopes} and len(scopes) == 1
+
+            wait_for(only_the_server_is_left, timeout=30)
+            assert ex(sid, ["python3", "-c", FETCH], timeout=60).stdout == b"hello\n"
+            seen = ex(theirs["id"], ["ps", "-eo", "args"]).stdout.decode()
+            assert "http.server" not in seen, seen
+            assert "sleep 4242" not in seen, seen
+            assert len(seen.splitlines()) == 3, f"a header, its init and ps: {seen}"
+        finally:
+            for sandbox in (made, theirs):
+                client.request("DELETE", f"/sandboxes/{sandbox['id']}")
+        assert not directory.exists()
+        left = sh("pgrep", "-f", "http.server 8123", check=False)
+        assert left.returncode == 1, left.stdout
+
+
+HOSTILE = (
+    "import os, socket, struct, sys, time\n"
+    "path = sys.argv[1]\n"
+    "os.unlink(path)\n"
+    "server = socket.socket(socket.AF_UNIX)\n"
+    "server.bind(path)\n"
+    "server.listen(1)\n"
+    "print('listening', flush=True)\n"
+    "conn, _ = server.accept()\n"
+    "conn.recv(65536)\n"
+    "forged = struct.pack('3i', 1, os.getuid(), os.getgid())\n"
+    "try:\n"
+    "    conn.sendmsg([b'C'], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, forged)])\n"
+    "    print('forged pid 1 sent', flush=True)\n"
+    "except OSError as e:\n"
+    "    print('forged pid 1 refused', e.errno, flush=True)\n"
+    "    conn.sendmsg([b'C'])\n"
+    "print('answer', conn.recv(1), flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def test_a_hostile_init_cannot_have_the_agent_move_another_process(native: Native) -> None:
+    """The sandbox's code takes the init's socket and answers the agent's next exec: it can
+    only claim a pid the kernel vouches for, its own, which is no new child of the init in the
+    anchor's cgroup. The exec is refused, and no process outside moves."""
+    made = created(native.manager, native.spec("hostile"))
+    try:
+        log = Path(f"/run/slicebox/native/{made.id}/hostile.log")
+        takeover = 'python3 -c "$HOSTILE" "$0" > hostile.log 2>&1 &'
+        path = f"/run/slicebox/init/{made.id}/init.sock"
+        taken = native.run(made, argv=["sh", "-c", takeover, path], env={"HOSTILE": HOSTILE})
+        assert taken.exit_code == 0, taken
+        wait_for(lambda: log.exists() and "listening" in log.read_text(), timeout=60)
+        sshd = sh("pgrep", "-o", "sshd").stdout.strip()
+        outside = {pid: Path(f"/proc/{pid}/cgroup").read_text() for pid in (sshd, "1")}
+        outside[str(os.getpid())] = Path("/proc/self/cgroup").read_text()
+        with pytest.raises(HostError) as refused:
+            native.run(made, argv=["touch", "/workspace/ran"])
+        assert "not its own new child" in refused.value.message, refused.value.message
+        wait_for(lambda: "answer" in log.read_text(), timeout=30)
+        assert "forged pid 1 refused 1" in log.read_text(), "EPERM: the kernel's own check"
+        assert not Path(f"/run/slicebox/native/{made.id}/ran").exists()
+        for pid, cgroup in outside.items():
+            assert Path(f"/proc/{pid}/cgroup").read_text() == cgroup
+        scopes = slicebox_units(f"{EXEC_PREFIX}{made.id}-*.scope")
+        assert len(scopes) == 1, f"the hostile exec's own scope alone: {scopes}"
+    finally:
+        assert native.manager.destroy(made.id) is not None
+
+
+def test_a_sandbox_from_before_the_init_is_listed_refused_execs_and_destroyed(
+    native: Native,
+) -> None:
+    """A native sandbox an older agent made: its anchor the plain command, no init. Its slice's
+    labels still list it; an exec is refused, saying what to do; its destroy leaves nothing."""
+    made = created(native.manager, native.spec("old"))
+    systemd = PystemdSystemd()
+    anchor = f"{ANCHOR_PREFIX}{made.id}.service"
+    systemd.stop(anchor)
+    systemd.reset_failed(anchor)  # its SIGKILL'd init left it failed, and loaded
+    old = ("/bin/sh", "-c", 'cd -- "$1" || exit 126; shift; exec "$@"', "sh", "/workspace")
+    systemd.start_service(
+        anchor,
+        {
+            **hardening(made.id, anchor=True),
+            "Slice": made.container_id,
+            "Type": "exec",
+            "ExecStart": [(old[0], [*old, "sleep", "infinity"], False)],
+        },
+        wait=True,
+    )
+    try:
+        [found] = native.manager.find(user=native.user, project="old")
+        assert found.id == made.id
+        with pytest.raises(SandboxNotRunning) as refused:
+            native.run(found, argv=["true"])
+        assert "destroy it and create another" in refused.value.message
+    finally:
+        assert native.manager.destroy(made.id) is not None
+    assert not slicebox_units(f"*{made.id}*")
+    assert not Path(f"/run/slicebox/native/{made.id}").exists()
+
+
+def test_an_abandoned_exec_takes_what_it_started_and_nothing_else(
+    native: Native, clean_box: Sandbox
+) -> None:
+    """A caller that goes away mid-exec: its processes go, a double fork's included; what an
+    earlier exec left in the background lives on, until a later exec kills it."""
+    kept = native.run(clean_box, argv="sleep 4343 > /dev/null 2>&1 & echo $!", shell=True)
+    request = ExecRequest.parse(
+        {"argv": "setsid sh -c 'sleep 4444' & echo started; exec sleep 4445", "shell": True}
+    )
+    scope = clean_box.running_scope()
+
+    async def abandon(blocking: Blocking) -> None:
+        events = native.engine.stream(clean_box.container_id, request, blocking, scope)
+        async with contextlib.aclosing(events):
+            async for _ in events:  # its first output: it runs; then the caller is gone
+                break
+
+    from_thread(abandon)
+    listed = native.run(clean_box, argv=["ps", "-eo", "args"]).stdout.decode()
+    assert "sleep 4343" in listed
+    assert "sleep 4444" not in listed
+    assert "sleep 4445" not in listed
+    assert native.run(clean_box, argv=["kill", kept.stdout.decode().strip()]).exit_code == 0

@@ -25,9 +25,9 @@ from slicebox.backends.native.names import (
     sandbox_slice,
 )
 from slicebox.backends.native.units import (
+    LOCALHOST,
     MARK,
     describe,
-    exit_code_of,
     hardening,
     labels_of,
     slice_properties,
@@ -38,7 +38,7 @@ from slicebox.core.slices import SliceManager
 from slicebox.host.systemd import ServiceStatus
 from slicebox.model.config import parse_config
 from slicebox.model.errors import InvalidRequest, SandboxNotFound, SandboxNotRunning, Unavailable
-from slicebox.model.exec import ExecRequest, ExecState
+from slicebox.model.exec import ExecRequest
 from slicebox.model.limits import INFINITY, Limits
 from slicebox.model.names import scope_name
 from slicebox.model.spec import Backend, Mount, SandboxSpec
@@ -97,7 +97,7 @@ def test_a_sandbox_slice_nests_in_its_project_slice_and_reads_back() -> None:
     assert is_native_id(unit)
     assert not is_native_id("0" * 64)
     assert scope_name(unit) == unit, "its cgroup is the slice's own"
-    assert is_native_exec("slicebox-exec-sbx-0a1b-00ff.service")
+    assert is_native_exec("slicebox-exec-sbx-0a1b-00ff.scope")
 
 
 def test_systemd_patterns_take_backslashes_as_they_are() -> None:
@@ -142,11 +142,6 @@ def test_environment_values_are_quoted_for_an_environment_file() -> None:
     assert env_line("A", 'x "y" $z `w` \\') == 'A="x \\"y\\" \\$z \\`w\\` \\\\"\n'
 
 
-def test_exit_codes_read_as_a_shell_reports_them() -> None:
-    assert exit_code_of(ended(1, 7)) == 7
-    assert exit_code_of(ended(2, 9, "signal")) == 137
-
-
 # --- lifecycle ---------------------------------------------------------------------------------
 
 
@@ -161,6 +156,15 @@ def test_create_makes_the_slice_then_the_anchor_in_it(
     anchor = systemd.services[f"{ANCHOR_PREFIX}sbx-000000000001.service"]
     assert anchor["Slice"] == unit
     assert anchor["ExecStart"][0][1][-2:] == ["sleep", "infinity"]
+    assert anchor["ExecStart"][0][1][4].endswith("sandboxinit.py"), "its init runs it"
+    assert (anchor["Type"], anchor["PrivatePIDs"]) == ("notify", "yes")
+    assert anchor["RestrictAddressFamilies"] == (True, ["AF_UNIX", "AF_INET", "AF_INET6"])
+    assert anchor["IPAddressAllow"] == LOCALHOST, "its own loopback, nothing else"
+    assert anchor["PrivateNetwork"] is True
+    assert anchor["RuntimeDirectory"] == [
+        "slicebox/native/sbx-000000000001",
+        "slicebox/init/sbx-000000000001",
+    ]
     assert "TOKEN" not in str(anchor), "the environment is no unit property"
     env = tmp_path / "env" / "sbx-000000000001.env"
     assert env.read_text() == 'TOKEN="s3\\"cr\\$t"\n'
@@ -222,64 +226,6 @@ def test_what_it_cannot_give_is_refused(
         native.create(request(**fields))
     assert refused.value.code == "backend_unsupported"
     assert named in refused.value.message
-
-
-def started(native: NativeBackend, backend_id: str, request: ExecRequest) -> str:
-    """An exec created and started, its output left unread: its unit is what is looked at."""
-
-    async def go() -> str:
-        exec_id = await native.exec_create(backend_id, request)
-        (await native.exec_start(exec_id, b"")).close()
-        return exec_id
-
-    return asyncio.run(go())
-
-
-def state(native: NativeBackend, exec_id: str) -> ExecState:
-    return asyncio.run(native.exec_inspect(exec_id))
-
-
-# --- exec --------------------------------------------------------------------------------------
-
-
-def test_an_exec_is_a_unit_in_the_sandbox_slice_joined_to_its_anchor(
-    native: NativeBackend, systemd: FakeNativeSystemd, tmp_path: Path
-) -> None:
-    made = native.create(request())
-    exec_id = started(native, made.id, ExecRequest(argv=("id",), env={"K": "v"}, timeout=5))
-    props = systemd.services[exec_id]
-    assert props["Slice"] == made.id
-    assert props["JoinsNamespaceOf"] == [f"{ANCHOR_PREFIX}sbx-000000000001.service"]
-    assert props["ExecStart"][0][1][3:] == ["sh", "/workspace", "id"]
-    assert props["RuntimeMaxUSec"] == 65_000_000, "a backstop past the engine's own timeout"
-    assert props["StandardInput"] == "null"
-    assert "RuntimeDirectory" not in props, "the anchor's alone: a dynamic user's would move"
-    assert "RuntimeDirectory" in systemd.services[f"{ANCHOR_PREFIX}sbx-000000000001.service"]
-    assert (tmp_path / "env" / f"{exec_id}.env").read_text() == 'K="v"\n'
-    assert state(native, exec_id).running
-    systemd.end(exec_id, None)  # ended well: systemd collected it
-    after = state(native, exec_id)
-    assert (after.running, after.exit_code) == (False, 0)
-    assert not (tmp_path / "env" / f"{exec_id}.env").exists()
-
-
-def test_an_exec_s_failure_is_its_exit_status_and_the_unit_is_forgotten(
-    native: NativeBackend, systemd: FakeNativeSystemd
-) -> None:
-    made = native.create(request())
-    exec_id = started(native, made.id, ExecRequest(argv=("false",)))
-    systemd.end(exec_id, ended(1, 3))
-    assert state(native, exec_id).exit_code == 3
-    assert exec_id not in systemd.service_states
-    assert state(native, exec_id).exit_code == 3, "asked again, answered the same"
-
-
-def test_a_kill_stops_the_exec_s_unit(native: NativeBackend, systemd: FakeNativeSystemd) -> None:
-    made = native.create(request())
-    exec_id = started(native, made.id, ExecRequest(argv=("sleep", "60")))
-    assert asyncio.run(native.exec_kill(exec_id)) is True
-    assert exec_id not in systemd.running
-    assert not state(native, exec_id).running
 
 
 def test_an_exec_in_a_stopped_sandbox_is_refused(
@@ -455,9 +401,7 @@ def test_a_host_workspace_runs_as_the_caller_and_a_restarted_agent_knows_it(
     assert "DynamicUser" not in anchor
     assert anchor["BindPaths"] == [("/srv/ws/al-ice/w", "/workspace", False, 16384)]
     later = NativeBackend(systemd, env_dir=tmp_path / "env", which=lambda name: name)
-    exec_id = started(later, made.id, ExecRequest(argv=("id",)))
-    assert systemd.services[exec_id]["User"] == "1000"
-    assert systemd.services[exec_id]["BindPaths"] == anchor["BindPaths"]
+    assert later._run_as_of(made.id).user == "1000:1000", "read back from its slice"
     read_only = Mount(source="/srv/ws/al-ice/w", target="/workspace", read_only=True)
     other = native.create(request("sbx-000000000002", user="1000:1000", mounts=(read_only,)))
     assert "BindReadOnlyPaths" in systemd.services[f"{ANCHOR_PREFIX}sbx-000000000002.service"]
@@ -502,5 +446,4 @@ def test_jit_runtimes_are_the_operator_s_choice(tmp_path: Path) -> None:
         jit.systemd.services[f"{ANCHOR_PREFIX}{made.id}.service"]["MemoryDenyWriteExecute"] is False
     )
     later = NativeBackend(jit.systemd, env_dir=tmp_path / "b", which=lambda name: name)
-    exec_id = started(later, made.container_id, ExecRequest(argv=("node",)))
-    assert jit.systemd.services[exec_id]["MemoryDenyWriteExecute"] is False, "from the slice"
+    assert later._run_as_of(made.container_id).jit, "read back from its slice"

@@ -5,7 +5,7 @@ The core (placement, lineage, the reaper, telemetry, exec) talks to one
 the native backend (which runs wasm sandboxes too), and a Daytona API when one is configured.
 What a call is for tells where it goes: a create by the kind its request names, anything else
 by the id it carries (a native sandbox's id is its slice unit, ``….slice``, a native exec's
-its service, ``slicebox-exec-….service``; a remote one's ``daytona-…``; a Docker container's
+its scope, ``slicebox-exec-….scope``; a remote one's ``daytona-…``; a Docker container's
 and exec's are hex). A look-up by name asks Docker, then systemd, then Daytona. A listing is
 all of them; a Daytona that does not answer is left out of it, with a warning.
 

@@ -55,6 +55,10 @@ SIGNATURES = {
     b"RuntimeDirectoryMode": b"u",
     b"RuntimeDirectoryPreserve": b"s",
     b"IPAddressDeny": b"a(iayu)",
+    b"IPAddressAllow": b"a(iayu)",
+    b"PrivatePIDs": b"s",
+    b"OOMScoreAdjust": b"i",
+    b"PIDFDs": b"ah",
     b"MemorySwapMax": b"t",
     b"Type": b"s",
 }

@@ -1,9 +1,10 @@
 """The native backend itself: :class:`NativeBackend`, what it asks of systemd, and its state.
 
-It creates, lists and removes a sandbox's slice and anchor, runs each exec as a transient unit
-with fresh pipes (or, in a wasm sandbox, as a call to the sandbox's worker), and remembers
-what an exec's inspect after its end asks. What the units are made of is ``units``; the
-package's docstring says what a native sandbox is.
+It creates, lists and removes a sandbox's slice and anchor, runs each exec through the
+sandbox's init with fresh pipes, in a scope of its own (or, in a wasm sandbox, as a call to
+the sandbox's worker), and remembers what an exec's inspect after its end asks. What the
+units are made of is ``units``, the wire to the init ``initwire``; the package's docstring
+says what a native sandbox is.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import concurrent.futures
 import os
 import secrets
 import shutil
+import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -31,30 +33,36 @@ from slicebox.backends.base import (
     StdinSource,
     resolve_own,
 )
+from slicebox.backends.native import initwire
+from slicebox.backends.native.claims import Claims, ProcClaims
 from slicebox.backends.native.envfiles import ENV_DIR, EnvFiles
+from slicebox.backends.native.initexec import InitExec
 from slicebox.backends.native.names import (
     ANCHOR_PREFIX,
     EXEC_PREFIX,
+    INIT_RUNTIME,
     anchor_unit,
+    exec_scope,
     glob_literal,
+    init_socket,
     is_native_id,
     name_of,
     sandbox_name,
     sandbox_slice,
+    unit_cgroup,
 )
-from slicebox.backends.native.pipes import AsyncPipes, read_whole
+from slicebox.backends.native.pipes import read_whole
 from slicebox.backends.native.units import (
     SHELL,
     RunAs,
     anchor_properties,
     describe,
-    exec_properties,
-    exit_code_of,
     how_it_ended,
     labels_of,
     refusal,
     run_as_described,
     run_as_of,
+    scope_properties,
     slice_properties,
 )
 from slicebox.host.plugins import PluginStore
@@ -107,11 +115,18 @@ class NativeBackend(NoVolumes):
         workers: int = 4,
         plugins: PluginStore | None = None,
         wasm_runtime: Path = Path("/run") / wasm.RUNTIME,
+        init_runtime: Path = Path("/run") / INIT_RUNTIME,
+        claims: Claims | None = None,
     ) -> None:
         self._systemd = systemd
         self.plugins = plugins or PluginStore()
         self._wasm_runtime = wasm_runtime  # where each wasm sandbox's worker listens
+        self._init_runtime = init_runtime  # where each native sandbox's init listens
+        self._claims = claims or ProcClaims()
         self._calls: dict[str, wasm.Call] = {}  # wasm calls not ended
+        self._running: dict[str, InitExec] = {}  # execs started, not ended
+        self._starting: set[str] = set()  # execs whose process is not yet in its scope
+        self._killed: set[str] = set()  # of those, the ones killed meanwhile
         self._env = EnvFiles(env_dir)
         self._which = which
         self._pending: dict[str, tuple[str, ExecRequest]] = {}  # created, not started
@@ -165,7 +180,8 @@ class NativeBackend(NoVolumes):
         try:
             described = describe(request.labels, run_as)
             self._systemd.start_transient(unit, slice_properties(request), described)
-            env_file, runtime = self._env.of_sandbox(name), self._wasm_runtime
+            env_file = self._env.of_sandbox(name)
+            runtime = self._wasm_runtime if run_as.wasm is not None else self._init_runtime
             properties = anchor_properties(request, unit, run_as, env_file, runtime)
             self._systemd.start_service(anchor, properties, wait=True)
             status = self._systemd.service_status(anchor)
@@ -245,8 +261,9 @@ class NativeBackend(NoVolumes):
         except HostError as exc:
             if exc.code != "no_such_unit":
                 raise
+        execs = f"{EXEC_PREFIX}{glob_literal(name)}-*"
         leftovers = self._systemd.listed(
-            [glob_literal(anchor_unit(name)), f"{EXEC_PREFIX}{glob_literal(name)}-*.service"]
+            [glob_literal(anchor_unit(name)), f"{execs}.service", f"{execs}.scope"]
         )
         for listed in leftovers:  # what failed stays loaded until forgotten; the rest is gone
             if listed.active_state == "failed":
@@ -270,8 +287,7 @@ class NativeBackend(NoVolumes):
         self.sandbox_pid(backend_id)  # SandboxNotFound / SandboxNotRunning, as Docker's
         if self._run_as_of(backend_id).wasm is not None:
             wasm.function_of(request)  # wasm_invalid before anything starts
-        name = sandbox_name(backend_id)
-        exec_id = f"{EXEC_PREFIX}{name}-{secrets.token_hex(6)}.service"
+        exec_id = exec_scope(sandbox_name(backend_id), secrets.token_hex(6))
         with self._lock:
             self._pending[exec_id] = (backend_id, request)
         return exec_id
@@ -281,41 +297,74 @@ class NativeBackend(NoVolumes):
     ) -> str:
         return await self._off_loop(self._exec_create, backend_id, request)
 
-    def _start(self, exec_id: str, stdin: bool) -> tuple[int | None, int, int]:
-        """Start the exec's unit with fresh pipes; (stdin's write end, stdout's and stderr's
-        read ends). systemd keeps its copies of the far ends until the unit is done, so the
-        output ends when the exec has ended, processes left behind included."""
+    def _start(self, exec_id: str, stdin: bool) -> tuple[int | None, int, int, socket.socket]:
+        """Have the sandbox's init start the exec with fresh pipes, its process moved into
+        the exec's scope before it runs the command; (stdin's write end, stdout's and stderr's
+        read ends, the connection on which the init reports the end)."""
         with self._lock:
             backend_id, request = self._pending.pop(exec_id)
-        name = sandbox_name(backend_id)
+            self._starting.add(exec_id)
         ours: list[int] = []
         theirs: list[int] = []
+        try:
+            conn = self._connect(backend_id)
+        except BaseException:
+            self._started(exec_id)
+            raise
         try:
             stdin_read, stdin_write = os.pipe() if stdin else (-1, -1)
             out_read, out_write = os.pipe()
             err_read, err_write = os.pipe()
             ours += [fd for fd in (stdin_write, out_read, err_read) if fd >= 0]
             theirs += [fd for fd in (stdin_read, out_write, err_write) if fd >= 0]
-            run_as = self._run_as_of(backend_id)
-            env_files = (self._env.of_sandbox(name), self._env.of_exec(exec_id))
-            properties = exec_properties(backend_id, name, request, run_as, env_files)
-            if stdin:
-                properties["StandardInputFileDescriptor"] = stdin_read
-            else:
-                properties["StandardInput"] = "null"
-            properties["StandardOutputFileDescriptor"] = out_write
-            properties["StandardErrorFileDescriptor"] = err_write
-            self._env.write(self._env.of_exec(exec_id), request.env)
-            self._systemd.start_service(exec_id, properties, wait=False)
-        except BaseException:
-            for fd in ours:
-                os.close(fd)
-            self._env.of_exec(exec_id).unlink(missing_ok=True)
-            raise
-        finally:
+            order = initwire.Order(argv=request.argv, cwd=request.cwd, env=request.env, stdin=stdin)
+            initwire.send_order(conn, order, theirs)
             for fd in theirs:
                 os.close(fd)
-        return (stdin_write if stdin else None), out_read, err_read
+            theirs.clear()
+            self._hand_over(backend_id, exec_id, initwire.hello_pid(conn))
+            conn.sendall(initwire.GO)
+        except BaseException:
+            self._started(exec_id)
+            for fd in ours + theirs:
+                os.close(fd)
+            conn.close()
+            raise
+        return (stdin_write if stdin else None), out_read, err_read, conn
+
+    def _started(self, exec_id: str) -> bool:
+        """The exec's start is over; whether it was killed meanwhile."""
+        with self._lock:
+            self._starting.discard(exec_id)
+            killed = exec_id in self._killed
+            self._killed.discard(exec_id)
+        return killed
+
+    def _connect(self, backend_id: str) -> socket.socket:
+        name = sandbox_name(backend_id)
+        try:
+            return initwire.connect(str(init_socket(self._init_runtime, name)))
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise SandboxNotRunning(
+                f"native sandbox {name} has no init answering ({exc.strerror}): it was made by "
+                "an older slicebox, or its init was killed; destroy it and create another"
+            ) from exc
+        except OSError as exc:
+            raise HostError(f"native sandbox {name}'s init cannot be reached: {exc}") from exc
+
+    def _hand_over(self, backend_id: str, exec_id: str, pid: int) -> None:
+        """Move the child the kernel named into the exec's scope, if it is one of the
+        sandbox's (``claims``); an exec killed meanwhile never gets its go."""
+        anchor = unit_cgroup(backend_id, anchor_unit(sandbox_name(backend_id)))
+        pidfd = self._claims.claim(pid, anchor)
+        try:
+            properties = scope_properties(backend_id, sandbox_name(backend_id), pidfd)
+            self._systemd.start_service(exec_id, properties, wait=True)
+        finally:
+            os.close(pidfd)
+        if self._started(exec_id):
+            self._stop_exec(exec_id)
+            raise initwire.InitError(f"exec {exec_id} was killed before it ran")
 
     def _run_as_of(self, backend_id: str) -> RunAs:
         """How the sandbox's units run: remembered from its create, else read from its slice
@@ -360,40 +409,42 @@ class NativeBackend(NoVolumes):
                 self._calls[exec_id] = call
             return call
         wants_stdin = not isinstance(stdin, bytes) or bool(stdin)
-        stdin_fd, out_fd, err_fd = await self._off_loop(self._start, exec_id, wants_stdin)
-        pipes = AsyncPipes(asyncio.get_running_loop(), out_fd, err_fd)
+        stdin_fd, out_fd, err_fd, conn = await self._off_loop(self._start, exec_id, wants_stdin)
+        attachment = InitExec(asyncio.get_running_loop(), out_fd, err_fd, conn)
+        with self._lock:
+            self._running[exec_id] = attachment
         if stdin_fd is not None:
-            pipes.feed(stdin_fd, stdin)
-        return pipes
+            attachment.feed(stdin_fd, stdin)
+        return attachment
 
     def _exec_state(self, exec_id: str) -> ExecState:
         with self._lock:
             ended = self._ended.get(exec_id)
             calling = exec_id in self._calls
+            running = self._running.get(exec_id)
         if ended is not None:
             return ended
-        if calling:  # a wasm call, answered by the sandbox's worker: not a unit
+        if calling:  # a wasm call, answered by the sandbox's worker
             return ExecState(pid=0, running=True, exit_code=None)
-        status = self._systemd.service_status(exec_id)
-        if status is None:
-            # A unit whose start was asked is loaded until it ends; an inactive one that ended
-            # well is collected at once (a failed one stays): gone means exit code 0.
-            return self._end(exec_id, ExecState(pid=0, running=False, exit_code=0))
-        if not status.exited:
-            return ExecState(pid=status.main_pid, running=True, exit_code=None)
-        state = ExecState(pid=0, running=False, exit_code=exit_code_of(status))
-        self._systemd.reset_failed(exec_id)
-        return self._end(exec_id, state)
+        if running is None:  # not this agent's, or forgotten long ago: no code to give
+            return ExecState(pid=0, running=False, exit_code=None)
+        report = running.report
+        if report is None:
+            return ExecState(pid=0, running=True, exit_code=None)
+        return self._end(exec_id, ExecState(pid=0, running=False, exit_code=report.exit_code))
 
     async def exec_inspect(self, exec_id: str) -> ExecState:
         return await self._off_loop(self._exec_state, exec_id)
 
     def _stop_exec(self, exec_id: str) -> bool:
-        """Stop the exec's unit: systemd kills every process in its cgroup (a fork bomb's
-        included, ``KillMode=control-group`` with SIGKILL) and returns once they are gone. A
-        wasm call's connection is closed instead: its worker cancels the call."""
+        """Stop the exec's scope: systemd kills every process in its cgroup (a fork bomb's
+        included, SIGKILL to the cgroup) and returns once they are gone; what other execs
+        left running is in their own scopes and lives on. A wasm call's connection is closed
+        instead: its worker cancels the call."""
         with self._lock:
             call = self._calls.get(exec_id)
+            if exec_id in self._starting:
+                self._killed.add(exec_id)
         if call is not None:
             call.close()
             self._end(exec_id, ExecState(pid=0, running=False, exit_code=137))
@@ -415,9 +466,12 @@ class NativeBackend(NoVolumes):
         return await self._off_loop(self._stop_exec, exec_id)
 
     def _end(self, exec_id: str, state: ExecState) -> ExecState:
-        self._env.of_exec(exec_id).unlink(missing_ok=True)
         with self._lock:
             self._calls.pop(exec_id, None)
+            running = self._running.pop(exec_id, None)
+        if running is not None:
+            running.hang_up_soon()
+        with self._lock:
             if exec_id in self._ended:
                 return self._ended[exec_id]  # the first end stands (a kill's, then its read)
             self._ended[exec_id] = state

@@ -1,9 +1,10 @@
-"""A native sandbox's environment, kept off its units: root-only files its units read.
+"""A native sandbox's environment, kept off its units: a root-only file its anchor reads.
 
 Unit properties are any local user's to read (``systemctl show``) and an environment may hold
-secrets, so neither the sandbox's environment nor an exec's own is a property: each is a file
-in a directory for root alone (``/run/slicebox/native-env``), ``<sandbox>.env`` and
-``<exec unit>.env``, that the units name in their ``EnvironmentFiles``.
+secrets, so the sandbox's environment is not a property: it is a file in a directory for root
+alone (``/run/slicebox/native-env``), ``<sandbox>.env``, that its anchor names in its
+``EnvironmentFiles``; the init passes it on to every exec, whose own environment the agent
+sends the init with the exec (``initwire``), never through systemd.
 """
 
 from __future__ import annotations
@@ -33,9 +34,6 @@ class EnvFiles:
     def of_sandbox(self, name: str) -> Path:
         return self.directory / f"{name}.env"
 
-    def of_exec(self, exec_id: str) -> Path:
-        return self.directory / f"{exec_id}.env"
-
     def write(self, path: Path, env: Mapping[str, str]) -> None:
         """``env`` as ``path``, for root alone: unit properties are anyone's to read."""
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -44,7 +42,7 @@ class EnvFiles:
             out.writelines(env_line(key, value) for key, value in env.items())
 
     def forget(self, name: str) -> None:
-        """Remove the sandbox's file and those its execs left (a killed agent's)."""
+        """Remove the sandbox's file and those its execs left (an agent before the init's)."""
         self.of_sandbox(name).unlink(missing_ok=True)
         for path in self.directory.glob(f"{EXEC_PREFIX}{name}-*.env"):
             path.unlink(missing_ok=True)

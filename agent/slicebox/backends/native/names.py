@@ -1,4 +1,5 @@
-"""A native sandbox's unit names: its slice, its anchor, its execs and its dynamic user.
+"""A native sandbox's names: its slice, its anchor, its execs' scopes, its dynamic user, its
+init's socket and the cgroups they make.
 
 Each is made from the sandbox's name and read back from a unit's, so the backend, the router
 (which tells a native id or exec from another backend's by its shape) and a listing of units
@@ -9,11 +10,14 @@ from __future__ import annotations
 
 import re
 import secrets
+from pathlib import Path
 
 from slicebox.model.names import escape, unescape
 
 ANCHOR_PREFIX = "slicebox-native-"
 EXEC_PREFIX = "slicebox-exec-"
+INIT_RUNTIME = "slicebox/init"  # below /run: each native sandbox's init's runtime directory
+INIT_SOCKET = "init.sock"
 _USER = re.compile(r"[a-z_][a-z0-9_-]{0,30}")
 
 
@@ -43,6 +47,27 @@ def sandbox_name(backend_id: str) -> str:
 
 def is_native_exec(exec_id: str) -> bool:
     return exec_id.startswith(EXEC_PREFIX)
+
+
+def exec_scope(name: str, token: str) -> str:
+    """An exec's scope, the cgroup its processes stay in whatever they fork."""
+    return f"{EXEC_PREFIX}{name}-{token}.scope"
+
+
+def init_socket(runtime: Path, name: str) -> Path:
+    """Where the sandbox's init listens: its own runtime directory below ``runtime``."""
+    return runtime / name / INIT_SOCKET
+
+
+def slice_cgroup(slice_unit: str) -> str:
+    """A slice's cgroup below the root, as systemd nests it: ``a-b.slice`` in ``a.slice``."""
+    parts = slice_unit.removesuffix(".slice").split("-")
+    return "/" + "/".join("-".join(parts[: i + 1]) + ".slice" for i in range(len(parts)))
+
+
+def unit_cgroup(backend_id: str, unit: str) -> str:
+    """The cgroup of ``unit`` (the anchor, an exec's scope) in the sandbox slice ``backend_id``."""
+    return f"{slice_cgroup(backend_id)}/{unit}"
 
 
 def dynamic_user(name: str) -> str:

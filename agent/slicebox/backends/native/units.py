@@ -1,10 +1,11 @@
 """What a native sandbox's units are made of: pure tables of systemd properties.
 
-Its slice's limits, the hardening every unit of it runs with, who they run as
-(:class:`RunAs`: a dynamic user, or the caller's ids for a host workspace), its anchor's and
-each exec's unit, and the slice's ``Description`` that carries its labels and ``RunAs`` (where
-a native sandbox's lineage lives without a state file). Nothing here asks systemd anything:
-the backend starts what these describe, and tests and the benchmark read them as they are.
+Its slice's limits, the hardening its anchor runs with (and every process of the sandbox
+inherits from it), who it runs as (:class:`RunAs`: a dynamic user, or the caller's ids for a
+host workspace), its anchor (the sandbox's init, or a wasm sandbox's worker), each exec's
+scope, and the slice's ``Description`` that carries its labels and ``RunAs`` (where a native
+sandbox's lineage lives without a state file). Nothing here asks systemd anything: the backend
+starts what these describe, and tests and the benchmark read them as they are.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import errno
 import json
 import socket
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +22,9 @@ from pydantic import ConfigDict
 
 from slicebox.backends import wasm
 from slicebox.backends.base import SandboxRequest
-from slicebox.backends.native.names import anchor_unit, dynamic_user
+from slicebox.backends.native.names import INIT_RUNTIME, dynamic_user, init_socket
 from slicebox.host.systemd import ServiceStatus
 from slicebox.model.base import Model
-from slicebox.model.exec import ExecRequest
 from slicebox.model.limits import INFINITY, Property, cpu_quota_usec
 from slicebox.model.wasm import WasmRun
 
@@ -35,8 +36,11 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # and a missing cwd 126 with the shell's words on stderr, as a Docker exec does.
 SHELL = "/bin/sh"
 EXEC_WRAPPER = 'cd -- "$1" || exit 126; shift; exec "$@"'
-# A backstop past the engine's own timeout: an exec the agent lost (killed with it) still ends.
-RUNTIME_BACKSTOP = 60.0
+INIT_SCRIPT = Path(__file__).with_name("sandboxinit.py")  # run as a script: stdlib only
+# The init is the OOM killer's last choice in its sandbox (its children reset theirs to 0):
+# with it every process of the sandbox would go.
+INIT_OOM_SCORE = -900
+AGENT_UID = 0  # whom the init takes orders from: the agent, root
 MS_REC = 16384
 CLD_EXITED = 1
 
@@ -118,10 +122,10 @@ def slice_properties(request: SandboxRequest) -> list[Property]:
 
 
 def identity(name: str, run_as: RunAs, *, anchor: bool) -> dict[str, Any]:
-    """Who the units run as and what is bound at /workspace. The workspace is the anchor's
-    runtime directory alone: an exec that declared it too would have systemd move it to
-    /run/private (a preserved runtime directory of a dynamic user goes there), away from the
-    anchor's removal."""
+    """Who the anchor runs as and what is bound at /workspace. The workspace is the anchor's
+    runtime directory alone: another unit joined to it (the benchmark's bare exec) that
+    declared it too would have systemd move it to /run/private (a preserved runtime directory
+    of a dynamic user goes there), away from the anchor's removal."""
     if not run_as.user:
         workspace = {
             "DynamicUser": True,
@@ -141,12 +145,15 @@ def identity(name: str, run_as: RunAs, *, anchor: bool) -> dict[str, Any]:
     }
 
 
-def hardening(name: str, run_as: RunAs | None = None, *, anchor: bool = False) -> dict[str, Any]:
-    """What every unit of the sandbox runs with: an exec unit's exposure, as ``systemd-analyze
-    security`` rates it, is held at 2 ("OK") or below by the native guest test."""
+def hardening(
+    name: str, run_as: RunAs | None = None, *, anchor: bool = False, loopback: bool = False
+) -> dict[str, Any]:
+    """What the sandbox's anchor runs with, and so every process of the sandbox: its exposure,
+    as ``systemd-analyze security`` rates it, is held at 2 ("OK") or below by the native guest
+    test. ``loopback``: IPv4 and IPv6 sockets on the sandbox's own loopback (``_network``)."""
     return {
         **identity(name, run_as or RunAs(), anchor=anchor),
-        **_network(run_as),
+        **_network(run_as, loopback=loopback),
         "PrivateTmp": True,
         "PrivateDevices": True,
         "PrivateIPC": True,
@@ -183,22 +190,34 @@ def hardening(name: str, run_as: RunAs | None = None, *, anchor: bool = False) -
     }
 
 
-def _network(run_as: RunAs | None) -> dict[str, Any]:
-    """No network at all; but a wasm sandbox with allowed hosts, whose plugin reaches them
-    through its runtime's HTTP call (the only network a plugin has, and the runtime refuses
-    every host not allowed), shares the host's."""
+INET = ["AF_UNIX", "AF_INET", "AF_INET6"]
+ANY = [(socket.AF_INET, [0] * 4, 0), (socket.AF_INET6, [0] * 16, 0)]
+LOCALHOST = [(socket.AF_INET, [127, 0, 0, 0], 8), (socket.AF_INET6, [0] * 15 + [1], 128)]
+
+
+def _network(run_as: RunAs | None, *, loopback: bool = False) -> dict[str, Any]:
+    """No network: a network namespace of its own, whose one link is its loopback, and every
+    address denied. A native sandbox (``loopback``) may open IPv4 and IPv6 sockets there, as a
+    container with network ``none`` may: a server one exec starts (``python3 -m http.server``)
+    answers the next exec on 127.0.0.1, while the namespace has no route anywhere else and the
+    cgroup's filter still drops every packet to or from another address. A wasm sandbox's
+    worker has AF_UNIX alone; one with allowed hosts, whose plugin reaches them through its
+    runtime's HTTP call (the only network a plugin has, and the runtime refuses every host not
+    allowed), shares the host's."""
     if run_as is not None and run_as.wasm is not None and run_as.wasm.allowed_hosts:
-        return {"RestrictAddressFamilies": (True, ["AF_UNIX", "AF_INET", "AF_INET6"])}
+        return {"RestrictAddressFamilies": (True, INET)}
+    if loopback:
+        return {
+            "PrivateNetwork": True,
+            "IPAddressDeny": ANY,
+            "IPAddressAllow": LOCALHOST,
+            "RestrictAddressFamilies": (True, INET),
+        }
     return {
         "PrivateNetwork": True,
-        "IPAddressDeny": [(socket.AF_INET, [0] * 4, 0), (socket.AF_INET6, [0] * 16, 0)],
+        "IPAddressDeny": ANY,
         "RestrictAddressFamilies": (True, ["AF_UNIX"]),
     }
-
-
-def exit_code_of(status: ServiceStatus) -> int:
-    """A finished main process's exit code as a shell reports it (128+signal if killed)."""
-    return status.status if status.code == CLD_EXITED else 128 + status.status
 
 
 # systemd's own exit statuses for a unit it could not start (systemd.exec(5)).
@@ -232,18 +251,45 @@ def refusal(request: SandboxRequest) -> str | None:
 
 
 def anchor_properties(
-    request: SandboxRequest, unit: str, run_as: RunAs, env_file: Path, wasm_runtime: Path
+    request: SandboxRequest, unit: str, run_as: RunAs, env_file: Path, runtime: Path
 ) -> dict[str, Any]:
-    """The anchor's unit: the sandbox's command in its slice, or a wasm sandbox's worker."""
+    """The anchor's unit: the sandbox's init in its slice, or a wasm sandbox's worker;
+    ``runtime``: where the init's socket is (``/run/slicebox/init``), or the worker's."""
     if run_as.wasm is not None:
-        return worker_properties(request, unit, run_as, env_file, wasm_runtime)
-    argv = (SHELL, "-c", EXEC_WRAPPER, "sh", request.workdir or WORKSPACE, *request.command)
+        return worker_properties(request, unit, run_as, env_file, runtime)
+    return init_properties(request, unit, run_as, env_file, runtime)
+
+
+def init_argv(request: SandboxRequest, runtime: Path) -> list[str]:
+    """The init (``sandboxinit``), run by the host's python3 isolated from the environment
+    (``-I``: the sandbox's own PYTHONPATH is its commands', not the init's) and without the
+    site module (``-S``: it imports the standard library alone, and starts sooner)."""
+    path = init_socket(runtime, request.name)
+    cwd = request.workdir or WORKSPACE
+    argv = [sys.executable, "-I", "-S", "-B", str(INIT_SCRIPT), str(path), str(AGENT_UID), cwd]
+    return [*argv, *request.command]
+
+
+def init_properties(
+    request: SandboxRequest, unit: str, run_as: RunAs, env_file: Path, runtime: Path
+) -> dict[str, Any]:
+    """A native sandbox's anchor: its init, PID 1 of a PID namespace of its own
+    (``PrivatePIDs``), ready once it listens on its socket in a runtime directory of its own
+    (root's and its user's alone). Its environment is the sandbox's: every exec inherits it."""
+    properties = hardening(request.name, run_as, anchor=True, loopback=True)
+    runtime_dirs = [*properties.get("RuntimeDirectory", []), f"{INIT_RUNTIME}/{request.name}"]
+    argv = init_argv(request, runtime)
     return {
-        **hardening(request.name, run_as, anchor=True),
+        **properties,
+        "RuntimeDirectory": runtime_dirs,
+        "RuntimeDirectoryMode": 0o700,
+        "PrivatePIDs": "yes",
+        "OOMScoreAdjust": INIT_OOM_SCORE,
         "Description": f"slicebox native sandbox {request.name}",
         "Slice": unit,
-        "Type": "exec",
-        "ExecStart": [(argv[0], list(argv), False)],
+        "Type": "notify",
+        "NotifyAccess": "main",
+        "ExecStart": [(argv[0], argv, False)],
         "EnvironmentFiles": [(str(env_file), True)],
         "Environment": [f"PATH={DEFAULT_PATH}", f"HOME={WORKSPACE}"],
         "StandardInput": "null",
@@ -283,20 +329,19 @@ def worker_properties(
     }
 
 
-def exec_properties(
-    backend_id: str, name: str, request: ExecRequest, run_as: RunAs, env_files: Sequence[Path]
-) -> dict[str, Any]:
-    """An exec's unit, in the sandbox's slice and its anchor's namespaces; its environment
-    files are the sandbox's, then the exec's own. Its stdio is the caller's to add."""
-    argv = (SHELL, "-c", EXEC_WRAPPER, "sh", request.cwd, *request.argv)
+def scope_properties(backend_id: str, name: str, pidfd: int) -> dict[str, Any]:
+    """An exec's scope in the sandbox slice, made of its one process (a pidfd, never a pid
+    number: see ``claims``). What that process forks stays in the scope's cgroup, which the
+    sandbox cannot leave: a stop kills all of it at once (SIGKILL to the cgroup, a fork bomb
+    included), and the scope lives while anything of it runs, so what an exec leaves in the
+    background outlives the exec. An OOM kill in it is the kernel's business: the scope goes
+    on."""
     return {
-        **hardening(name, run_as),
         "Description": f"slicebox exec in {name}",
         "Slice": backend_id,
-        "Type": "exec",
-        "JoinsNamespaceOf": [anchor_unit(name)],
-        "ExecStart": [(argv[0], list(argv), False)],
-        "Environment": [f"PATH={DEFAULT_PATH}", f"HOME={WORKSPACE}"],
-        "EnvironmentFiles": [(str(path), True) for path in env_files],
-        "RuntimeMaxUSec": int((request.timeout + RUNTIME_BACKSTOP) * 1_000_000),
+        "PIDFDs": [pidfd],
+        "KillMode": "control-group",
+        "KillSignal": 9,
+        "OOMPolicy": "continue",
+        "CollectMode": "inactive-or-failed",
     }

@@ -1,0 +1,137 @@
+"""The agent's side of the wire to a native sandbox's init (``sandboxinit``, which says how it
+works): an exec's order, the child's hello, the go, the init's report, the hand-back of the
+output pipes.
+
+The init runs as the sandbox's user and its code can be replaced by the sandbox's own: what it
+sends is parsed here, once, and believed only where the kernel vouches for it (the hello's
+credentials, which a process cannot forge for another pid).
+"""
+
+from __future__ import annotations
+
+import array
+import socket
+import struct
+
+from pydantic import ConfigDict
+
+from slicebox.model.base import Model
+from slicebox.model.errors import HostError
+
+HEADER = struct.Struct(">I")
+HELLO, GO, DRAIN = b"C", b"G", b"D"
+CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+HANDSHAKE_TIMEOUT = 10.0  # the order's answer: a hello, or the init's refusal
+MAX_REPORT = 4096
+
+
+# The sandbox's init did not run the exec: it refused, or what it said cannot be believed (a
+# hello from a process that is not a new child of the init). The error tree's own class (its
+# classes are found by their code): a host_error, which the exec's caller is answered.
+InitError = HostError
+
+
+class Order(Model):
+    """One exec, as the init is told it: the stdio goes with it as descriptors."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    argv: tuple[str, ...]
+    cwd: str
+    env: dict[str, str]
+    stdin: bool
+
+    def frame(self) -> bytes:
+        body = self.model_dump_json().encode()
+        return HEADER.pack(len(body)) + body
+
+
+class Report(Model):
+    """How an exec's command ended, as the init reports it (or could not run it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    exited: int | None = None
+    signaled: int | None = None
+    error: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """The exit code as a shell reports it (128+signal when killed)."""
+        if self.exited is not None:
+            return self.exited
+        return 128 + (self.signaled if self.signaled is not None else 9)
+
+
+def lost() -> Report:
+    """The report of an exec whose init hung up first: the sandbox was stopped."""
+    return Report(error="the sandbox's init is gone (the sandbox was stopped)")
+
+
+def report_of(line: bytes) -> Report:
+    try:
+        return Report.model_validate_json(line)
+    except ValueError:
+        return Report(error=f"the sandbox's init answered {line[:80]!r}")
+
+
+def connect(path: str) -> socket.socket:
+    """A connection to the init at ``path`` that receives its peers' credentials: a hello's
+    sender is then named by the kernel, in the agent's own PID namespace."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        conn.settimeout(HANDSHAKE_TIMEOUT)
+        conn.connect(path)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def send_order(conn: socket.socket, order: Order, fds: list[int]) -> None:
+    frame = order.frame()
+    try:
+        sent = socket.send_fds(conn, [frame], fds)
+        if sent < len(frame):
+            conn.sendall(frame[sent:])
+    except OSError as exc:
+        raise InitError(f"the sandbox's init hung up on the exec's order: {exc}") from exc
+
+
+def hello_pid(conn: socket.socket) -> int:
+    """The pid the kernel gives for the sender of the child's hello; InitError when the init
+    refused the order, hung up, or the hello came without credentials."""
+    space = socket.CMSG_SPACE(CREDENTIALS.size)
+    try:
+        data, ancillary, _, _ = conn.recvmsg(1, space)
+        rest = data + _line(conn) if data and data != HELLO else b""
+    except OSError as exc:  # reset, or no answer in time
+        raise InitError(f"the sandbox's init did not run the exec: it hung up ({exc})") from exc
+    if data != HELLO:
+        why = report_of(rest).error if rest else "it hung up"
+        raise InitError(f"the sandbox's init did not run the exec: {why}")
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+            pid, _, _ = CREDENTIALS.unpack(payload[: CREDENTIALS.size])
+            return int(pid)
+    raise InitError("the sandbox's init sent a hello without credentials")
+
+
+def _line(conn: socket.socket) -> bytes:
+    data = b""
+    while not data.endswith(b"\n") and len(data) < MAX_REPORT:
+        chunk = conn.recv(MAX_REPORT)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def hand_back(conn: socket.socket, fds: list[int]) -> None:
+    """Give the init an ended exec's output pipes to drain (best effort: a full or closed
+    connection just leaves them closed)."""
+    try:
+        conn.sendmsg([DRAIN], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    except OSError:
+        return

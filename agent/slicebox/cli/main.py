@@ -9,18 +9,16 @@ command wrote it, as it is produced; stdin (when it is not a terminal) is sent a
 from __future__ import annotations
 
 import argparse
-import base64
 import os
 import sys
 import time
-from collections.abc import Callable, Generator, Iterable, Sequence
-from pathlib import Path
+from collections.abc import Callable, Generator, Sequence
 from typing import BinaryIO, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from slicebox import VersionAction
-from slicebox.cli import capacity, copying, doctor, mcp, tables
+from slicebox.cli import capacity, copying, doctor, mcp, parts, tables
 from slicebox.client import DEFAULT_SOCKET, Client
 from slicebox.model.api import (
     CreateSandbox,
@@ -30,8 +28,10 @@ from slicebox.model.api import (
     RunResult,
     SandboxList,
 )
-from slicebox.model.errors import InvalidRequest, SliceboxError
+from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import MAX_OUTPUT_CAP, ExecRequest, ExecResult, OutputStream, StreamChunk
+from slicebox.model.nested import PROJECT_ENV
+from slicebox.model.paths import SOCKET_ENV, agent_socket
 from slicebox.model.validation import refusal
 
 Command = Callable[[argparse.Namespace, Client], int]
@@ -41,7 +41,11 @@ BROKEN_PIPE_EXIT = 141  # what a shell reports for a writer killed by SIGPIPE
 
 
 def _sandbox_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--project", default="default", help="project slice (default: default)")
+    parser.add_argument(
+        "--project",
+        default=os.environ.get(PROJECT_ENV) or "default",
+        help=f"project slice (default: ${PROJECT_ENV}, set in a nested sandbox, else default)",
+    )
     parser.add_argument("--user", help="act for this user (root and slicebox-admin only)")
     parser.add_argument("--image", help="image (default: the agent's configured image)")
     parser.add_argument("--memory", help="memory limit, e.g. 256MB")
@@ -106,47 +110,13 @@ def _sandbox_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accept a reused warm-pool member (reset since its last run; default: never)",
     )
-
-
-def _workspace(options: argparse.Namespace) -> dict[str, object] | None:
-    given = options.workspace
-    if given is None:
-        if options.keep or options.read_only:
-            raise InvalidRequest("--keep and --read-only need --workspace", field="workspace")
-        return None
-    kind, _, what = given.partition(":")
-    workspace: dict[str, object] = {"kind": kind, "read_only": options.read_only}
-    if kind == "host":
-        workspace["path"] = what or None
-    elif kind == "git":
-        url, _, ref = what.partition("#")
-        workspace.update({"url": url or None, "ref": ref or None})
-    elif what:
-        workspace["name"] = what
-    if options.keep:
-        workspace["keep"] = True
-    return workspace
-
-
-def _credentials(options: argparse.Namespace) -> dict[str, object] | None:
-    path = options.git_token_file
-    if path is None:
-        if options.git_username or options.git_host:
-            raise InvalidRequest(
-                "--git-username and --git-host need --git-token-file", field="credentials"
-            )
-        return None
-    try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text()
-    except OSError as exc:
-        raise InvalidRequest(
-            f"--git-token-file {path}: {exc.strerror}; give a readable file holding the token",
-            field="credentials",
-        ) from exc
-    git: dict[str, object] = {"token": text.strip(), "hosts": options.git_host}
-    if options.git_username:
-        git["username"] = options.git_username
-    return {"git": git}
+    parser.add_argument(
+        "--nested",
+        metavar="CHILDREN[:DEPTH]",
+        help="give the sandbox a socket of its own on which it may create up to CHILDREN "
+        "children alive at once, DEPTH levels deep (default 1), and act on them "
+        "(docs/nested.md)",
+    )
 
 
 def _exec_options(parser: argparse.ArgumentParser) -> None:
@@ -169,7 +139,11 @@ def _exec_options(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slicebox", description=__doc__)
     parser.add_argument("--version", action=VersionAction)
-    parser.add_argument("--socket", default=DEFAULT_SOCKET, help="the agent's unix socket")
+    parser.add_argument(
+        "--socket",
+        default=agent_socket(),
+        help=f"the agent's unix socket (default: ${SOCKET_ENV}, else {DEFAULT_SOCKET})",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("doctor", help="check this host and the agent, and say what to fix")
@@ -219,14 +193,6 @@ def _parse(model: type[M], fields: dict[str, object]) -> M:
         raise refusal(exc) from exc
 
 
-def _env(items: Iterable[str]) -> dict[str, str]:
-    pairs = [item.partition("=") for item in items]
-    bad = [name for name, sep, _ in pairs if not sep or not name]
-    if bad:
-        raise InvalidRequest(f"--env takes NAME=VALUE, not {bad[0]!r}", field="env")
-    return {name: value for name, _, value in pairs}
-
-
 def _spec(options: argparse.Namespace) -> CreateSandbox:
     fields: dict[str, object] = {
         "project": options.project,
@@ -236,34 +202,18 @@ def _spec(options: argparse.Namespace) -> CreateSandbox:
         "cpus": options.cpus,
         "pids": options.pids,
         "network": {"egress": {"allow": options.allow}} if options.allow else options.network,
-        "backend": options.backend or ("wasm" if _plugin(options) else None),
-        "wasm": _plugin(options),
+        "backend": options.backend or ("wasm" if parts.plugin(options) else None),
+        "wasm": parts.plugin(options),
         "ttl_seconds": options.ttl,
         "root_task_id": options.root_task,
-        "env": _env(options.env) or None,
-        "workspace": _workspace(options),
-        "credentials": _credentials(options),
+        "env": parts.env(options.env) or None,
+        "workspace": parts.workspace(options),
+        "credentials": parts.credentials(options),
         "run_as": options.run_as,
         "reuse": options.reuse,
+        "nested": parts.nested(options.nested),
     }
     return _parse(CreateSandbox, fields)
-
-
-def _plugin(options: argparse.Namespace) -> dict[str, str] | None:
-    """A wasm sandbox's plugin: a file of the caller's is read here, as they can, and sent."""
-    if options.plugin:
-        try:
-            module = Path(options.plugin).read_bytes()
-        except OSError as exc:
-            raise InvalidRequest(
-                f"--plugin {options.plugin}: {exc.strerror}", field="wasm.module"
-            ) from exc
-        return {"module": base64.b64encode(module).decode()}
-    if options.plugin_path:
-        return {"path": options.plugin_path}
-    if options.plugin_sha256:
-        return {"sha256": options.plugin_sha256}
-    return None
 
 
 def _stdin() -> bytes | None:

@@ -36,7 +36,7 @@ from slicebox.model.capacity import Capacity, CapacityQuery
 from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
 from slicebox.model.files import FileFormat, FilesQuery, FileStat, Transferred
-from slicebox.model.paths import AGENT_SOCKET
+from slicebox.model.paths import agent_socket
 from slicebox.model.reaper import Report
 from slicebox.model.usage import LevelNode, ResourceUsage
 from slicebox.web.client import ClientResponse, HttpClient
@@ -51,8 +51,10 @@ OPEN_CONNECTIONS = 100
 
 
 class AsyncClient:
-    def __init__(self, path: str = AGENT_SOCKET, timeout: float = 300.0) -> None:
-        self.path = path
+    def __init__(self, path: str | None = None, timeout: float = 300.0) -> None:
+        """``path``: the agent's socket; left out, ``$SLICEBOX_SOCKET``'s (a nested sandbox's
+        own), else ``/run/slicebox/slicebox.sock``."""
+        self.path = path or agent_socket()
         self.timeout = timeout
         self._created = wire.Created()
         self._pool: HttpClient | None = None

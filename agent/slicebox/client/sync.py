@@ -45,7 +45,7 @@ from slicebox.model.capacity import Capacity, CapacityQuery
 from slicebox.model.errors import SliceboxError
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
 from slicebox.model.files import FileFormat, FilesQuery, FileStat, Transferred
-from slicebox.model.paths import AGENT_SOCKET
+from slicebox.model.paths import AGENT_SOCKET, agent_socket
 from slicebox.model.pool import PoolList
 from slicebox.model.reaper import Report
 from slicebox.model.usage import LevelNode, ResourceUsage
@@ -73,8 +73,10 @@ class _UnixConnection(http.client.HTTPConnection):
 
 
 class Client:
-    def __init__(self, path: str = DEFAULT_SOCKET, timeout: float = 300.0) -> None:
-        self.path = path
+    def __init__(self, path: str | None = None, timeout: float = 300.0) -> None:
+        """``path``: the agent's socket; left out, ``$SLICEBOX_SOCKET``'s (a nested sandbox's
+        own), else ``/run/slicebox/slicebox.sock``."""
+        self.path = path or agent_socket()
         self.timeout = timeout
         self._created = wire.Created()
 

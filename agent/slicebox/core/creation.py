@@ -16,6 +16,7 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
+from pathlib import Path
 
 from slicebox.backends.base import SandboxBackend, SandboxInfo, SandboxRequest, VolumeInfo
 from slicebox.core.admission import decide
@@ -24,6 +25,7 @@ from slicebox.core.binds import (
     check_started,
     pin_binds,
     to_staging,
+    user_ids,
     wasm_plugin,
 )
 from slicebox.core.blocking import Blocking, settle
@@ -32,7 +34,9 @@ from slicebox.core.credentials import GIT_ENV
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.egress import EgressGuard, Placement
 from slicebox.core.headroom import ratios_of
+from slicebox.core.innerdirs import drop_inner_directory, handed_socket, inner_directory
 from slicebox.core.launch import LAUNCHER, WAITER_COMMAND, exec_line
+from slicebox.core.nesting import ancestors_of, check_opt_in
 from slicebox.core.operations import Operations
 from slicebox.core.policy import Admitted, capability_name
 from slicebox.core.recent import Recent
@@ -62,6 +66,7 @@ from slicebox.model.errors import (
 )
 from slicebox.model.labels import Lineage
 from slicebox.model.names import scope_name
+from slicebox.model.paths import NESTED_ROOT
 from slicebox.model.spec import Backend, SandboxSpec
 
 log = logging.getLogger(__name__)
@@ -92,7 +97,9 @@ class Creator:
         lookup: Callable[[str, Blocking], Awaitable[Sandbox]],
         deadlines: Deadlines | None,
         egress: EgressGuard | None,
+        nested_root: Path = NESTED_ROOT,
     ) -> None:
+        self._nested_root = nested_root  # where nested sandboxes' socket directories are
         self._backend = backend
         self._slices = slices
         self._binds = binds
@@ -157,10 +164,10 @@ class Creator:
                     placed = await blocking(lambda: self._place_egress(admitted.spec, sandbox_id))
                     lineage = _placed(lineage, placed)
                     fresh = await blocking(lambda: ensure_volume(backend, admitted.spec, lineage))
-                    await blocking(lambda: write_credentials(config, admitted.spec, sandbox_id))
+                    await blocking(lambda: self._handed(config, admitted.spec, lineage))
                     stage = functools.partial(to_staging, self._binds, admitted, pinned, sandbox_id)
                     staged = await blocking(stage) if staging else admitted
-                    request = _request(staged, lineage, config, placed)
+                    request = _request(staged, lineage, config, placed, self._nested_root)
                     if plugin is not None:
                         request = request.model_copy(update={"wasm": plugin})
                     if staging and spec.command is not None:  # its command waits for the check
@@ -236,15 +243,27 @@ class Creator:
             remove_container(self._backend, self._slices, info.id)
         self._release_egress(placed, sandbox_id)
         credential_store(config).remove(sandbox_id)
+        drop_inner_directory(self._nested_root, sandbox_id)
         drop_volume(self._backend, fresh)
         self._undo(made, sandbox_id)
 
     def _resolve(self, spec: SandboxSpec, config: Config, *, pool_key: str) -> Backend:
         """The backend that runs ``spec``: the one it names, or native in Docker's place when
         Docker is unavailable and the configuration allows the fallback (never for a pool
-        member); refused ``backend_unavailable`` when none can run it."""
+        member); refused ``backend_unavailable`` when none can run it. A nested sandbox
+        (``spec.nested``) is checked against ``[nested]`` and that backend here."""
         fallback = config.allow_native_fallback and not pool_key
-        return self._backend.resolve(spec.backend, fallback=fallback)
+        kind = self._backend.resolve(spec.backend, fallback=fallback)
+        if spec.nested is not None:
+            check_opt_in(spec, config, kind, has_account=user_ids(spec.user) is not None)
+        return kind
+
+    def _handed(self, config: Config, spec: SandboxSpec, lineage: Lineage) -> None:
+        """What the sandbox is handed beside its image: its credentials, and a nested one's
+        socket directory (``server.inner`` binds the socket in it once it runs)."""
+        write_credentials(config, spec, lineage.sandbox_id)
+        if lineage.nested:
+            inner_directory(self._nested_root, lineage.sandbox_id)
 
     def _lineage(
         self,
@@ -261,6 +280,7 @@ class Creator:
         root, depth = ancestry(spec, task_id, parent)
         # A pool member has no deadline until its acquire arms its lease's.
         ttl = None if pool_key else spec.ttl_seconds or config.default_ttl_seconds
+        nested = spec.nested
         return Lineage(
             sandbox_id=sandbox_id,
             instance_id=self._instance_id,
@@ -282,6 +302,10 @@ class Creator:
             workspace_volume=volume_name(spec, sandbox_id),
             credentials="git" if spec.credentials and spec.credentials.git else "",
             launcher=LAUNCHER if _waits(spec, one_shot=one_shot, pool_key=pool_key) else "",
+            nested=nested is not None,
+            nested_max_children=nested.max_children if nested else 0,
+            nested_max_depth=nested.max_depth if nested else 0,
+            ancestors=ancestors_of(parent),
         )
 
     async def _start(
@@ -423,8 +447,10 @@ def _request(
     lineage: Lineage,
     config: Config,
     placed: Placement | None = None,
+    nested_root: Path = NESTED_ROOT,
 ) -> SandboxRequest:
     spec = admitted.spec
+    inner, inner_env = handed_socket(lineage, nested_root)
     network = placed.network if placed else spec.network
     return SandboxRequest(
         name=lineage.sandbox_id,
@@ -437,10 +463,13 @@ def _request(
         network=network if isinstance(network, str) else "none",
         address=str(placed.address) if placed else None,
         dns=(str(placed.dns),) if placed else (),
-        env={**spec.env, **(GIT_ENV if lineage.credentials else {})},
+        env={**spec.env, **(GIT_ENV if lineage.credentials else {}), **inner_env},
         user=spec.run_as,
         workdir=spec.workdir,
-        mounts=spec.mounts + volume_mount(spec, lineage) + credentials_mount(config, lineage),
+        mounts=spec.mounts
+        + volume_mount(spec, lineage)
+        + credentials_mount(config, lineage)
+        + inner,
         cap_add=tuple(capability_name(cap) for cap in spec.cap_add),
         backend=spec.backend,
         allow_jit=config.native_allow_jit,

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import TypeVar
 
 from slicebox.backends.base import SandboxBackend, SandboxInfo
@@ -50,6 +51,7 @@ from slicebox.model.config import Config
 from slicebox.model.errors import HostError, InvalidRequest, NotFound, SliceboxError
 from slicebox.model.labels import EGRESS_ADDRESS, decode, selector
 from slicebox.model.names import scope_name, slice_names
+from slicebox.model.paths import NESTED_ROOT
 from slicebox.model.pool import Lease
 from slicebox.model.spec import Backend, SandboxSpec
 
@@ -78,6 +80,7 @@ class SandboxManager:
         deadlines: Deadlines | None = None,
         binds: BindGuard | None = None,
         egress: EgressGuard | None = None,
+        nested_root: Path = NESTED_ROOT,
     ) -> None:
         self._egress = egress
         self._backend = backend
@@ -103,6 +106,7 @@ class SandboxManager:
             lookup=self.found,
             deadlines=deadlines,
             egress=egress,
+            nested_root=nested_root,
         )
         # Sandbox id -> the sandbox as this agent made or last looked it up (KNOWN_SANDBOXES):
         # what a destroy needs of it (its container, user, project, lineage) is its labels',

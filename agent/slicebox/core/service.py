@@ -17,22 +17,25 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from datetime import UTC, datetime
 
 from slicebox.core.blocking import Aside, Blocking
 from slicebox.core.budget import OutputBudget
 from slicebox.core.capacity import Capacities
+from slicebox.core.children import Children
 from slicebox.core.egress import EgressGuard
-from slicebox.core.execaudit import audited, audited_exec, refused, subject
+from slicebox.core.execaudit import audited, audited_exec, subject
 from slicebox.core.execution import ExecEngine, result_of
 from slicebox.core.files import Files
+from slicebox.core.holdings import Holdings
 from slicebox.core.instruments import NOWHERE, Instruments
 from slicebox.core.launch import LAUNCHER, can_launch
+from slicebox.core.nesting import InnerSockets, reaches
 from slicebox.core.pool import WarmPool
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import Sandbox, SandboxManager
-from slicebox.core.shares import STREAMS, Reservation, Slots, holder_of
+from slicebox.core.shares import STREAMS, Reservation, Slots
 from slicebox.core.telemetry import TreeReader, UsageReader
 from slicebox.core.views import Views, view_of
 from slicebox.host.identity import Identity
@@ -71,7 +74,7 @@ def _read(usage: ResourceUsage | None, sandbox: Sandbox) -> ResourceUsage | None
     return usage
 
 
-class Service:
+class Service(Holdings):
     def __init__(
         self,
         sandboxes: SandboxManager,
@@ -87,8 +90,10 @@ class Service:
         pool: WarmPool | None = None,
         egress: EgressGuard | None = None,
         instruments: Instruments = NOWHERE,
+        inner: InnerSockets | None = None,
     ) -> None:
         self.instruments = instruments  # what it counts for GET /metrics (core.instruments)
+        self._clock = clock
         self._egress = egress
         self._pool = pool
         self._reaper = reaper
@@ -104,6 +109,7 @@ class Service:
         # Streamed execs and runs in flight, bound for all and per user (core/shares.py).
         self.streams = Slots(STREAMS, lambda: sandboxes.config.shares)
         self._capacities = Capacities(sandboxes, pool)  # what fits (core/capacity.py)
+        self._children = Children(sandboxes, inner, clock)  # nested sandboxes' (core/nesting.py)
 
     # --- sandboxes -------------------------------------------------------------------------
 
@@ -119,7 +125,7 @@ class Service:
     async def list_sandboxes(self, who: Identity, blocking: Blocking) -> list[SandboxView]:
         labels = {} if who.is_admin else {"user": who.user_name}
         found = await blocking(functools.partial(self._sandboxes.find, **labels))
-        return [view_of(sandbox) for sandbox in found]
+        return [view_of(sandbox) for sandbox in found if reaches(who, sandbox)]
 
     async def get(self, who: Identity, sandbox_id: str, blocking: Blocking) -> SandboxView:
         """The sandbox with the deadline systemd holds for it now. Another user's is refused
@@ -156,7 +162,9 @@ class Service:
         members = [
             s
             for s in found
-            if who.may_see(s.user) and s.pool_state != "idle"  # the pool's, no task's
+            if who.may_see(s.user)
+            and s.pool_state != "idle"  # the pool's, no task's
+            and reaches(who, s)
         ]
         members.sort(key=lambda s: -s.lineage.depth)
         return [await asyncio.shield(self._destroy(who, s, blocking)) for s in members]
@@ -165,6 +173,7 @@ class Service:
         self, who: Identity, sandbox_id: str, request: Extend, blocking: Blocking
     ) -> SandboxView:
         sandbox = await self._looked_up(who, sandbox_id, blocking)
+        await self._children.check_extend(who, sandbox, request.ttl_seconds, blocking)
         return await asyncio.shield(self._extend(who, sandbox, request.ttl_seconds, blocking))
 
     async def _extend(
@@ -210,21 +219,26 @@ class Service:
             async with audited(
                 self._auditor, event, who, blocking, project=request.project
             ) as record:
+                place: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+                if who.within:  # a nested sandbox's child (core.nesting), never a pool's
+                    request, place = await self._children.child(who, request, blocking)
                 user = who.acting_user(request.user)
                 spec = SandboxSpec.model_validate({**request.model_dump(), "user": user})
                 # The kernel's word for the caller's own ids; another user's are looked up.
                 owner = who.owner if user == who.user_name else None
-                if self._pool is not None:
+                if self._pool is not None and not who.within and spec.nested is None:
                     acquire = functools.partial(
                         self._pool.acquire, spec, owner=owner, one_shot=one_shot
                     )
                     made = await blocking(acquire)
                 if made is not None:
                     record["detail"] = f"from warm pool {made.lineage.pool_key}"
-                made = made or await self._sandboxes.create(
-                    spec, blocking, one_shot=one_shot, owner=owner
-                )
+                with place:
+                    made = made or await self._sandboxes.create(
+                        spec, blocking, one_shot=one_shot, owner=owner
+                    )
                 record.update(subject(made))
+                await self._children.opened(made, blocking)
                 if made.lineage.credentials:  # that they were, never what they are
                     record["detail"] = f"credentials delivered: {made.lineage.credentials}"
         except BaseException:
@@ -253,6 +267,8 @@ class Service:
         """``destroyed`` says whether this call removed it: of two destroys at once (or one and
         the reaper's), the other answers false. ``last_look`` gives the final usage (by default
         it is read from the cgroup just before the removal)."""
+        for below in await self._children.subtree(sandbox, blocking):  # deepest first
+            await self._destroy(who, below, blocking)
         event = AuditEvent.SANDBOX_DESTROYED
         async with audited(self._auditor, event, who, blocking, **subject(sandbox)) as record:
             look = last_look or self._views.final_usage
@@ -266,42 +282,13 @@ class Service:
                 look = functools.partial(_read, usage)
             destroy = functools.partial(self._sandboxes.destroy_sandbox, sandbox, look)
             gone, usage = await blocking(destroy)
+            await self._children.closed(sandbox)
             record["usage"] = usage.to_wire() if usage else None
             if not gone:
                 record["detail"] = "gone already: another removal took it"
             return Destroyed(id=sandbox.id, destroyed=gone, usage=usage)
 
     # --- exec ------------------------------------------------------------------------------
-
-    def reserve(
-        self, who: Identity, output_cap: int, action: str = "exec", sandbox_id: str = ""
-    ) -> Reservation:
-        """Take an exec's part of the output budget before it starts; over the caller's share
-        (``output_share_full``) or the budget (``busy``) it is refused now and audited. The HTTP
-        layer holds the reservation until the answer is sent: encoding the answer is when the
-        output takes the most memory."""
-        try:
-            return self._budget.reserve(output_cap, holder_of(who))
-        except SliceboxError as exc:
-            self._auditor.record(refused(who, action, exc, sandbox_id, self.instruments))
-            raise
-
-    def reserve_stream(
-        self, who: Identity, output_cap: int, action: str = "exec", sandbox_id: str = ""
-    ) -> Reservation:
-        """``reserve`` for a streamed exec or run, which also holds one of the streams in
-        flight (``[shares] streams_in_flight``, the caller's share first) until it ends."""
-        try:
-            stream = self.streams.take(who)
-        except SliceboxError as exc:
-            self._auditor.record(refused(who, action, exc, sandbox_id, self.instruments))
-            raise
-        try:
-            held = self.reserve(who, output_cap, action, sandbox_id)
-        except BaseException:
-            stream.release()
-            raise
-        return held.also(stream)
 
     def exec_stream(
         self,
@@ -439,26 +426,6 @@ class Service:
                     await asyncio.shield(removal(blocking))
         yield RunResult(sandbox_id=sandbox.id, result=result, usage=usage)
 
-    @contextlib.asynccontextmanager
-    async def _holding(
-        self,
-        who: Identity,
-        output_cap: int,
-        held: Reservation | None,
-        *,
-        blocking: Blocking,
-        sandbox_id: str = "",
-        action: str = "exec",
-    ) -> AsyncIterator[Reservation]:
-        """``held`` as it is (whoever took it releases it), or a reservation for the block,
-        taken through ``blocking``: a refusal's record may block, so reserving does too."""
-        if held is not None:
-            yield held
-            return
-        reserve = functools.partial(self.reserve, who, output_cap, action, sandbox_id)
-        with await blocking(reserve) as own:
-            yield own
-
     # --- telemetry -------------------------------------------------------------------------
 
     async def usage(self, who: Identity, sandbox_id: str, blocking: Blocking) -> ResourceUsage:
@@ -489,8 +456,10 @@ class Service:
 
     @staticmethod
     def _visible_to(who: Identity, sandbox: Sandbox, sandbox_id: str) -> Sandbox:
-        # An idle pool member is the pool's until an acquire leases it: no one may use it.
-        if not who.may_see(sandbox.user) or sandbox.pool_state == "idle":
+        # An idle pool member is the pool's until an acquire leases it: no one may use it;
+        # a nested sandbox's request reaches its descendants alone (core.nesting).
+        hidden = sandbox.pool_state == "idle" or not reaches(who, sandbox)
+        if not who.may_see(sandbox.user) or hidden:
             # The same answer as for a sandbox that does not exist: nothing leaks.
             raise NotFound(f"no sandbox {sandbox_id}; list sandboxes to see the ids")
         return sandbox

@@ -138,6 +138,9 @@ class Identity(Model):
     is_admin: bool
     comm: str = ""
     primary_gid: int = -1  # the user's in the user database (-1: taken from ``gid``)
+    # A nested sandbox's request (core.nesting): the sandbox whose own socket accepted it. Its
+    # uid and user are that sandbox's user's; it reaches that sandbox's descendants only.
+    within: str = ""
 
     @property
     def owner(self) -> tuple[int, int]:
@@ -146,7 +149,7 @@ class Identity(Model):
 
     @property
     def caller(self) -> Caller:
-        return Caller(uid=self.uid, gid=self.gid, pid=self.pid, comm=self.comm)
+        return Caller(uid=self.uid, gid=self.gid, pid=self.pid, comm=self.comm, sandbox=self.within)
 
     def acting_user(self, requested: str | None) -> str:
         """The user level a request acts for: the caller's own unless an admin names another."""
@@ -161,6 +164,10 @@ class Identity(Model):
 
     def may_see(self, owner: str) -> bool:
         return self.is_admin or owner == self.user_name
+
+    def within_sandbox(self, sandbox_id: str) -> Identity:
+        """This identity as a nested sandbox's request: never an admin's, whoever its user."""
+        return self.model_copy(update={"within": sandbox_id, "is_admin": False})
 
 
 def resolve(

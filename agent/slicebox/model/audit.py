@@ -77,6 +77,9 @@ class Caller(Model):
     gid: int
     pid: int
     comm: str = ""
+    # A nested sandbox's request (core.nesting): the sandbox whose own socket it came in on;
+    # the uid, gid and user are that sandbox's user's, the pid and comm its process's.
+    sandbox: str = ""
 
 
 class AuditRecord(Model):
@@ -139,6 +142,8 @@ def _caller_fields(caller: Caller | None) -> dict[str, str]:
     }
     if caller.comm:
         fields["SLICEBOX_CALLER_COMM"] = caller.comm
+    if caller.sandbox:
+        fields["SLICEBOX_CALLER_SANDBOX"] = caller.sandbox
     return fields
 
 

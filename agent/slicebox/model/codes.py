@@ -250,6 +250,32 @@ CODES: tuple[ErrorCode, ...] = (
         "(`[callers] unknown_uids`, served as the one user `[callers] unknown_user`).",
     ),
     _c(
+        "policy_nested",
+        400,
+        "A nested create asks more than allowed: `nested` above the configured bounds for "
+        "the user or project (`[nested]`), a depth or child count past the parent's, nesting "
+        "for a user without a host account, or a child wider than its parent (larger limits, "
+        "a wider network, a workspace, bind, capability or backend the parent does not have, "
+        "another project, a deadline past the parent's).",
+        "Ask for no more than the message says; a child inherits its parent's project and is "
+        "at most its parent.",
+    ),
+    _c(
+        "nested_refused",
+        403,
+        "The request came in on a nested sandbox's own socket and is not one that socket "
+        "serves (the level tree, capacity, pools, the reaper, metrics), or the connection is "
+        "not from a process of that sandbox.",
+        "Ask from the sandbox itself; what a nested sandbox may do is in docs/nested.md.",
+    ),
+    _c(
+        "nested_limit",
+        429,
+        "The nested sandbox has as many children alive as its `max_children`, or has created "
+        "`creates_per_minute` children in the last minute.",
+        "Destroy a child first, or wait the Retry-After seconds.",
+    ),
+    _c(
         "not_member",
         403,
         "The caller's user is not a member of the callers' group (`slicebox`, or `[callers] "

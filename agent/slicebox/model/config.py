@@ -48,6 +48,10 @@ when the file is loaded, so a bad value is refused at load time, naming its fiel
     listen = "127.0.0.1:9464"  # a TCP listener for a scraper (bearer token); unset: none
     token_file = "/etc/slicebox/metrics.token"  # root's, mode 0600
     per_sandbox = false      # series of each sandbox, at most per_sandbox_max of them
+    [nested]                 # sandboxes that create children (docs/nested.md)
+    max_children = 8         # the most a create may ask; per user/project: [nested.users.NAME]
+    max_depth = 2            # levels below a nested sandbox; 0: no nesting
+    creates_per_minute = 30  # children one sandbox creates in any minute
 """
 
 import logging
@@ -73,6 +77,7 @@ from slicebox.model.limits import (
     parse_size,
 )
 from slicebox.model.metrics import MetricsConfig
+from slicebox.model.nested import NestedConfig
 from slicebox.model.paths import CONFIG_PATH
 from slicebox.model.pool import MAX_POOL_SIZE, PoolConfig
 from slicebox.model.shares import SharesConfig
@@ -380,6 +385,9 @@ class Config(_Strict):
     pool_learning: PoolLearning = _table("pools learned from demand, for keys no [[pool]] names")
     metrics: MetricsConfig = _table(
         "GET /metrics: per-sandbox series, a TCP listener (docs/metrics.md)"
+    )
+    nested: NestedConfig = _table(
+        "nested sandboxes: how many children and levels a create may ask (docs/nested.md)"
     )
 
     @field_validator("pool")

@@ -59,6 +59,18 @@ class Lineage(Model):
     # address on the egress network ("" when it has none). Names and networks, no secret.
     egress: str = ""
     egress_address: str = ""
+    # Nesting (core.nesting): whether it has a socket of its own, and what that socket may
+    # make (children alive at once, levels below it); ``ancestors``: the ids of its parent's
+    # line, root first, comma-separated ("" for a sandbox with no parent). A nested sandbox's
+    # socket reaches exactly the sandboxes whose ``ancestors`` name it.
+    nested: bool = False
+    nested_max_children: int = 0
+    nested_max_depth: int = 0
+    ancestors: str = ""
+
+    @property
+    def ancestor_ids(self) -> tuple[str, ...]:
+        return tuple(self.ancestors.split(",")) if self.ancestors else ()
 
     def to_labels(self) -> dict[str, str]:
         values = {
@@ -85,6 +97,10 @@ class Lineage(Model):
             "launcher": self.launcher,
             "egress": self.egress,
             "egress_address": self.egress_address,
+            "nested": "true" if self.nested else "false",
+            "nested.max_children": str(self.nested_max_children),
+            "nested.max_depth": str(self.nested_max_depth),
+            "ancestors": self.ancestors,
         }
         return {PREFIX + key: value for key, value in values.items()}
 

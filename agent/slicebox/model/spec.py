@@ -23,6 +23,7 @@ from pydantic import (
 
 from slicebox.model.base import Model
 from slicebox.model.egress import NetworkSpec
+from slicebox.model.nested import NestedSpec
 from slicebox.model.validation import refusal
 from slicebox.model.wasm import WasmSpec
 
@@ -201,6 +202,9 @@ class SandboxSpec(Model):
     # before used, its processes killed and scratch places emptied at its release
     # (core.poolreset). Without it a request only ever gets a container nothing ran in.
     reuse: bool = False
+    # Opt in to nesting (model.nested): the sandbox gets a socket of its own, on which it may
+    # create children and act on its descendants, and on nothing else.
+    nested: NestedSpec | None = None
 
     @model_validator(mode="after")
     def _plugin(self) -> "SandboxSpec":

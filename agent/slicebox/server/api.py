@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 from pydantic import BaseModel, ValidationError
 
 import slicebox
+from slicebox.core import nesting
 from slicebox.host.identity import (
     ADMIN_GROUP,
     CachedUsers,
@@ -55,6 +56,8 @@ Model = TypeVar("Model", bound=BaseModel)
 
 
 class Route(NamedTuple):
+    """One route; ``nested``: a nested sandbox's own socket serves it too (core.nesting)."""
+
     method: str
     path: str
     handler: Handler
@@ -66,6 +69,7 @@ class Route(NamedTuple):
     raw_answer: bool = False  # so is the success answer
     prefix: str = API_PREFIX  # "" for what is served outside the API (``/metrics``)
     answer_types: tuple[str, ...] = ()  # a raw answer's media types (default: tar, bytes)
+    nested: bool = False
 
 
 class Callers(NamedTuple):
@@ -84,6 +88,21 @@ class Measure(Protocol):
 
 
 MEASURE = AppKey("slicebox.measure", Measure)  # type: ignore[type-abstract]
+
+
+class Owned(Protocol):
+    sandbox_id: str
+    uid: int
+    gid: int
+
+
+class Nested(Protocol):
+    """Whose requests come in on a nested sandbox's socket (``server.inner``): ``NESTED``."""
+
+    def owner_of(self, listener: str) -> Owned | None: ...
+
+
+NESTED = AppKey("slicebox.nested", Nested)  # type: ignore[type-abstract]
 
 
 def error_response(status: int, code: str, message: str, field: str | None = None) -> Response:
@@ -155,11 +174,23 @@ def make_middlewares(users: UserDirectory) -> list[Middleware]:
             creds = _peer(request)
             if creds is None:
                 return error_response(403, "no_peer_credentials", "connect over the unix socket")
+            within = ""
+            if request.listener:  # a nested sandbox's socket: its user's, from its labels
+                owner = (
+                    request.app[NESTED].owner_of(request.listener)
+                    if NESTED in request.app
+                    else None
+                )
+                if owner is None:
+                    raise nesting.refuse_route()
+                creds = creds.model_copy(update={"uid": owner.uid, "gid": owner.gid})
+                within = owner.sandbox_id
             # NSS may be slow (LDAP, sssd): look-ups run on a worker thread and are cached.
             callers = request.app.get(CALLERS, Callers()).current()
-            request[IDENTITY_KEY] = await run_in(
+            identity = await run_in(
                 pools_of(request).calls, resolve, creds, users, ADMIN_GROUP, callers
             )
+            request[IDENTITY_KEY] = identity.within_sandbox(within) if within else identity
             return await handler(request)
         except SliceboxError as exc:
             answer = error_response(exc.http_status, exc.code, exc.message, exc.field)
@@ -223,7 +254,13 @@ async def health(request: Request) -> StreamResponse:
 def base_routes() -> list[Route]:
     return [
         Route(
-            "GET", "/health", health, "Liveness, the agent's version and who you are", None, Health
+            "GET",
+            "/health",
+            health,
+            "Liveness, the agent's version and who you are",
+            None,
+            Health,
+            nested=True,
         ),
     ]
 
@@ -347,5 +384,17 @@ def build_app(
 
     app.router.add_get(API_PREFIX + "/openapi.json", openapi)
     for route in routes:
-        app.router.add_route(route.method, route.prefix + route.path, route.handler)
+        handler = route.handler if route.nested else _host_only(route.handler)
+        app.router.add_route(route.method, route.prefix + route.path, handler)
     return app
+
+
+def _host_only(handler: Handler) -> Handler:
+    """A route a nested sandbox's socket does not serve: refused ``nested_refused`` there."""
+
+    async def host_only(request: Request) -> StreamResponse:
+        if identity_of(request).within:
+            raise nesting.refuse_route()
+        return await handler(request)
+
+    return host_only

@@ -36,6 +36,7 @@ from slicebox.server.api import (
     CALLERS,
     ENGINE,
     MEASURE,
+    NESTED,
     SOCKET_LIMITS,
     Callers,
     Route,
@@ -49,7 +50,7 @@ from slicebox.server.runtime import Runtime, assemble, assemble_expiry
 from slicebox.server.scrape import ScrapeListener
 from slicebox.server.state import SERVICE
 from slicebox.web.app import AppKey
-from slicebox.web.server import serve
+from slicebox.web.server import Serving
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ MEMORY_SAMPLE_SECONDS = 5.0
 # A stop lets the requests under way finish their answers for this long (an exec's own
 # timeout may be longer: such an exec is cut off and audited as abandoned).
 ANSWER_WAIT = 30.0
+KEEPALIVE_TIMEOUT = 75.0  # an idle connection is closed after this long
 Reload = Callable[[], Awaitable[str]]
 Periodic = tuple[float, Callable[[], object]]  # (interval in seconds, a blocking function)
 
@@ -110,7 +112,9 @@ class Agent:
         state: Mapping[AppKey[Any], object] | None = None,
         closing: Sequence[Callable[[], Awaitable[None]]] = (),
         opening: Sequence[Callable[[], Awaitable[Callable[[], Awaitable[None]]]]] = (),
+        first: Callable[[Serving], Awaitable[None]] | None = None,
     ) -> None:
+        self._first = first  # run on the server before its main socket is answered
         self._opening = opening  # run on the loop before it answers; each returns its close
         self._routes = routes
         self._state = state
@@ -123,7 +127,10 @@ class Agent:
 
     async def run(self, socket_path: Path) -> None:
         app = build_app(self._routes, SystemUsers(), self._state)
-        serving = await serve(app, listening_socket(socket_path), limits=SOCKET_LIMITS)
+        serving = Serving(app, KEEPALIVE_TIMEOUT, SOCKET_LIMITS)
+        if self._first is not None:  # the nested sandboxes' sockets, before anyone is answered
+            await self._first(serving)
+        serving.listen(listening_socket(socket_path))
         closing = [*[await opener() for opener in self._opening], *self._closing]
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
@@ -175,6 +182,28 @@ async def _every(interval: float, job: Callable[[], object], pool: ThreadPoolExe
             await run_in(pool, job)
         except Exception:
             log.exception("periodic %s failed", getattr(job, "__name__", job))
+
+
+async def _inner_sockets(runtime: Runtime, serving: Serving) -> None:
+    """Every running nested sandbox's socket re-made (server.inner), then kept in line with
+    the sandboxes each reaper interval: a sandbox gone without the agent (its expiry, the
+    reaper's removal, a ``docker rm``) has its socket closed and its directory removed."""
+    runtime.inner.attach(serving)
+    nested = await asyncio.to_thread(runtime.nested)
+    made = await runtime.inner.restore(nested)
+    if made:
+        log.info("re-made the sockets of %d nested sandboxes", made)
+
+    async def keep() -> None:
+        while True:
+            await asyncio.sleep(runtime.config.reaper.interval_seconds)
+            try:
+                alive = {s.id for s in await asyncio.to_thread(runtime.nested)}
+                await runtime.inner.sync(alive)
+            except Exception:
+                log.exception("could not check the nested sandboxes' sockets")
+
+    asyncio.get_running_loop().create_task(keep())
 
 
 async def _opened_listener(
@@ -281,8 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             CALLERS: Callers(lambda: runtime.sandboxes.config.callers),
             METRICS: runtime.metrics,
             MEASURE: runtime.metrics.requests,
+            NESTED: runtime.inner,
         },
         closing=closing,
+        first=lambda serving: _inner_sockets(runtime, serving),
         opening=[
             lambda: serve_resolver(
                 runtime.egress.config.gateway, runtime.egress.answer, gate=runtime.egress

@@ -242,6 +242,29 @@ ROUTES: list[Route] = [
     ),
 ]
 
+# What a nested sandbox's own socket serves besides the health (core.nesting): creates of its
+# children and acts on its descendants; the service keeps each to its descendants. Any other
+# route, one added later included, is refused there (``nested_refused``).
+NESTED_ROUTES = frozenset(
+    {
+        ("POST", "/sandboxes"),
+        ("GET", "/sandboxes"),
+        ("GET", "/sandboxes/{id}"),
+        ("DELETE", "/sandboxes/{id}"),
+        ("POST", "/sandboxes/{id}/exec"),
+        ("POST", "/sandboxes/{id}/exec/stream"),
+        ("PUT", "/sandboxes/{id}/files"),
+        ("GET", "/sandboxes/{id}/files"),
+        ("GET", "/sandboxes/{id}/files/stat"),
+        ("GET", "/sandboxes/{id}/usage"),
+        ("POST", "/sandboxes/{id}/deadline"),
+        ("DELETE", "/tasks/{root_task_id}"),
+        ("POST", "/run"),
+        ("POST", "/run/stream"),
+    }
+)
+ROUTES = [r._replace(nested=True) if (r.method, r.path) in NESTED_ROUTES else r for r in ROUTES]
+
 
 def _id(request: Request) -> str:
     return request.match_info["id"]

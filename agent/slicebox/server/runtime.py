@@ -12,6 +12,7 @@ import time
 import uuid
 from pathlib import Path
 
+from slicebox.backends.base import SandboxState
 from slicebox.backends.docker import DockerBackend
 from slicebox.backends.router import Backends
 from slicebox.core.budget import OutputBudget
@@ -51,6 +52,7 @@ from slicebox.model.reaper import Kind
 from slicebox.model.usage import Level
 from slicebox.server.backends import backends, docker_backend
 from slicebox.server.collectors import Sources
+from slicebox.server.inner import InnerListeners
 from slicebox.server.metrics import AgentMetrics
 from slicebox.server.resolver import UdpUpstream, resolv_conf
 
@@ -89,7 +91,9 @@ class Runtime:
         docker: DockerBackend,
         egress: EgressGuard,
         metrics: AgentMetrics,
+        inner: InnerListeners,
     ) -> None:
+        self.inner = inner  # the nested sandboxes' sockets (server.inner)
         self.metrics = metrics
         self.config_path = config_path
         self.config = config
@@ -118,6 +122,11 @@ class Runtime:
             f"reconciled: {adopted} sandboxes adopted, {removed} other reaper actions, "
             f"{members} idle pool members taken back"
         )
+
+    def nested(self) -> list[Sandbox]:
+        """The running nested sandboxes, whose sockets the agent serves (server.inner)."""
+        found = self.sandboxes.find(nested="true")
+        return [s for s in found if s.state is SandboxState.RUNNING]
 
     def reload(self) -> str:
         """Re-read the config and write its ceilings to every running slice, live."""
@@ -231,6 +240,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         share=lambda: sandboxes.config.shares.user_share,
     )
     log.info("exec output budget %s bytes", config.exec_output_budget_bytes(agent_memory))
+    inner = InnerListeners()
     service = Service(
         sandboxes,
         engine,
@@ -243,6 +253,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         pool=pool,
         egress=egress,
         instruments=metrics.instruments,
+        inner=inner,
     )
     metrics.watch(
         Sources(files, lambda: sandboxes.config.metrics, reaper.listed, pool.census, egress.totals)
@@ -263,6 +274,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         docker=docker,
         egress=egress,
         metrics=metrics,
+        inner=inner,
     )
 
 

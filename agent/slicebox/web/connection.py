@@ -64,11 +64,17 @@ class Connection:
     parses and frames; this moves the bytes, with time limits, and counts what is held."""
 
     def __init__(
-        self, serving: Serving, sock: socket.socket, uid: int | None, triage: bool
+        self,
+        serving: Serving,
+        sock: socket.socket,
+        uid: int | None,
+        triage: bool,
+        listener: str = "",
     ) -> None:
         self._serving = serving
         self.limits = serving.limits
         self.uid = uid
+        self.listener = listener  # the listener of its own that accepted it ("": the main one)
         self.triage = triage  # over a connection cap: one head read, health or a refusal
         self._sock: socket.socket | None = sock
         self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)

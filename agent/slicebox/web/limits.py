@@ -36,6 +36,9 @@ class Limits(NamedTuple):
     in_flight: int = 512
     body_bytes_per_uid: int = 32 * MiB  # request bodies read whole (JSON), held at once
     body_bytes: int = 128 * MiB
+    # Each listener of its own (a nested sandbox's socket) at most this many at once, beside
+    # its uid's caps.
+    connections_per_listener: int = 16
     # Connections over a cap are read for one head, briefly: health is answered, anything else
     # refused 429. At most this many at once; past it, a connection is answered 429 at once,
     # unread, and closed.

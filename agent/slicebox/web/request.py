@@ -47,6 +47,12 @@ class Request:
         self._body: bytes | None = None
 
     @property
+    def listener(self) -> str:
+        """The name of the listener of its own that accepted the connection (a nested
+        sandbox's socket: ``Serving.add_listener``); "" for the main socket."""
+        return self._conn.listener
+
+    @property
     def transport(self) -> asyncio.BaseTransport | None:
         """The connection's transport (its socket for SO_PEERCRED; ``close()`` cuts it)."""
         return self._conn.transport

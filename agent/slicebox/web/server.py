@@ -21,11 +21,13 @@ import socket
 import stat
 import struct
 from collections.abc import Callable
+from typing import NamedTuple
 
 from slicebox.web.app import Application
 from slicebox.web.connection import Connection
 from slicebox.web.limits import Gate, Limits, QuietLog
 from slicebox.web.message import phrase
+from slicebox.web.response import Response
 
 BACKLOG = 1024  # a socket bound here (systemd's socket unit sets its own)
 _OUT_OF_FDS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
@@ -34,6 +36,17 @@ _PEERCRED = struct.Struct("3i")
 
 
 PeerOf = Callable[[socket.socket], int | None]  # who a connection is counted under
+
+
+class Vetted(NamedTuple):
+    """What a listener of its own (``Serving.add_listener``) says of a new connection: the
+    uid it is counted under, or the answer that refuses it."""
+
+    uid: int | None = None
+    refusal: Response | None = None
+
+
+Vet = Callable[[socket.socket], Vetted]
 
 
 def peer_uid(sock: socket.socket) -> int | None:
@@ -77,6 +90,10 @@ class Serving:
         self._accepting: asyncio.Task[None] | None = None
         self._open: dict[Connection, asyncio.Task[None]] = {}
         self._closed = asyncio.Event()
+        # Listeners of their own beside the main socket (a nested sandbox's: server.inner),
+        # by name: each socket and its accept loop, and its connections open now.
+        self._listeners: dict[str, tuple[socket.socket, asyncio.Task[None]]] = {}
+        self._per_listener: dict[str, int] = {}
 
     @property
     def connections(self) -> int:
@@ -115,6 +132,8 @@ class Serving:
                 await asyncio.gather(self._accepting, return_exceptions=True)
             if self._sock is not None:
                 self._sock.close()
+            for name in list(self._listeners):
+                await self.remove_listener(name, cut=False)
             for conn, task in list(self._open.items()):
                 if not conn.busy:
                     task.cancel()
@@ -123,6 +142,10 @@ class Serving:
                 await callback(self.app)
         finally:
             self._closed.set()
+
+    def listen(self, sock: socket.socket) -> None:
+        """Answer on ``sock``, the main listening socket, from now on."""
+        self._listen(sock)
 
     def _listen(self, sock: socket.socket) -> None:
         # Our own accept loop, not asyncio.start_server: it knows the peer's uid before it
@@ -133,7 +156,42 @@ class Serving:
         self._sock = sock
         self._accepting = asyncio.get_running_loop().create_task(self._accept(sock))
 
-    async def _accept(self, sock: socket.socket) -> None:
+    def add_listener(self, name: str, sock: socket.socket, vet: Vet) -> None:
+        """Accept on ``sock`` too, a bound and listening unix socket, until ``remove_listener``:
+        each connection is vetted first (``vet``: who it is counted under, or its refusal),
+        at most ``limits.connections_per_listener`` of them open at once, and its requests
+        know ``name`` (``Request.listener``). A name already listening is replaced."""
+        sock.setblocking(False)
+        old = self._listeners.pop(name, None)
+        if old is not None:
+            old[1].cancel()
+            old[0].close()
+        task = asyncio.get_running_loop().create_task(self._accept(sock, name, vet))
+        self._listeners[name] = (sock, task)
+
+    async def remove_listener(self, name: str, *, cut: bool = True) -> bool:
+        """Stop accepting on ``name``'s socket and close it; ``cut``: its connections too (a
+        sandbox gone: nothing it asks is answered any more). False when it had none."""
+        found = self._listeners.pop(name, None)
+        if found is None:
+            return False
+        sock, task = found
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        sock.close()
+        if cut:
+            for conn, running in list(self._open.items()):
+                if conn.listener == name:
+                    running.cancel()
+        return True
+
+    @property
+    def listeners(self) -> frozenset[str]:
+        return frozenset(self._listeners)
+
+    async def _accept(
+        self, sock: socket.socket, listener: str = "", vet: Vet | None = None
+    ) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -143,10 +201,28 @@ class Serving:
                 self.quiet.warn("accept", "cannot accept a connection (%s: %s); retrying", why, exc)
                 await asyncio.sleep(ACCEPT_RETRY)
                 continue
-            self._admit(client)
+            if vet is None:
+                self._admit(client)
+                continue
+            vetted = vet(client)
+            if vetted.refusal is not None:
+                self._turn_away(client, "", vetted.refusal)
+            elif self._per_listener.get(listener, 0) >= self.limits.connections_per_listener:
+                most = self.limits.connections_per_listener
+                self.quiet.warn(listener, "%s refused: %d connections open on it", listener, most)
+                self._turn_away(
+                    client,
+                    f"too many connections at once ({most} on this socket are open); close "
+                    f"some, and retry after {self.limits.retry_after} s",
+                )
+            else:
+                self._admit(client, vetted.uid, listener)
 
-    def _admit(self, client: socket.socket) -> None:
-        uid = self._peer(client)
+    def _admit(self, client: socket.socket, *vetted: int | str | None) -> None:
+        """Serve ``client``; ``vetted``: a listener's connection, (its uid, the listener)."""
+        uid = self._peer(client) if not vetted else vetted[0]
+        listener = str(vetted[1]) if vetted else ""
+        assert uid is None or isinstance(uid, int)
         triage = False
         why = self.open.take(uid)
         if why is not None:
@@ -155,22 +231,28 @@ class Serving:
                 self._turn_away(client, reason)
                 return
             triage = True
-        conn = Connection(self, client, uid, triage)
+        conn = Connection(self, client, uid, triage, listener)
+        if listener:
+            self._per_listener[listener] = self._per_listener.get(listener, 0) + 1
         task = asyncio.get_running_loop().create_task(conn.run())
         self._open[conn] = task
         task.add_done_callback(lambda _: self._gone(conn))
 
-    def _turn_away(self, client: socket.socket, reason: str) -> None:
-        """Refuse a connection of a flood without reading it: its 429 goes out in one send
-        (the kernel keeps it for the client to read after the close), and it is closed."""
-        refusal = self.app.error_response(429, reason)
+    def _turn_away(
+        self, client: socket.socket, reason: str, answer: Response | None = None
+    ) -> None:
+        """Refuse a connection of a flood without reading it: its 429 (or ``answer``) goes out
+        in one send (the kernel keeps it for the client to read after the close), and it is
+        closed."""
+        refusal = answer or self.app.error_response(429, reason)
         body = refusal._payload() or b""
         fields = [("Content-Type", refusal.headers.get("Content-Type", "text/plain"))]
         fields += [
             ("Content-Length", str(len(body))),
             ("Retry-After", str(self.limits.retry_after)),
         ]
-        head = [f"HTTP/1.1 429 {phrase(429)}", *(f"{k}: {v}" for k, v in fields)]
+        status = refusal.status
+        head = [f"HTTP/1.1 {status} {phrase(status)}", *(f"{k}: {v}" for k, v in fields)]
         try:
             client.setblocking(False)
             client.send("\r\n".join([*head, "Connection: close", "", ""]).encode() + body)
@@ -182,6 +264,12 @@ class Serving:
     def _gone(self, conn: Connection) -> None:
         if self._open.pop(conn, None) is not None:
             (self.over if conn.triage else self.open).give(conn.uid)
+            if conn.listener:
+                left = self._per_listener.get(conn.listener, 1) - 1
+                if left > 0:
+                    self._per_listener[conn.listener] = left
+                else:
+                    self._per_listener.pop(conn.listener, None)
 
     async def _finish(self, timeout: float) -> None:
         tasks = list(self._open.values())

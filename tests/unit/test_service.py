@@ -19,6 +19,7 @@ from slicebox.core.budget import OutputBudget
 from slicebox.core.deadlines import Deadlines
 from slicebox.core.execution import ExecEngine
 from slicebox.core.launch import WAITER_COMMAND
+from slicebox.core.nesting import InnerSockets
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import KEEP_ALIVE, Sandbox, SandboxManager
 from slicebox.core.service import Service
@@ -53,7 +54,13 @@ class World:
     fakes (the host) of another, which knows of its sandboxes only what the host says."""
 
     def __init__(
-        self, tmp: Path, budget: OutputBudget | None = None, *, after: World | None = None
+        self,
+        tmp: Path,
+        budget: OutputBudget | None = None,
+        *,
+        after: World | None = None,
+        config: str = "",
+        inner: InnerSockets | None = None,
     ) -> None:
         self.systemd: FakeSystemd = after.systemd if after else FakeSystemd()
         clock, self.host = FakeClock(), FakeSandboxHost()
@@ -71,12 +78,13 @@ class World:
         self.sandboxes = SandboxManager(
             docker,
             slices,
-            config=parse_config(""),
+            config=parse_config(config),
             host_memory=4096 * MiB,
             instance_id="run-1",
             clock=lambda: NOW,
             new_id=lambda: next(ids),
             deadlines=Deadlines(systemd),
+            nested_root=tmp / "nested",
         )
         self.journal = ListJournal()
         self.budget = budget or OutputBudget.fixed(DEFAULT_EXEC_OUTPUT_BUDGET)
@@ -101,6 +109,7 @@ class World:
                 config=lambda: ReaperConfig(state_dir=tmp / "state"),
                 clock=lambda: NOW,
             ),
+            inner=inner,
         )
 
     def service_identity(self) -> Identity:

@@ -15,9 +15,11 @@ from slicebox.model.spec import Mount
 def inner_directory(root: Path, sandbox_id: str) -> Path:
     """The directory of a nested sandbox's socket (``server.inner`` binds the socket in it),
     made now, root's and empty, for the create to bind into the sandbox."""
-    root.mkdir(mode=0o755, parents=True, exist_ok=True)
+    root.mkdir(mode=0o711, parents=True, exist_ok=True)
+    root.chmod(0o711)  # whatever the umask: anyone may pass, no one may list the ids
     directory = root / sandbox_id
     directory.mkdir(mode=0o755, exist_ok=True)
+    directory.chmod(0o755)  # the sandbox's processes, whoever they run as, reach its socket
     return directory
 
 

@@ -39,6 +39,7 @@ from slicebox.core.creation import (
 )
 from slicebox.core.deadlines import Deadlines, Timer, latest
 from slicebox.core.egress import EgressGuard, Labelled
+from slicebox.core.innerdirs import drop_inner_directory
 from slicebox.core.operations import Operations
 from slicebox.core.policy import Admitted, check_ttl
 from slicebox.core.recent import Recent
@@ -83,6 +84,7 @@ class SandboxManager:
         nested_root: Path = NESTED_ROOT,
     ) -> None:
         self._egress = egress
+        self._nested_root = nested_root
         self._backend = backend
         self._binds: BindGuard = binds or KernelBindGuard()
         self._slices = slices
@@ -368,9 +370,11 @@ class SandboxManager:
         return gone, seen
 
     def forget(self, sandbox: Sandbox) -> None:
-        """What goes with a removed sandbox beside its container: its credentials, and its
-        workspace volume with its root task's last sandbox."""
+        """What goes with a removed sandbox beside its container: its credentials, a nested
+        one's socket directory, and its workspace volume with its root task's last sandbox."""
         credential_store(self._config).remove(sandbox.id)
+        if sandbox.lineage.nested:
+            drop_inner_directory(self._nested_root, sandbox.id)
         release_volume(self._backend, sandbox)
 
     def sync_egress(self, containers: list[SandboxInfo], observed_at: float) -> None:

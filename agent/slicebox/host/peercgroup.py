@@ -79,5 +79,5 @@ def _alive(pidfd: int) -> bool:
 
 def within(cgroup: str, scope: str) -> bool:
     """Whether the cgroup ``cgroup`` is ``scope`` or below it (both below the root)."""
-    cgroup, scope = cgroup.rstrip("/"), "/" + scope.strip("/")
-    return cgroup == scope or cgroup.startswith(scope + "/")
+    cgroup, scope = "/" + cgroup.strip("/"), "/" + scope.strip("/")
+    return cgroup == scope or cgroup.startswith(scope.rstrip("/") + "/")

@@ -95,7 +95,9 @@ class InnerListeners:
         scope = str(sandbox.scope_cgroup(PurePosixPath("/")))
         self._scopes[sandbox.id] = scope
         self._owners[sandbox.id] = Owner(sandbox.id, entry.pw_uid, entry.pw_gid)
-        self._serving.add_listener(sandbox.id, sock, lambda client: self._vet(client, sandbox.id))
+        await self._serving.add_listener(
+            sandbox.id, sock, lambda client: self._vet(client, sandbox.id)
+        )
 
     async def close(self, sandbox_id: str) -> None:
         """``sandbox_id``'s socket closed, its connections cut, its directory removed."""

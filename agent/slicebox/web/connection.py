@@ -69,12 +69,15 @@ class Connection:
         sock: socket.socket,
         uid: int | None,
         triage: bool,
+        *,
         listener: str = "",
+        refusal: StreamResponse | None = None,
     ) -> None:
         self._serving = serving
         self.limits = serving.limits
         self.uid = uid
         self.listener = listener  # the listener of its own that accepted it ("": the main one)
+        self.refusal = refusal  # what its one request is answered, its listener's vet said
         self.triage = triage  # over a connection cap: one head read, health or a refusal
         self._sock: socket.socket | None = sock
         self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
@@ -249,6 +252,8 @@ class Connection:
 
     def _admitted(self, request: Request) -> StreamResponse | None:
         """None when ``request`` may go on; else its refusal (a cap is full)."""
+        if self.refusal is not None:
+            return self.refusal
         if (request.method, request._target_path) in self.limits.always:
             return None
         if self.triage:

@@ -27,7 +27,7 @@ from slicebox.web.app import Application
 from slicebox.web.connection import Connection
 from slicebox.web.limits import Gate, Limits, QuietLog
 from slicebox.web.message import phrase
-from slicebox.web.response import Response
+from slicebox.web.response import StreamResponse
 
 BACKLOG = 1024  # a socket bound here (systemd's socket unit sets its own)
 _OUT_OF_FDS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
@@ -43,7 +43,7 @@ class Vetted(NamedTuple):
     uid it is counted under, or the answer that refuses it."""
 
     uid: int | None = None
-    refusal: Response | None = None
+    refusal: StreamResponse | None = None
 
 
 Vet = Callable[[socket.socket], Vetted]
@@ -156,16 +156,15 @@ class Serving:
         self._sock = sock
         self._accepting = asyncio.get_running_loop().create_task(self._accept(sock))
 
-    def add_listener(self, name: str, sock: socket.socket, vet: Vet) -> None:
+    async def add_listener(self, name: str, sock: socket.socket, vet: Vet) -> None:
         """Accept on ``sock`` too, a bound and listening unix socket, until ``remove_listener``:
         each connection is vetted first (``vet``: who it is counted under, or its refusal),
         at most ``limits.connections_per_listener`` of them open at once, and its requests
         know ``name`` (``Request.listener``). A name already listening is replaced."""
         sock.setblocking(False)
-        old = self._listeners.pop(name, None)
-        if old is not None:
-            old[1].cancel()
-            old[0].close()
+        # The old socket's accept is over before it is closed: a closed descriptor the loop
+        # still waits on could be the new socket's number.
+        await self.remove_listener(name, cut=False)
         task = asyncio.get_running_loop().create_task(self._accept(sock, name, vet))
         self._listeners[name] = (sock, task)
 
@@ -205,18 +204,26 @@ class Serving:
                 self._admit(client)
                 continue
             vetted = vet(client)
-            if vetted.refusal is not None:
-                self._turn_away(client, "", vetted.refusal)
-            elif self._per_listener.get(listener, 0) >= self.limits.connections_per_listener:
+            refusal = vetted.refusal
+            if (
+                refusal is None
+                and self._per_listener.get(listener, 0) >= self.limits.connections_per_listener
+            ):
                 most = self.limits.connections_per_listener
                 self.quiet.warn(listener, "%s refused: %d connections open on it", listener, most)
-                self._turn_away(
-                    client,
+                reason = (
                     f"too many connections at once ({most} on this socket are open); close "
-                    f"some, and retry after {self.limits.retry_after} s",
+                    f"some, and retry after {self.limits.retry_after} s"
                 )
-            else:
+                refusal = self.app.error_response(429, reason)
+            if refusal is None:
                 self._admit(client, vetted.uid, listener)
+            elif self.over.take(None) is not None:  # refusals in triage are full: a flood
+                self._turn_away(client, "", refusal)
+            else:  # its request's head is read, then refused: its client reads why
+                self._serve(
+                    Connection(self, client, None, True, listener=listener, refusal=refusal)
+                )
 
     def _admit(self, client: socket.socket, *vetted: int | str | None) -> None:
         """Serve ``client``; ``vetted``: a listener's connection, (its uid, the listener)."""
@@ -231,15 +238,18 @@ class Serving:
                 self._turn_away(client, reason)
                 return
             triage = True
-        conn = Connection(self, client, uid, triage, listener)
+        conn = Connection(self, client, uid, triage, listener=listener)
         if listener:
             self._per_listener[listener] = self._per_listener.get(listener, 0) + 1
+        self._serve(conn)
+
+    def _serve(self, conn: Connection) -> None:
         task = asyncio.get_running_loop().create_task(conn.run())
         self._open[conn] = task
         task.add_done_callback(lambda _: self._gone(conn))
 
     def _turn_away(
-        self, client: socket.socket, reason: str, answer: Response | None = None
+        self, client: socket.socket, reason: str, answer: StreamResponse | None = None
     ) -> None:
         """Refuse a connection of a flood without reading it: its 429 (or ``answer``) goes out
         in one send (the kernel keeps it for the client to read after the close), and it is
@@ -264,7 +274,7 @@ class Serving:
     def _gone(self, conn: Connection) -> None:
         if self._open.pop(conn, None) is not None:
             (self.over if conn.triage else self.open).give(conn.uid)
-            if conn.listener:
+            if conn.listener and conn.refusal is None:
                 left = self._per_listener.get(conn.listener, 1) - 1
                 if left > 0:
                     self._per_listener[conn.listener] = left

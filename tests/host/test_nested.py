@@ -204,11 +204,14 @@ def test_depth_count_and_width_are_refused_with_codes_before_anything_is_made(
         with pytest.raises(SliceboxError) as refused:
             client.create(CreateSandbox(user=USER, project=PROJECT, image=image, nested=nested))
         assert (refused.value.code, refused.value.field) == ("policy_nested", f"nested.{field}")
-    with pytest.raises(SliceboxError) as native:
+    wasm = {"sha256": "0" * 64}
+    with pytest.raises(SliceboxError) as unsupported:
         client.create(
-            CreateSandbox(user=USER, project="n", backend="native", nested={"max_children": 1})
+            CreateSandbox(
+                user=USER, project="n", backend="wasm", wasm=wasm, nested={"max_children": 1}
+            )
         )
-    assert native.value.code == "backend_unsupported"
+    assert unsupported.value.code == "backend_unsupported"
     assert {v.id for v in admin().list_sandboxes()} == before | {grandchild}
 
 
@@ -290,3 +293,27 @@ def test_destroying_the_parent_removes_its_subtree_and_its_sockets(tree: dict[st
     assert running(tree["Q"])
     destroyed = journal_records(SLICEBOX_EVENT="sandbox_destroyed", SLICEBOX_SANDBOX_ID=tree["G"])
     assert destroyed, "each child's removal audited"
+
+
+def test_a_native_sandbox_is_nested_too(tree: dict[str, str]) -> None:
+    """The host's own python and CLI in a native sandbox: its socket at its own path, the one
+    socket directory it sees; its child native as it is."""
+    client = admin()
+    spec = {"user": USER, "project": "nnest", "backend": "native", "nested": {"max_children": 1}}
+    parent = client.create(CreateSandbox.model_validate(spec)).id
+    try:
+        first = inside(parent, ["env", "SLICEBOX_SOCKET"], ["cli", ["create"]])
+        assert ok(first[0]) == f"{NESTED_ROOT}/{parent}/slicebox.sock"
+        made = ok(first[1])
+        assert made["rc"] == 0, made["stderr"]
+        child = made["stdout"]
+        seen = admin().exec(parent, ExecRequest(argv=("ls", str(NESTED_ROOT)), timeout=60))
+        assert seen.stdout.split() == [parent.encode()], "no other sandbox's socket directory"
+        answers = inside(parent, ["exec", child, ["echo", "native child"]], ["list"])
+        assert ok(answers[0]) == {"exit_code": 0, "stdout": "native child\n"}
+        assert ok(answers[1]) == [child]
+        view = client.get(child)
+        assert (view.parent_id, view.backend, view.depth) == (parent, "native", 1)
+    finally:
+        client.destroy(parent)
+    assert child not in {v.id for v in client.list_sandboxes()}, "its subtree went with it"

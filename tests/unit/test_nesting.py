@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from slicebox.backends.native.units import RunAs, init_properties, refusal
 from slicebox.core import creation
 from slicebox.core.nesting import Births, check_deadline, child_request, reaches
 from slicebox.core.sandbox import Sandbox
@@ -23,7 +24,10 @@ from slicebox.model.errors import NotFound, SliceboxError
 from slicebox.model.exec import ExecRequest
 from slicebox.model.labels import decode
 from slicebox.model.nested import NestedConfig, NestedSpec
+from slicebox.model.paths import NESTED_ROOT
+from slicebox.model.spec import Mount
 from tests.fakes.threadside import ThreadSide
+from tests.unit.test_native import request
 from tests.unit.test_service import ALICE, NOW, ORCH, World
 
 CONFIG = """
@@ -330,3 +334,16 @@ def _sandbox(*, max_children: int = 2, ancestors: str = "") -> Sandbox:
         created_at=NOW,
         expires_at=None,
     )
+
+
+def test_a_native_nested_sandbox_sees_its_own_socket_directory_and_no_other() -> None:
+    own = str(NESTED_ROOT / "sbx-000000000001")
+    asked = request(mounts=(Mount(source=own, target=own, read_only=True),))
+    assert refusal(asked) is None
+    props = init_properties(asked, "x.slice", RunAs(), Path("/env"), Path("/run/i"))
+    assert props["TemporaryFileSystem"] == [(str(NESTED_ROOT), "ro")]
+    assert props["BindReadOnlyPaths"] == [(own, own, False, 16384)]
+    elsewhere = request(mounts=(Mount(source=own, target="/run/slicebox", read_only=True),))
+    assert refusal(elsewhere) is not None, "only at its own path"
+    writable = request(mounts=(Mount(source=own, target=own),))
+    assert refusal(writable) is not None

@@ -8,8 +8,14 @@ import contextlib
 from pathlib import Path
 
 from slicebox.model.labels import Lineage
-from slicebox.model.nested import INNER_DIRECTORY, INNER_SOCKET, PROJECT_ENV, SOCKET_ENV
-from slicebox.model.spec import Mount
+from slicebox.model.nested import (
+    INNER_DIRECTORY,
+    INNER_SOCKET,
+    INNER_SOCKET_NAME,
+    PROJECT_ENV,
+    SOCKET_ENV,
+)
+from slicebox.model.spec import Backend, Mount
 
 
 def inner_directory(root: Path, sandbox_id: str) -> Path:
@@ -35,9 +41,13 @@ def drop_inner_directory(root: Path, sandbox_id: str) -> None:
 def handed_socket(lineage: Lineage, root: Path) -> tuple[tuple[Mount, ...], dict[str, str]]:
     """A nested sandbox's socket directory at ``/run/slicebox`` (the directory, not the
     socket: one re-made after an agent's restart is a new file the bind would not show), and
-    the environment that names it and the project its children are in."""
+    the environment that names it and the project its children are in. A native sandbox has
+    it at its own path, where its unit shows it and no other sandbox's."""
     if not lineage.nested:
         return (), {}
     source = str(root / lineage.sandbox_id)
+    if lineage.backend == Backend.NATIVE.value:  # it sees the host's /run (backends.native)
+        mount = Mount(source=source, target=source, read_only=True)
+        return (mount,), {SOCKET_ENV: f"{source}/{INNER_SOCKET_NAME}", PROJECT_ENV: lineage.project}
     mount = Mount(source=source, target=INNER_DIRECTORY, read_only=True)
     return (mount,), {SOCKET_ENV: INNER_SOCKET, PROJECT_ENV: lineage.project}

@@ -42,7 +42,7 @@ from slicebox.model.nested import NestedSpec
 from slicebox.model.spec import Backend, SandboxSpec, WorkspaceKind
 
 MINUTE = 60.0
-NESTED_BACKENDS = frozenset({Backend.DOCKER})
+NESTED_BACKENDS = frozenset({Backend.DOCKER, Backend.NATIVE})
 
 
 class InnerSockets(Protocol):
@@ -85,8 +85,8 @@ def check_opt_in(spec: SandboxSpec, config: Config, backend: Backend, *, has_acc
         )
     if backend not in NESTED_BACKENDS:
         raise Unavailable(
-            f"backend {backend.value} cannot be nested here (its sandboxes have no socket of "
-            "their own); use backend docker",
+            f"backend {backend.value} cannot be nested (its sandboxes have no socket of "
+            "their own); use backend docker or native",
             code="backend_unsupported",
         )
     if not has_account:
@@ -136,6 +136,8 @@ def child_request(
             "'root_task_id' out",
             "root_task_id",
         )
+    if "backend" not in request.model_fields_set:  # left out: its parent's
+        request = request.model_copy(update={"backend": Backend(parent.backend)})
     if request.backend.value != parent.backend:
         raise refused(f"a child runs on its parent's backend ({parent.backend})", "backend")
     _check_narrower(request, parent)

@@ -26,6 +26,7 @@ from slicebox.backends.native.names import INIT_RUNTIME, dynamic_user, init_sock
 from slicebox.host.systemd import ServiceStatus
 from slicebox.model.base import Model
 from slicebox.model.limits import INFINITY, Property, cpu_quota_usec
+from slicebox.model.paths import NESTED_ROOT
 from slicebox.model.wasm import WasmRun
 
 MARK = "slicebox-native "  # a native sandbox slice's Description: this, then its labels
@@ -237,11 +238,37 @@ def how_it_ended(status: ServiceStatus | None) -> str:
     return f"{status.result}, exit status {status.status}" + (f": {why}" if why else "")
 
 
+def inner_directories(request: SandboxRequest) -> list[str]:
+    """A nested sandbox's socket directory (core.innerdirs), which a native sandbox sees at
+    its own path: the host's ``/run`` is its own, with every other sandbox's hidden."""
+    return [
+        m.source
+        for m in request.mounts
+        if m.kind.value == "bind"
+        and m.read_only
+        and m.source == m.target
+        and Path(m.source).parent == NESTED_ROOT
+    ]
+
+
+def _inner_mounts(request: SandboxRequest) -> dict[str, Any]:
+    """The nested sandboxes' directory empty in the sandbox, but for its own socket's."""
+    inner = inner_directories(request)
+    if not inner:
+        return {}
+    return {
+        "TemporaryFileSystem": [(str(NESTED_ROOT), "ro")],
+        "BindReadOnlyPaths": [(path, path, False, MS_REC) for path in inner],
+    }
+
+
 def refusal(request: SandboxRequest) -> str | None:
     """What a native sandbox cannot give that ``request`` asks for; None when nothing."""
     if request.network != "none":
         return f"network {request.network!r} (a native sandbox has no network)"
-    if any(m.target.rstrip("/") != WORKSPACE or m.kind.value != "bind" for m in request.mounts):
+    inner = inner_directories(request)
+    mounts = [m for m in request.mounts if m.source not in inner]
+    if any(m.target.rstrip("/") != WORKSPACE or m.kind.value != "bind" for m in mounts):
         return "mounts, workspace volumes and credentials"
     if request.cap_add:
         return "cap_add (a native sandbox has no capability)"
@@ -279,8 +306,12 @@ def init_properties(
     properties = hardening(request.name, run_as, anchor=True, loopback=True)
     runtime_dirs = [*properties.get("RuntimeDirectory", []), f"{INIT_RUNTIME}/{request.name}"]
     argv = init_argv(request, runtime)
+    inner = _inner_mounts(request)
+    if inner:
+        inner["BindReadOnlyPaths"] += properties.get("BindReadOnlyPaths", [])
     return {
         **properties,
+        **inner,
         "RuntimeDirectory": runtime_dirs,
         "RuntimeDirectoryMode": 0o700,
         "PrivatePIDs": "yes",

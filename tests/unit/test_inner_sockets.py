@@ -44,33 +44,52 @@ def own_cgroup() -> str:
     pytest.skip("no cgroup v2 line for this process")
 
 
-def sandbox(sandbox_id: str = "sbx-000000000001") -> Sandbox:
+def nested_sandbox(
+    *,
+    sandbox_id: str = "sbx-000000000001",
+    user: str = "root",  # an account this machine has
+    max_children: int = 2,
+    ancestors: str = "",
+) -> Sandbox:
+    """A nested parent as its labels say."""
     lineage = Lineage(
         sandbox_id=sandbox_id,
         instance_id="run-1",
         root_task_id="t",
         task_id="t",
-        user="root",  # an account this machine has
+        user=user,
         project="web",
         created_at=NOW,
         provisioned_cpu=1.0,
-        provisioned_memory_bytes=1 << 28,
+        provisioned_memory_bytes=256 << 20,
         provisioned_pids=100,
         nested=True,
-        nested_max_children=1,
-        nested_max_depth=1,
+        nested_max_children=max_children,
+        nested_max_depth=2,
+        ancestors=ancestors,
     )
     return Sandbox(
         id=sandbox_id,
         container_id="c" * 64,
-        user="root",
+        user=user,
         project="web",
         lineage=lineage,
-        limits=Limits(cpus=1.0, memory_bytes=1 << 28, pids=100),
+        limits=Limits(cpus=1.0, memory_bytes=256 << 20, pids=100),
         backend="docker",
         created_at=NOW,
         expires_at=None,
     )
+
+
+class Setup:
+    """An app that answers with the listener, the nested sockets below ``tmp``, one sandbox."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.app = Application()
+        self.app.router.add_get("/who", who)
+        self.inner = InnerListeners(tmp / "nested")
+        self.box = nested_sandbox()
+        self.path = tmp / "nested" / self.box.id / "slicebox.sock"
 
 
 async def who(request: Request) -> StreamResponse:
@@ -91,11 +110,8 @@ async def ask(path: Path, *, parse: bool = True) -> tuple[int, Any]:
 def test_only_a_process_of_the_sandbox_is_served_and_its_requests_know_the_socket(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    app = Application()
-    app.router.add_get("/who", who)
-    inner = InnerListeners(tmp_path / "nested")
-    box = sandbox()
-    path = tmp_path / "nested" / box.id / "slicebox.sock"
+    made = Setup(tmp_path)
+    app, inner, box, path = made.app, made.inner, made.box, made.path
 
     async def main() -> None:
         serving = await serve_path(app, str(tmp_path / "main.sock"))
@@ -125,11 +141,8 @@ def test_only_a_process_of_the_sandbox_is_served_and_its_requests_know_the_socke
 def test_a_socket_has_its_own_cap_on_connections(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    app = Application()
-    app.router.add_get("/who", who)
-    inner = InnerListeners(tmp_path / "nested")
-    box = sandbox()
-    path = tmp_path / "nested" / box.id / "slicebox.sock"
+    made = Setup(tmp_path)
+    app, inner, box, path = made.app, made.inner, made.box, made.path
     limits = SocketLimits(connections_per_listener=2, exempt_uids=frozenset())
 
     async def main() -> None:

@@ -27,6 +27,7 @@ from slicebox.model.nested import NestedConfig, NestedSpec
 from slicebox.model.paths import NESTED_ROOT
 from slicebox.model.spec import Mount
 from tests.fakes.threadside import ThreadSide
+from tests.unit.test_inner_sockets import nested_sandbox
 from tests.unit.test_native import request
 from tests.unit.test_service import ALICE, NOW, ORCH, World
 
@@ -212,7 +213,7 @@ def test_max_children_holds_against_creates_at_once(nest: Nest) -> None:
 def test_creates_per_minute_are_counted_per_parent() -> None:
     now = [0.0]
     births = Births(lambda: now[0])
-    parent = _sandbox(max_children=100)
+    parent = nested_sandbox(max_children=100)
     for _ in range(3):
         with births.taking(parent, 0, 3):
             pass
@@ -277,7 +278,7 @@ def test_an_extend_from_inside_never_passes_the_parent_s_deadline() -> None:
 
 
 def test_a_host_caller_reaches_all_its_user_s_sandboxes_and_a_nested_one_its_subtree() -> None:
-    child = _sandbox(ancestors="sbx-a,sbx-b")
+    child = nested_sandbox(ancestors="sbx-a,sbx-b")
     assert reaches(ALICE, child)
     assert reaches(ALICE.within_sandbox("sbx-a"), child)
     assert reaches(ALICE.within_sandbox("sbx-b"), child)
@@ -292,7 +293,7 @@ def test_the_audit_names_the_calling_sandbox() -> None:
 
 
 def test_child_request_uses_the_parent_s_current_deadline() -> None:
-    parent = _sandbox()
+    parent = nested_sandbox()
     soon = NOW + timedelta(seconds=90)
     request = CreateSandbox(project="web")
     made = child_request(request, parent, soon, parse_config(""), NOW)
@@ -300,40 +301,6 @@ def test_child_request_uses_the_parent_s_current_deadline() -> None:
     gone = NOW - timedelta(seconds=1)
     with pytest.raises(SliceboxError):
         child_request(request, parent, gone, parse_config(""), NOW)
-
-
-def _sandbox(*, max_children: int = 2, ancestors: str = "") -> Sandbox:
-    """A nested parent as its labels say."""
-    from slicebox.model.labels import Lineage
-    from slicebox.model.limits import Limits
-
-    lineage = Lineage(
-        sandbox_id="sbx-p",
-        instance_id="run-1",
-        root_task_id="t",
-        task_id="t",
-        user="alice",
-        project="web",
-        created_at=NOW,
-        provisioned_cpu=1.0,
-        provisioned_memory_bytes=256 << 20,
-        provisioned_pids=100,
-        nested=True,
-        nested_max_children=max_children,
-        nested_max_depth=2,
-        ancestors=ancestors,
-    )
-    return Sandbox(
-        id="sbx-p",
-        container_id="c",
-        user="alice",
-        project="web",
-        lineage=lineage,
-        limits=Limits(cpus=1.0, memory_bytes=256 << 20, pids=100),
-        backend="docker",
-        created_at=NOW,
-        expires_at=None,
-    )
 
 
 def test_a_native_nested_sandbox_sees_its_own_socket_directory_and_no_other() -> None:

@@ -48,6 +48,22 @@ def _raw(path: str) -> str:
         return type(exc).__name__
 
 
+def _flood(path: str, count: int) -> list[str]:
+    """``count`` connections held open at once, then a health request on one more: its status
+    line; then, all closed, the status line of a health request again."""
+    held = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(path)
+            held.append(sock)
+        over = _raw(path)
+    finally:
+        for sock in held:
+            sock.close()
+    return [over, _raw(path)]
+
+
 OPS: dict[str, Callable[..., Any]] = {
     "create": _create,
     "exec": _exec,
@@ -74,6 +90,8 @@ def main() -> int:
                 answers.append({"ok": _cli(*args)})
             elif op == "raw":
                 answers.append({"ok": _raw(*args)})
+            elif op == "flood":
+                answers.append({"ok": _flood(*args)})
             else:
                 answers.append({"ok": OPS[op](client, *args)})
         except SliceboxError as exc:

@@ -166,6 +166,13 @@ def test_the_inner_socket_reaches_its_subtree_and_nothing_else(tree: dict[str, s
     assert [a.get("code") for a in answers[-4:]] == ["nested_refused"] * 4
     for target in (p, c2, s, q):
         assert running(target), f"{target} untouched"
+    # Many connections at once: the socket's own cap answers the one past it, and the host's
+    # socket is answered meanwhile.
+    flood = inside(c1, ["flood", "/run/slicebox/slicebox.sock", 16])
+    over, after = ok(flood[0])
+    assert over.startswith("HTTP/1.1 429"), over
+    assert after.startswith("HTTP/1.1 200"), after
+    assert admin().health().status == "ok"
 
 
 def test_depth_count_and_width_are_refused_with_codes_before_anything_is_made(
@@ -256,12 +263,12 @@ def test_the_agent_killed_re_makes_the_socket_and_the_reaper_keeps_the_tree(
 
 
 def test_the_children_s_memory_sums_under_the_project_s_ceiling(tree: dict[str, str]) -> None:
-    """Each within its own limit, together past the project's 320 MB: the kernel kills in the
-    project, and another user's project is untouched."""
+    """Each within its own limit, together past the project's 320 MB: a hog child makes the
+    kernel kill in the project, and another user's project is untouched."""
     project = Path(slice_names(USER, PROJECT).cgroups(PurePosixPath(CGROUP_ROOT)).project)
     other = Path(slice_names(OTHER, "other").cgroups(PurePosixPath(CGROUP_ROOT)).project)
     before = memory_events(project)["oom_kill"]
-    for name in ("C1", "C2", "G"):
+    for name in ("P", "C1", "G"):
         code = HOLD.format(mib=90)
         holder = admin().exec(
             tree[name],
@@ -269,8 +276,8 @@ def test_the_children_s_memory_sums_under_the_project_s_ceiling(tree: dict[str, 
         )
         assert holder.exit_code == 0
     time.sleep(1)
-    hog = admin().exec(
-        tree["P"], ExecRequest(argv=("python3", "-c", "b = b'x' * (150 << 20)"), timeout=300)
+    hog = admin().exec(  # within its own 100 MB, past the project's 320 MB with the rest
+        tree["C2"], ExecRequest(argv=("python3", "-c", "b = b'x' * (80 << 20)"), timeout=300)
     )
     local = project / "memory.events.local"
     events = dict(line.split() for line in local.read_text().splitlines())

@@ -7,22 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import tempfile
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 
 import pytest
 
 from slicebox.backends.docker import DockerBackend
-from slicebox.backends.dockerendpoint import DockerEndpoint
 from slicebox.backends.dockerpull import MAX_LINE, PullTally, pull_query
 from slicebox.model.errors import ImagePullFailed, ImageUnavailable
 from slicebox.model.progress import MAX_LAYERS, Phase, ProgressEvent
-from slicebox.web.app import Application, Handler
+from slicebox.web.app import Handler
 from slicebox.web.request import Request
 from slicebox.web.response import Response, StreamResponse, json_response
-from slicebox.web.server import serve_path
+from tests.unit.test_dockerjson import serve_daemon
 
 MIB = 1 << 20
 IMAGE = "localhost:5000/slicebox-test/big:1"
@@ -102,19 +99,7 @@ class Daemon:
 
 
 def with_daemon(test: Callable[[DockerBackend, Daemon], Awaitable[None]], daemon: Daemon) -> None:
-    async def main() -> None:
-        app = Application(middlewares=[daemon.handle])
-        with tempfile.TemporaryDirectory() as scratch:
-            socket = str(Path(scratch) / "docker.sock")
-            serving = await serve_path(app, socket)
-            backend = DockerBackend(DockerEndpoint(scheme="unix", address=socket))
-            try:
-                await test(backend, daemon)
-            finally:
-                await backend.aclose()
-                await serving.close()
-
-    asyncio.run(main())
+    serve_daemon(daemon, test)
 
 
 def pulled(daemon: Daemon, timeout: float = 10.0) -> list[ProgressEvent]:

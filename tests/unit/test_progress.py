@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from slicebox.model.errors import ImagePullFailed, ImageUnavailable
 from slicebox.model.exec import ExecRequest, OutputStream, StreamChunk
 from slicebox.model.progress import LayerProgress, Phase, ProgressEvent
 from tests.fakes.docker import LAYER
-from tests.unit.agentserver import Agent, served
+from tests.unit.agentserver import Agent, served, wait_for
 from tests.unit.test_cli import Stdin
 
 IMAGE = "localhost:5000/slicebox-test/big:1"
@@ -183,6 +184,7 @@ def test_a_terminal_gets_a_bar_and_a_pipe_gets_lines() -> None:
     bars.event(ProgressEvent(phase=Phase.STARTING, subject=IMAGE))
     bars.close()
     drawn = terminal.getvalue()
+    assert drawn.endswith(f"starting {IMAGE}\n")
     assert "\r" in drawn
     assert "100%" in drawn
     assert "24.0M/24.0M" in drawn
@@ -218,3 +220,31 @@ def test_a_copy_that_goes_on_shows_its_bytes_in_lines_and_a_short_one_nothing() 
         list(small.counted([b"x"] * 3))
         small.done()
     assert short.getvalue() == quiet.getvalue() == ""
+
+
+def test_a_caller_gone_mid_pull_leaks_neither_the_pull_nor_a_thread(agent: Agent) -> None:
+    gate = asyncio.Event()
+    agent.world.docker.pull_gate = gate
+    body = spec().model_dump_json(exclude_none=True).encode()
+    client = Client(agent.socket)
+    client.destroy(client.create(spec("alpine:3.19")).id)  # the calls pool has its threads
+    before = threading.active_count()
+    with socket.socket(socket.AF_UNIX) as caller:
+        caller.connect(agent.socket)
+        caller.sendall(
+            b"POST /v1/sandboxes/stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        said = b""
+        while b'{"progress": ' not in said:  # the pull has begun; then the caller leaves
+            said += caller.recv(65536)
+    assert agent.world.docker.pulls == [IMAGE]
+    core_loop().call_soon_threadsafe(gate.set)
+    # A create runs to its end (what it made is never half made): its sandbox is there.
+    wait_for(lambda: bool(client.list_sandboxes()))
+    threads = threading.active_count()
+    for each in client.list_sandboxes():
+        client.destroy(each.id)
+    assert threads <= before + 1  # the core loop's, at most
+    assert agent.world.docker.pulls == [IMAGE]

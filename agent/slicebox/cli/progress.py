@@ -73,7 +73,12 @@ class Bars:
         if event.phase is not self._phase:
             self.close()
             self._phase = event.phase
+            if event.phase is Phase.STARTING:  # nothing to count: its line, no bar
+                print(event.describe(), file=self._out, flush=True)
+                return
             self._bar = self._new(event)
+        if self._bar is None:
+            return
         bar = self._bar
         if event.total is not None and bar.total != event.total:
             bar.total = event.total
@@ -91,6 +96,7 @@ class Bars:
 
         pulling = event.phase is Phase.PULLING
         return tqdm(
+            desc=_label(event),
             total=event.total,
             file=self._out,
             unit="B" if pulling else "",

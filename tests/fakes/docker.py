@@ -93,12 +93,17 @@ class FakeDocker(ExecCallsOnLoop):
         return Availability(kind=self.kind, available=True, detail="fake Docker")
 
     def prepare(self, image: str) -> None:
+        if self._to_pull(image):
+            self.images.add(image)
+
+    def _to_pull(self, image: str) -> bool:
+        """Whether ``image`` is to be pulled: not when present; unavailable when nowhere."""
         self._reachable()
         if image in self.images:
-            return
+            return False
         if image not in self.registry:
             raise ImageUnavailable(f"image {image!r} cannot be pulled")
-        self.images.add(image)
+        return True
 
     async def pull(
         self, image: str, report: Callable[[ProgressEvent], None], timeout: float
@@ -106,11 +111,8 @@ class FakeDocker(ExecCallsOnLoop):
         """``prepare`` as the real backend pulls, on the loop: an image of the registry is
         pulled in ``PULL_STEPS`` reports of its one layer (``LAYER`` bytes), ``pull_gate``
         (when set) held open until it is set; ``pull_error`` is a registry failing."""
-        self._reachable()
-        if image in self.images:
+        if not self._to_pull(image):
             return
-        if image not in self.registry:
-            raise ImageUnavailable(f"image {image!r} cannot be pulled")
         self.pulls.append(image)
         for step in range(1, PULL_STEPS + 1):
             if step == 2 and self.pull_gate is not None:

@@ -35,7 +35,7 @@ from slicebox.model.api import CreateSandbox
 from slicebox.model.errors import ImagePullFailed
 from slicebox.model.progress import Phase, ProgressEvent
 from tests.host.agentunits import SOCKET, admin, agent_config, installed_agent, remove_sandboxes
-from tests.host.helpers import TEST_IMAGE, ordinary_user, sh, wait_for
+from tests.host.helpers import TEST_IMAGE, ordinary_user, sh, slicebox_as, wait_for
 
 pytestmark = pytest.mark.host
 
@@ -231,12 +231,7 @@ def test_a_registry_stopped_mid_pull_is_image_pull_failed_at_the_timeout_leaving
 
 
 def as_user(*argv: str) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(
-        ["runuser", "-u", USER, "--", "slicebox", *argv],
-        capture_output=True,
-        check=False,
-        timeout=600,
-    )
+    return slicebox_as(USER, *argv)
 
 
 def on_a_terminal(*argv: str) -> tuple[int, bytes]:

@@ -1,5 +1,7 @@
 """An in-memory :class:`slicebox.backends.base.SandboxBackend` that fails the way Docker does.
 
+- an image of its ``registry`` is pulled on the event loop with progress (``pull``); one
+  that is not there raises ``image_unavailable``, a ``pull_error`` is a registry's failure;
 - a create whose name is taken raises what the adapter maps Docker's 409 to
   (``sandbox_name_conflict``); an image that is not present raises ``image_unavailable``;
 - a start that fails (``fail_start``) removes the container and raises ``container_start_failed``;
@@ -16,7 +18,8 @@ driver makes one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 
 from slicebox.backends.base import (
@@ -41,10 +44,14 @@ from slicebox.model.errors import (
 from slicebox.model.exec import ExecRequest, ExecState
 from slicebox.model.labels import VolumeLineage
 from slicebox.model.names import scope_name
+from slicebox.model.progress import LayerProgress, Phase, ProgressEvent
 from slicebox.model.spec import Backend, MountKind
 from tests.fakes.exec_fakes import FakeExecApi
 from tests.fakes.onloop import ExecCallsOnLoop
 from tests.fakes.systemd import FakeSystemd
+
+LAYER = 24 << 20  # bytes of a pulled image's one layer
+PULL_STEPS = 3
 
 
 class FakeDocker(ExecCallsOnLoop):
@@ -59,7 +66,10 @@ class FakeDocker(ExecCallsOnLoop):
         self.systemd = systemd
         self.execs = execs
         self.images = images if images is not None else {"alpine:3.19"}
-        self.registry: set[str] = set()
+        self.registry: set[str] = set()  # what a pull can get
+        self.pulls: list[str] = []  # what was pulled
+        self.pull_gate: asyncio.Event | None = None
+        self.pull_error: Exception | None = None
         self.containers: dict[str, SandboxInfo] = {}
         self.requests: dict[str, SandboxRequest] = {}
         self.released: list[tuple[str, bytes]] = []  # lines written to waiters (release)
@@ -83,11 +93,39 @@ class FakeDocker(ExecCallsOnLoop):
         return Availability(kind=self.kind, available=True, detail="fake Docker")
 
     def prepare(self, image: str) -> None:
+        if self._to_pull(image):
+            self.images.add(image)
+
+    def _to_pull(self, image: str) -> bool:
+        """Whether ``image`` is to be pulled: not when present; unavailable when nowhere."""
         self._reachable()
         if image in self.images:
-            return
+            return False
         if image not in self.registry:
             raise ImageUnavailable(f"image {image!r} cannot be pulled")
+        return True
+
+    async def pull(
+        self, image: str, report: Callable[[ProgressEvent], None], timeout: float
+    ) -> None:
+        """``prepare`` as the real backend pulls, on the loop: an image of the registry is
+        pulled in ``PULL_STEPS`` reports of its one layer (``LAYER`` bytes), ``pull_gate``
+        (when set) held open until it is set; ``pull_error`` is a registry failing."""
+        if not self._to_pull(image):
+            return
+        self.pulls.append(image)
+        for step in range(1, PULL_STEPS + 1):
+            if step == 2 and self.pull_gate is not None:
+                await self.pull_gate.wait()
+            current = LAYER * step // PULL_STEPS
+            layer = LayerProgress(id="l1", status="Downloading", current=current, total=LAYER)
+            report(
+                ProgressEvent(
+                    phase=Phase.PULLING, subject=image, done=current, total=LAYER, layers=(layer,)
+                )
+            )
+        if self.pull_error is not None:
+            raise self.pull_error
         self.images.add(image)
 
     def create(self, request: SandboxRequest) -> SandboxInfo:

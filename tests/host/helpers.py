@@ -32,6 +32,16 @@ def module_as(user: str, module: str, *argv: str) -> subprocess.Popen[str]:
     )
 
 
+def slicebox_as(user: str, *argv: str, timeout: float = 600) -> subprocess.CompletedProcess[bytes]:
+    """The ``slicebox`` command as ``user``, its output captured as bytes."""
+    return subprocess.run(
+        ["runuser", "-u", user, "--", "slicebox", *argv],
+        capture_output=True,
+        check=False,
+        timeout=timeout,
+    )
+
+
 def unique(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:8]}"
 

@@ -8,7 +8,7 @@ import json
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import docker
 import pytest
@@ -21,7 +21,7 @@ from slicebox.model.errors import SandboxNotFound, SandboxNotRunning, Unavailabl
 from slicebox.model.exec import ExecRequest
 from slicebox.web.app import Application, Handler
 from slicebox.web.request import Request
-from slicebox.web.response import Response, json_response
+from slicebox.web.response import Response, StreamResponse, json_response
 from slicebox.web.server import serve_path
 
 CONTAINER = {
@@ -57,8 +57,19 @@ class Daemon:
         return json_response({"message": f"No such container: {path}"}, status=404)
 
 
+class Handles(Protocol):
+    async def handle(self, request: Request, _: Handler) -> Response | StreamResponse: ...
+
+
+H = TypeVar("H", bound=Handles)
+
+
 def with_daemon(test: Callable[[DockerBackend, Daemon], Awaitable[None]]) -> Daemon:
-    daemon = Daemon()
+    return serve_daemon(Daemon(), test)
+
+
+def serve_daemon(daemon: H, test: Callable[[DockerBackend, H], Awaitable[None]]) -> H:
+    """Run ``test`` with a backend whose daemon is ``daemon``, on a real unix socket."""
 
     async def main() -> None:
         app = Application(middlewares=[daemon.handle])  # every path, whatever the routes

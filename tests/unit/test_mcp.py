@@ -368,3 +368,27 @@ def test_the_tree_and_a_sandboxs_usage_are_resources(agent: Agent) -> None:
         assert missing.value.error.message.startswith("not_found: ")
 
     over_mcp(agent, body)
+
+
+def test_a_create_s_pull_is_forwarded_as_progress_up_to_its_total(agent: Agent) -> None:
+    image = "localhost:5000/slicebox-test/big:1"
+    agent.world.docker.registry.add(image)
+    reports: list[tuple[float, str | None]] = []
+
+    async def progress(progress: float, total: float | None, message: str | None) -> None:
+        reports.append((progress, message))
+
+    async def body(client: ClientSession) -> dict[str, Any]:
+        arguments = {"image": image}
+        made = answer(
+            await client.call_tool("sandbox_create", arguments, progress_callback=progress)
+        )
+        await client.call_tool("sandbox_destroy", {"sandbox_id": made["id"]})
+        return made
+
+    assert over_mcp(agent, body)["id"]
+    dones = [done for done, _ in reports]
+    assert dones == sorted(set(dones)), "progress only grows"
+    messages = [message or "" for _, message in reports]
+    assert f"pulling {image}: 24 MiB of 24 MiB, 1/1 layers" in messages
+    assert messages[-1] == f"starting {image}"

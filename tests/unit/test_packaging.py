@@ -40,6 +40,7 @@ FEDORA_REQUIRES = {
     "python3-sdnotify >= 0.3",
     "python3-h11 >= 0.14",
     "python3-prometheus_client >= 0.16",  # Fedora's name
+    "python3-tqdm >= 4.64",
     "python3-nftables",
     "systemd",
     "shadow-utils",
@@ -47,7 +48,7 @@ FEDORA_REQUIRES = {
 DEBIAN_DEPENDS = (
     "python3 (>= 3.11), python3-pydantic (>= 2.5), python3-docker (>= 7.0), "
     "python3-pystemd (>= 0.13), python3-pyroute2 (>= 0.7), python3-sdnotify (>= 0.3), "
-    "python3-h11 (>= 0.14), python3-prometheus-client (>= 0.16), "
+    "python3-h11 (>= 0.14), python3-prometheus-client (>= 0.16), python3-tqdm (>= 4.64), "
     "python3-nftables, systemd, init-system-helpers, passwd"
 )
 

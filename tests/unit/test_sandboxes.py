@@ -189,11 +189,11 @@ def test_an_image_a_create_found_is_not_checked_again_unless_a_create_misses_it(
     world = World(calls=calls)
     created(world.manager, spec())
     created(world.manager, spec())
-    assert (calls["docker.prepare"], calls["docker.create"]) == (1, 2)
+    assert (calls["docker.pull"], calls["docker.create"]) == (1, 2)
     world.docker.images.discard("alpine:3.19")  # removed by hand meanwhile; pullable
     world.docker.registry.add("alpine:3.19")
     assert created(world.manager, spec()).id
-    assert (calls["docker.prepare"], calls["docker.create"]) == (2, 4), "pulled, tried again"
+    assert (calls["docker.pull"], calls["docker.create"]) == (2, 4), "pulled, tried again"
     world.docker.images.discard("alpine:3.19")
     world.docker.registry.discard("alpine:3.19")
     with pytest.raises(ImageUnavailable):

@@ -3,7 +3,7 @@
 :class:`DockerBackend` makes the Engine API calls: a sandbox's create and start, lookups and
 removal (the heavy ones a few at once, see :data:`HEAVY_CALLS` and :data:`REMOVALS`), slicebox's
 own bridge networks (inter-container traffic off), volumes, an exec's calls on the event loop,
-and image pulls through docker-py.
+and image pulls on the event loop (:mod:`slicebox.backends.dockerpull`).
 
 What a request asks of Docker and what its answers say, as data, is
 :mod:`slicebox.backends.dockerbody`'s; what the answers mean as slicebox errors is
@@ -13,6 +13,7 @@ What a request asks of Docker and what its answers say, as data, is
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -47,11 +48,11 @@ from slicebox.backends.dockerbody import (
 from slicebox.backends.dockerendpoint import DockerEndpoint
 from slicebox.backends.dockererrors import (
     RemovalInProgress,
-    map_error,
     map_status,
     unpullable,
 )
 from slicebox.backends.dockerjson import DockerJsonApi
+from slicebox.backends.dockerpull import Report, pull
 from slicebox.backends.dockerstream import (
     AsyncRawExecAttachment,
     StartRefused,
@@ -94,7 +95,8 @@ class DockerBackend:
 
     Its threads' calls go through :class:`~slicebox.backends.dockerapi.EngineApi`, the event
     loop's through :class:`~slicebox.backends.dockerjson.DockerJsonApi`, both at the one API
-    version the daemon said (``version`` presets it); docker-py pulls images.
+    version the daemon said (``version`` presets it); images are pulled on the loop
+    (``pull``; ``prepare`` runs it for a thread).
     """
 
     kind = Backend.DOCKER
@@ -166,14 +168,26 @@ class DockerBackend:
         return Availability(kind=self.kind, available=True, detail=f"{detail} at {where}")
 
     def prepare(self, image: str) -> None:
-        if self._has_image(image):
+        """``pull`` for a thread without a loop (the core pulls on its loop: ``core.pulls``),
+        on a loop of its own for this call, its progress dropped."""
+
+        async def pulled() -> None:
+            try:
+                await self.pull(image, lambda _: None, DOCKER_TIMEOUT)
+            finally:
+                await self._json.aclose()
+
+        asyncio.run(pulled())
+
+    async def pull(self, image: str, report: Report, timeout: float) -> None:
+        """``prepare`` on the running loop, holding no thread: the pull's progress goes to
+        ``report`` (:mod:`slicebox.backends.dockerpull`), for at most ``timeout`` seconds."""
+        version = await self._api_version()
+        if await self._has_image(version, image):
             return
         log.info("pulling %s", image)
-        try:
-            _pull(self._url, self._engine.version, image)
-        except SliceboxError as exc:
-            raise unpullable(image, exc.message) from exc
-        if not self._has_image(image):  # a failed pull can answer 200 with an error inside
+        await pull(self._json, f"/v{version}/images/create", image, report, timeout)
+        if not await self._has_image(version, image):
             raise unpullable(image, "the pull did not produce it")
 
     def create(self, request: SandboxRequest) -> SandboxInfo:
@@ -389,28 +403,9 @@ class DockerBackend:
 
     # --- the client -----------------------------------------------------------------------
 
-    @property
-    def _url(self) -> str:
-        return self._endpoint.base_url
-
-    def _has_image(self, image: str) -> bool:
+    async def _has_image(self, version: str, image: str) -> bool:
         try:
-            self._engine.call("GET", f"/images/{quote(image, safe='/:@')}/json", image)
+            await self._json.get(f"/v{version}/images/{quote(image, safe='/:@')}/json", image)
         except (ImageUnavailable, SandboxNotFound):
             return False
         return True
-
-
-def _pull(url: str, version: str, image: str) -> None:
-    """Pull ``image`` through docker-py, which knows registry names and the host's credentials
-    (imported here: no other call of the agent needs it)."""
-    import docker
-
-    try:
-        with docker.APIClient(base_url=url, version=version, timeout=DOCKER_TIMEOUT) as api:
-            api.pull(image)
-    except Exception as exc:
-        mapped = map_error(exc, image)
-        if mapped is None:
-            raise
-        raise mapped from exc

@@ -11,8 +11,8 @@ line, a JSON body and the JSON answer.
 As urllib3 does, a kept connection the daemon has closed meanwhile (readable while idle: an EOF)
 is dropped before it is used, so no request is sent into a closed connection and none is
 retried. What an answer means is the Docker backend's
-(:func:`slicebox.backends.dockererrors.map_status`); docker-py itself is still what pulls an image
-(registry names and credentials are its business) and what ``slicebox doctor`` asks.
+(:func:`slicebox.backends.dockererrors.map_status`); an image's pull is read on the event loop
+(:mod:`slicebox.backends.dockerpull`), and docker-py is what ``slicebox doctor`` asks.
 """
 
 from __future__ import annotations

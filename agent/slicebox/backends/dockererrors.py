@@ -2,7 +2,8 @@
 
 One mapping, kept apart from the calls that meet them: the threads' client
 (:mod:`slicebox.backends.dockerapi`), the event loop's (:mod:`slicebox.backends.dockerjson`), the
-exec stream's start (:mod:`slicebox.backends.dockerstream`) and docker-py's image pulls all
+exec stream's start (:mod:`slicebox.backends.dockerstream`) and an image's pull
+(:mod:`slicebox.backends.dockerpull`) all
 answer in the same terms, so a 404 or a 409 means the same whichever of them met it.
 
 A 409 "removal ... already in progress" on remove means someone else removes the container,

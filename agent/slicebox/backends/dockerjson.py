@@ -22,7 +22,7 @@ from typing import Any
 
 from slicebox.backends.dockerapi import StatusMapper, answer_json, call_failed
 from slicebox.backends.dockerendpoint import DockerEndpoint
-from slicebox.web.client import HttpClient
+from slicebox.web.client import ClientResponse, HttpClient
 from slicebox.web.message import ProtocolError
 
 CALL_TIMEOUT = 120.0  # as the backend's own client: a daemon that busy is answered as failed
@@ -49,6 +49,16 @@ class DockerJsonApi:
 
     async def post(self, path: str, what: str, body: Mapping[str, Any]) -> Any:
         return await self._call("POST", path, what, body)
+
+    async def open(
+        self, method: str, path: str, headers: Mapping[str, str] | None = None
+    ) -> ClientResponse:
+        """An answer whose body its caller reads as it comes (a pull's progress), bounded by
+        the caller's own timeout; it closes the answer when done."""
+        try:
+            return await self._pool().request(method, path, headers=headers)
+        except (ProtocolError, OSError) as exc:
+            raise call_failed(self._endpoint, exc, CALL_TIMEOUT) from exc
 
     async def aclose(self) -> None:
         with self._lock:

@@ -14,8 +14,9 @@ destination ending in ``/`` is always a directory. The sandbox is asked what its
 Everything moves as a tar stream, made and read as it goes: a local directory is walked and
 sent file by file in pieces (:func:`tar_pieces`, no temporary archive), and what comes back is
 extracted as it arrives (``tarfile`` in stream mode, with the ``data`` filter: no absolute
-names, nothing outside the destination, no devices). Progress goes to stderr when it is a
-terminal.
+names, nothing outside the destination, no devices). A copy still going after a moment shows
+its bytes on stderr (:mod:`slicebox.cli.progress`: a bar on a terminal, plain lines
+otherwise; nothing with ``-q`` or ``--json``).
 """
 
 from __future__ import annotations
@@ -26,15 +27,14 @@ import posixpath
 import stat
 import sys
 import tarfile
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+from slicebox.cli.progress import Bytes
 from slicebox.client import Client
 from slicebox.model.errors import InvalidRequest, NotFound
 from slicebox.model.files import FileKind
-from slicebox.model.limits import human_bytes
 
 PIECE = 64 * 1024
 BLOCK = tarfile.BLOCKSIZE
@@ -142,54 +142,24 @@ def _renamed(name: str, top: str) -> str:
     return posixpath.join(top, *parts[1:])
 
 
-# --- progress --------------------------------------------------------------------------------
-
-
-class Progress:
-    """Bytes moved so far, on one line of stderr when it is a terminal; silent otherwise."""
-
-    def __init__(self, what: str, clock: Callable[[], float] = time.monotonic) -> None:
-        self._shown = sys.stderr is not None and sys.stderr.isatty()
-        self._what = what
-        self._clock = clock
-        self._last = clock()
-        self.moved = 0
-
-    def counted(self, pieces: Iterable[bytes]) -> Iterator[bytes]:
-        for piece in pieces:
-            self.moved += len(piece)
-            if self._shown and self._clock() - self._last >= PROGRESS_EVERY:
-                self._last = self._clock()
-                self._say("")
-            yield piece
-
-    def done(self) -> None:
-        self._say(", done\n")
-
-    def _say(self, end: str) -> None:
-        if self._shown:
-            print(f"\r{self._what}: {human_bytes(self.moved)}{end}", end="", file=sys.stderr)
-            sys.stderr.flush()
-
-
 # --- the copy --------------------------------------------------------------------------------
 
 
-def copy(client: Client, source: Location, destination: Location) -> None:
+def copy(client: Client, source: Location, destination: Location, *, quiet: bool = False) -> None:
     if (source.sandbox is None) == (destination.sandbox is None):
         raise InvalidRequest(
             "slicebox cp copies between this machine and a sandbox: one side is SANDBOX:PATH, "
             "the other a local path or -"
         )
     if destination.sandbox is not None:
-        upload(client, source.path, destination.sandbox, destination.path)
+        upload(client, source.path, destination.sandbox, destination.path, quiet=quiet)
     else:
         assert source.sandbox is not None
-        download(client, source.sandbox, source.path, destination.path)
+        download(client, source.sandbox, source.path, destination.path, quiet=quiet)
 
 
-def upload(client: Client, local: str, sandbox: str, remote: str) -> None:
-    progress = Progress(f"{local} -> {sandbox}:{remote}")
+def upload(client: Client, local: str, sandbox: str, remote: str, *, quiet: bool = False) -> None:
+    progress = Bytes(f"{local} -> {sandbox}:{remote}", quiet=quiet)
     if local == "-":  # a tar already: into the directory named, as docker cp does
         client.upload(sandbox, remote, progress.counted(_stdin_pieces()))
         progress.done()
@@ -224,14 +194,15 @@ def _remote_kind(client: Client, sandbox: str, remote: str) -> FileKind | None:
         return None
 
 
-def download(client: Client, sandbox: str, remote: str, local: str) -> None:
-    progress = Progress(f"{sandbox}:{remote} -> {local}")
+def download(client: Client, sandbox: str, remote: str, local: str, *, quiet: bool = False) -> None:
+    progress = Bytes(f"{sandbox}:{remote} -> {local}", quiet=quiet)
     pieces = progress.counted(client.download(sandbox, remote))
     if local == "-":
         out = sys.stdout.buffer
         for piece in pieces:
             out.write(piece)
         out.flush()
+        progress.done()
         return
     target = Path(local)
     if target.is_dir() and not target.is_symlink():

@@ -18,7 +18,7 @@ from typing import BinaryIO, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from slicebox import VersionAction
-from slicebox.cli import capacity, copying, doctor, mcp, parts, tables
+from slicebox.cli import capacity, copying, doctor, mcp, parts, progress, tables
 from slicebox.client import DEFAULT_SOCKET, Client
 from slicebox.model.api import (
     CreateSandbox,
@@ -145,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the agent's unix socket (default: ${SOCKET_ENV}, else {DEFAULT_SOCKET})",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("-q", "--quiet", action="store_true", help="show no progress")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("doctor", help="check this host and the agent, and say what to fix")
     run = commands.add_parser("run", help="one-shot: create a sandbox, run a command, destroy")
@@ -261,13 +262,17 @@ def _finish(result: ExecResult) -> int:
     return result.exit_code
 
 
-def _written(events: Generator[StreamChunk | R, None, None]) -> R:
+def _written(
+    events: Generator[StreamChunk | R, None, None], first: Callable[[], None] = lambda: None
+) -> R:
     """Write a stream's chunks as they come, to stdout and stderr; its result at the end (an
-    exec's ``ExecResult``, a run's ``RunResult``)."""
+    exec's ``ExecResult``, a run's ``RunResult``). ``first`` runs before anything is written
+    (a progress bar ends there)."""
     try:
         for event in events:
             if not isinstance(event, StreamChunk):
                 return event
+            first()
             _write(event.stream, event.data)
     finally:
         events.close()  # an interrupted CLI closes the stream: the agent kills the command
@@ -295,11 +300,17 @@ def cmd_run(options: argparse.Namespace, client: Client) -> int:
     # A person wants output as it is produced: the streamed one-shot, the same run as /run
     # (a pool's member or a cold one-shot sandbox, the command to its waiter, removed by the
     # agent however it ends; Ctrl-C closes the stream, and the agent kills the command).
-    return _finish(_written(client.run_stream(RunRequest(sandbox=spec, exec=request))).result)
+    with progress.showing(quiet=options.quiet) as shown:
+        events = client.run_stream(RunRequest(sandbox=spec, exec=request), shown.event)
+        return _finish(_written(events, shown.close).result)
 
 
 def cmd_create(options: argparse.Namespace, client: Client) -> int:
-    view = client.create(_spec(options))
+    if options.json or options.quiet:
+        view = client.create(_spec(options))
+    else:  # its progress shown as it goes: an image's pull, a clone
+        with progress.showing(quiet=False) as shown:
+            view = client.create_stream(_spec(options), shown.event)
     if options.json:
         _json(view)
     else:
@@ -385,7 +396,8 @@ def cmd_extend(options: argparse.Namespace, client: Client) -> int:
 
 def cmd_cp(options: argparse.Namespace, client: Client) -> int:
     source = copying.parse_location(options.source)
-    copying.copy(client, source, copying.parse_location(options.destination))
+    quiet = options.quiet or options.json
+    copying.copy(client, source, copying.parse_location(options.destination), quiet=quiet)
     return 0
 
 

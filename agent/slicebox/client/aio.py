@@ -69,6 +69,19 @@ class AsyncClient:
         self._created.add(view.id)
         return view
 
+    async def create_stream(
+        self, spec: CreateSandbox, on_progress: wire.OnProgress | None = None
+    ) -> SandboxView:
+        """``Client.create_stream``: ``create``, its progress told to ``on_progress``."""
+        call = wire.create_stream(spec)
+        decoder = wire.EventDecoder(f"{call.method} {call.target}", on_progress)
+        async with contextlib.aclosing(self._stream(call, decoder)) as got:
+            async for _ in got:
+                pass
+        assert decoder.created is not None  # the decoder's end raises on a stream cut short
+        self._created.add(decoder.created.id)
+        return decoder.created
+
     async def list_sandboxes(self) -> list[SandboxView]:
         return (await self._call(wire.list_sandboxes())).root
 
@@ -98,10 +111,12 @@ class AsyncClient:
                 yield event
 
     async def run_stream(
-        self, request: RunRequest
+        self, request: RunRequest, on_progress: wire.OnProgress | None = None
     ) -> AsyncGenerator[StreamChunk | RunResult, None]:
         """``Client.run_stream``: a one-shot's output chunks, then its ``RunResult``."""
-        async with contextlib.aclosing(self._stream(wire.run_stream(request))) as got:
+        call = wire.run_stream(request)
+        decoder = wire.EventDecoder(f"{call.method} {call.target}", on_progress)
+        async with contextlib.aclosing(self._stream(call, decoder)) as got:
             async for event in got:
                 assert not isinstance(event, ExecResult)  # a run's stream ends with a RunResult
                 yield event
@@ -233,8 +248,10 @@ class AsyncClient:
             response = await self._send(call)
             return wire.answer(call, response.status, await response.read())
 
-    async def _stream(self, call: wire.Call[T]) -> AsyncGenerator[ExecEvent | RunResult, None]:
-        decoder = wire.EventDecoder(f"{call.method} {call.target}")
+    async def _stream(
+        self, call: wire.Call[T], decoder: wire.EventDecoder | None = None
+    ) -> AsyncGenerator[ExecEvent | RunResult, None]:
+        decoder = decoder or wire.EventDecoder(f"{call.method} {call.target}")
         async with self._failures(call):
             response = await self._send(call)
             if response.status >= 400:

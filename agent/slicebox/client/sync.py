@@ -90,6 +90,19 @@ class Client:
         self._created.add(view.id)
         return view
 
+    def create_stream(
+        self, spec: CreateSandbox, on_progress: wire.OnProgress | None = None
+    ) -> SandboxView:
+        """``create``, its progress (an image's pull, a clone, the start) told to
+        ``on_progress`` as it comes."""
+        call = wire.create_stream(spec)
+        decoder = wire.EventDecoder(f"{call.method} {call.target}", on_progress)
+        for _ in self._stream(call, decoder):
+            pass
+        assert decoder.created is not None  # the decoder's end raises on a stream cut short
+        self._created.add(decoder.created.id)
+        return decoder.created
+
     def list_sandboxes(self) -> list[SandboxView]:
         return self._call(wire.list_sandboxes()).root
 
@@ -129,10 +142,15 @@ class Client:
     def run(self, request: RunRequest) -> RunResult:
         return self._call(wire.run(request))
 
-    def run_stream(self, request: RunRequest) -> Generator[StreamChunk | RunResult, None, None]:
+    def run_stream(
+        self, request: RunRequest, on_progress: wire.OnProgress | None = None
+    ) -> Generator[StreamChunk | RunResult, None, None]:
         """A one-shot run's output chunks as the command produces them, then its ``RunResult``;
-        closing it early kills the command, and its sandbox is removed all the same."""
-        for event in self._stream(wire.run_stream(request)):
+        closing it early kills the command, and its sandbox is removed all the same. A pull
+        or a clone before the command is told to ``on_progress``."""
+        call = wire.run_stream(request)
+        decoder = wire.EventDecoder(f"{call.method} {call.target}", on_progress)
+        for event in self._stream(call, decoder):
             assert not isinstance(event, ExecResult)  # a run's stream ends with a RunResult
             yield event
 
@@ -238,10 +256,12 @@ class Client:
         finally:
             conn.close()
 
-    def _stream(self, call: wire.Call[T]) -> Generator[ExecEvent | RunResult, None, None]:
+    def _stream(
+        self, call: wire.Call[T], decoder: wire.EventDecoder | None = None
+    ) -> Generator[ExecEvent | RunResult, None, None]:
         timeout = max(self.timeout, call.min_timeout)
         conn = _UnixConnection(self.path, timeout)
-        decoder = wire.EventDecoder(f"{call.method} {call.target}")
+        decoder = decoder or wire.EventDecoder(f"{call.method} {call.target}")
         response: http.client.HTTPResponse | None = None
         try:
             response = _send(conn, call.method, call.target, call.body)

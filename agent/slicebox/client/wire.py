@@ -13,7 +13,7 @@ arrive as the right branch of the tree (``.code`` keeps the exact code).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Generic, NamedTuple, TypeVar
 from urllib.parse import quote, urlencode
 
@@ -39,6 +39,7 @@ from slicebox.model.capacity import Capacity, CapacityQuery
 from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
 from slicebox.model.files import FilesQuery, FileStat, Transferred
 from slicebox.model.pool import PoolList
+from slicebox.model.progress import ProgressEvent, ProgressLine
 from slicebox.model.reaper import Report
 from slicebox.model.spec import SEND_SECRETS
 from slicebox.model.usage import LevelNode
@@ -52,6 +53,7 @@ MAX_BYTES_HEADER = "X-Slicebox-Files-Max-Bytes"  # a download's head: the agent'
 MEDIA = {"tar": "application/x-tar", "file": "application/octet-stream"}
 
 T = TypeVar("T", bound=BaseModel)
+PULL_GRACE = 3600.0  # seconds a streamed create's read may wait (a pull that went silent)
 ErrorClass = type[errors.SliceboxError]
 
 
@@ -98,6 +100,12 @@ def health() -> Call[Health]:
 
 def create(spec: CreateSandbox) -> Call[SandboxView]:
     return Call("POST", "/sandboxes", SandboxView, _body(spec))
+
+
+def create_stream(spec: CreateSandbox) -> Call[SandboxView]:
+    """The streamed create: progress lines, then the sandbox (see ``EventDecoder``). Its
+    reads wait as long as a pull may take (the agent's ``pull_timeout_seconds``)."""
+    return Call("POST", "/sandboxes/stream", SandboxView, _body(spec), PULL_GRACE)
 
 
 def list_sandboxes() -> Call[SandboxList]:
@@ -287,9 +295,16 @@ class _ErrorLine(Model):
     error: ErrorBody
 
 
-_LINE: TypeAdapter[StreamChunk | _ResultLine | _RunLine | _ErrorLine] = TypeAdapter(
-    StreamChunk | _ResultLine | _RunLine | _ErrorLine
-)
+class _CreatedLine(Model):
+    model_config = ConfigDict(extra="forbid")
+
+    created: SandboxView
+
+
+_Line = StreamChunk | _ResultLine | _RunLine | _ErrorLine | ProgressLine | _CreatedLine
+_LINE: TypeAdapter[_Line] = TypeAdapter(_Line)
+
+OnProgress = Callable[[ProgressEvent], None]
 
 
 class EventDecoder:
@@ -300,9 +315,11 @@ class EventDecoder:
     only once per byte rather than re-joined per piece.
     """
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, on_progress: OnProgress | None = None) -> None:
         self.what = what
         self.finished = False
+        self.created: SandboxView | None = None  # a streamed create's sandbox, at its end
+        self._on_progress = on_progress
         self._buffer = bytearray()
         self._scanned = 0
 
@@ -313,8 +330,8 @@ class EventDecoder:
             line = bytes(self._buffer[:end])
             del self._buffer[: end + 1]
             self._scanned = 0
-            if line.strip():
-                events.append(self._event(line))
+            if line.strip() and (event := self._event(line)) is not None:
+                events.append(event)
         self._scanned = len(self._buffer)
         return events
 
@@ -327,7 +344,8 @@ class EventDecoder:
                 code="agent_no_answer",
             )
 
-    def _event(self, line: bytes) -> ExecEvent | RunResult:
+    def _event(self, line: bytes) -> ExecEvent | RunResult | None:
+        """The line's event; None for progress (to ``on_progress``) and a create's end."""
         try:
             item = _LINE.validate_json(line)
         except ValidationError as exc:
@@ -340,6 +358,13 @@ class EventDecoder:
         if isinstance(item, _RunLine):
             self.finished = True
             return item.run
+        if isinstance(item, ProgressLine):
+            if self._on_progress is not None:
+                self._on_progress(item.progress)
+            return None
+        if isinstance(item, _CreatedLine):
+            self.finished, self.created = True, item.created
+            return None
         return item
 
 

@@ -72,6 +72,11 @@ def _loop() -> asyncio.AbstractEventLoop:
         return _CoreLoop.loop
 
 
+def core_loop() -> asyncio.AbstractEventLoop:
+    """The core loop (started at the first call): where work shared by callers of any loop runs."""
+    return _loop()
+
+
 class _Steps:
     """The blocking steps of one coroutine handed over by :func:`from_thread`, queued for the
     thread that waits for it."""

@@ -39,6 +39,8 @@ from slicebox.core.launch import LAUNCHER, WAITER_COMMAND, exec_line
 from slicebox.core.nesting import ancestors_of, check_opt_in
 from slicebox.core.operations import Operations
 from slicebox.core.policy import Admitted, capability_name
+from slicebox.core.progress import report
+from slicebox.core.pulls import Pulls
 from slicebox.core.recent import Recent
 from slicebox.core.refusals import NO_IMAGE
 from slicebox.core.sandbox import Sandbox
@@ -67,6 +69,7 @@ from slicebox.model.errors import (
 from slicebox.model.labels import Lineage
 from slicebox.model.names import scope_name
 from slicebox.model.paths import NESTED_ROOT
+from slicebox.model.progress import Phase, ProgressEvent
 from slicebox.model.spec import Backend, SandboxSpec
 
 log = logging.getLogger(__name__)
@@ -114,6 +117,7 @@ class Creator:
         self._egress = egress
         # The images known present (KNOWN_IMAGES).
         self._images: Recent[str, None] = Recent(KNOWN_IMAGES)
+        self._pulls = Pulls()  # one pull per image at a time (core.pulls)
 
     async def create(
         self,
@@ -152,7 +156,7 @@ class Creator:
             plugin = await blocking(
                 lambda: wasm_plugin(backend, config, admitted, owner, decided.plugin_hosts)
             )
-            known = await self._prepared(admitted, blocking)
+            known = await self._prepared(admitted, config, blocking)
             staging = bool(pinned) and spec.backend is Backend.DOCKER
             made: list[str] = []
             fresh: VolumeInfo | None = None
@@ -174,7 +178,7 @@ class Creator:
                         request = request.model_copy(
                             update={"command": WAITER_COMMAND, "open_stdin": True}
                         )
-                    info = await self._start(request, blocking, image_known=known)
+                    info = await self._start(request, config, blocking, image_known=known)
                     started = info
                     await blocking(
                         lambda: check_started(
@@ -218,13 +222,14 @@ class Creator:
         )
         return info
 
-    async def _prepared(self, admitted: Admitted, blocking: Blocking) -> bool:
+    async def _prepared(self, admitted: Admitted, config: Config, blocking: Blocking) -> bool:
         """Whether the image was known present: one that is not is prepared (pulled) now, and
         one that cannot be had is refused before anything exists. A native sandbox runs the
         host's programs: it has no image to look for."""
         known = admitted.spec.backend in NO_IMAGE or admitted.image in self._images
         if not known:
-            await blocking(lambda: self._backend.prepare(admitted.image))
+            timeout = config.pull_timeout_seconds
+            await self._pulls.prepare(self._backend, admitted.image, timeout, blocking)
         return known
 
     def _roll_back(
@@ -309,13 +314,14 @@ class Creator:
         )
 
     async def _start(
-        self, request: SandboxRequest, blocking: Blocking, *, image_known: bool
+        self, request: SandboxRequest, config: Config, blocking: Blocking, *, image_known: bool
     ) -> SandboxInfo:
         """Create and start the container. An image a create found present before is not
         checked first (one backend call fewer per create): should it be gone since, the create
         says so (``ImageUnavailable``, leaving nothing), and the image is prepared (pulled) and
         the create tried once more."""
         backend = self._backend
+        report(ProgressEvent(phase=Phase.STARTING, subject=request.image))
         try:
             info = await blocking(lambda: backend.create(request))
         except ImageUnavailable:
@@ -323,7 +329,8 @@ class Creator:
             if not image_known:
                 raise
             log.info("image %s is gone since its last create; preparing it again", request.image)
-            await blocking(lambda: backend.prepare(request.image))
+            timeout = config.pull_timeout_seconds
+            await self._pulls.prepare(backend, request.image, timeout, blocking)
             info = await blocking(lambda: backend.create(request))
         self._images.put(request.image, None)
         return info

@@ -7,6 +7,9 @@ as ``git clone --depth N --branch REF``; a commit id is fetched by itself (``git
 --depth N origin <sha>``, then checked out) since a clone takes only branch and tag names.
 The URL and ref reach ``sh`` as arguments, never inside the script.
 
+git's progress (``--progress``: its counts, on stderr) is reported as it comes
+(``core.gitcounts``), and the last of stderr is kept for an error's message.
+
 A clone that fails, or outlasts its timeout, fails the create (``git_clone_failed``, quoting
 git's last words with any token taken out), and the create removes everything it made.
 """
@@ -18,6 +21,7 @@ import re
 import time
 
 from slicebox.backends.base import WORKSPACE, ExecApi
+from slicebox.core.gitcounts import GitCounts
 from slicebox.model.errors import InvalidRequest
 from slicebox.model.exec import ExecRequest, OutputStream
 from slicebox.model.spec import Workspace
@@ -29,8 +33,8 @@ _COMMIT = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 _CLONE = (
     'set -e; cd "$0"; '
     'if [ -n "$4" ]; then git init -q .; git remote add origin "$1"; '
-    'git fetch -q $3 origin "$2"; git checkout -q FETCH_HEAD; '
-    'else git clone -q $3 ${2:+--branch "$2"} -- "$1" .; fi'
+    'git fetch -q --progress $3 origin "$2"; git checkout -q FETCH_HEAD; '
+    'else git clone -q --progress $3 ${2:+--branch "$2"} -- "$1" .; fi'
 )
 
 
@@ -55,6 +59,7 @@ async def clone(
     exec_id = await execs.exec_create(container_id, request)
     attachment = await execs.exec_start(exec_id, b"")
     stderr = bytearray()
+    counts = GitCounts(workspace.url or "")
     deadline = time.monotonic() + timeout
     try:
         while (left := deadline - time.monotonic()) > 0:
@@ -63,7 +68,9 @@ async def clone(
                 break
             for chunk in chunks:
                 if chunk.stream is OutputStream.STDERR:
-                    stderr += chunk.data[: max(0, STDERR_KEPT - len(stderr))]
+                    stderr += chunk.data
+                    del stderr[:-STDERR_KEPT]  # git's last words say why; its counts come first
+                    counts.feed(chunk.data)
         else:
             raise _failed(workspace, f"it took longer than {timeout:g} s", stderr, secrets)
     finally:

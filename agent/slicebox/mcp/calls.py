@@ -7,7 +7,11 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
+from typing import TypeVar
 
+import anyio
+
+from slicebox.client.wire import OnProgress
 from slicebox.mcp import inputs, outputs
 from slicebox.mcp.outputs import Json
 from slicebox.mcp.session import Session
@@ -15,8 +19,10 @@ from slicebox.model.api import Extend, RunResult
 from slicebox.model.errors import NotFound, TooLarge
 from slicebox.model.exec import ExecRequest, ExecResult, StreamChunk
 from slicebox.model.files import FileFormat
+from slicebox.model.progress import Phase, ProgressEvent
 
 Send = Callable[[float, str], Awaitable[None]]
+T = TypeVar("T")
 PROGRESS_EVERY = 0.1  # seconds: at most one progress notification a period
 MESSAGE_CHARS = 400  # of the latest output, in a progress notification's message
 
@@ -30,6 +36,25 @@ class Progress:
         self._clock = clock
         self._last: float | None = None
         self.received = 0
+        self._steps = 0  # notifications of the create's progress, before any output
+        self._said: tuple[Phase, bool] | None = None
+
+    def step(self, event: ProgressEvent) -> tuple[float, str] | None:
+        """A pull's, clone's or start's progress as a notification, at most one a period
+        but always at a phase's start and end: its value (a count, below the output's), its
+        message; None when it waits."""
+        finished = event.total is not None and event.done == event.total
+        now = self._clock()
+        fresh = self._said != (event.phase, finished)
+        if not fresh and self._last is not None and now - self._last < PROGRESS_EVERY:
+            return None
+        self._last, self._said = now, (event.phase, finished)
+        self._steps += 1
+        return float(self._steps), event.describe()
+
+    @property
+    def send(self) -> Send:
+        return self._send
 
     async def chunk(self, chunk: StreamChunk) -> None:
         if not chunk.data:
@@ -39,15 +64,19 @@ class Progress:
         if self._last is None or now - self._last >= PROGRESS_EVERY:
             self._last = now
             text = chunk.data.decode(errors="replace")[-MESSAGE_CHARS:]
-            await self._send(self.received, f"{chunk.stream.value}: {text}")
+            await self._send(self._steps + self.received, f"{chunk.stream.value}: {text}")
 
 
 # --- sandboxes -------------------------------------------------------------------------------
 
 
-async def create(session: Session, args: inputs.CreateArgs) -> Json:
+async def create(session: Session, args: inputs.CreateArgs, progress: Progress | None) -> Json:
     settings = session.settings
-    view = await session.client.create(inputs.create_request(args, settings.project, settings.ttl))
+    request = inputs.create_request(args, settings.project, settings.ttl)
+    if progress is None:
+        view = await session.client.create(request)
+    else:
+        view = await _reported(progress, lambda on: session.client.create_stream(request, on))
     session.add(view.id, args.keep)
     return {**outputs.model(view), "kept_after_session": args.keep}
 
@@ -98,9 +127,29 @@ async def run(session: Session, args: inputs.RunArgs, progress: Progress | None)
     request = inputs.run_request(args, settings.project, settings.ttl)
     if progress is None:
         return outputs.run_result(await session.client.run(request))
-    result = await _streamed(session.client.run_stream(request), progress)
+    result = await _reported(
+        progress, lambda on: _streamed(session.client.run_stream(request, on), progress)
+    )
     assert isinstance(result, RunResult)  # a run's stream ends with its RunResult
     return outputs.run_result(result)
+
+
+async def _reported(progress: Progress, call: Callable[[OnProgress], Awaitable[T]]) -> T:
+    """``call`` given a sink for the create's progress, each sent as a notification (in
+    order: each is started as it comes, and ends with the call)."""
+
+    async def send(done: float, message: str) -> None:
+        await progress.send(done, message)
+
+    async with anyio.create_task_group() as sending:
+
+        def on(event: ProgressEvent) -> None:
+            said = progress.step(event)
+            if said is not None:
+                sending.start_soon(send, *said)
+
+        answered = [await call(on)]
+    return answered[0]  # a task group may swallow an exception, for mypy: not this one
 
 
 async def _streamed(

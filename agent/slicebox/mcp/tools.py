@@ -70,10 +70,13 @@ _SPECS = (
         "Create a sandbox",
         "Create a sandbox (a container with no capabilities and no network unless egress "
         "allows it) and answer its id. It has a deadline (ttl_seconds, or this server's "
-        "default) and is destroyed when this MCP session ends unless keep is true.",
+        "default) and is destroyed when this MCP session ends unless keep is true. Progress "
+        "notifications tell an image's pull and a clone as they go when the request has a "
+        "progressToken.",
         inputs.CreateArgs,
         calls.create,
         Hints(),
+        streams=True,
     ),
     ToolSpec(
         "sandbox_list",

@@ -451,6 +451,14 @@ CODES: tuple[ErrorCode, ...] = (
         "Load or pull the image on the host, or choose another.",
     ),
     _c(
+        "image_pull_failed",
+        503,
+        "The image's registry failed during the pull, or said nothing for the agent's "
+        "`pull_timeout_seconds`; the message quotes the registry's words.",
+        "Retry later, or check the registry (its address is in the image's name); nothing of "
+        "the failed pull is left on the host.",
+    ),
+    _c(
         "backend_unavailable",
         503,
         "The request names a backend this agent cannot run now.",

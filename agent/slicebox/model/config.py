@@ -340,6 +340,12 @@ class Config(_Strict):
         description="how long a git workspace's clone may take before its create fails "
         "(git_clone_failed)",
     )
+    pull_timeout_seconds: float = Field(
+        default=900.0,
+        gt=0,
+        description="how long an image's pull may take before the creates waiting for it fail "
+        "(image_pull_failed)",
+    )
     allowed_capabilities: frozenset[str] = Field(
         default=DEFAULT_CAPABILITIES,
         description="the capabilities a request may add (a sandbox starts with none)",

@@ -22,6 +22,7 @@ with its status and what the caller should do, in :mod:`slicebox.model.codes`.
     ├── ShareFull                 the caller holds its whole share of a bound (429, Retry-After)
     ├── Unavailable               a backend or system service is not reachable (503)
     │   ├── ImageUnavailable      an image is not present and cannot be pulled
+    │   ├── ImagePullFailed       a registry failed or stopped answering during a pull
     │   └── Busy                  a bound for all callers is full now (503, Retry-After)
     ├── HostError                 the host misbehaved (a systemd job failed, cgroupfs odd) (500)
     └── ConfigError               the agent's configuration file is unreadable or invalid (500)
@@ -133,3 +134,9 @@ class ConfigError(SliceboxError):
 
 class ImageUnavailable(Unavailable):
     code = "image_unavailable"
+
+
+class ImagePullFailed(Unavailable):
+    """The image exists as far as anyone knows, but its registry failed or went silent."""
+
+    code = "image_pull_failed"

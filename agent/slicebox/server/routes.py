@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from slicebox.core.progress import with_progress
 from slicebox.model.api import (
     CreateSandbox,
     Destroyed,
@@ -45,8 +46,9 @@ from slicebox.model.api import (
 )
 from slicebox.model.capacity import Capacity, CapacityQuery
 from slicebox.model.errors import SliceboxError
-from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
+from slicebox.model.exec import ExecRequest, ExecResult, StreamChunk
 from slicebox.model.pool import PoolList
+from slicebox.model.progress import ProgressEvent, ProgressLine
 from slicebox.model.reaper import Report
 from slicebox.model.usage import LevelNode
 from slicebox.server.api import (
@@ -61,6 +63,7 @@ from slicebox.server.api import (
 from slicebox.server.fileroutes import FILE_ROUTES
 from slicebox.server.metrics import metrics
 from slicebox.server.pools import pools_of, run_in
+from slicebox.server.progresslines import created, progress_line
 from slicebox.server.state import service_of
 from slicebox.web.request import Request
 from slicebox.web.response import StreamResponse
@@ -76,6 +79,12 @@ async def create(request: Request) -> StreamResponse:
     body = await parse_body(request, CreateSandbox)
     view = await service_of(request).create(identity_of(request), body, pools_of(request).call)
     return json_ok(view, status=201)
+
+
+async def create_stream(request: Request) -> StreamResponse:
+    body = await parse_body(request, CreateSandbox)
+    made = service_of(request).create(identity_of(request), body, pools_of(request).call)
+    return await _stream(request, with_progress(created(made)))
 
 
 async def list_sandboxes(request: Request) -> StreamResponse:
@@ -133,7 +142,7 @@ async def run_stream(request: Request) -> StreamResponse:
     reserve = service.reserve_stream
     with await _call(request, reserve, who, body.exec.output_cap, "run") as held:
         events = service.run_stream(who, body, held, pools.call, pools.aside)
-        return await _stream(request, events)
+        return await _stream(request, with_progress(events, soft_first=True))
 
 
 async def usage(request: Request) -> StreamResponse:
@@ -173,6 +182,14 @@ async def reap(request: Request) -> StreamResponse:
 ROUTES: list[Route] = [
     *base_routes(),
     Route("POST", "/sandboxes", create, "Create a sandbox", CreateSandbox, SandboxView),
+    Route(
+        "POST",
+        "/sandboxes/stream",
+        create_stream,
+        "Create a sandbox, its progress as NDJSON lines, then the sandbox",
+        CreateSandbox,
+        ProgressLine,
+    ),
     Route("GET", "/sandboxes", list_sandboxes, "Your sandboxes", None, SandboxList),
     Route("GET", "/sandboxes/{id}", get, "One sandbox", None, SandboxView),
     Route("DELETE", "/sandboxes/{id}", destroy, "Destroy; final usage", None, Destroyed),
@@ -286,9 +303,7 @@ async def _sent(request: Request, response: StreamResponse) -> StreamResponse:
     return response
 
 
-async def _stream(
-    request: Request, events: AsyncGenerator[ExecEvent | RunResult, None]
-) -> StreamResponse:
+async def _stream(request: Request, events: AsyncGenerator[object, None]) -> StreamResponse:
     """Write ``events`` as NDJSON lines as they come; leaving early closes ``events``, which
     kills the exec."""
     async with contextlib.aclosing(events):
@@ -308,7 +323,7 @@ async def _stream(
     return response
 
 
-async def _next_or_error(events: AsyncGenerator[ExecEvent | RunResult, None]) -> object:
+async def _next_or_error(events: AsyncGenerator[object, None]) -> object:
     """The next event, None at the end; an error of the exec becomes the stream's last line."""
     try:
         return await anext(events, None)
@@ -324,6 +339,8 @@ def _line(event: object) -> bytes:
         return b'{"result": ' + event.model_dump_json().encode() + b"}\n"
     if isinstance(event, RunResult):
         return b'{"run": ' + event.model_dump_json().encode() + b"}\n"
+    if isinstance(event, ProgressEvent | SandboxView):
+        return progress_line(event)
     if isinstance(event, ErrorBody):
         return b'{"error": ' + event.model_dump_json().encode() + b"}\n"
     assert isinstance(event, BaseModel)

@@ -41,8 +41,9 @@ chroot "$root" systemctl disable podman.socket podman.service podman-restart.ser
 
 # Debian's Prometheus server, for the metrics test (issue 41), which starts it with its own
 # config, token and storage: nothing of it runs at boot (nor the node exporter, if pulled in).
+# Debian's registry likewise, for the pull test (issue 46), started on loopback by the test.
 # One call each: systemctl disables none of its units when one of them is not installed.
-for unit in prometheus.service prometheus-node-exporter.service; do
+for unit in prometheus.service prometheus-node-exporter.service docker-registry.service; do
     chroot "$root" systemctl disable "$unit" >/dev/null 2>&1 || true
 done
 

@@ -1,0 +1,150 @@
+"""An image's pull, once however many creates wait for it, off the agent's threads.
+
+A create of an image not known present pulls it (``core.creation``). Every create that needs
+the same image while its pull runs waits for that one pull, and each is told its progress
+(``core.progress``). The pull runs as a task on the core loop (``core.blocking``), whichever
+loop its creates came from (the agent's for the API, the core loop's for a pool's refill), and
+holds no thread: the backend reads the engine's progress on that loop. It is bounded by the
+configured ``pull_timeout_seconds``, and ends early, closing its connection (which makes the
+engine abandon it), when every create waiting for it has gone.
+
+A backend that cannot pull on a loop (a fake, an engine without the Engine API) is asked to
+``prepare`` the image on a thread, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+from slicebox.core import progress
+from slicebox.core.blocking import Blocking, core_loop
+from slicebox.model.progress import ProgressEvent
+
+log = logging.getLogger(__name__)
+
+Report = Callable[[ProgressEvent], None]
+
+
+@runtime_checkable
+class ImagePuller(Protocol):
+    async def pull(self, image: str, report: Report, timeout: float) -> None:
+        """Make ``image`` present, pulling it on the running loop, reporting its progress."""
+
+
+class Preparer(Protocol):
+    def prepare(self, image: str) -> None: ...
+
+
+def puller_of(backend: object) -> ImagePuller | None:
+    """The backend's puller: the router's Docker backend, or the backend itself."""
+    inner = getattr(backend, "docker", backend)
+    return inner if isinstance(inner, ImagePuller) else None
+
+
+class _Pull:
+    """One pull in flight: its outcome, its waiters and where each wants its progress."""
+
+    def __init__(self, image: str) -> None:
+        self.image = image
+        self.outcome: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.task: concurrent.futures.Future[None] | None = None
+        self.waiters = 0
+        self.listeners: dict[int, tuple[asyncio.AbstractEventLoop, Report]] = {}
+        self.last: ProgressEvent | None = None
+
+    def emit(self, event: ProgressEvent) -> None:
+        """On the core loop: to each listener, on its own loop."""
+        self.last = event
+        for loop, sink in list(self.listeners.values()):
+            with contextlib.suppress(RuntimeError):  # a closed loop: it is not listening
+                loop.call_soon_threadsafe(sink, event)
+
+
+class Pulls:
+    """The pulls in flight, by image."""
+
+    def __init__(self, loop: Callable[[], asyncio.AbstractEventLoop] = core_loop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._running: dict[str, _Pull] = {}
+        self._ids = itertools.count()
+        self.started = 0  # pulls started (one per image at a time however many creates wait)
+
+    async def prepare(
+        self, backend: Preparer, image: str, timeout: float, blocking: Blocking
+    ) -> None:
+        """Make ``image`` present: a shared pull on the loop when the backend can, else its
+        ``prepare`` on a thread."""
+        puller = puller_of(backend)
+        if puller is None:
+            await blocking(lambda: backend.prepare(image))
+            return
+        await self.ensure(puller, image, timeout, progress.sink())
+
+    async def ensure(
+        self, puller: ImagePuller, image: str, timeout: float, report: Report | None
+    ) -> None:
+        """Wait for ``image``'s pull, starting it unless one runs; its outcome is this one's."""
+        pull, listener = self._join(puller, image, timeout, report)
+        try:
+            await asyncio.shield(asyncio.wrap_future(pull.outcome))
+        finally:
+            self._leave(pull, listener)
+
+    def _join(
+        self, puller: ImagePuller, image: str, timeout: float, report: Report | None
+    ) -> tuple[_Pull, int]:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            pull = self._running.get(image)
+            fresh = pull is None
+            if pull is None:
+                pull = self._running[image] = _Pull(image)
+                self.started += 1
+            pull.waiters += 1
+            listener = next(self._ids)
+            if report is not None:
+                pull.listeners[listener] = (loop, report)
+                if pull.last is not None:
+                    report(pull.last)  # where the pull stands, for one that joins late
+        if fresh:
+            pull.task = asyncio.run_coroutine_threadsafe(
+                self._run(puller, pull, timeout), self._loop()
+            )
+        return pull, listener
+
+    def _leave(self, pull: _Pull, listener: int) -> None:
+        with self._lock:
+            pull.waiters -= 1
+            pull.listeners.pop(listener, None)
+            abandoned = pull.waiters == 0 and not pull.outcome.done()
+        if abandoned and pull.task is not None:
+            log.info("every create waiting for %s has gone: its pull ends", pull.image)
+            pull.task.cancel()  # the task's cancellation closes the engine's connection
+
+    async def _run(self, puller: ImagePuller, pull: _Pull, timeout: float) -> None:
+        try:
+            await puller.pull(pull.image, pull.emit, timeout)
+        except BaseException as exc:
+            self._end(pull)
+            if isinstance(exc, asyncio.CancelledError):
+                pull.outcome.cancel()
+                raise
+            pull.outcome.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            self._end(pull)
+            pull.outcome.set_result(None)
+
+    def _end(self, pull: _Pull) -> None:
+        with self._lock:
+            if self._running.get(pull.image) is pull:
+                del self._running[pull.image]

@@ -265,6 +265,7 @@ ROUTES: list[Route] = [
 NESTED_ROUTES = frozenset(
     {
         ("POST", "/sandboxes"),
+        ("POST", "/sandboxes/stream"),
         ("GET", "/sandboxes"),
         ("GET", "/sandboxes/{id}"),
         ("DELETE", "/sandboxes/{id}"),

@@ -54,8 +54,9 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, step: float =
         time.sleep(step)
 
 
-def memory_events(cgroup: Path) -> dict[str, int]:
-    lines = (cgroup / "memory.events").read_text().splitlines()
+def memory_events(cgroup: Path, name: str = "memory.events") -> dict[str, int]:
+    """``memory.events`` (or ``memory.events.local``: the cgroup's own, not its children's)."""
+    lines = (cgroup / name).read_text().splitlines()
     return {key: int(value) for key, value in (line.split() for line in lines)}
 
 

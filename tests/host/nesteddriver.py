@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -61,7 +62,13 @@ def _flood(path: str, count: int) -> list[str]:
     finally:
         for sock in held:
             sock.close()
-    return [over, _raw(path)]
+    after = _raw(path)
+    for _ in range(40):  # the agent sees the closes a moment later
+        if after.startswith("HTTP/1.1 200"):
+            break
+        time.sleep(0.5)
+        after = _raw(path)
+    return [over, after]
 
 
 OPS: dict[str, Callable[..., Any]] = {

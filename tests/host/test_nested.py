@@ -46,6 +46,7 @@ DRIVER = (Path(__file__).parent / "nesteddriver.py").read_bytes()
 CONFIG = agent_config() + (
     f'[nested]\nmax_children = 4\nmax_depth = 2\n[projects."{USER}/{PROJECT}"]\nmemory = "320MB"\n'
 )
+LOCAL = "memory.events.local"  # the cgroup's own events: its own limit was what was reached
 HOLD = "import time; b = b'x' * ({mib} << 20); open('/tmp/held', 'w').write('1'); time.sleep(900)"
 
 
@@ -267,9 +268,11 @@ def test_the_children_s_memory_sums_under_the_project_s_ceiling(tree: dict[str, 
     kernel kill in the project, and another user's project is untouched."""
     project = Path(slice_names(USER, PROJECT).cgroups(PurePosixPath(CGROUP_ROOT)).project)
     other = Path(slice_names(OTHER, "other").cgroups(PurePosixPath(CGROUP_ROOT)).project)
-    before = memory_events(project)["oom_kill"]
-    for name in ("P", "C1", "G"):
-        code = HOLD.format(mib=90)
+    before = memory_events(project)["oom_kill"], memory_events(project, LOCAL)["oom"]
+    # Each well within its own limit (P 200 MB, C1 and C2 100 MB, G 50 MB), so that what the
+    # kernel meets is the project's 320 MB: about 250 MB held, then C2 asks 70 more.
+    for name, mib in (("P", 150), ("C1", 70), ("G", 30)):
+        code = HOLD.format(mib=mib)
         holder = admin().exec(
             tree[name],
             ExecRequest(argv=("sh", "-c", f'python3 -c "{code}" >/dev/null 2>&1 &'), timeout=60),
@@ -277,14 +280,18 @@ def test_the_children_s_memory_sums_under_the_project_s_ceiling(tree: dict[str, 
         assert holder.exit_code == 0
     time.sleep(1)
     hog = admin().exec(  # within its own 100 MB, past the project's 320 MB with the rest
-        tree["C2"], ExecRequest(argv=("python3", "-c", "b = b'x' * (80 << 20)"), timeout=300)
+        tree["C2"], ExecRequest(argv=("python3", "-c", "b = b'x' * (70 << 20)"), timeout=300)
     )
-    local = project / "memory.events.local"
-    events = dict(line.split() for line in local.read_text().splitlines())
-    assert memory_events(project)["oom_kill"] > before, hog
-    assert int(events["oom"]) >= 1, "the project's own ceiling was reached"
+    assert memory_events(project)["oom_kill"] > before[0], hog
+    assert memory_events(project, LOCAL)["oom"] > before[1], "the project's own ceiling was hit"
     assert memory_events(other)["oom_kill"] == 0
     assert admin().exec(tree["Q"], ExecRequest(argv=("true",))).exit_code == 0
+
+
+def _events(path: Path) -> dict[str, int]:
+    return {
+        key: int(value) for key, value in (line.split() for line in path.read_text().splitlines())
+    }
 
 
 def test_destroying_the_parent_removes_its_subtree_and_its_sockets(tree: dict[str, str]) -> None:

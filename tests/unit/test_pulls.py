@@ -71,7 +71,7 @@ def test_concurrent_creates_of_one_image_share_one_pull_and_each_sees_its_progre
 
     pulled, seen, threads = asyncio.run(main())
     assert pulled == [IMAGE]
-    assert threads == 0
+    assert threads <= 0, "no thread held by the pull (another test's may end meanwhile)"
     for events in seen:
         assert events[-1] == pulling(100)
 

@@ -282,6 +282,7 @@ class Creator:
             workspace_volume=volume_name(spec, sandbox_id),
             credentials="git" if spec.credentials and spec.credentials.git else "",
             launcher=LAUNCHER if _waits(spec, one_shot=one_shot, pool_key=pool_key) else "",
+            from_snapshot=spec.from_snapshot or "",
         )
 
     async def _start(

@@ -76,6 +76,7 @@ from slicebox.model.metrics import MetricsConfig
 from slicebox.model.paths import CONFIG_PATH
 from slicebox.model.pool import MAX_POOL_SIZE, PoolConfig
 from slicebox.model.shares import SharesConfig
+from slicebox.model.snapshots import SnapshotConfig
 from slicebox.model.validation import checked, describe, problems
 
 log = logging.getLogger(__name__)
@@ -374,6 +375,7 @@ class Config(_Strict):
     shares: SharesConfig = _table(
         "what one user may hold at once of the output budget, streams and transfers"
     )
+    snapshots: SnapshotConfig = _table("each user's snapshot bounds; paused time and deadlines")
     pool: tuple[PoolConfig, ...] = Field(
         default=(), description="warm pools, one [[pool]] table each (docs/pool.md)"
     )

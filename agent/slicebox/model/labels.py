@@ -59,6 +59,8 @@ class Lineage(Model):
     # address on the egress network ("" when it has none). Names and networks, no secret.
     egress: str = ""
     egress_address: str = ""
+    # A fork's snapshot (model.snapshots), by its owner's name for it ("" when none).
+    from_snapshot: str = ""
 
     def to_labels(self) -> dict[str, str]:
         values = {
@@ -86,6 +88,8 @@ class Lineage(Model):
             "egress": self.egress,
             "egress_address": self.egress_address,
         }
+        if self.from_snapshot:  # a fork's only: other sandboxes' labels stay as they were
+            values["from_snapshot"] = self.from_snapshot
         return {PREFIX + key: value for key, value in values.items()}
 
 

@@ -23,6 +23,7 @@ from pydantic import (
 
 from slicebox.model.base import Model
 from slicebox.model.egress import NetworkSpec
+from slicebox.model.snapshots import SnapshotName, is_snapshot_image, snapshot_image
 from slicebox.model.validation import refusal
 from slicebox.model.wasm import WasmSpec
 
@@ -201,6 +202,26 @@ class SandboxSpec(Model):
     # before used, its processes killed and scratch places emptied at its release
     # (core.poolreset). Without it a request only ever gets a container nothing ran in.
     reuse: bool = False
+    # A fork: the sandbox starts with the filesystem of the caller's snapshot of this name
+    # (model.snapshots); its image is that snapshot's, set here from the name and the user.
+    from_snapshot: SnapshotName | None = None
+
+    @model_validator(mode="after")
+    def _snapshot(self) -> "SandboxSpec":
+        """Only a fork runs a snapshot's image, and only its owner's (the reference is a
+        digest of owner and name)."""
+        if self.from_snapshot is None:
+            if self.image is not None and is_snapshot_image(self.image):
+                raise ValueError('a snapshot is forked with "from_snapshot": its name')
+            return self
+        owner: str | None = self.user  # None: a create request's, before it is known
+        if owner is None:
+            return self
+        image = snapshot_image(owner, self.from_snapshot)
+        if self.image not in (None, image):
+            raise ValueError('give "from_snapshot" or "image", not both')
+        object.__setattr__(self, "image", image)
+        return self
 
     @model_validator(mode="after")
     def _plugin(self) -> "SandboxSpec":

@@ -33,6 +33,7 @@ from slicebox.core.pool import WarmPool
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.shares import STREAMS, Reservation, Slots, holder_of
+from slicebox.core.snapshots import Snapshots
 from slicebox.core.telemetry import TreeReader, UsageReader
 from slicebox.core.views import Views, view_of
 from slicebox.host.identity import Identity
@@ -104,6 +105,7 @@ class Service:
         # Streamed execs and runs in flight, bound for all and per user (core/shares.py).
         self.streams = Slots(STREAMS, lambda: sandboxes.config.shares)
         self._capacities = Capacities(sandboxes, pool)  # what fits (core/capacity.py)
+        self.snapshots: Snapshots | None = None  # pause, snapshots, forks (core/snapshots.py)
 
     # --- sandboxes -------------------------------------------------------------------------
 

@@ -1,0 +1,191 @@
+"""Pause and resume: a sandbox frozen (no CPU, its memory kept), and what a frozen one refuses.
+
+A pause is the engine's own (``docker pause``: the container's cgroup frozen, its state
+recorded by the engine), so the engine, ``docker`` and a restarted agent all read the same
+``State.Paused``: a user's pause outlives the agent that made it. A freeze the agent makes only
+for a snapshot is marked first in :data:`FREEZES` (``/run``: gone at a reboot, which leaves no
+frozen container either); a restarted agent thaws every marked sandbox (:meth:`thaw_leftovers`),
+so an agent killed mid-snapshot leaves no sandbox frozen that its user did not pause.
+
+A paused sandbox refuses an exec or a file transfer (``sandbox_paused``), unless the caller asks
+``?resume=1``: then it is resumed first. Whether it is frozen is read from its scope's
+``cgroup.freeze`` (a file read per exec), and only a frozen one is confirmed with the engine:
+an exec's kill freezes a sandbox for milliseconds too (host.procs), which is no pause.
+
+Its deadline keeps running while it is paused, unless ``[snapshots] paused_time_counts`` is
+false: then a pause moves its deadline out of the way (the longest TTL allowed), remembering
+how long it had left (:data:`HELD`), and its resume gives it that long again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
+
+from slicebox.backends.base import SnapshotEngine
+from slicebox.core.blocking import Blocking
+from slicebox.core.execaudit import audited, subject
+from slicebox.core.files import Files
+from slicebox.core.sandbox import Sandbox
+from slicebox.core.sandboxes import SandboxManager
+from slicebox.host.cgroupfs import CgroupFiles
+from slicebox.host.identity import Identity
+from slicebox.host.journal import Auditor
+from slicebox.model.audit import AuditEvent
+from slicebox.model.errors import InvalidRequest, SandboxNotFound, SandboxNotRunning
+from slicebox.model.snapshots import PauseState
+from slicebox.model.spec import Backend
+
+log = logging.getLogger(__name__)
+
+FREEZES = Path("/run/slicebox/freezes")  # a file per container frozen for a snapshot
+HELD = Path("/run/slicebox/paused-deadlines")  # a file per paused sandbox's time left
+
+LookUp = Callable[[Identity, str, Blocking], Awaitable[Sandbox]]
+
+
+def paused_error(sandbox_id: str) -> SandboxNotRunning:
+    return SandboxNotRunning(
+        f"sandbox {sandbox_id} is paused; resume it (slicebox resume {sandbox_id}) or ask "
+        "again with ?resume=1",
+        code="sandbox_paused",
+    )
+
+
+def docker_only(sandbox: Sandbox, what: str) -> None:
+    if sandbox.backend != Backend.DOCKER.value:
+        raise InvalidRequest(
+            f"a {sandbox.backend} sandbox cannot be {what} yet; only docker sandboxes can",
+            code="backend_unsupported",
+        )
+
+
+class Pausing:
+    def __init__(
+        self,
+        engine: SnapshotEngine,
+        transfers: Files,
+        cgroups: CgroupFiles,
+        *,
+        marks: tuple[Path, Path] = (FREEZES, HELD),
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        """``transfers``: the Service's files, whose look-up, audit and sandboxes these share."""
+        self.engine = engine
+        self._auditor: Auditor = transfers.auditor
+        self._sandboxes: SandboxManager = transfers.sandboxes
+        self._looked_up: LookUp = transfers.looked_up
+        self._files = cgroups
+        self._freezes, self._held = marks
+        self._clock = clock
+
+    async def pause(self, who: Identity, sandbox_id: str, blocking: Blocking) -> PauseState:
+        sandbox = await self._looked_up(who, sandbox_id, blocking)
+        event = AuditEvent.SANDBOX_PAUSED
+        async with audited(self._auditor, event, who, blocking, **subject(sandbox)):
+            docker_only(sandbox, "paused")
+            await blocking(functools.partial(self._pause, sandbox))
+        return PauseState(id=sandbox.id, paused=True)
+
+    async def resume(self, who: Identity, sandbox_id: str, blocking: Blocking) -> PauseState:
+        sandbox = await self._looked_up(who, sandbox_id, blocking)
+        event = AuditEvent.SANDBOX_RESUMED
+        async with audited(self._auditor, event, who, blocking, **subject(sandbox)):
+            docker_only(sandbox, "resumed")
+            await blocking(functools.partial(self._resume, sandbox))
+        return PauseState(id=sandbox.id, paused=False)
+
+    async def ensure_running(
+        self, who: Identity, sandbox_id: str, resume: bool, blocking: Blocking
+    ) -> None:
+        """Refuse (``sandbox_paused``) a paused sandbox's exec or transfer, or resume it first
+        when ``resume``. Another user's sandbox is left to the action's own look-up."""
+        try:
+            sandbox = await self._looked_up(who, sandbox_id, blocking)
+        except SandboxNotFound:
+            return
+        if sandbox.backend != Backend.DOCKER.value or not self.frozen(sandbox):
+            return
+        if not await blocking(functools.partial(self.engine.paused, sandbox.container_id)):
+            return  # an exec's kill, frozen for milliseconds
+        if not resume:
+            raise paused_error(sandbox.id)
+        await self.resume(who, sandbox_id, blocking)
+
+    def frozen(self, sandbox: Sandbox) -> bool:
+        """Whether its scope's cgroup is frozen now (by a pause, or a kill's moment)."""
+        scope = str(sandbox.scope_cgroup(PurePosixPath("/"))).lstrip("/")
+        return (self._files.read(scope, "cgroup.freeze") or "").strip() == "1"
+
+    @contextlib.contextmanager
+    def frozen_for(self, sandbox: Sandbox) -> Iterator[bool]:
+        """The sandbox paused for the block (a snapshot's), then resumed; one its user paused
+        stays paused. Yields whether the block froze it."""
+        container = sandbox.container_id
+        if self.engine.paused(container):
+            yield False
+            return
+        self._freezes.mkdir(parents=True, exist_ok=True)
+        mark = self._freezes / container
+        mark.write_text(sandbox.id)
+        try:
+            self.engine.pause(container)
+            yield True
+        finally:
+            self._thaw(container)
+            mark.unlink(missing_ok=True)
+
+    def thaw_leftovers(self) -> list[str]:
+        """At the agent's start: resume what an agent killed mid-snapshot left frozen."""
+        thawed = []
+        for mark in sorted(self._freezes.glob("*")) if self._freezes.is_dir() else []:
+            if self._thaw(mark.name):
+                thawed.append(mark.name)
+                log.warning("resumed %s, left frozen by a snapshot that did not end", mark.name)
+            mark.unlink(missing_ok=True)
+        return thawed
+
+    def _thaw(self, container: str) -> bool:
+        try:
+            if not self.engine.paused(container):
+                return False
+            self.engine.unpause(container)
+        except SandboxNotFound:
+            return False
+        return True
+
+    def _pause(self, sandbox: Sandbox) -> None:
+        if not self.engine.paused(sandbox.container_id):
+            self.engine.pause(sandbox.container_id)
+            self._hold_deadline(sandbox)
+
+    def _resume(self, sandbox: Sandbox) -> None:
+        if self.engine.paused(sandbox.container_id):
+            self.engine.unpause(sandbox.container_id)
+        self._give_back_deadline(sandbox)
+
+    def _hold_deadline(self, sandbox: Sandbox) -> None:
+        """Paused time that does not count: the deadline moved out, its time left kept."""
+        config = self._sandboxes.config
+        if config.snapshots.paused_time_counts:
+            return
+        current = self._sandboxes.with_deadline(sandbox).expires_at
+        if current is None:
+            return
+        left = max(1, int((current - self._clock()).total_seconds()))
+        self._held.mkdir(parents=True, exist_ok=True)
+        (self._held / sandbox.id).write_text(str(left))
+        self._sandboxes.extend(sandbox.id, config.max_ttl_seconds)
+
+    def _give_back_deadline(self, sandbox: Sandbox) -> None:
+        mark = self._held / sandbox.id
+        try:
+            left = int(mark.read_text())
+        except (OSError, ValueError):
+            return
+        self._sandboxes.extend(sandbox.id, left)
+        mark.unlink(missing_ok=True)

@@ -20,7 +20,7 @@ from typing import BinaryIO, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from slicebox import VersionAction
-from slicebox.cli import capacity, copying, doctor, mcp, tables
+from slicebox.cli import capacity, copying, doctor, mcp, snapshots, tables
 from slicebox.client import DEFAULT_SOCKET, Client
 from slicebox.model.api import (
     CreateSandbox,
@@ -178,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     _exec_options(run)
     create = commands.add_parser("create", help="create a sandbox and print its id")
     _sandbox_options(create)
+    snapshots.add_create_options(create)
     commands.add_parser("ps", help="list your sandboxes")
     execute = commands.add_parser("exec", help="run a command in a sandbox")
     execute.add_argument("sandbox")
@@ -203,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("pool", help="the warm pools: key, ready/busy, hit rate, refill time")
     capacity.add_parser(commands)
     mcp.add_parser(commands)
+    snapshots.add_parsers(commands)
     reap = commands.add_parser("reap", help="one reaper pass now (root and slicebox-admin)")
     reap.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     return parser
@@ -245,6 +247,7 @@ def _spec(options: argparse.Namespace) -> CreateSandbox:
         "credentials": _credentials(options),
         "run_as": options.run_as,
         "reuse": options.reuse,
+        "from_snapshot": getattr(options, "from_snapshot", None),  # create --from (a fork)
     }
     return _parse(CreateSandbox, fields)
 
@@ -349,11 +352,11 @@ def cmd_run(options: argparse.Namespace, client: Client) -> int:
 
 
 def cmd_create(options: argparse.Namespace, client: Client) -> int:
-    view = client.create(_spec(options))
-    if options.json:
-        _json(view)
-    else:
-        print(view.id)
+    for view in snapshots.created(client, _spec(options), options.count):
+        if options.json:
+            _json(view)
+        else:
+            print(view.id, flush=True)
     return 0
 
 
@@ -464,6 +467,7 @@ COMMANDS: dict[str, Command] = {
     "capacity": capacity.run,
     "cp": cmd_cp,
     "mcp": mcp.run,
+    **snapshots.COMMANDS,
 }
 
 

@@ -77,7 +77,7 @@ def container(box: str) -> dict[str, object]:
 
 
 def snapshot_images() -> list[str]:
-    found = sh("docker", "images", "-q", "--filter", "label=slicebox.snapshot=true").stdout
+    found = sh("docker", "images", "-q", "--filter", "label=slicebox-snapshot=true").stdout
     return sorted(set(found.split()))
 
 
@@ -101,8 +101,10 @@ def agent() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def origin(agent: None) -> str:
     """alice's sandbox with a file in its root filesystem, one in its tmpfs /workspace, a
-    set-uid copy of busybox of its own, and a secret in its env."""
-    box = create(ALICE, env={"SECRET_TOKEN": SECRET})
+    set-uid copy of busybox of its own, and a secret in its env; its main process is a busy
+    loop (an exec's leftover processes are taken with it), which writes its pid first."""
+    loop = "echo $$ > /tmp/loop.pid; while :; do :; done"
+    box = create(ALICE, env={"SECRET_TOKEN": SECRET}, command=["sh", "-c", loop])
     out(
         ALICE,
         box,
@@ -116,8 +118,7 @@ def origin(agent: None) -> str:
 def test_a_paused_sandbox_uses_no_cpu_refuses_execs_and_resumes_the_same_process(
     origin: str,
 ) -> None:
-    loop = out(ALICE, origin, "nohup sh -c 'while :; do :; done' >/dev/null 2>&1 & echo $!")
-    pid = loop.strip()
+    pid = out(ALICE, origin, "cat /tmp/loop.pid").strip()
     before = cpu(origin)
     wait_for(lambda: cpu(origin) > before + 0.2, timeout=30)
     assert ask(ALICE, "POST", f"/sandboxes/{origin}/pause") == {"id": origin, "paused": True}
@@ -143,7 +144,7 @@ def test_a_paused_sandbox_uses_no_cpu_refuses_execs_and_resumes_the_same_process
     wait_for(lambda: cpu(origin) > resumed + 0.2, timeout=30)
     assert out(ALICE, origin, f"kill -0 {pid} && echo same") == "same\n"
     ask(ALICE, "POST", f"/sandboxes/{origin}/pause")
-    woken = run(ALICE, origin, f"kill {pid}", query="?resume=1")
+    woken = run(ALICE, origin, f"kill -0 {pid}", query="?resume=1")
     assert woken.get("exit_code") == 0, woken
     assert admin().usage(origin).paused is False
 
@@ -195,7 +196,18 @@ def test_bob_cannot_list_fork_take_or_delete_alices_snapshots(agent: None) -> No
     assert image in sh("docker", "images", "--format", "{{.Repository}}:{{.Tag}}").stdout
 
 
-@pytest.mark.parametrize("name", ["../x", "a/b", "-x", "a" * 65, "x" * 5000, "a b", ""])
+BAD_NAMES = {
+    "dotdot": "../x",
+    "slash": "a/b",
+    "dash-first": "-x",
+    "65-chars": "a" * 65,
+    "5000-chars": "x" * 5000,
+    "space": "a b",
+    "empty": "",
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_NAMES.values()), ids=list(BAD_NAMES))
 def test_a_bad_snapshot_name_is_invalid_name(agent: None, name: str) -> None:
     alices = next(v for v in admin().list_sandboxes() if v.user == ALICE)
     took = ask(ALICE, "POST", f"/sandboxes/{alices.id}/snapshots", {"name": name})

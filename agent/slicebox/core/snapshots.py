@@ -72,7 +72,7 @@ KEPT_CONFIG = ("Env", "Cmd", "Entrypoint", "WorkingDir")
 
 def quota_error(what: str) -> AdmissionRefused:
     return AdmissionRefused(
-        f"{what}; delete snapshots you no longer need (slicebox snapshot rm NAME) or ask an "
+        f"{what}; delete snapshots you no longer need (slicebox snapshots rm NAME) or ask an "
         "operator to raise [snapshots] max_count / max_bytes",
         code="snapshot_quota",
     )

@@ -21,7 +21,9 @@ from slicebox.model.limits import RawSize, parse_size
 SNAPSHOT_REPO = "slicebox-snapshot"
 # Where a snapshot image keeps the sandbox's /workspace (a fork copies it from there).
 WORKSPACE_DIR = ".slicebox-snapshot/workspace"
-LABEL = "slicebox.snapshot"  # "true" on every snapshot image; the rest below it
+# "true" on every snapshot image; the rest below it. Not below "slicebox.": a fork inherits
+# its image's labels, and those are its lineage's alone (model.labels refuses others there).
+LABEL = "slicebox-snapshot"
 LABEL_NAME = f"{LABEL}.name"
 LABEL_USER = f"{LABEL}.user"
 LABEL_PROJECT = f"{LABEL}.project"

@@ -157,9 +157,9 @@ def test_a_snapshot_forked_three_times_gives_each_fork_its_own_copy(origin: str)
     assert SECRET not in json.dumps(config), "the create's env went into the snapshot"
     assert admin().usage(origin).paused is False, "the snapshot left its sandbox frozen"
     admin().destroy(origin)
-    fork = ["create", "--project", "snap", "--from", "base", "--count", "3"]
+    forking = ["create", "--project", "snap", "--from", "base", "--count", "3"]
     made = subprocess.run(
-        ["runuser", "-u", ALICE, "--", "slicebox", *fork],
+        ["runuser", "-u", ALICE, "--", "slicebox", *forking],
         capture_output=True,
         text=True,
         check=False,

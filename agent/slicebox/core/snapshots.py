@@ -120,9 +120,12 @@ class Snapshots:
         files: Files,
         *,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        workspace_of: Callable[[int], str] = lambda pid: f"/proc/{pid}/root/workspace",
     ) -> None:
         """``files``: the Service's transfers, whose look-up, audit and sandboxes these share;
-        a fork's workspace is one of its uploads."""
+        a fork's workspace is one of its uploads. ``workspace_of``: where the host sees the
+        /workspace of the sandbox whose init has that pid (its mount namespace's)."""
+        self._workspace_of = workspace_of
         self.pausing = pausing
         self._pausing = pausing
         self._engine: SnapshotEngine = pausing.engine
@@ -238,7 +241,7 @@ class Snapshots:
         )
         with self._pausing.frozen_for(sandbox):
             pid = int(self._engine.container(sandbox.container_id)["State"]["Pid"])
-            self._import(sandbox.container_id, image, changes, f"/proc/{pid}/root/workspace")
+            self._import(sandbox.container_id, image, changes, self._workspace_of(pid))
         made = self._engine.images({LABEL: "true", LABEL_USER: sandbox.user, LABEL_NAME: name})
         if not made:
             raise SliceboxError(f"the engine has no snapshot {name} after its import; retry")

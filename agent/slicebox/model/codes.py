@@ -378,8 +378,8 @@ CODES: tuple[ErrorCode, ...] = (
         409,
         "The user's snapshots are at `[snapshots] max_count` or `max_bytes`; the message says "
         "what they hold.",
-        "Delete snapshots you no longer need (`slicebox snapshots`, `slicebox snapshots rm NAME`), or "
-        "ask an operator to raise the bounds.",
+        "Delete snapshots you no longer need (`slicebox snapshots rm NAME`), or ask an operator "
+        "to raise the bounds.",
     ),
     _c(
         "snapshot_exists",

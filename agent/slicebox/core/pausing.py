@@ -84,20 +84,21 @@ class Pausing:
         self._clock = clock
 
     async def pause(self, who: Identity, sandbox_id: str, blocking: Blocking) -> PauseState:
-        sandbox = await self._looked_up(who, sandbox_id, blocking)
-        event = AuditEvent.SANDBOX_PAUSED
-        async with audited(self._auditor, event, who, blocking, **subject(sandbox)):
-            docker_only(sandbox, "paused")
-            await blocking(functools.partial(self._pause, sandbox))
-        return PauseState(id=sandbox.id, paused=True)
+        return await self._switch(who, sandbox_id, blocking, paused=True)
 
     async def resume(self, who: Identity, sandbox_id: str, blocking: Blocking) -> PauseState:
+        return await self._switch(who, sandbox_id, blocking, paused=False)
+
+    async def _switch(
+        self, who: Identity, sandbox_id: str, blocking: Blocking, *, paused: bool
+    ) -> PauseState:
         sandbox = await self._looked_up(who, sandbox_id, blocking)
-        event = AuditEvent.SANDBOX_RESUMED
+        event = AuditEvent.SANDBOX_PAUSED if paused else AuditEvent.SANDBOX_RESUMED
         async with audited(self._auditor, event, who, blocking, **subject(sandbox)):
-            docker_only(sandbox, "resumed")
-            await blocking(functools.partial(self._resume, sandbox))
-        return PauseState(id=sandbox.id, paused=False)
+            docker_only(sandbox, "paused" if paused else "resumed")
+            step = self._pause if paused else self._resume
+            await blocking(functools.partial(step, sandbox))
+        return PauseState(id=sandbox.id, paused=paused)
 
     async def ensure_running(
         self, who: Identity, sandbox_id: str, resume: bool, blocking: Blocking

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import threading
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, BinaryIO
@@ -38,7 +37,7 @@ from slicebox.core.files import Files
 from slicebox.core.pausing import LookUp, Pausing, docker_only
 from slicebox.core.sandbox import Sandbox
 from slicebox.core.sandboxes import SandboxManager
-from slicebox.core.snaptar import Pipe, restore_stream, write_snapshot
+from slicebox.core.snaptar import Pipe, producing, restore_stream, write_snapshot
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
 from slicebox.model.api import CreateSandbox, Destroyed, SandboxView
@@ -200,21 +199,8 @@ class Snapshots:
         return view
 
     async def _restore(self, who: Identity, view: SandboxView, blocking: Blocking) -> None:
-        pipe = Pipe()
-
-        def produce() -> None:
-            def read(archive: BinaryIO) -> None:
-                restore_stream(archive, pipe)
-
-            try:
-                self._engine.archive(view.container_id, f"/{WORKSPACE_DIR}/.", read)
-            except BaseException as exc:
-                pipe.close(exc)
-                return
-            pipe.close()
-
-        producer = threading.Thread(target=produce, name=f"restore-{view.id}", daemon=True)
-        producer.start()
+        archive = functools.partial(self._engine.archive, view.container_id, f"/{WORKSPACE_DIR}/.")
+        pipe, producer = producing(f"restore-{view.id}", archive, restore_stream)
         try:
             await self._files.upload(
                 who, view.id, FilesQuery(path="/workspace"), body=_Body(pipe), blocking=blocking
@@ -249,21 +235,12 @@ class Snapshots:
         return view_of(made[0])
 
     def _import(self, container: str, image: str, changes: list[str], workspace: str) -> None:
-        pipe = Pipe()
+        export = functools.partial(self._engine.export, container)
 
-        def produce() -> None:
-            def read(export: BinaryIO) -> None:
-                write_snapshot(export, workspace, pipe)
+        def rewrite(stream: BinaryIO, pipe: Pipe) -> None:
+            write_snapshot(stream, workspace, pipe)
 
-            try:
-                self._engine.export(container, read)
-            except BaseException as exc:
-                pipe.close(exc)
-                return
-            pipe.close()
-
-        producer = threading.Thread(target=produce, name=f"snapshot-{container[:12]}", daemon=True)
-        producer.start()
+        pipe, producer = producing(f"snapshot-{container[:12]}", export, rewrite)
         try:
             self._engine.import_image(image, changes, pipe)
         finally:

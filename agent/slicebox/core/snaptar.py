@@ -17,7 +17,8 @@ import os
 import queue
 import stat
 import tarfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, cast
 
 from slicebox.model.snapshots import WORKSPACE_DIR
@@ -96,6 +97,28 @@ class Pipe:
             except queue.Full:
                 continue
         raise BrokenPipeError("the reader of the snapshot's stream went away")
+
+
+def producing(
+    name: str,
+    read: Callable[[Callable[[BinaryIO], None]], None],
+    rewrite: Callable[[BinaryIO, Pipe], None],
+) -> tuple[Pipe, threading.Thread]:
+    """A pipe fed on a thread of its own: ``read`` hands the stream it opens to ``rewrite``,
+    which writes the pipe; an error ends the pipe with it, for its reader to raise."""
+    pipe = Pipe()
+
+    def produce() -> None:
+        try:
+            read(lambda stream: rewrite(stream, pipe))
+        except BaseException as exc:
+            pipe.close(exc)
+            return
+        pipe.close()
+
+    thread = threading.Thread(target=produce, name=name, daemon=True)
+    thread.start()
+    return pipe, thread
 
 
 def write_snapshot(export: BinaryIO, workspace: str, out: Pipe) -> None:

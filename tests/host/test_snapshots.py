@@ -255,6 +255,18 @@ def test_the_quota_refuses_with_its_code_and_says_what_is_held(agent: None) -> N
     assert ask(BOB, "GET", "/snapshots") == {"list": []}
 
 
+def test_a_native_sandbox_s_pause_freezes_its_slice_and_outlives_a_restart(agent: None) -> None:
+    box = create(ALICE, backend="native")
+    assert ask(ALICE, "POST", f"/sandboxes/{box}/pause") == {"id": box, "paused": True}
+    assert run(ALICE, box, "true").get("code") == "sandbox_paused"
+    sh("systemctl", "restart", "slicebox.service")
+    assert admin().usage(box).paused is True, "a restarted agent reads the pause back"
+    assert run(ALICE, box, "true").get("code") == "sandbox_paused"
+    assert ask(ALICE, "POST", f"/sandboxes/{box}/resume") == {"id": box, "paused": False}
+    assert out(ALICE, box, "echo thawed") == "thawed\n"
+    admin().destroy(box)
+
+
 def test_a_host_workspace_sandbox_is_refused_and_leaves_nothing(agent: None) -> None:
     before = snapshot_images()
     home = Path("/srv/sbx-ws") / ALICE

@@ -18,6 +18,7 @@ from slicebox.core.reaping import plan
 from slicebox.core.sandbox import Sandbox
 from slicebox.core.snapshots import Snapshots, changes_of
 from slicebox.core.snaptar import Pipe, add_tree, clean, restore_stream, write_snapshot
+from slicebox.host.freezer import CgroupFreezer
 from slicebox.host.identity import Identity
 from slicebox.model.config import parse_config
 from slicebox.model.errors import InvalidRequest, NotFound, SandboxNotRunning, SliceboxError
@@ -362,3 +363,23 @@ def test_a_sandbox_value_of_a_fork_says_its_snapshot(snap: Snapping) -> None:
     assert labels["slicebox.from_snapshot"] == "base"
     assert "slicebox.from_snapshot" not in snap.sandbox.lineage.to_labels()
     assert isinstance(snap.sandbox, Sandbox)
+
+
+def test_a_native_sandbox_is_paused_by_its_slice_s_freezer(snap: Snapping) -> None:
+    native = snap.sandbox.model_copy(update={"backend": "native", "container_id": "p-n.slice"})
+    pausing = Pausing(
+        snap.engine,
+        snap.world.service.files,
+        _Cgroups(snap.tmp),
+        marks=snap.marks,
+        freezer=CgroupFreezer(snap.tmp),
+    )
+    cgroup = snap.tmp / str(native.scope_cgroup(PurePosixPath("/"))).lstrip("/")
+    cgroup.mkdir(parents=True)
+    (cgroup / "cgroup.freeze").write_text("0")
+    pausing._pause(native)
+    assert (cgroup / "cgroup.freeze").read_text() == "1"
+    assert pausing.frozen(native)
+    pausing._resume(native)
+    assert (cgroup / "cgroup.freeze").read_text() == "0"
+    assert snap.engine.calls == [], "the engine knows nothing of a native sandbox"

@@ -5,7 +5,9 @@ recorded by the engine), so the engine, ``docker`` and a restarted agent all rea
 ``State.Paused``: a user's pause outlives the agent that made it. A freeze the agent makes only
 for a snapshot is marked first in :data:`FREEZES` (``/run``: gone at a reboot, which leaves no
 frozen container either); a restarted agent thaws every marked sandbox (:meth:`thaw_leftovers`),
-so an agent killed mid-snapshot leaves no sandbox frozen that its user did not pause.
+so an agent killed mid-snapshot leaves no sandbox frozen that its user did not pause. A native
+sandbox is paused by its own slice's freezer (host.freezer): the kernel keeps that state, and a
+restarted agent reads it back from ``cgroup.freeze``.
 
 A paused sandbox refuses an exec or a file transfer (``sandbox_paused``), unless the caller asks
 ``?resume=1``: then it is resumed first. Whether it is frozen is read from its scope's
@@ -33,6 +35,7 @@ from slicebox.core.files import Files
 from slicebox.core.sandbox import Sandbox
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.host.cgroupfs import CgroupFiles
+from slicebox.host.freezer import CgroupFreezer, Freezer
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
 from slicebox.model.audit import AuditEvent
@@ -45,6 +48,7 @@ log = logging.getLogger(__name__)
 FREEZES = Path("/run/slicebox/freezes")  # a file per container frozen for a snapshot
 HELD = Path("/run/slicebox/paused-deadlines")  # a file per paused sandbox's time left
 
+NATIVE_OR_DOCKER = frozenset({Backend.DOCKER.value, Backend.NATIVE.value})
 LookUp = Callable[[Identity, str, Blocking], Awaitable[Sandbox]]
 
 
@@ -56,10 +60,10 @@ def paused_error(sandbox_id: str) -> SandboxNotRunning:
     )
 
 
-def docker_only(sandbox: Sandbox, what: str) -> None:
-    if sandbox.backend != Backend.DOCKER.value:
+def docker_only(sandbox: Sandbox, what: str, also: tuple[Backend, ...] = ()) -> None:
+    if sandbox.backend not in {Backend.DOCKER.value, *also}:
         raise InvalidRequest(
-            f"a {sandbox.backend} sandbox cannot be {what} yet; only docker sandboxes can",
+            f"a {sandbox.backend} sandbox cannot be {what} yet; a docker sandbox can",
             code="backend_unsupported",
         )
 
@@ -73,6 +77,7 @@ class Pausing:
         *,
         marks: tuple[Path, Path] = (FREEZES, HELD),
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        freezer: Freezer | None = None,
     ) -> None:
         """``transfers``: the Service's files, whose look-up, audit and sandboxes these share."""
         self.engine = engine
@@ -80,6 +85,7 @@ class Pausing:
         self._sandboxes: SandboxManager = transfers.sandboxes
         self._looked_up: LookUp = transfers.looked_up
         self._files = cgroups
+        self._freezer = freezer or CgroupFreezer()  # a native sandbox's pause
         self._freezes, self._held = marks
         self._clock = clock
 
@@ -95,7 +101,7 @@ class Pausing:
         sandbox = await self._looked_up(who, sandbox_id, blocking)
         event = AuditEvent.SANDBOX_PAUSED if paused else AuditEvent.SANDBOX_RESUMED
         async with audited(self._auditor, event, who, blocking, **subject(sandbox)):
-            docker_only(sandbox, "paused" if paused else "resumed")
+            docker_only(sandbox, "paused" if paused else "resumed", also=(Backend.NATIVE,))
             step = self._pause if paused else self._resume
             await blocking(functools.partial(step, sandbox))
         return PauseState(id=sandbox.id, paused=paused)
@@ -109,18 +115,19 @@ class Pausing:
             sandbox = await self._looked_up(who, sandbox_id, blocking)
         except SandboxNotFound:
             return
-        if sandbox.backend != Backend.DOCKER.value or not self.frozen(sandbox):
+        if sandbox.backend not in NATIVE_OR_DOCKER or not self.frozen(sandbox):
             return
-        if not await blocking(functools.partial(self.engine.paused, sandbox.container_id)):
-            return  # an exec's kill, frozen for milliseconds
+        if sandbox.backend == Backend.DOCKER.value:
+            paused = functools.partial(self.engine.paused, sandbox.container_id)
+            if not await blocking(paused):
+                return  # an exec's kill, frozen for milliseconds
         if not resume:
             raise paused_error(sandbox.id)
         await self.resume(who, sandbox_id, blocking)
 
     def frozen(self, sandbox: Sandbox) -> bool:
-        """Whether its scope's cgroup is frozen now (by a pause, or a kill's moment)."""
-        scope = str(sandbox.scope_cgroup(PurePosixPath("/"))).lstrip("/")
-        return (self._files.read(scope, "cgroup.freeze") or "").strip() == "1"
+        """Whether its cgroup is frozen now (by a pause, or a kill's moment)."""
+        return (self._files.read(self._cgroup(sandbox), "cgroup.freeze") or "").strip() == "1"
 
     @contextlib.contextmanager
     def frozen_for(self, sandbox: Sandbox) -> Iterator[bool]:
@@ -160,14 +167,25 @@ class Pausing:
         return True
 
     def _pause(self, sandbox: Sandbox) -> None:
-        if not self.engine.paused(sandbox.container_id):
+        if sandbox.backend == Backend.NATIVE.value:
+            if not self.frozen(sandbox):
+                self._freezer.set_frozen(self._cgroup(sandbox), True)
+                self._hold_deadline(sandbox)
+        elif not self.engine.paused(sandbox.container_id):
             self.engine.pause(sandbox.container_id)
             self._hold_deadline(sandbox)
 
     def _resume(self, sandbox: Sandbox) -> None:
-        if self.engine.paused(sandbox.container_id):
+        if sandbox.backend == Backend.NATIVE.value:
+            self._freezer.set_frozen(self._cgroup(sandbox), False)
+        elif self.engine.paused(sandbox.container_id):
             self.engine.unpause(sandbox.container_id)
         self._give_back_deadline(sandbox)
+
+    @staticmethod
+    def _cgroup(sandbox: Sandbox) -> str:
+        """A docker sandbox's scope, a native sandbox's own slice (the whole machine)."""
+        return str(sandbox.scope_cgroup(PurePosixPath("/"))).lstrip("/")
 
     def _hold_deadline(self, sandbox: Sandbox) -> None:
         """Paused time that does not count: the deadline moved out, its time left kept."""

@@ -106,9 +106,6 @@ class FakeSnapshotEngine:
         self._known(container_id)
         read(io.BytesIO(self.rootfs[container_id]))
 
-    def archive(self, container_id: str, path: str, read: Callable[[BinaryIO], None]) -> None:
-        raise NotImplementedError("forks' archive reads are tested on a real engine")
-
     def import_image(self, image: str, changes: list[str], body: Iterable[bytes]) -> None:
         data = b"".join(body)
         if self.fail_import:

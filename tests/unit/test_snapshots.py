@@ -12,16 +12,19 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from slicebox.core.blocking import from_thread
+from slicebox.core.blocking import Blocking, from_thread
 from slicebox.core.pausing import Pausing, docker_only
 from slicebox.core.reaping import plan
 from slicebox.core.sandbox import Sandbox
+from slicebox.core.shares import Reservation
 from slicebox.core.snapshots import Snapshots, changes_of
-from slicebox.core.snaptar import Pipe, add_tree, clean, restore_stream, write_snapshot
+from slicebox.core.snaptar import Pipe, add_tree, clean, write_snapshot
 from slicebox.host.freezer import CgroupFreezer
 from slicebox.host.identity import Identity
+from slicebox.model.api import CreateSandbox, Destroyed, SandboxView
 from slicebox.model.config import parse_config
 from slicebox.model.errors import InvalidRequest, NotFound, SandboxNotRunning, SliceboxError
+from slicebox.model.exec import ExecRequest, ExecResult
 from slicebox.model.snapshots import WORKSPACE_DIR, SnapshotView, snapshot_image
 from slicebox.model.spec import parse_spec
 from tests.fakes.snapshots import (
@@ -301,18 +304,6 @@ def _drained(pipe: Pipe) -> bytes:
     return b"".join(pipe)
 
 
-def test_a_fork_s_workspace_stream_drops_the_directory_itself_and_set_id_bits() -> None:
-    archive = tar_of(
-        [member("./", kind=tarfile.DIRTYPE, mode=0o700), member("./a", b"a", mode=0o6755)]
-    )
-    pipe = Pipe()
-    restore_stream(io.BytesIO(archive), pipe)
-    pipe.close()
-    found = members_of(_drained(pipe))
-    assert list(found) == ["./a"]
-    assert found["./a"].mode == 0o755
-
-
 def test_clean_keeps_no_xattr_and_no_device() -> None:
     info, _ = member("bin/ping", mode=0o4755)
     info.pax_headers = {"SCHILY.xattr.security.capability": "x", "comment": "kept"}
@@ -383,3 +374,91 @@ def test_a_native_sandbox_is_paused_by_its_slice_s_freezer(snap: Snapping) -> No
     pausing._resume(native)
     assert (cgroup / "cgroup.freeze").read_text() == "0"
     assert snap.engine.calls == [], "the engine knows nothing of a native sandbox"
+
+
+class _Forks:
+    """The Service's create, destroy and exec as a fork uses them, recorded."""
+
+    def __init__(self, exit_code: int = 0) -> None:
+        self.exit_code = exit_code
+        self.done: list[str] = []
+
+    async def create(
+        self, who: Identity, request: CreateSandbox, blocking: Blocking
+    ) -> SandboxView:
+        self.done.append(f"create {request.from_snapshot}")
+        return SandboxView.model_validate(_VIEW)
+
+    async def destroy(self, who: Identity, sandbox_id: str, blocking: Blocking) -> Destroyed:
+        self.done.append(f"destroy {sandbox_id}")
+        return Destroyed(id=sandbox_id, destroyed=True)
+
+    async def exec(
+        self,
+        who: Identity,
+        sandbox_id: str,
+        request: ExecRequest,
+        held: Reservation | None,
+        blocking: Blocking,
+    ) -> ExecResult:
+        self.done.append(f"exec {' '.join(request.argv[-1:])}")
+        return ExecResult.model_validate({**_RESULT, "exit_code": self.exit_code})
+
+
+_VIEW = {
+    "id": "sbx-fork",
+    "container_id": "c-fork",
+    "user": "alice",
+    "project": "web",
+    "backend": "docker",
+    "created_at": NOW,
+    "expires_at": None,
+    "root_task_id": "t",
+    "task_id": "t",
+    "parent_id": "",
+    "depth": 0,
+    "limits": {"memory_bytes": 1, "cpus": 0.5, "pids": 1},
+}
+_RESULT = {
+    "stdout": "",
+    "stderr": "",
+    "timed_out": False,
+    "oom_killed": False,
+    "stdout_truncated": False,
+    "stderr_truncated": False,
+    "stdout_dropped_bytes": 0,
+    "stderr_dropped_bytes": 0,
+    "duration": 0.1,
+}
+
+
+def _fork(snap: Snapping, who: Identity, forks: _Forks, **fields: object) -> SandboxView:
+    request = CreateSandbox.model_validate({"project": "web", "from_snapshot": "base", **fields})
+    return from_thread(lambda b: snap.snapshots.fork(who, request, b, forks))
+
+
+def test_a_fork_is_a_create_then_its_workspace_copied_by_its_own_user(snap: Snapping) -> None:
+    snap.take("base")
+    forks = _Forks()
+    assert _fork(snap, ALICE, forks).id == "sbx-fork"
+    assert forks.done == ["create base", f"exec /{WORKSPACE_DIR}"]
+
+
+def test_only_the_owner_forks_and_never_into_a_host_workspace(snap: Snapping) -> None:
+    snap.take("base")
+    forks = _Forks()
+    with pytest.raises(NotFound):
+        _fork(snap, BOB, forks)
+    with pytest.raises(InvalidRequest) as host:
+        _fork(snap, ALICE, forks, workspace={"kind": "host", "path": "/srv/x"})
+    assert host.value.code == "snapshot_workspace"
+    assert forks.done == [], "refused before anything is made"
+
+
+def test_a_fork_whose_copy_fails_is_destroyed(snap: Snapping) -> None:
+    snap.take("base")
+    forks = _Forks(exit_code=2)
+    with pytest.raises(SliceboxError) as failed:
+        _fork(snap, ALICE, forks)
+    assert failed.value.code == "fork_failed"
+    assert forks.done[-1] == "destroy sbx-fork"

@@ -77,13 +77,6 @@ class DockerSnapshots:
         with self._stream("GET", f"/containers/{segment(container_id)}/export", container_id) as r:
             read(cast(BinaryIO, r))
 
-    def archive(self, container_id: str, path: str, read: Callable[[BinaryIO], None]) -> None:
-        """``read`` ``path`` of the container's root filesystem (beneath its mounts) as tar."""
-        query = urlencode({"path": path})
-        target = f"/containers/{segment(container_id)}/archive?{query}"
-        with self._stream("GET", target, container_id) as answer:
-            read(cast(BinaryIO, answer))
-
     def import_image(self, image: str, changes: list[str], body: Iterable[bytes]) -> None:
         """One image ``image`` (repo:tag) from the tar stream ``body``, configured only by
         ``changes`` (Dockerfile instructions)."""

@@ -26,9 +26,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from slicebox.backends.base import SnapshotEngine
 from slicebox.core.blocking import Blocking
@@ -37,13 +37,20 @@ from slicebox.core.files import Files
 from slicebox.core.pausing import LookUp, Pausing, docker_only
 from slicebox.core.sandbox import Sandbox
 from slicebox.core.sandboxes import SandboxManager
-from slicebox.core.snaptar import Pipe, producing, restore_stream, write_snapshot
+from slicebox.core.shares import Reservation
+from slicebox.core.snaptar import Pipe, producing, write_snapshot
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
 from slicebox.model.api import CreateSandbox, Destroyed, SandboxView
 from slicebox.model.audit import AuditEvent
-from slicebox.model.errors import AdmissionRefused, InvalidRequest, NotFound, SliceboxError
-from slicebox.model.files import FilesQuery
+from slicebox.model.errors import (
+    AdmissionRefused,
+    HostError,
+    InvalidRequest,
+    NotFound,
+    SliceboxError,
+)
+from slicebox.model.exec import ExecRequest, ExecResult
 from slicebox.model.labels import stamp
 from slicebox.model.limits import human_bytes
 from slicebox.model.snapshots import (
@@ -62,8 +69,42 @@ from slicebox.model.snapshots import (
 )
 from slicebox.model.spec import WorkspaceKind
 
-Create = Callable[[Identity, CreateSandbox, Blocking], Awaitable[SandboxView]]
-Destroy = Callable[[Identity, str, Blocking], Awaitable[Destroyed]]
+
+class Lifecycle(Protocol):
+    """What a fork asks of the Service: a create, its removal should the copy fail, an exec."""
+
+    async def create(
+        self, who: Identity, request: CreateSandbox, blocking: Blocking
+    ) -> SandboxView: ...
+
+    async def destroy(self, who: Identity, sandbox_id: str, blocking: Blocking) -> Destroyed: ...
+
+    async def exec(
+        self,
+        who: Identity,
+        sandbox_id: str,
+        request: ExecRequest,
+        held: Reservation | None,
+        blocking: Blocking,
+    ) -> ExecResult: ...
+
+
+# A fork's workspace: the snapshot's copy in its image, copied by the fork's own user (the files
+# are that user's; no set-id bit or device is in the copy). An exec in the sandbox, not the
+# engine's archive API: a container's archive holds its lock for the whole stream, and an exec
+# of the same container waits on that lock.
+RESTORE = ExecRequest(
+    argv=(
+        "sh",
+        "-c",
+        'tar -c -f - -C "$1" . | tar -x -o -f - -C /workspace',
+        "sh",
+        f"/{WORKSPACE_DIR}",
+    ),
+    cwd="/",
+    timeout=3600.0,
+    output_cap=4096,
+)
 # What of the base image's configuration a snapshot keeps: how its programs start and find
 # each other. Env here is the image's own (PATH...), never the container's.
 KEPT_CONFIG = ("Env", "Cmd", "Entrypoint", "WorkingDir")
@@ -74,6 +115,16 @@ def quota_error(what: str) -> AdmissionRefused:
         f"{what}; delete snapshots you no longer need (slicebox snapshots rm NAME) or ask an "
         "operator to raise [snapshots] max_count / max_bytes",
         code="snapshot_quota",
+    )
+
+
+def fork_failed(name: str, copied: ExecResult) -> HostError:
+    said = copied.stderr.decode(errors="replace").strip()[-300:]
+    return HostError(
+        f"the fork of snapshot {name} could not copy its workspace (exit {copied.exit_code}: "
+        f"{said}); the fork was destroyed. A fork must run as the user the snapshot's sandbox "
+        "ran as to read its files",
+        code="fork_failed",
     )
 
 
@@ -122,7 +173,7 @@ class Snapshots:
         workspace_of: Callable[[int], str] = lambda pid: f"/proc/{pid}/root/workspace",
     ) -> None:
         """``files``: the Service's transfers, whose look-up, audit and sandboxes these share;
-        a fork's workspace is one of its uploads. ``workspace_of``: where the host sees the
+        ``workspace_of``: where the host sees the
         /workspace of the sandbox whose init has that pid (its mount namespace's)."""
         self._workspace_of = workspace_of
         self.pausing = pausing
@@ -182,32 +233,22 @@ class Snapshots:
         who: Identity,
         request: CreateSandbox,
         blocking: Blocking,
-        create: Create,
-        destroy: Destroy,
+        service: Lifecycle,
     ) -> SandboxView:
         """A create from the caller's snapshot, then its workspace copied into the fork."""
         name = request.from_snapshot or ""
         if request.workspace is not None and request.workspace.kind is WorkspaceKind.HOST:
             raise workspace_refusal(f"a fork of snapshot {name} cannot be given a host workspace")
         await blocking(functools.partial(self._owned, who.acting_user(request.user), name))
-        view = await create(who, request, blocking)
+        view = await service.create(who, request, blocking)
         try:
-            await self._restore(who, view, blocking)
+            copied = await service.exec(who, view.id, RESTORE, None, blocking)
+            if copied.exit_code != 0:
+                raise fork_failed(name, copied)
         except BaseException:
-            await asyncio.shield(destroy(who, view.id, blocking))
+            await asyncio.shield(service.destroy(who, view.id, blocking))
             raise
         return view
-
-    async def _restore(self, who: Identity, view: SandboxView, blocking: Blocking) -> None:
-        archive = functools.partial(self._engine.archive, view.container_id, f"/{WORKSPACE_DIR}/.")
-        pipe, producer = producing(f"restore-{view.id}", archive, restore_stream)
-        try:
-            await self._files.upload(
-                who, view.id, FilesQuery(path="/workspace"), body=_Body(pipe), blocking=blocking
-            )
-        finally:
-            pipe.abandon()
-            await asyncio.to_thread(producer.join)
 
     # --- the work, on a thread of its own ---------------------------------------------------
 
@@ -293,13 +334,3 @@ class Snapshots:
         if not found:
             raise NotFound(f"no snapshot {name}; list snapshots to see the names")
         return found[0]
-
-
-class _Body:
-    """A fork's workspace stream as an upload's body (a ``StdinSource``)."""
-
-    def __init__(self, pipe: Pipe) -> None:
-        self._pipe = pipe
-
-    async def read(self) -> bytes:
-        return await asyncio.to_thread(self._pipe.get)

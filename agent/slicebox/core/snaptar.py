@@ -2,13 +2,13 @@
 
 A snapshot's stream is the container's exported root filesystem followed by its
 ``/workspace`` (read from the frozen sandbox's mount namespace, ``/proc/<pid>/root``, since
-the engine cannot see a tmpfs) below :data:`~slicebox.model.snapshots.WORKSPACE_DIR`. A
-fork's is that directory back, for its own ``/workspace``. Every member passes :func:`clean`:
-no set-user-id or set-group-id bit, no device node and no extended attribute (a file
-capability is one) survives into a snapshot or out of it, whoever the sandbox ran as.
+the engine cannot see a tmpfs) below :data:`~slicebox.model.snapshots.WORKSPACE_DIR`, from
+where a fork copies it into its own. Every member passes :func:`clean`: no set-user-id or
+set-group-id bit, no device node and no extended attribute (a file capability is one) gets into
+a snapshot, whoever the sandbox ran as.
 
 Nothing is held whole: members are copied block by block into a :class:`Pipe`, which another
-thread reads as the request body (the import) or as an exec's stdin (the fork's extraction).
+thread reads as the import's request body.
 """
 
 from __future__ import annotations
@@ -133,21 +133,6 @@ def write_snapshot(export: BinaryIO, workspace: str, out: Pipe) -> None:
         for directory in (_TOP, WORKSPACE_DIR):
             tar.addfile(_directory(directory))
         add_tree(tar, workspace, WORKSPACE_DIR)
-
-
-def restore_stream(archive: BinaryIO, out: Pipe) -> None:
-    """A snapshot's WORKSPACE_DIR as the engine's archive gives it (``./name`` members),
-    cleaned, without the directory itself, into ``out``: a fork's ``/workspace``."""
-    with (
-        _writer(out) as tar,
-        tarfile.open(fileobj=archive, mode="r|") as found,
-    ):
-        for member in found:
-            if member.name.strip("./") == "":
-                continue
-            kept = clean(member)
-            if kept is not None:
-                tar.addfile(kept, found.extractfile(member) if kept.isreg() else None)
 
 
 def add_tree(tar: tarfile.TarFile, root: str, arcroot: str) -> None:

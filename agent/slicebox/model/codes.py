@@ -388,6 +388,14 @@ CODES: tuple[ErrorCode, ...] = (
         "Choose another name, or delete the old snapshot first.",
     ),
     _c(
+        "fork_failed",
+        500,
+        "A fork was made but its snapshot's workspace could not be copied into it (the message "
+        "quotes why); the fork was destroyed.",
+        "Fork as the user the snapshot's sandbox ran as (`run_as`), or with more memory for its "
+        "tmpfs /workspace.",
+    ),
+    _c(
         "snapshot_workspace",
         400,
         "The sandbox's /workspace is a host directory: a snapshot would copy host files, and a "

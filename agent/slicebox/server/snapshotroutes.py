@@ -63,7 +63,7 @@ async def fork(request: Request, body: CreateSandbox) -> SandboxView:
     """A create with ``from_snapshot`` (``routes.create`` hands it here)."""
     service = service_of(request)
     return await _snapshots(service).fork(
-        identity_of(request), body, pools_of(request).call, service.create, service.destroy
+        identity_of(request), body, pools_of(request).call, service
     )
 
 

@@ -438,10 +438,18 @@ def _fork(snap: Snapping, who: Identity, forks: _Forks, **fields: object) -> San
 
 
 def test_a_fork_is_a_create_then_its_workspace_copied_by_its_own_user(snap: Snapping) -> None:
+    (snap.workspace / "ws.txt").write_text("workspace\n")
     snap.take("base")
     forks = _Forks()
     assert _fork(snap, ALICE, forks).id == "sbx-fork"
     assert forks.done == ["create base", f"exec /{WORKSPACE_DIR}"]
+
+
+def test_a_fork_of_an_empty_workspace_copies_nothing(snap: Snapping) -> None:
+    snap.take("base")
+    forks = _Forks()
+    _fork(snap, ALICE, forks)
+    assert forks.done == ["create base"]
 
 
 def test_only_the_owner_forks_and_never_into_a_host_workspace(snap: Snapping) -> None:
@@ -456,6 +464,7 @@ def test_only_the_owner_forks_and_never_into_a_host_workspace(snap: Snapping) ->
 
 
 def test_a_fork_whose_copy_fails_is_destroyed(snap: Snapping) -> None:
+    (snap.workspace / "ws.txt").write_text("workspace\n")
     snap.take("base")
     forks = _Forks(exit_code=2)
     with pytest.raises(SliceboxError) as failed:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, BinaryIO, Protocol
@@ -62,6 +63,7 @@ from slicebox.model.snapshots import (
     LABEL_PROJECT,
     LABEL_ROOT_TASK,
     LABEL_USER,
+    LABEL_WORKSPACE,
     WORKSPACE_DIR,
     SnapshotDeleted,
     SnapshotView,
@@ -105,9 +107,9 @@ RESTORE = ExecRequest(
     timeout=3600.0,
     output_cap=4096,
 )
-# What of the base image's configuration a snapshot keeps: how its programs start and find
-# each other. Env here is the image's own (PATH...), never the container's.
-KEPT_CONFIG = ("Env", "Cmd", "Entrypoint", "WorkingDir")
+
+
+EMPTY, FILLED = "empty", "files"  # LABEL_WORKSPACE's values
 
 
 def quota_error(what: str) -> AdmissionRefused:
@@ -239,12 +241,14 @@ class Snapshots:
         name = request.from_snapshot or ""
         if request.workspace is not None and request.workspace.kind is WorkspaceKind.HOST:
             raise workspace_refusal(f"a fork of snapshot {name} cannot be given a host workspace")
-        await blocking(functools.partial(self._owned, who.acting_user(request.user), name))
+        owned = functools.partial(self._owned, who.acting_user(request.user), name)
+        labels = (await blocking(owned)).get("Labels") or {}
         view = await service.create(who, request, blocking)
         try:
-            copied = await service.exec(who, view.id, RESTORE, None, blocking)
-            if copied.exit_code != 0:
-                raise fork_failed(name, copied)
+            if labels.get(LABEL_WORKSPACE) != EMPTY:  # an empty one needs no copy (and no exec)
+                copied = await service.exec(who, view.id, RESTORE, None, blocking)
+                if copied.exit_code != 0:
+                    raise fork_failed(name, copied)
         except BaseException:
             await asyncio.shield(service.destroy(who, view.id, blocking))
             raise
@@ -263,12 +267,12 @@ class Snapshots:
         ):
             raise workspace_refusal(f"sandbox {sandbox.id} cannot be snapshotted")
         base = str(attrs["Config"].get("Image") or "")
-        changes = changes_of(
-            self._engine.image_config(str(attrs["Image"])), self._labels(sandbox, name, base)
-        )
+        config = self._engine.image_config(str(attrs["Image"]))
         with self._pausing.frozen_for(sandbox):
             pid = int(self._engine.container(sandbox.container_id)["State"]["Pid"])
-            self._import(sandbox.container_id, image, changes, self._workspace_of(pid))
+            workspace = self._workspace_of(pid)
+            labels = self._labels(sandbox, name, base) | {LABEL_WORKSPACE: _filled(workspace)}
+            self._import(sandbox.container_id, image, changes_of(config, labels), workspace)
         made = self._engine.images({LABEL: "true", LABEL_USER: sandbox.user, LABEL_NAME: name})
         if not made:
             raise SliceboxError(f"the engine has no snapshot {name} after its import; retry")
@@ -334,3 +338,13 @@ class Snapshots:
         if not found:
             raise NotFound(f"no snapshot {name}; list snapshots to see the names")
         return found[0]
+
+
+def _filled(workspace: str) -> str:
+    """Whether the workspace has anything in it (a snapshot's label: a fork of an empty one
+    makes no copy)."""
+    try:
+        with os.scandir(workspace) as entries:
+            return FILLED if next(entries, None) is not None else EMPTY
+    except FileNotFoundError:
+        return EMPTY

@@ -31,6 +31,7 @@ LABEL_ORIGIN = f"{LABEL}.origin"  # the sandbox it was taken of
 LABEL_ROOT_TASK = f"{LABEL}.root_task_id"
 LABEL_BASE = f"{LABEL}.base_image"
 LABEL_CREATED = f"{LABEL}.created_at"
+LABEL_WORKSPACE = f"{LABEL}.workspace"  # "empty" or "files": whether a fork has one to copy
 
 # Like a workspace volume's name (model.spec.VolumeName): letters, digits, '.', '_'.
 SnapshotName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.]{0,63}$")]

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.host
 ALICE, BOB = "sbxsnapa", "sbxsnapb"
 SECRET = "hunter2-not-in-any-snapshot"
 MAX_COUNT = 3
-CONFIG = TEST_CONFIG + f"[snapshots]\nmax_count = {MAX_COUNT}\n"
+CONFIG = TEST_CONFIG + f'[snapshots]\nmax_count = {MAX_COUNT}\nmax_bytes = "200MB"\n'
 
 
 def curl(user: str, method: str, path: str, body: object | None = None) -> list[str]:
@@ -253,6 +253,20 @@ def test_the_quota_refuses_with_its_code_and_says_what_is_held(agent: None) -> N
     assert f"{MAX_COUNT} snapshots" in str(over.get("message")), over
     assert ask(ALICE, "DELETE", "/snapshots/q0") == {"name": "q0", "deleted": True}
     assert ask(BOB, "GET", "/snapshots") == {"list": []}
+
+
+def test_a_sparse_file_counts_whole_and_is_refused_as_the_snapshot_grows(agent: None) -> None:
+    """tmpfs takes a sparse file of any apparent size; a snapshot writes it whole, so the
+    quota is held as the stream is made, not once it is (the host's disk would fill first)."""
+    before = snapshot_images()
+    box = create(ALICE)
+    out(ALICE, box, "dd if=/dev/zero of=/workspace/sparse bs=1 count=0 seek=50G 2>/dev/null")
+    over = ask(ALICE, "POST", f"/sandboxes/{box}/snapshots", {"name": "sparse"})
+    assert over.get("code") == "snapshot_quota", over
+    assert "sparse file" in str(over.get("message")), over
+    assert snapshot_images() == before
+    assert admin().usage(box).paused is False
+    admin().destroy(box)
 
 
 def test_a_native_sandbox_s_pause_freezes_its_slice_and_outlives_a_restart(agent: None) -> None:

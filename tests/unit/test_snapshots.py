@@ -471,3 +471,16 @@ def test_a_fork_whose_copy_fails_is_destroyed(snap: Snapping) -> None:
         _fork(snap, ALICE, forks)
     assert failed.value.code == "fork_failed"
     assert forks.done[-1] == "destroy sbx-fork"
+
+
+def test_a_snapshot_larger_than_the_room_left_is_refused_as_it_is_made(snap: Snapping) -> None:
+    """A sparse file's apparent size is what a snapshot writes: bounded as it streams."""
+    snap.world.sandboxes.reconfigure(parse_config('[snapshots]\nmax_bytes = "1MB"\n'))
+    with (snap.workspace / "sparse").open("wb") as sparse:
+        sparse.truncate(64 << 20)
+    with pytest.raises(SliceboxError) as refused:
+        snap.take("sparse")
+    assert refused.value.code == "snapshot_quota"
+    assert "sparse file" in refused.value.message
+    assert snap.engine.images_made == {}
+    assert not snap.engine.paused(snap.sandbox.container_id)

@@ -130,6 +130,13 @@ def fork_failed(name: str, copied: ExecResult) -> HostError:
     )
 
 
+def _over_room(user: str, room: int) -> AdmissionRefused:
+    return quota_error(
+        f"this snapshot grew past the {human_bytes(room)} left of {user}'s snapshots' max_bytes "
+        "(a sparse file counts whole) and was not made"
+    )
+
+
 def workspace_refusal(what: str) -> InvalidRequest:
     return InvalidRequest(
         f"{what}: its /workspace is a host directory; use a sandbox with its own /workspace",
@@ -259,7 +266,7 @@ class Snapshots:
     def _take(self, sandbox: Sandbox, name: str) -> SnapshotView:
         image = snapshot_image(sandbox.user, name)
         held = self._engine.images({LABEL: "true", LABEL_USER: sandbox.user})
-        self._check_room(sandbox.user, name, held)
+        room = self._check_room(sandbox.user, name, held)
         attrs = self._engine.container(sandbox.container_id)
         if any(
             m.get("Destination") == "/workspace" and m.get("Type") == "bind"
@@ -272,20 +279,23 @@ class Snapshots:
             pid = int(self._engine.container(sandbox.container_id)["State"]["Pid"])
             workspace = self._workspace_of(pid)
             labels = self._labels(sandbox, name, base) | {LABEL_WORKSPACE: _filled(workspace)}
-            self._import(sandbox.container_id, image, changes_of(config, labels), workspace)
+            pipe = Pipe(room, functools.partial(_over_room, sandbox.user))
+            self._import(sandbox.container_id, image, changes_of(config, labels), workspace, pipe)
         made = self._engine.images({LABEL: "true", LABEL_USER: sandbox.user, LABEL_NAME: name})
         if not made:
             raise SliceboxError(f"the engine has no snapshot {name} after its import; retry")
         self._check_size(sandbox.user, image, held, made[0])
         return view_of(made[0])
 
-    def _import(self, container: str, image: str, changes: list[str], workspace: str) -> None:
+    def _import(
+        self, container: str, image: str, changes: list[str], workspace: str, pipe: Pipe
+    ) -> None:
         export = functools.partial(self._engine.export, container)
 
         def rewrite(stream: BinaryIO, pipe: Pipe) -> None:
             write_snapshot(stream, workspace, pipe)
 
-        pipe, producer = producing(f"snapshot-{container[:12]}", export, rewrite)
+        pipe, producer = producing(f"snapshot-{container[:12]}", export, rewrite, pipe)
         try:
             self._engine.import_image(image, changes, pipe)
         finally:
@@ -304,7 +314,8 @@ class Snapshots:
             LABEL_CREATED: stamp(self._clock()),
         }
 
-    def _check_room(self, user: str, name: str, held: list[Mapping[str, Any]]) -> None:
+    def _check_room(self, user: str, name: str, held: list[Mapping[str, Any]]) -> int:
+        """The bytes ``user``'s next snapshot may take, or a refusal."""
         bounds = self._sandboxes.config.snapshots
         if any((image.get("Labels") or {}).get(LABEL_NAME) == name for image in held):
             raise AdmissionRefused(
@@ -319,6 +330,7 @@ class Snapshots:
                 f"{user}'s snapshots take {human_bytes(used)}, the most allowed is "
                 f"{human_bytes(bounds.max_bytes_value)}"
             )
+        return bounds.max_bytes_value - used
 
     def _check_size(
         self, user: str, image: str, held: list[Mapping[str, Any]], made: Mapping[str, Any]

@@ -48,14 +48,23 @@ def ours(name: str) -> bool:
 
 
 class Pipe:
-    """Bytes written by one thread, read in chunks by another; either side can stop it."""
+    """Bytes written by one thread, read in chunks by another; either side can stop it.
+    ``limit``: the most it carries; a write beyond it raises ``too_many`` (a sparse file's
+    apparent size is written whole, so what a snapshot takes is known only as it is made)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, limit: int | None = None, too_many: Callable[[int], Exception] | None = None
+    ) -> None:
         self._queue: queue.Queue[bytes | BaseException | None] = queue.Queue(DEPTH)
         self._buffer = bytearray()
         self._abandoned = False
+        self._limit, self._too_many = limit, too_many
+        self.carried = 0
 
     def write(self, data: bytes) -> int:
+        self.carried += len(data)
+        if self._limit is not None and self.carried > self._limit:
+            raise (self._too_many or OverflowError)(self._limit)
         self._buffer += data
         while len(self._buffer) >= CHUNK:
             self._put(bytes(self._buffer[:CHUNK]))
@@ -103,10 +112,10 @@ def producing(
     name: str,
     read: Callable[[Callable[[BinaryIO], None]], None],
     rewrite: Callable[[BinaryIO, Pipe], None],
+    pipe: Pipe,
 ) -> tuple[Pipe, threading.Thread]:
-    """A pipe fed on a thread of its own: ``read`` hands the stream it opens to ``rewrite``,
+    """``pipe`` fed on a thread of its own: ``read`` hands the stream it opens to ``rewrite``,
     which writes the pipe; an error ends the pipe with it, for its reader to raise."""
-    pipe = Pipe()
 
     def produce() -> None:
         try:
@@ -137,8 +146,15 @@ def write_snapshot(export: BinaryIO, workspace: str, out: Pipe) -> None:
 
 def add_tree(tar: tarfile.TarFile, root: str, arcroot: str) -> None:
     """Everything below ``root`` as ``arcroot/...``, without following a symbolic link and
-    without crossing into another mount (a credentials mount below it stays out)."""
-    device = os.lstat(root).st_dev
+    without crossing into another mount (a credentials mount below it stays out); nothing when
+    there is no directory ``root``."""
+    try:
+        found = os.lstat(root)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(found.st_mode):
+        return
+    device = found.st_dev
     for path, arcname in _walk(root, arcroot, device):
         _add(tar, path, arcname)
 

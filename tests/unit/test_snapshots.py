@@ -21,7 +21,7 @@ from slicebox.core.snapshots import Snapshots, changes_of
 from slicebox.core.snaptar import Pipe, add_tree, clean, write_snapshot
 from slicebox.host.freezer import CgroupFreezer
 from slicebox.host.identity import Identity
-from slicebox.model.api import CreateSandbox, Destroyed, SandboxView
+from slicebox.model.api import CreateSandbox, Destroyed, RunRequest, SandboxView
 from slicebox.model.config import parse_config
 from slicebox.model.errors import InvalidRequest, NotFound, SandboxNotRunning, SliceboxError
 from slicebox.model.exec import ExecRequest, ExecResult
@@ -484,3 +484,20 @@ def test_a_snapshot_larger_than_the_room_left_is_refused_as_it_is_made(snap: Sna
     assert "sparse file" in refused.value.message
     assert snap.engine.images_made == {}
     assert not snap.engine.paused(snap.sandbox.container_id)
+
+
+def test_the_paused_check_of_an_exec_asks_docker_nothing_for_a_known_sandbox(
+    snap: Snapping,
+) -> None:
+    before = snap.world.calls.copy()
+    snap.freeze_file("0")
+    from_thread(lambda b: snap.pausing.ensure_running(ALICE, snap.box, False, b))
+    from_thread(lambda b: snap.pausing.ensure_running(BOB, snap.box, False, b))
+    assert snap.world.calls == before
+
+
+def test_a_one_shot_run_does_not_start_from_a_snapshot() -> None:
+    with pytest.raises(ValueError, match="does not start from a snapshot"):
+        RunRequest.model_validate(
+            {"sandbox": {"project": "p", "from_snapshot": "base"}, "exec": {"argv": ["true"]}}
+        )

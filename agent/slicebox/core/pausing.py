@@ -110,10 +110,16 @@ class Pausing:
         self, who: Identity, sandbox_id: str, resume: bool, blocking: Blocking
     ) -> None:
         """Refuse (``sandbox_paused``) a paused sandbox's exec or transfer, or resume it first
-        when ``resume``. Another user's sandbox is left to the action's own look-up."""
+        when ``resume``. Another user's sandbox (and one gone) is left to the action's own
+        look-up, which answers for it."""
+        # The sandbox as the agent knows it (its labels never change): an exec costs no Docker
+        # call more for this; one not known yet is looked up, and remembered.
+        sandbox = self._sandboxes.known(sandbox_id)
         try:
-            sandbox = await self._looked_up(who, sandbox_id, blocking)
+            sandbox = sandbox or await self._looked_up(who, sandbox_id, blocking)
         except SandboxNotFound:
+            return
+        if not who.may_see(sandbox.user):
             return
         if sandbox.backend not in NATIVE_OR_DOCKER or not self.frozen(sandbox):
             return

@@ -186,8 +186,10 @@ def test_bob_cannot_list_fork_take_or_delete_alices_snapshots(agent: None) -> No
     forked = ask(BOB, "POST", "/sandboxes", {"project": "snap", "from_snapshot": "base"})
     assert forked.get("code") == "not_found", forked
     image = snapshot_image(ALICE, "base")
-    direct = ask(BOB, "POST", "/sandboxes", {"project": "snap", "image": image})
-    assert direct.get("code") == "invalid_field", direct
+    image_id = sh("docker", "image", "inspect", "-f", "{{.Id}}", image).stdout.strip()
+    for named in (image, image_id, image_id.removeprefix("sha256:")[:2]):
+        direct = ask(BOB, "POST", "/sandboxes", {"project": "snap", "image": named})
+        assert direct.get("code") == "invalid_field", (named, direct)
     assert ask(BOB, "DELETE", "/snapshots/base").get("code") == "not_found"
     alices = next(v for v in admin().list_sandboxes() if v.user == ALICE)
     took = ask(BOB, "POST", f"/sandboxes/{alices.id}/snapshots", {"name": "mine"})

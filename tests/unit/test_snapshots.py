@@ -336,6 +336,16 @@ def test_a_snapshot_stream_writes_through_a_pipe_a_reader_can_abandon(tmp_path: 
 # --- the spec ---
 
 
+@pytest.mark.parametrize("image", ["ad", "ad0fd94f", "sha256:ad0f", "sha256:" + "a" * 64])
+def test_an_image_is_never_named_by_its_id_which_could_be_another_user_s_snapshot(
+    image: str,
+) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        parse_spec({"user": "bob", "project": "p", "image": image})
+    assert "repository[:tag]" in refused.value.message
+    assert parse_spec({"user": "bob", "project": "p", "image": "cafe:1"}).image == "cafe:1"
+
+
 def test_only_a_fork_runs_a_snapshot_s_image_and_only_its_owner_s() -> None:
     with pytest.raises(InvalidRequest):
         parse_spec({"user": "bob", "project": "p", "image": snapshot_image("alice", "base")})

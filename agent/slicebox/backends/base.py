@@ -17,9 +17,9 @@ obtainable ``ImageUnavailable``, a sandbox that cannot start ``InvalidRequest`` 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 
 from pydantic import ConfigDict
 
@@ -269,3 +269,25 @@ def resolve_own(own: Backend, kind: Backend) -> Backend:
             code="backend_unavailable",
         )
     return own
+
+
+class SnapshotEngine(Protocol):
+    """What pause, snapshots and forks ask of the engine (a fake in tests/fakes)."""
+
+    def paused(self, container_id: str) -> bool: ...
+
+    def pause(self, container_id: str) -> None: ...
+
+    def unpause(self, container_id: str) -> None: ...
+
+    def container(self, container_id: str) -> Mapping[str, Any]: ...
+
+    def image_config(self, image: str) -> Mapping[str, Any]: ...
+
+    def images(self, labels: Mapping[str, str]) -> list[Mapping[str, Any]]: ...
+
+    def remove_image(self, image: str) -> bool: ...
+
+    def export(self, container_id: str, read: Callable[[BinaryIO], None]) -> None: ...
+
+    def import_image(self, image: str, changes: list[str], body: Iterable[bytes]) -> None: ...

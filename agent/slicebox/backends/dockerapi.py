@@ -143,6 +143,11 @@ class EngineApi:
         for conn in kept:
             conn.close()
 
+    def fresh(self) -> http.client.HTTPConnection:
+        """A connection of its own for one streamed request (an export, an import), which the
+        caller closes; the threads' kept connections stay free meanwhile."""
+        return self._new_connection()
+
     def _connection(self) -> http.client.HTTPConnection:
         conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
         if conn is not None and _dropped(conn):

@@ -9,6 +9,8 @@ command wrote it, as it is produced; stdin (when it is not a terminal) is sent a
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import sys
 import time
@@ -18,7 +20,7 @@ from typing import BinaryIO, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from slicebox import VersionAction
-from slicebox.cli import capacity, copying, doctor, mcp, parts, progress, tables
+from slicebox.cli import capacity, copying, doctor, mcp, parts, progress, snapshots, tables
 from slicebox.client import DEFAULT_SOCKET, Client
 from slicebox.model.api import (
     CreateSandbox,
@@ -153,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     _exec_options(run)
     create = commands.add_parser("create", help="create a sandbox and print its id")
     _sandbox_options(create)
+    snapshots.add_create_options(create)
     commands.add_parser("ps", help="list your sandboxes")
     execute = commands.add_parser("exec", help="run a command in a sandbox")
     execute.add_argument("sandbox")
@@ -178,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("pool", help="the warm pools: key, ready/busy, hit rate, refill time")
     capacity.add_parser(commands)
     mcp.add_parser(commands)
+    snapshots.add_parsers(commands)
     reap = commands.add_parser("reap", help="one reaper pass now (root and slicebox-admin)")
     reap.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     return parser
@@ -213,6 +217,7 @@ def _spec(options: argparse.Namespace) -> CreateSandbox:
         "run_as": options.run_as,
         "reuse": options.reuse,
         "nested": parts.nested(options.nested),
+        "from_snapshot": getattr(options, "from_snapshot", None),  # create --from (a fork)
     }
     return _parse(CreateSandbox, fields)
 
@@ -306,15 +311,17 @@ def cmd_run(options: argparse.Namespace, client: Client) -> int:
 
 
 def cmd_create(options: argparse.Namespace, client: Client) -> int:
-    if options.json or options.quiet:
-        view = client.create(_spec(options))
-    else:  # its progress shown as it goes: an image's pull, a clone
-        with progress.showing(quiet=False) as shown:
-            view = client.create_stream(_spec(options), shown.event)
-    if options.json:
-        _json(view)
-    else:
-        print(view.id)
+    quiet = options.json or options.quiet
+    with contextlib.ExitStack() as stack:
+        make = client.create
+        if not quiet:  # its progress shown as it goes: an image's pull, a clone
+            shown = stack.enter_context(progress.showing(quiet=False))
+            make = functools.partial(client.create_stream, on_progress=shown.event)
+        for view in snapshots.created(make, _spec(options), options.count):
+            if options.json:
+                _json(view)
+            else:
+                print(view.id, flush=True)
     return 0
 
 
@@ -426,6 +433,7 @@ COMMANDS: dict[str, Command] = {
     "capacity": capacity.run,
     "cp": cmd_cp,
     "mcp": mcp.run,
+    **snapshots.COMMANDS,
 }
 
 

@@ -21,7 +21,7 @@ from typing import Self, TypeVar
 
 from pydantic import BaseModel
 
-from slicebox.client import wire
+from slicebox.client import snapshotwire, wire
 from slicebox.model.api import (
     CreateSandbox,
     Destroyed,
@@ -38,6 +38,7 @@ from slicebox.model.exec import ExecEvent, ExecRequest, ExecResult, StreamChunk
 from slicebox.model.files import FileFormat, FilesQuery, FileStat, Transferred
 from slicebox.model.paths import agent_socket
 from slicebox.model.reaper import Report
+from slicebox.model.snapshots import PauseState, SnapshotDeleted, SnapshotView
 from slicebox.model.usage import LevelNode, ResourceUsage
 from slicebox.web.client import ClientResponse, HttpClient
 from slicebox.web.message import BodyCutOff, ProtocolError
@@ -129,6 +130,21 @@ class AsyncClient:
 
     async def extend(self, sandbox_id: str, request: Extend) -> SandboxView:
         return await self._call(wire.extend(sandbox_id, request))
+
+    async def pause(self, sandbox_id: str) -> PauseState:
+        return await self._call(snapshotwire.pause(sandbox_id))
+
+    async def resume(self, sandbox_id: str) -> PauseState:
+        return await self._call(snapshotwire.resume(sandbox_id))
+
+    async def snapshot(self, sandbox_id: str, name: str) -> SnapshotView:
+        return await self._call(snapshotwire.snapshot(sandbox_id, name))
+
+    async def snapshots(self) -> list[SnapshotView]:
+        return (await self._call(snapshotwire.snapshots())).root
+
+    async def delete_snapshot(self, name: str) -> SnapshotDeleted:
+        return await self._call(snapshotwire.delete_snapshot(name))
 
     async def run(self, request: RunRequest) -> RunResult:
         return await self._call(wire.run(request))

@@ -30,7 +30,7 @@ from typing import Any, BinaryIO, Self, TypeVar
 
 from pydantic import BaseModel, TypeAdapter
 
-from slicebox.client import wire
+from slicebox.client import snapshotwire, wire
 from slicebox.model.api import (
     CreateSandbox,
     Destroyed,
@@ -48,6 +48,7 @@ from slicebox.model.files import FileFormat, FilesQuery, FileStat, Transferred
 from slicebox.model.paths import AGENT_SOCKET, agent_socket
 from slicebox.model.pool import PoolList
 from slicebox.model.reaper import Report
+from slicebox.model.snapshots import PauseState, SnapshotDeleted, SnapshotView
 from slicebox.model.usage import LevelNode, ResourceUsage
 
 DEFAULT_SOCKET = AGENT_SOCKET
@@ -138,6 +139,21 @@ class Client:
 
     def extend(self, sandbox_id: str, request: Extend) -> SandboxView:
         return self._call(wire.extend(sandbox_id, request))
+
+    def pause(self, sandbox_id: str) -> PauseState:
+        return self._call(snapshotwire.pause(sandbox_id))
+
+    def resume(self, sandbox_id: str) -> PauseState:
+        return self._call(snapshotwire.resume(sandbox_id))
+
+    def snapshot(self, sandbox_id: str, name: str) -> SnapshotView:
+        return self._call(snapshotwire.snapshot(sandbox_id, name))
+
+    def snapshots(self) -> list[SnapshotView]:
+        return self._call(snapshotwire.snapshots()).root
+
+    def delete_snapshot(self, name: str) -> SnapshotDeleted:
+        return self._call(snapshotwire.delete_snapshot(name))
 
     def run(self, request: RunRequest) -> RunResult:
         return self._call(wire.run(request))

@@ -311,6 +311,7 @@ class Creator:
             nested_max_children=nested.max_children if nested else 0,
             nested_max_depth=nested.max_depth if nested else 0,
             ancestors=ancestors_of(parent),
+            from_snapshot=spec.from_snapshot or "",
         )
 
     async def _start(

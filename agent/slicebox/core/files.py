@@ -259,6 +259,8 @@ class Files:
         self._auditor = auditor
         self._sandboxes = sandboxes
         self._looked_up = looked_up
+        # What a pause's and a snapshot's checks share with a transfer (core/snapshots.py).
+        self.auditor, self.sandboxes, self.looked_up = auditor, sandboxes, looked_up
         # Transfers in flight, bound for all and per user (core/shares.py).
         self.slots = Slots(TRANSFERS, lambda: sandboxes.config.shares)
 

@@ -36,6 +36,7 @@ from slicebox.core.pool import WarmPool
 from slicebox.core.reaper import Reaper
 from slicebox.core.sandboxes import Sandbox, SandboxManager
 from slicebox.core.shares import STREAMS, Reservation, Slots
+from slicebox.core.snapshots import Snapshots
 from slicebox.core.telemetry import TreeReader, UsageReader
 from slicebox.core.views import Views, view_of
 from slicebox.host.identity import Identity
@@ -110,6 +111,7 @@ class Service(Holdings):
         self.streams = Slots(STREAMS, lambda: sandboxes.config.shares)
         self._capacities = Capacities(sandboxes, pool)  # what fits (core/capacity.py)
         self._children = Children(sandboxes, inner, clock)  # nested sandboxes' (core/nesting.py)
+        self.snapshots: Snapshots | None = None  # pause, snapshots, forks (core/snapshots.py)
 
     # --- sandboxes -------------------------------------------------------------------------
 

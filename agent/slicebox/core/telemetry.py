@@ -183,6 +183,7 @@ class UsageReader:
             memory_seconds=self.memory_seconds(where),
             disk_bytes_written=self.cgroups.io_bytes_written(where.scope),
             network_bytes=None if meta is None else self.network_bytes(meta),
+            paused=self.cgroups.frozen(where.scope),
         )
 
     def final_usage(
@@ -286,6 +287,7 @@ class TreeReader:
             **_cpu_counters(c, cgroup),
             "pids_current": c.pids_current(cgroup),
             "pids_max": c.pids_max(cgroup),
+            "frozen": c.frozen(cgroup),
         }
 
 

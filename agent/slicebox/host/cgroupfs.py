@@ -209,6 +209,11 @@ class CgroupReader:
     def keyed(self, cgroup: str, name: str) -> dict[str, int] | None:
         return parse_flat_keyed(self.files.read(cgroup, name))
 
+    def frozen(self, cgroup: str) -> bool | None:
+        """Whether the cgroup is frozen now (a paused sandbox), from ``cgroup.events``."""
+        events = self.keyed(cgroup, "cgroup.events")
+        return None if events is None or "frozen" not in events else events["frozen"] == 1
+
     def memory_current(self, cgroup: str) -> int | None:
         return self.value(cgroup, "memory.current")
 

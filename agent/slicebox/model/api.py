@@ -3,7 +3,7 @@ the OpenAPI document and the Python client (which imports nothing but this layer
 
 from datetime import datetime
 
-from pydantic import ConfigDict, Field, JsonValue, RootModel
+from pydantic import ConfigDict, Field, JsonValue, RootModel, model_validator
 
 from slicebox.model.base import Model
 from slicebox.model.codes import answered
@@ -95,6 +95,12 @@ class RunRequest(Model):
 
     sandbox: CreateSandbox
     exec: ExecRequest
+
+    @model_validator(mode="after")
+    def _no_fork(self) -> "RunRequest":
+        if self.sandbox.from_snapshot is not None:  # its workspace is copied by a create only
+            raise ValueError("a one-shot run does not start from a snapshot; create --from, exec")
+        return self
 
 
 class RunResult(Model):

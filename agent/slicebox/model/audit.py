@@ -36,6 +36,10 @@ class AuditEvent(StrEnum):
     AGENT_STOPPING = "agent_stopping"
     FILE_TRANSFER = "file_transfer"
     EGRESS_SUMMARY = "egress_summary"
+    SANDBOX_PAUSED = "sandbox_paused"
+    SANDBOX_RESUMED = "sandbox_resumed"
+    SNAPSHOT_TAKEN = "snapshot_taken"
+    SNAPSHOT_DELETED = "snapshot_deleted"
 
 
 # Fixed forever: operators filter on these and the catalog explains them.
@@ -51,6 +55,10 @@ MESSAGE_IDS: Mapping[AuditEvent, str] = {
     AuditEvent.AGENT_STOPPING: "3138cc1c969e4a12ad76ba475b45cb42",
     AuditEvent.FILE_TRANSFER: "fd40cf5c650449bda6c87efcb89088db",
     AuditEvent.EGRESS_SUMMARY: "021c672547444614b82e360a2cdf6120",
+    AuditEvent.SANDBOX_PAUSED: "0942edcbced6466ba6a2f459d5bac02f",
+    AuditEvent.SANDBOX_RESUMED: "8cdcda68c55b4e0bbbaff51de576411a",
+    AuditEvent.SNAPSHOT_TAKEN: "c33d513bda6a4d0ba9b0db21d98aaa5f",
+    AuditEvent.SNAPSHOT_DELETED: "5cee43edd22d4d77b433d49ce61c2f5f",
 }
 
 # syslog priorities: notice for successful actions, warning for refusals and failures.

@@ -392,6 +392,43 @@ CODES: tuple[ErrorCode, ...] = (
         "The sandbox exists but is stopped or paused.",
         "Destroy it and create a new one.",
     ),
+    _c(
+        "sandbox_paused",
+        409,
+        "The sandbox is paused (`slicebox pause`): an exec or a file transfer cannot run in it.",
+        "Resume it first (`slicebox resume`, POST .../resume), or send the request with "
+        "`?resume=1`.",
+    ),
+    _c(
+        "snapshot_quota",
+        409,
+        "The user's snapshots are at `[snapshots] max_count` or `max_bytes`; the message says "
+        "what they hold.",
+        "Delete snapshots you no longer need (`slicebox snapshots rm NAME`), or ask an operator "
+        "to raise the bounds.",
+    ),
+    _c(
+        "snapshot_exists",
+        409,
+        "The user has a snapshot of that name already.",
+        "Choose another name, or delete the old snapshot first.",
+    ),
+    _c(
+        "fork_failed",
+        500,
+        "A fork was made but its snapshot's workspace could not be copied into it (the message "
+        "quotes why); the fork was destroyed.",
+        "Fork as the user the snapshot's sandbox ran as (`run_as`), or with more memory for its "
+        "tmpfs /workspace.",
+    ),
+    _c(
+        "snapshot_workspace",
+        400,
+        "The sandbox's /workspace is a host directory: a snapshot would copy host files, and a "
+        "fork would write a snapshot into one; both are refused.",
+        "Snapshot a sandbox with its own /workspace (tmpfs or volume); fork without `workspace` "
+        "of kind host.",
+    ),
     # A user's share of what the agent bounds for all callers (429, with Retry-After).
     _c(
         "output_share_full",

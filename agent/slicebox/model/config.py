@@ -81,6 +81,7 @@ from slicebox.model.nested import NestedConfig
 from slicebox.model.paths import CONFIG_PATH
 from slicebox.model.pool import MAX_POOL_SIZE, PoolConfig
 from slicebox.model.shares import SharesConfig
+from slicebox.model.snapshots import SnapshotConfig
 from slicebox.model.validation import checked, describe, problems
 
 log = logging.getLogger(__name__)
@@ -385,6 +386,7 @@ class Config(_Strict):
     shares: SharesConfig = _table(
         "what one user may hold at once of the output budget, streams and transfers"
     )
+    snapshots: SnapshotConfig = _table("each user's snapshot bounds; paused time and deadlines")
     pool: tuple[PoolConfig, ...] = Field(
         default=(), description="warm pools, one [[pool]] table each (docs/pool.md)"
     )

@@ -72,6 +72,9 @@ class Lineage(Model):
     def ancestor_ids(self) -> tuple[str, ...]:
         return tuple(self.ancestors.split(",")) if self.ancestors else ()
 
+    # A fork's snapshot (model.snapshots), by its owner's name for it ("" when none).
+    from_snapshot: str = ""
+
     def to_labels(self) -> dict[str, str]:
         values = {
             "managed": "true",
@@ -102,6 +105,8 @@ class Lineage(Model):
             "nested.max_depth": str(self.nested_max_depth),
             "ancestors": self.ancestors,
         }
+        if self.from_snapshot:  # a fork's only: other sandboxes' labels stay as they were
+            values["from_snapshot"] = self.from_snapshot
         return {PREFIX + key: value for key, value in values.items()}
 
 

@@ -99,8 +99,8 @@ def human_bytes(nbytes: int) -> str:
 
 
 def plain_number(value: float) -> str:
-    """A number as people write it: ``0.5``, ``2``, ``0.125`` (no exponent, no trailing zeros).
-    An int is itself: one past a float's range (a pids count of 400 digits) is no float."""
+    """A number as people write it: ``0.5``, ``2``, ``0.125`` (no exponent, no trailing zeros);
+    a whole number as it is, however large (a float cannot hold every int)."""
     if isinstance(value, int):
         return str(value)
     return f"{value:.6f}".rstrip("0").rstrip(".")

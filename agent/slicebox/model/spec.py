@@ -5,6 +5,7 @@ unparsable value like ``'lots'`` gets the stable ``invalid_limit`` code naming t
 errors get their field's code too (:mod:`slicebox.model.validation`).
 """
 
+import re
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated
@@ -24,6 +25,7 @@ from pydantic import (
 from slicebox.model.base import Model
 from slicebox.model.egress import NetworkSpec
 from slicebox.model.nested import NestedSpec
+from slicebox.model.snapshots import SnapshotName, is_snapshot_image, snapshot_image
 from slicebox.model.validation import refusal
 from slicebox.model.wasm import WasmSpec
 
@@ -39,6 +41,7 @@ def wire_secrets(info: SerializationInfo) -> bool:
 Id = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
 # A workspace volume's name as the caller gives it. Docker's own is slicebox-<user>-<name>: with
 # no '-' in a name the last '-' ends the user's part, so no two users' names can meet.
+IMAGE_ID = re.compile(r"(sha256:)?[0-9a-f]+")  # an image's id, or a prefix the engine resolves
 VolumeName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.]{0,63}$")]
 
 
@@ -205,6 +208,30 @@ class SandboxSpec(Model):
     # Opt in to nesting (model.nested): the sandbox gets a socket of its own, on which it may
     # create children and act on its descendants, and on nothing else.
     nested: NestedSpec | None = None
+    # A fork: the sandbox starts with the filesystem of the caller's snapshot of this name
+    # (model.snapshots); its image is that snapshot's, set here from the name and the user.
+    from_snapshot: SnapshotName | None = None
+
+    @model_validator(mode="after")
+    def _snapshot(self) -> "SandboxSpec":
+        """Only a fork runs a snapshot's image, and only its owner's (the reference is a
+        digest of owner and name)."""
+        if self.image is not None and IMAGE_ID.fullmatch(self.image):
+            # The engine resolves any unique prefix of an image's id, two characters will do:
+            # by id, anyone could name another user's snapshot.
+            raise ValueError("name the image by repository[:tag], not by its id or a prefix of it")
+        if self.from_snapshot is None:
+            if self.image is not None and is_snapshot_image(self.image):
+                raise ValueError('a snapshot is forked with "from_snapshot": its name')
+            return self
+        owner: str | None = self.user  # None: a create request's, before it is known
+        if owner is None:
+            return self
+        image = snapshot_image(owner, self.from_snapshot)
+        if self.image not in (None, image):
+            raise ValueError('give "from_snapshot" or "image", not both')
+        object.__setattr__(self, "image", image)
+        return self
 
     @model_validator(mode="after")
     def _plugin(self) -> "SandboxSpec":

@@ -81,6 +81,7 @@ class ResourceUsage(_Strict):
     disk_bytes_written: Bytes | None = None
     network_bytes: Bytes | None = None
     egress: EgressCounters | None = None  # only a sandbox with an egress allow-list
+    paused: bool | None = None  # frozen now (a pause, a snapshot's moment); None: unknown
 
     def to_wire(self) -> dict[str, Any]:
         """JSON-ready dict; absent values are omitted (the seed's schema has no nulls)."""
@@ -122,6 +123,7 @@ class LevelNode(_Strict):
     ooms_caused: NonNegativeInt | None = None
     memory_max_hits: NonNegativeInt | None = None
     egress: EgressCounters | None = None  # a sandbox node's, with an egress allow-list
+    frozen: bool | None = None  # the cgroup is frozen: a paused sandbox (or all below it)
     children: tuple["LevelNode", ...] = ()
 
     @property

@@ -37,6 +37,7 @@ FIELD_CODES: dict[str, str] = {
     "ttl_seconds": "invalid_ttl",
     "mounts": "invalid_mount",
     "workspace": "invalid_workspace",
+    "from_snapshot": "invalid_name",
 }
 DEFAULT_CODE = "invalid_field"
 # Fields whose value is one scalar: what pydantic appends after them (the union member it

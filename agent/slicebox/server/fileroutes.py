@@ -26,6 +26,7 @@ from slicebox.model.errors import SliceboxError
 from slicebox.model.files import FileFormat, FilesQuery, FileStat, Transferred
 from slicebox.server.api import Route, identity_of, json_ok, parse_query
 from slicebox.server.pools import pools_of
+from slicebox.server.snapshotroutes import unpaused
 from slicebox.server.state import service_of
 from slicebox.web.message import ProtocolError
 from slicebox.web.request import Content, Request
@@ -91,7 +92,7 @@ FILE_ROUTES: list[Route] = [
     Route(
         "PUT",
         "/sandboxes/{id}/files",
-        upload,
+        unpaused(upload),
         "Upload: a tar stream extracted into the directory `path` (made when missing), or "
         "with format=file one file's bytes written to `path`",
         None,
@@ -102,7 +103,7 @@ FILE_ROUTES: list[Route] = [
     Route(
         "GET",
         "/sandboxes/{id}/files",
-        download,
+        unpaused(download),
         "Download: `path` as a tar stream, or with format=file one regular file's bytes",
         query=FilesQuery,
         raw_answer=True,
@@ -110,7 +111,7 @@ FILE_ROUTES: list[Route] = [
     Route(
         "GET",
         "/sandboxes/{id}/files/stat",
-        stat,
+        unpaused(stat),
         "What is at `path`: a directory, a file, or something else",
         None,
         FileStat,

@@ -64,6 +64,7 @@ from slicebox.server.fileroutes import FILE_ROUTES
 from slicebox.server.metrics import metrics
 from slicebox.server.pools import pools_of, run_in
 from slicebox.server.progresslines import created, progress_line
+from slicebox.server.snapshotroutes import SNAPSHOT_ROUTES, fork, unpaused
 from slicebox.server.state import service_of
 from slicebox.web.request import Request
 from slicebox.web.response import StreamResponse
@@ -77,13 +78,18 @@ T = TypeVar("T")
 
 async def create(request: Request) -> StreamResponse:
     body = await parse_body(request, CreateSandbox)
+    if body.from_snapshot is not None:  # a fork (core.snapshots)
+        return json_ok(await fork(request, body), status=201)
     view = await service_of(request).create(identity_of(request), body, pools_of(request).call)
     return json_ok(view, status=201)
 
 
 async def create_stream(request: Request) -> StreamResponse:
     body = await parse_body(request, CreateSandbox)
-    made = service_of(request).create(identity_of(request), body, pools_of(request).call)
+    if body.from_snapshot is not None:  # a fork: its workspace copied in before it answers
+        made = fork(request, body)
+    else:
+        made = service_of(request).create(identity_of(request), body, pools_of(request).call)
     return await _stream(request, with_progress(created(made)))
 
 
@@ -193,16 +199,19 @@ ROUTES: list[Route] = [
     Route("GET", "/sandboxes", list_sandboxes, "Your sandboxes", None, SandboxList),
     Route("GET", "/sandboxes/{id}", get, "One sandbox", None, SandboxView),
     Route("DELETE", "/sandboxes/{id}", destroy, "Destroy; final usage", None, Destroyed),
-    Route("POST", "/sandboxes/{id}/exec", exec_, "Run a command", ExecRequest, ExecResult),
+    Route(
+        "POST", "/sandboxes/{id}/exec", unpaused(exec_), "Run a command", ExecRequest, ExecResult
+    ),
     Route(
         "POST",
         "/sandboxes/{id}/exec/stream",
-        exec_stream,
+        unpaused(exec_stream),
         "Run a command, output as NDJSON chunks then the result",
         ExecRequest,
         StreamChunk,
     ),
     *FILE_ROUTES,
+    *SNAPSHOT_ROUTES,
     Route("GET", "/sandboxes/{id}/usage", usage, "ResourceUsage", None, UsageAnswer),
     Route(
         "POST",

@@ -14,12 +14,14 @@ from pathlib import Path
 
 from slicebox.backends.base import SandboxState
 from slicebox.backends.docker import DockerBackend
+from slicebox.backends.dockersnap import DockerSnapshots
 from slicebox.backends.router import Backends
 from slicebox.core.budget import OutputBudget
 from slicebox.core.deadlines import Deadlines, find_program
 from slicebox.core.egress import BRIDGE, EgressGuard
 from slicebox.core.execution import ExecEngine
 from slicebox.core.expiry import Expiry
+from slicebox.core.pausing import Pausing
 from slicebox.core.pool import WarmPool
 from slicebox.core.poolreset import MemberReset
 from slicebox.core.reaper import Reaper
@@ -27,6 +29,7 @@ from slicebox.core.sandbox import Sandbox
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.core.service import Service
 from slicebox.core.slices import SliceManager
+from slicebox.core.snapshots import Snapshots
 from slicebox.core.telemetry import MemoryIntegrator, TreeReader, UsageReader, scope_pid
 from slicebox.core.views import cgroups_of
 from slicebox.host.beneath import unsafe_roots
@@ -255,6 +258,10 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         instruments=metrics.instruments,
         inner=inner,
     )
+    pausing = Pausing(DockerSnapshots(docker.endpoint), service.files, files)
+    service.snapshots = Snapshots(pausing, service.files)
+    if available.available:
+        pausing.thaw_leftovers()  # what an agent killed mid-snapshot left frozen
     metrics.watch(
         Sources(files, lambda: sandboxes.config.metrics, reaper.listed, pool.census, egress.totals)
     )

@@ -1,0 +1,362 @@
+"""Snapshots of a sandbox's filesystem, and forks that start from one.
+
+A snapshot (``POST /v1/sandboxes/{id}/snapshots``) is taken with the sandbox frozen
+(:meth:`Pausing.frozen_for`, resumed after): the container's root filesystem, exported by the
+engine, and its ``/workspace`` (a tmpfs or a volume the engine's export cannot see, read from
+the frozen sandbox's own mount namespace) go in one stream to one engine import
+(:mod:`slicebox.core.snaptar`, :mod:`slicebox.backends.dockersnap`). The image's configuration
+is the base image's command, env and working directory and the snapshot's labels, never the
+container's: what a create was given in ``env``, and its credentials (a mount, which no export
+holds), never reach a snapshot. No set-id bit, device node or file capability goes in either.
+
+Snapshots are their owner's: listed, forked and deleted only by the user they were taken for
+(another user's answers ``not_found``, as a sandbox does), at most ``[snapshots] max_count``
+and ``max_bytes`` each (``snapshot_quota`` says what they hold). Native, wasm and remote
+sandboxes are refused (``backend_unsupported``), and so is a sandbox whose ``/workspace`` is a
+host directory (``snapshot_workspace``).
+
+A fork (``"from_snapshot": name`` in a create) is an ordinary create of the snapshot's image
+(admission, ceilings, egress as any), then the snapshot's workspace copied into the new
+sandbox's own ``/workspace`` by an upload (:mod:`slicebox.core.files`, as the sandbox's user):
+each fork has its own copy. A fork whose copy fails is destroyed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any, BinaryIO, Protocol
+
+from slicebox.backends.base import SnapshotEngine
+from slicebox.core.blocking import Blocking
+from slicebox.core.execaudit import audited, subject
+from slicebox.core.files import Files
+from slicebox.core.pausing import LookUp, Pausing, docker_only
+from slicebox.core.sandbox import Sandbox
+from slicebox.core.sandboxes import SandboxManager
+from slicebox.core.shares import Reservation
+from slicebox.core.snaptar import Pipe, producing, write_snapshot
+from slicebox.host.identity import Identity
+from slicebox.host.journal import Auditor
+from slicebox.model.api import CreateSandbox, Destroyed, SandboxView
+from slicebox.model.audit import AuditEvent
+from slicebox.model.errors import (
+    AdmissionRefused,
+    HostError,
+    InvalidRequest,
+    NotFound,
+    SliceboxError,
+)
+from slicebox.model.exec import ExecRequest, ExecResult
+from slicebox.model.labels import stamp
+from slicebox.model.limits import human_bytes
+from slicebox.model.snapshots import (
+    LABEL,
+    LABEL_BASE,
+    LABEL_CREATED,
+    LABEL_NAME,
+    LABEL_ORIGIN,
+    LABEL_PROJECT,
+    LABEL_ROOT_TASK,
+    LABEL_USER,
+    LABEL_WORKSPACE,
+    WORKSPACE_DIR,
+    SnapshotDeleted,
+    SnapshotView,
+    snapshot_image,
+)
+from slicebox.model.spec import WorkspaceKind
+
+
+class Lifecycle(Protocol):
+    """What a fork asks of the Service: a create, its removal should the copy fail, an exec."""
+
+    async def create(
+        self, who: Identity, request: CreateSandbox, blocking: Blocking
+    ) -> SandboxView: ...
+
+    async def destroy(self, who: Identity, sandbox_id: str, blocking: Blocking) -> Destroyed: ...
+
+    async def exec(
+        self,
+        who: Identity,
+        sandbox_id: str,
+        request: ExecRequest,
+        held: Reservation | None,
+        blocking: Blocking,
+    ) -> ExecResult: ...
+
+
+# A fork's workspace: the snapshot's copy in its image, copied by the fork's own user (the files
+# are that user's; no set-id bit or device is in the copy). An exec in the sandbox, not the
+# engine's archive API: a container's archive holds its lock for the whole stream, and an exec
+# of the same container waits on that lock.
+RESTORE = ExecRequest(
+    argv=(
+        "sh",
+        "-c",
+        'tar -c -f - -C "$1" . | tar -x -o -f - -C /workspace',
+        "sh",
+        f"/{WORKSPACE_DIR}",
+    ),
+    cwd="/",
+    timeout=3600.0,
+    output_cap=4096,
+)
+
+
+EMPTY, FILLED = "empty", "files"  # LABEL_WORKSPACE's values
+
+
+def quota_error(what: str) -> AdmissionRefused:
+    return AdmissionRefused(
+        f"{what}; delete snapshots you no longer need (slicebox snapshots rm NAME) or ask an "
+        "operator to raise [snapshots] max_count / max_bytes",
+        code="snapshot_quota",
+    )
+
+
+def fork_failed(name: str, copied: ExecResult) -> HostError:
+    said = copied.stderr.decode(errors="replace").strip()[-300:]
+    return HostError(
+        f"the fork of snapshot {name} could not copy its workspace (exit {copied.exit_code}: "
+        f"{said}); the fork was destroyed. A fork must run as the user the snapshot's sandbox "
+        "ran as to read its files",
+        code="fork_failed",
+    )
+
+
+def _over_room(user: str, room: int) -> AdmissionRefused:
+    return quota_error(
+        f"this snapshot grew past the {human_bytes(room)} left of {user}'s snapshots' max_bytes "
+        "(a sparse file counts whole) and was not made"
+    )
+
+
+def workspace_refusal(what: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"{what}: its /workspace is a host directory; use a sandbox with its own /workspace",
+        code="snapshot_workspace",
+    )
+
+
+def view_of(image: Mapping[str, Any]) -> SnapshotView:
+    labels = image.get("Labels") or {}
+    return SnapshotView(
+        name=labels[LABEL_NAME],
+        user=labels[LABEL_USER],
+        project=labels.get(LABEL_PROJECT, ""),
+        origin=labels.get(LABEL_ORIGIN, ""),
+        root_task_id=labels.get(LABEL_ROOT_TASK, ""),
+        base_image=labels.get(LABEL_BASE, ""),
+        created_at=labels.get(LABEL_CREATED) or datetime.fromtimestamp(0, UTC),
+        size_bytes=int(image.get("Size") or 0),
+    )
+
+
+def changes_of(base: Mapping[str, Any], labels: Mapping[str, str]) -> list[str]:
+    """The import's Dockerfile instructions: the base image's start-up, the labels."""
+    found: list[str] = []
+    for env in base.get("Env") or []:
+        found.append(f"ENV {json.dumps(env.split('=', 1)[0])}={json.dumps(env.split('=', 1)[1])}")
+    for key in ("Cmd", "Entrypoint"):
+        if base.get(key):
+            found.append(f"{key.upper()} {json.dumps(list(base[key]))}")
+    if base.get("WorkingDir"):
+        found.append(f"WORKDIR {base['WorkingDir']}")
+    found += [f"LABEL {json.dumps(key)}={json.dumps(value)}" for key, value in labels.items()]
+    return found
+
+
+class Snapshots:
+    def __init__(
+        self,
+        pausing: Pausing,
+        files: Files,
+        *,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        workspace_of: Callable[[int], str] = lambda pid: f"/proc/{pid}/root/workspace",
+    ) -> None:
+        """``files``: the Service's transfers, whose look-up, audit and sandboxes these share;
+        ``workspace_of``: where the host sees the
+        /workspace of the sandbox whose init has that pid (its mount namespace's)."""
+        self._workspace_of = workspace_of
+        self.pausing = pausing
+        self._pausing = pausing
+        self._engine: SnapshotEngine = pausing.engine
+        self._files = files
+        self._auditor: Auditor = files.auditor
+        self._sandboxes: SandboxManager = files.sandboxes
+        self._looked_up: LookUp = files.looked_up
+        self._clock = clock
+        self._locks: dict[str, asyncio.Lock] = {}  # one snapshot at a time per user
+
+    # --- snapshots ------------------------------------------------------------------------
+
+    async def take(
+        self, who: Identity, sandbox_id: str, name: str, blocking: Blocking
+    ) -> SnapshotView:
+        sandbox = await self._looked_up(who, sandbox_id, blocking)
+        event = AuditEvent.SNAPSHOT_TAKEN
+        async with audited(self._auditor, event, who, blocking, **subject(sandbox)) as record:
+            record["detail"] = f"snapshot {name}"
+            docker_only(sandbox, "snapshotted")
+            async with self._locks.setdefault(sandbox.user, asyncio.Lock()):
+                view = await asyncio.shield(
+                    asyncio.to_thread(self._take, sandbox, name)  # minutes at worst: own thread
+                )
+            record["detail"] = f"snapshot {name}: {human_bytes(view.size_bytes)}"
+        return view
+
+    async def listed(
+        self, who: Identity, user: str | None, blocking: Blocking
+    ) -> list[SnapshotView]:
+        """The caller's own snapshots; an admin's, every user's (or ``user``'s)."""
+        wanted = {LABEL: "true"}
+        if not who.is_admin or user is not None:
+            wanted[LABEL_USER] = who.acting_user(user)
+        found = await blocking(functools.partial(self._engine.images, wanted))
+        views = [view_of(image) for image in found]
+        return sorted(views, key=lambda v: (v.user, v.created_at, v.name))
+
+    async def delete(
+        self, who: Identity, name: str, user: str | None, blocking: Blocking
+    ) -> SnapshotDeleted:
+        owner = who.acting_user(user)
+        event = AuditEvent.SNAPSHOT_DELETED
+        async with audited(self._auditor, event, who, blocking, user=owner) as record:
+            record["detail"] = f"snapshot {name}"
+            await blocking(functools.partial(self._owned, owner, name))
+            image = snapshot_image(owner, name)
+            gone = await blocking(functools.partial(self._engine.remove_image, image))
+        return SnapshotDeleted(name=name, deleted=gone)
+
+    # --- forks ----------------------------------------------------------------------------
+
+    async def fork(
+        self,
+        who: Identity,
+        request: CreateSandbox,
+        blocking: Blocking,
+        service: Lifecycle,
+    ) -> SandboxView:
+        """A create from the caller's snapshot, then its workspace copied into the fork."""
+        name = request.from_snapshot or ""
+        if request.workspace is not None and request.workspace.kind is WorkspaceKind.HOST:
+            raise workspace_refusal(f"a fork of snapshot {name} cannot be given a host workspace")
+        owned = functools.partial(self._owned, who.acting_user(request.user), name)
+        labels = (await blocking(owned)).get("Labels") or {}
+        view = await service.create(who, request, blocking)
+        try:
+            if labels.get(LABEL_WORKSPACE) != EMPTY:  # an empty one needs no copy (and no exec)
+                copied = await service.exec(who, view.id, RESTORE, None, blocking)
+                if copied.exit_code != 0:
+                    raise fork_failed(name, copied)
+        except BaseException:
+            await asyncio.shield(service.destroy(who, view.id, blocking))
+            raise
+        return view
+
+    # --- the work, on a thread of its own ---------------------------------------------------
+
+    def _take(self, sandbox: Sandbox, name: str) -> SnapshotView:
+        image = snapshot_image(sandbox.user, name)
+        held = self._engine.images({LABEL: "true", LABEL_USER: sandbox.user})
+        room = self._check_room(sandbox.user, name, held)
+        attrs = self._engine.container(sandbox.container_id)
+        if any(
+            m.get("Destination") == "/workspace" and m.get("Type") == "bind"
+            for m in attrs.get("Mounts") or []
+        ):
+            raise workspace_refusal(f"sandbox {sandbox.id} cannot be snapshotted")
+        base = str(attrs["Config"].get("Image") or "")
+        config = self._engine.image_config(str(attrs["Image"]))
+        with self._pausing.frozen_for(sandbox):
+            pid = int(self._engine.container(sandbox.container_id)["State"]["Pid"])
+            workspace = self._workspace_of(pid)
+            labels = self._labels(sandbox, name, base) | {LABEL_WORKSPACE: _filled(workspace)}
+            pipe = Pipe(room, functools.partial(_over_room, sandbox.user))
+            self._import(sandbox.container_id, image, changes_of(config, labels), workspace, pipe)
+        made = self._engine.images({LABEL: "true", LABEL_USER: sandbox.user, LABEL_NAME: name})
+        if not made:
+            raise SliceboxError(f"the engine has no snapshot {name} after its import; retry")
+        self._check_size(sandbox.user, image, held, made[0])
+        return view_of(made[0])
+
+    def _import(
+        self, container: str, image: str, changes: list[str], workspace: str, pipe: Pipe
+    ) -> None:
+        export = functools.partial(self._engine.export, container)
+
+        def rewrite(stream: BinaryIO, pipe: Pipe) -> None:
+            write_snapshot(stream, workspace, pipe)
+
+        pipe, producer = producing(f"snapshot-{container[:12]}", export, rewrite, pipe)
+        try:
+            self._engine.import_image(image, changes, pipe)
+        finally:
+            pipe.abandon()
+            producer.join()
+
+    def _labels(self, sandbox: Sandbox, name: str, base: str) -> dict[str, str]:
+        return {
+            LABEL: "true",
+            LABEL_NAME: name,
+            LABEL_USER: sandbox.user,
+            LABEL_PROJECT: sandbox.project,
+            LABEL_ORIGIN: sandbox.id,
+            LABEL_ROOT_TASK: sandbox.lineage.root_task_id,
+            LABEL_BASE: base,
+            LABEL_CREATED: stamp(self._clock()),
+        }
+
+    def _check_room(self, user: str, name: str, held: list[Mapping[str, Any]]) -> int:
+        """The bytes ``user``'s next snapshot may take, or a refusal."""
+        bounds = self._sandboxes.config.snapshots
+        if any((image.get("Labels") or {}).get(LABEL_NAME) == name for image in held):
+            raise AdmissionRefused(
+                f"you have a snapshot named {name} already; choose another name or delete it",
+                code="snapshot_exists",
+            )
+        used = sum(int(image.get("Size") or 0) for image in held)
+        if len(held) >= bounds.max_count:
+            raise quota_error(f"{user} holds {len(held)} snapshots, the most allowed")
+        if used >= bounds.max_bytes_value:
+            raise quota_error(
+                f"{user}'s snapshots take {human_bytes(used)}, the most allowed is "
+                f"{human_bytes(bounds.max_bytes_value)}"
+            )
+        return bounds.max_bytes_value - used
+
+    def _check_size(
+        self, user: str, image: str, held: list[Mapping[str, Any]], made: Mapping[str, Any]
+    ) -> None:
+        """A snapshot that took the user past ``max_bytes`` is deleted again, and refused."""
+        limit = self._sandboxes.config.snapshots.max_bytes_value
+        used = sum(int(i.get("Size") or 0) for i in held) + int(made.get("Size") or 0)
+        if used > limit:
+            self._engine.remove_image(image)
+            raise quota_error(
+                f"this snapshot ({human_bytes(int(made.get('Size') or 0))}) would take {user}'s "
+                f"snapshots to {human_bytes(used)}, over the {human_bytes(limit)} allowed"
+            )
+
+    def _owned(self, user: str, name: str) -> Mapping[str, Any]:
+        found = self._engine.images({LABEL: "true", LABEL_USER: user, LABEL_NAME: name})
+        if not found:
+            raise NotFound(f"no snapshot {name}; list snapshots to see the names")
+        return found[0]
+
+
+def _filled(workspace: str) -> str:
+    """Whether the workspace has anything in it (a snapshot's label: a fork of an empty one
+    makes no copy)."""
+    try:
+        with os.scandir(workspace) as entries:
+            return FILLED if next(entries, None) is not None else EMPTY
+    except FileNotFoundError:
+        return EMPTY

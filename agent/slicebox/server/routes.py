@@ -200,12 +200,17 @@ ROUTES: list[Route] = [
     Route("GET", "/sandboxes/{id}", get, "One sandbox", None, SandboxView),
     Route("DELETE", "/sandboxes/{id}", destroy, "Destroy; final usage", None, Destroyed),
     Route(
-        "POST", "/sandboxes/{id}/exec", unpaused(exec_), "Run a command", ExecRequest, ExecResult
+        "POST",
+        "/sandboxes/{id}/exec",
+        unpaused(exec_, MAX_EXEC_BODY_BYTES),
+        "Run a command",
+        ExecRequest,
+        ExecResult,
     ),
     Route(
         "POST",
         "/sandboxes/{id}/exec/stream",
-        unpaused(exec_stream),
+        unpaused(exec_stream, MAX_EXEC_BODY_BYTES),
         "Run a command, output as NDJSON chunks then the result",
         ExecRequest,
         StreamChunk,

@@ -43,11 +43,16 @@ def _snapshots(service: Service) -> Snapshots:
     return service.snapshots
 
 
-def unpaused(handler: Handler) -> Handler:
-    """``handler`` for a sandbox that is not paused (or is resumed first, ``?resume=1``)."""
+def unpaused(handler: Handler, body_first: int | None = None) -> Handler:
+    """``handler`` for a sandbox that is not paused (or is resumed first, ``?resume=1``).
+    ``body_first``: the body is read whole first, up to that many bytes, so that a body the
+    handler would refuse (its framing, its size) is refused as before, whatever sandbox it
+    names."""
 
     @functools.wraps(handler)
     async def guarded(request: Request) -> StreamResponse:
+        if body_first is not None:
+            await request.read(body_first)  # kept: the handler's parse reads it from there
         resume = request.query.pop(RESUME, "") in ("1", "true", "yes")
         service = service_of(request)
         if service.snapshots is not None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.backends.base import SandboxRequest
+from slicebox.backends.base import WORKSPACE, SandboxRequest
 from slicebox.backends.native import initwire
 from slicebox.backends.native.backend import NativeBackend
 from slicebox.backends.native.claims import ProcClaims
@@ -92,7 +92,11 @@ def request() -> SandboxRequest:
 def run(
     native: NativeBackend, backend_id: str, exec_request: ExecRequest, *, kill_after: float = 0
 ) -> tuple[str, bytes, bytes, ExecState]:
-    """An exec to its end (or killed ``kill_after`` seconds in): id, stdout, stderr, state."""
+    """An exec to its end (or killed ``kill_after`` seconds in): id, stdout, stderr, state.
+    Left at its default (/workspace), in /tmp: the init runs on this host, which has no
+    /workspace (a unit's bind makes one in a real sandbox)."""
+    if exec_request.cwd == WORKSPACE:
+        exec_request = exec_request.model_copy(update={"cwd": "/tmp"})
 
     async def go() -> tuple[str, bytes, bytes, ExecState]:
         exec_id = await native.exec_create(backend_id, exec_request)

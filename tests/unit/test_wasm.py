@@ -262,7 +262,11 @@ class RunningSystemd(FakeNativeSystemd):
         workspace = path.parent / "workspace"  # what systemd binds at /workspace
         workspace.mkdir(exist_ok=True)
         argv = [str(workspace) if word == WORKSPACE else word for word in argv]
-        env = dict(line.split("=", 1) for line in properties["Environment"])
+        # HOME=/workspace too: the worker's runtime caches below it, never in the host's /.
+        env = {
+            key: str(workspace) if value == WORKSPACE else value
+            for key, value in (line.split("=", 1) for line in properties["Environment"])
+        }
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
             notify.bind(str(path.parent / "notify"))  # systemd's NOTIFY_SOCKET
             notify.settimeout(30.0)

@@ -174,9 +174,39 @@ def test_a_snapshot_forked_three_times_gives_each_fork_its_own_copy(origin: str)
         assert SECRET not in out(ALICE, fork, "env")
         labels = container(fork)["Config"]["Labels"]  # type: ignore[index]
         assert labels["slicebox.from_snapshot"] == "base"
+    # No copy was made: a fork's /workspace is its image's (copy-on-write), not a mount.
+    assert out(ALICE, forks[0], "awk '$2 == \"/workspace\"' /proc/mounts") == ""
     out(ALICE, forks[0], "echo mine > /workspace/only0 && echo mine > /tmp/only0")
+    out(ALICE, forks[0], "echo changed > /workspace/ws.txt")
     for fork in forks[1:]:
         assert out(ALICE, fork, "ls /workspace /tmp").count("only0") == 0
+        assert out(ALICE, fork, "cat /workspace/ws.txt") == "workspace\n"
+    hidden = ask(
+        ALICE,
+        "POST",
+        "/sandboxes",
+        {"project": "snap", "from_snapshot": "base", "workspace": {"kind": "volume"}},
+    )
+    assert hidden.get("code") == "snapshot_workspace", hidden
+
+
+def test_a_snapshot_of_a_fork_holds_what_the_fork_wrote(agent: None) -> None:
+    """A fork's /workspace is in its root filesystem, which the engine's export holds too:
+    a snapshot of it has the fork's /workspace once, as the fork saw it."""
+    fork = next(v.id for v in admin().list_sandboxes() if v.user == ALICE)
+    out(ALICE, fork, "echo again > /workspace/second.txt && rm /workspace/sub/deep.txt")
+    taken = ask(ALICE, "POST", f"/sandboxes/{fork}/snapshots", {"name": "second"})
+    assert taken.get("name") == "second", taken
+    try:
+        again = create(ALICE, from_snapshot="second")
+        seen = out(ALICE, again, "cat /workspace/ws.txt /workspace/second.txt; ls /workspace/sub")
+        assert seen == out(
+            ALICE, fork, "cat /workspace/ws.txt /workspace/second.txt; ls /workspace/sub"
+        )
+        assert "again" in seen
+        admin().destroy(again)
+    finally:
+        assert ask(ALICE, "DELETE", "/snapshots/second") == {"name": "second", "deleted": True}
 
 
 def test_bob_cannot_list_fork_take_or_delete_alices_snapshots(agent: None) -> None:

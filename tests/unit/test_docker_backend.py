@@ -124,6 +124,13 @@ def test_a_workspace_mount_replaces_the_tmpfs_and_caps_are_added() -> None:
     assert not any("tmpfs" in flag for flag in flags)
 
 
+def test_a_fork_runs_with_its_image_s_workspace_and_no_tmpfs_over_it() -> None:
+    request = REQUEST.model_copy(update={"workspace_in_image": True})
+    assert host_config(request)["Tmpfs"] == {}
+    assert host_config(request)["Mounts"] == []
+    assert not any("tmpfs" in flag for flag in run_flags(request))
+
+
 # --- errors ---------------------------------------------------------------------------------
 
 

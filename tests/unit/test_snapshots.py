@@ -16,16 +16,14 @@ from slicebox.core.blocking import Blocking, from_thread
 from slicebox.core.pausing import Pausing, docker_only
 from slicebox.core.reaping import plan
 from slicebox.core.sandbox import Sandbox
-from slicebox.core.shares import Reservation
-from slicebox.core.snapshots import Snapshots, changes_of
+from slicebox.core.snapshots import Lifecycle, Snapshots, changes_of
 from slicebox.core.snaptar import Pipe, add_tree, clean, write_snapshot
 from slicebox.host.freezer import CgroupFreezer
 from slicebox.host.identity import Identity
-from slicebox.model.api import CreateSandbox, Destroyed, RunRequest, SandboxView
+from slicebox.model.api import CreateSandbox, RunRequest, SandboxView
 from slicebox.model.config import parse_config
 from slicebox.model.errors import InvalidRequest, NotFound, SandboxNotRunning, SliceboxError
-from slicebox.model.exec import ExecRequest, ExecResult
-from slicebox.model.snapshots import WORKSPACE_DIR, SnapshotView, snapshot_image
+from slicebox.model.snapshots import SnapshotView, snapshot_image
 from slicebox.model.spec import parse_spec
 from tests.fakes.snapshots import (
     FakeSnapshotEngine,
@@ -73,7 +71,7 @@ class Snapping:
                 member("tmp/suid", b"\x7fELF", mode=0o4755),
                 member("tmp/sgid", b"\x7fELF", mode=0o2755),
                 member("dev/evil", kind=tarfile.CHRTYPE, mode=0o666),
-                member(".slicebox-snapshot/workspace/stale", b"an earlier snapshot's"),
+                member("workspace/stale", b"the image's, below the sandbox's tmpfs"),
             ]
         )
         self.engine.add(self.sandbox.container_id, rootfs, [f"SECRET_TOKEN={SECRET}"])
@@ -217,12 +215,14 @@ def test_a_snapshot_holds_the_root_filesystem_and_workspace_and_no_secret(snap: 
     image = snap.engine.images_made[snapshot_image("alice", "base")]
     found = members_of(image["tar"])
     assert contents(image["tar"], "etc/hello") == b"rootfs\n"
-    assert contents(image["tar"], f"{WORKSPACE_DIR}/ws.txt") == b"workspace\n"
-    assert found[f"{WORKSPACE_DIR}/link"].issym()  # a link, never what it points at
-    for name in ("tmp/suid", "tmp/sgid", f"{WORKSPACE_DIR}/sub/suid"):
+    assert contents(image["tar"], "workspace/ws.txt") == b"workspace\n"
+    assert found["workspace/link"].issym()  # a link, never what it points at
+    for name in ("tmp/suid", "tmp/sgid", "workspace/sub/suid"):
         assert found[name].mode & 0o6000 == 0, name
     assert "dev/evil" not in found
-    assert f"{WORKSPACE_DIR}/stale" not in found
+    assert "workspace/stale" not in found, "what the sandbox saw at /workspace, not the image's"
+    assert [m for m in found if m.rstrip("/") == "workspace"] == ["workspace"], "one, its own"
+    assert found["workspace"].mode & 0o7777 == os.stat(snap.workspace).st_mode & 0o7777
     assert SECRET not in str(image["Config"])
     assert image["Config"]["Env"] == ["PATH=/usr/bin:/bin"]
     assert view.name == "base"
@@ -387,10 +387,9 @@ def test_a_native_sandbox_is_paused_by_its_slice_s_freezer(snap: Snapping) -> No
 
 
 class _Forks:
-    """The Service's create, destroy and exec as a fork uses them, recorded."""
+    """The Service's create as a fork uses it, recorded."""
 
-    def __init__(self, exit_code: int = 0) -> None:
-        self.exit_code = exit_code
+    def __init__(self) -> None:
         self.done: list[str] = []
 
     async def create(
@@ -398,21 +397,6 @@ class _Forks:
     ) -> SandboxView:
         self.done.append(f"create {request.from_snapshot}")
         return SandboxView.model_validate(_VIEW)
-
-    async def destroy(self, who: Identity, sandbox_id: str, blocking: Blocking) -> Destroyed:
-        self.done.append(f"destroy {sandbox_id}")
-        return Destroyed(id=sandbox_id, destroyed=True)
-
-    async def exec(
-        self,
-        who: Identity,
-        sandbox_id: str,
-        request: ExecRequest,
-        held: Reservation | None,
-        blocking: Blocking,
-    ) -> ExecResult:
-        self.done.append(f"exec {' '.join(request.argv[-1:])}")
-        return ExecResult.model_validate({**_RESULT, "exit_code": self.exit_code})
 
 
 _VIEW = {
@@ -429,58 +413,53 @@ _VIEW = {
     "depth": 0,
     "limits": {"memory_bytes": 1, "cpus": 0.5, "pids": 1},
 }
-_RESULT = {
-    "stdout": "",
-    "stderr": "",
-    "timed_out": False,
-    "oom_killed": False,
-    "stdout_truncated": False,
-    "stderr_truncated": False,
-    "stdout_dropped_bytes": 0,
-    "stderr_dropped_bytes": 0,
-    "duration": 0.1,
-}
 
 
-def _fork(snap: Snapping, who: Identity, forks: _Forks, **fields: object) -> SandboxView:
+def _fork(snap: Snapping, who: Identity, forks: Lifecycle, **fields: object) -> SandboxView:
     request = CreateSandbox.model_validate({"project": "web", "from_snapshot": "base", **fields})
     return from_thread(lambda b: snap.snapshots.fork(who, request, b, forks))
 
 
-def test_a_fork_is_a_create_then_its_workspace_copied_by_its_own_user(snap: Snapping) -> None:
+def test_a_fork_is_a_create_and_copies_nothing(snap: Snapping) -> None:
     (snap.workspace / "ws.txt").write_text("workspace\n")
     snap.take("base")
     forks = _Forks()
     assert _fork(snap, ALICE, forks).id == "sbx-fork"
-    assert forks.done == ["create base", f"exec /{WORKSPACE_DIR}"]
+    assert forks.done == ["create base"], "no exec: the image's /workspace is the fork's"
 
 
-def test_a_fork_of_an_empty_workspace_copies_nothing(snap: Snapping) -> None:
-    snap.take("base")
-    forks = _Forks()
-    _fork(snap, ALICE, forks)
-    assert forks.done == ["create base"]
-
-
-def test_only_the_owner_forks_and_never_into_a_host_workspace(snap: Snapping) -> None:
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"workspace": {"kind": "host", "path": "/srv/x"}},
+        {"workspace": {"kind": "volume"}},
+        {"mounts": [{"source": "/srv/x", "target": "/workspace/"}]},
+    ],
+    ids=["host", "volume", "mount"],
+)
+def test_only_the_owner_forks_and_nothing_hides_the_snapshot_s_workspace(
+    snap: Snapping, fields: dict[str, object]
+) -> None:
     snap.take("base")
     forks = _Forks()
     with pytest.raises(NotFound):
         _fork(snap, BOB, forks)
-    with pytest.raises(InvalidRequest) as host:
-        _fork(snap, ALICE, forks, workspace={"kind": "host", "path": "/srv/x"})
-    assert host.value.code == "snapshot_workspace"
+    with pytest.raises(InvalidRequest) as hidden:
+        _fork(snap, ALICE, forks, **fields)
+    assert hidden.value.code == "snapshot_workspace"
     assert forks.done == [], "refused before anything is made"
 
 
-def test_a_fork_whose_copy_fails_is_destroyed(snap: Snapping) -> None:
-    (snap.workspace / "ws.txt").write_text("workspace\n")
+def test_a_fork_through_the_service_keeps_its_image_s_workspace(snap: Snapping) -> None:
+    """The Service's create of a fork asks the backend for no tmpfs over /workspace and runs
+    the snapshot's image; an ordinary create's request has the tmpfs."""
     snap.take("base")
-    forks = _Forks(exit_code=2)
-    with pytest.raises(SliceboxError) as failed:
-        _fork(snap, ALICE, forks)
-    assert failed.value.code == "fork_failed"
-    assert forks.done[-1] == "destroy sbx-fork"
+    snap.world.docker.images.add(snapshot_image("alice", "base"))  # the import's, to Docker
+    made = _fork(snap, ALICE, snap.world.service)
+    forked = snap.world.docker.requests[made.container_id]
+    assert forked.workspace_in_image
+    assert forked.image == snapshot_image("alice", "base")
+    assert not snap.world.docker.requests[snap.sandbox.container_id].workspace_in_image
 
 
 def test_a_snapshot_larger_than_the_room_left_is_refused_as_it_is_made(snap: Snapping) -> None:

@@ -88,6 +88,8 @@ class SandboxRequest(Model):
     backend: Backend = Backend.DOCKER  # the kind that runs it (backends.router)
     allow_jit: bool = False  # native: no MemoryDenyWriteExecute (config native_allow_jit)
     wasm: WasmRun | None = None  # backend wasm: the plugin its execs call (backends.wasm)
+    # A fork's: /workspace is the image's own (a snapshot's, copy-on-write), not a tmpfs.
+    workspace_in_image: bool = False
 
 
 class SandboxState(StrEnum):

@@ -15,6 +15,8 @@ Engine API, and what its answers say, with no call made here (pure; table-tested
   sandbox runs as write there. Programs may run from it (``exec``, where Docker's tmpfs default
   is ``noexec``), as they may from a bind-mounted workspace: an agent builds and runs code
   there, and noexec would guard nothing that no-new-privileges and no capabilities do not.
+  A fork's ``/workspace`` is its snapshot image's own (``workspace_in_image``): no tmpfs, the
+  engine's copy-on-write layer, bounded like the rest of the root filesystem, not by memory.
 - The bodies of a container's and an exec's create, as docker-py builds them for the same
   calls, and the answers of an inspect, a list, an exec inspect and a volume as slicebox's
   records.
@@ -112,8 +114,9 @@ def workspace_bytes(request: SandboxRequest) -> int:
 
 
 def _workspace(request: SandboxRequest) -> dict[str, str]:
-    """A tmpfs at /workspace unless a mount provides it (see the module docstring)."""
-    if any(m.target.rstrip("/") == WORKSPACE for m in request.mounts):
+    """A tmpfs at /workspace unless a mount provides it or the image does (a fork's: see the
+    module docstring)."""
+    if request.workspace_in_image or any(m.target.rstrip("/") == WORKSPACE for m in request.mounts):
         return {}
     return {WORKSPACE: f"rw,exec,nosuid,nodev,size={workspace_bytes(request)},mode=1777"}
 

@@ -481,4 +481,5 @@ def _request(
         cap_add=tuple(capability_name(cap) for cap in spec.cap_add),
         backend=spec.backend,
         allow_jit=config.native_allow_jit,
+        workspace_in_image=spec.from_snapshot is not None,
     )

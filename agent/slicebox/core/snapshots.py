@@ -16,9 +16,11 @@ sandboxes are refused (``backend_unsupported``), and so is a sandbox whose ``/wo
 host directory (``snapshot_workspace``).
 
 A fork (``"from_snapshot": name`` in a create) is an ordinary create of the snapshot's image
-(admission, ceilings, egress as any), then the snapshot's workspace copied into the new
-sandbox's own ``/workspace`` by an upload (:mod:`slicebox.core.files`, as the sandbox's user):
-each fork has its own copy. A fork whose copy fails is destroyed.
+(admission, ceilings, egress as any) whose ``/workspace`` is that image's own rather than a
+tmpfs (:attr:`SandboxRequest.workspace_in_image`): the engine's copy-on-write gives each fork
+its own copy of it, as of the rest of its root filesystem, and nothing is copied at its create.
+A fork given a ``workspace`` or a mount at ``/workspace`` is refused (``snapshot_workspace``):
+either would hide the snapshot's.
 """
 
 from __future__ import annotations
@@ -26,32 +28,28 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, BinaryIO, Protocol
 
-from slicebox.backends.base import SnapshotEngine
+from slicebox.backends.base import WORKSPACE, SnapshotEngine
 from slicebox.core.blocking import Blocking
 from slicebox.core.execaudit import audited, subject
 from slicebox.core.files import Files
 from slicebox.core.pausing import LookUp, Pausing, docker_only
 from slicebox.core.sandbox import Sandbox
 from slicebox.core.sandboxes import SandboxManager
-from slicebox.core.shares import Reservation
 from slicebox.core.snaptar import Pipe, producing, write_snapshot
 from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
-from slicebox.model.api import CreateSandbox, Destroyed, SandboxView
+from slicebox.model.api import CreateSandbox, SandboxView
 from slicebox.model.audit import AuditEvent
 from slicebox.model.errors import (
     AdmissionRefused,
-    HostError,
     InvalidRequest,
     NotFound,
     SliceboxError,
 )
-from slicebox.model.exec import ExecRequest, ExecResult
 from slicebox.model.labels import stamp
 from slicebox.model.limits import human_bytes
 from slicebox.model.snapshots import (
@@ -63,53 +61,18 @@ from slicebox.model.snapshots import (
     LABEL_PROJECT,
     LABEL_ROOT_TASK,
     LABEL_USER,
-    LABEL_WORKSPACE,
-    WORKSPACE_DIR,
     SnapshotDeleted,
     SnapshotView,
     snapshot_image,
 )
-from slicebox.model.spec import WorkspaceKind
 
 
 class Lifecycle(Protocol):
-    """What a fork asks of the Service: a create, its removal should the copy fail, an exec."""
+    """What a fork asks of the Service: its create."""
 
     async def create(
         self, who: Identity, request: CreateSandbox, blocking: Blocking
     ) -> SandboxView: ...
-
-    async def destroy(self, who: Identity, sandbox_id: str, blocking: Blocking) -> Destroyed: ...
-
-    async def exec(
-        self,
-        who: Identity,
-        sandbox_id: str,
-        request: ExecRequest,
-        held: Reservation | None,
-        blocking: Blocking,
-    ) -> ExecResult: ...
-
-
-# A fork's workspace: the snapshot's copy in its image, copied by the fork's own user (the files
-# are that user's; no set-id bit or device is in the copy). An exec in the sandbox, not the
-# engine's archive API: a container's archive holds its lock for the whole stream, and an exec
-# of the same container waits on that lock.
-RESTORE = ExecRequest(
-    argv=(
-        "sh",
-        "-c",
-        'tar -c -f - -C "$1" . | tar -x -o -f - -C /workspace',
-        "sh",
-        f"/{WORKSPACE_DIR}",
-    ),
-    cwd="/",
-    timeout=3600.0,
-    output_cap=4096,
-)
-
-
-EMPTY, FILLED = "empty", "files"  # LABEL_WORKSPACE's values
 
 
 def quota_error(what: str) -> AdmissionRefused:
@@ -117,16 +80,6 @@ def quota_error(what: str) -> AdmissionRefused:
         f"{what}; delete snapshots you no longer need (slicebox snapshots rm NAME) or ask an "
         "operator to raise [snapshots] max_count / max_bytes",
         code="snapshot_quota",
-    )
-
-
-def fork_failed(name: str, copied: ExecResult) -> HostError:
-    said = copied.stderr.decode(errors="replace").strip()[-300:]
-    return HostError(
-        f"the fork of snapshot {name} could not copy its workspace (exit {copied.exit_code}: "
-        f"{said}); the fork was destroyed. A fork must run as the user the snapshot's sandbox "
-        "ran as to read its files",
-        code="fork_failed",
     )
 
 
@@ -140,6 +93,14 @@ def _over_room(user: str, room: int) -> AdmissionRefused:
 def workspace_refusal(what: str) -> InvalidRequest:
     return InvalidRequest(
         f"{what}: its /workspace is a host directory; use a sandbox with its own /workspace",
+        code="snapshot_workspace",
+    )
+
+
+def fork_workspace_refusal(name: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"a fork of snapshot {name} starts with the snapshot's /workspace: leave out "
+        "`workspace` and any mount at /workspace",
         code="snapshot_workspace",
     )
 
@@ -244,22 +205,15 @@ class Snapshots:
         blocking: Blocking,
         service: Lifecycle,
     ) -> SandboxView:
-        """A create from the caller's snapshot, then its workspace copied into the fork."""
+        """A create from the caller's snapshot (its image, its /workspace as it is there)."""
         name = request.from_snapshot or ""
-        if request.workspace is not None and request.workspace.kind is WorkspaceKind.HOST:
-            raise workspace_refusal(f"a fork of snapshot {name} cannot be given a host workspace")
-        owned = functools.partial(self._owned, who.acting_user(request.user), name)
-        labels = (await blocking(owned)).get("Labels") or {}
-        view = await service.create(who, request, blocking)
-        try:
-            if labels.get(LABEL_WORKSPACE) != EMPTY:  # an empty one needs no copy (and no exec)
-                copied = await service.exec(who, view.id, RESTORE, None, blocking)
-                if copied.exit_code != 0:
-                    raise fork_failed(name, copied)
-        except BaseException:
-            await asyncio.shield(service.destroy(who, view.id, blocking))
-            raise
-        return view
+        if request.workspace is not None or any(
+            m.target.rstrip("/") == WORKSPACE for m in request.mounts
+        ):
+            raise fork_workspace_refusal(name)
+        # The caller's own, or not_found: never a pull of a name the engine does not have.
+        await blocking(functools.partial(self._owned, who.acting_user(request.user), name))
+        return await service.create(who, request, blocking)
 
     # --- the work, on a thread of its own ---------------------------------------------------
 
@@ -278,7 +232,7 @@ class Snapshots:
         with self._pausing.frozen_for(sandbox):
             pid = int(self._engine.container(sandbox.container_id)["State"]["Pid"])
             workspace = self._workspace_of(pid)
-            labels = self._labels(sandbox, name, base) | {LABEL_WORKSPACE: _filled(workspace)}
+            labels = self._labels(sandbox, name, base)
             pipe = Pipe(room, functools.partial(_over_room, sandbox.user))
             self._import(sandbox.container_id, image, changes_of(config, labels), workspace, pipe)
         made = self._engine.images({LABEL: "true", LABEL_USER: sandbox.user, LABEL_NAME: name})
@@ -350,13 +304,3 @@ class Snapshots:
         if not found:
             raise NotFound(f"no snapshot {name}; list snapshots to see the names")
         return found[0]
-
-
-def _filled(workspace: str) -> str:
-    """Whether the workspace has anything in it (a snapshot's label: a fork of an empty one
-    makes no copy)."""
-    try:
-        with os.scandir(workspace) as entries:
-            return FILLED if next(entries, None) is not None else EMPTY
-    except FileNotFoundError:
-        return EMPTY

@@ -1,11 +1,11 @@
-"""The tar streams of a snapshot and of a fork's workspace, rewritten as they pass.
+"""The tar stream of a snapshot, rewritten as it passes.
 
-A snapshot's stream is the container's exported root filesystem followed by its
-``/workspace`` (read from the frozen sandbox's mount namespace, ``/proc/<pid>/root``, since
-the engine cannot see a tmpfs) below :data:`~slicebox.model.snapshots.WORKSPACE_DIR`, from
-where a fork copies it into its own. Every member passes :func:`clean`: no set-user-id or
-set-group-id bit, no device node and no extended attribute (a file capability is one) gets into
-a snapshot, whoever the sandbox ran as.
+A snapshot's stream is the container's exported root filesystem, its ``/workspace`` left out,
+followed by its ``/workspace`` as the sandbox sees it (read from the frozen sandbox's mount
+namespace, ``/proc/<pid>/root``, since the engine cannot see a tmpfs) at ``workspace/``: the
+image's own ``/workspace``, which a fork runs with as it is (copy-on-write, no copy). Every
+member passes :func:`clean`: no set-user-id or set-group-id bit, no device node and no extended
+attribute (a file capability is one) gets into a snapshot, whoever the sandbox ran as.
 
 Nothing is held whole: members are copied block by block into a :class:`Pipe`, which another
 thread reads as the import's request body.
@@ -21,12 +21,10 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, cast
 
-from slicebox.model.snapshots import WORKSPACE_DIR
-
 SET_ID = stat.S_ISUID | stat.S_ISGID
 CHUNK = 256 * 1024
 DEPTH = 16  # chunks in flight between the threads: 4 MiB
-_TOP = WORKSPACE_DIR.split("/")[0]
+WORKSPACE = "workspace"  # the sandbox's /workspace, in a snapshot's stream
 
 
 def clean(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
@@ -41,10 +39,11 @@ def clean(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
 
 
 def ours(name: str) -> bool:
-    """Whether a root filesystem's member is a snapshot's own copy of a workspace (a fork's
-    image has one): a new snapshot writes its own instead."""
+    """Whether a root filesystem's member is below ``/workspace``: the export holds what the
+    image has there (a fork's, or a base image's that a tmpfs hid), and a snapshot writes what
+    the sandbox saw there instead."""
     top = name.removeprefix("./").split("/")[0]
-    return top == _TOP
+    return top == WORKSPACE
 
 
 class Pipe:
@@ -132,16 +131,16 @@ def producing(
 
 def write_snapshot(export: BinaryIO, workspace: str, out: Pipe) -> None:
     """The snapshot's stream into ``out``: ``export`` (a root filesystem's tar) cleaned, then
-    the tree at ``workspace`` below WORKSPACE_DIR."""
+    the tree at ``workspace`` as ``workspace/``, its own directory's owner and mode kept (a
+    tmpfs's 1777, which lets a fork's user write there as the sandbox's could)."""
     with _writer(out) as tar:
         with tarfile.open(fileobj=export, mode="r|") as rootfs:
             for member in rootfs:
                 kept = None if ours(member.name) else clean(member)
                 if kept is not None:
                     tar.addfile(kept, rootfs.extractfile(member) if kept.isreg() else None)
-        for directory in (_TOP, WORKSPACE_DIR):
-            tar.addfile(_directory(directory))
-        add_tree(tar, workspace, WORKSPACE_DIR)
+        tar.addfile(_root(tar, workspace))
+        add_tree(tar, workspace, WORKSPACE)
 
 
 def add_tree(tar: tarfile.TarFile, root: str, arcroot: str) -> None:
@@ -192,8 +191,18 @@ def _writer(out: Pipe) -> tarfile.TarFile:
     return tarfile.open(fileobj=cast(Any, out), mode="w|", format=tarfile.PAX_FORMAT)
 
 
-def _directory(name: str) -> tarfile.TarInfo:
-    member = tarfile.TarInfo(name)
+def _root(tar: tarfile.TarFile, workspace: str) -> tarfile.TarInfo:
+    """The ``workspace/`` directory itself: as the sandbox's was, or an empty tmpfs's (1777,
+    root's) when it had none."""
+    try:
+        found = os.lstat(workspace)
+    except FileNotFoundError:
+        found = None
+    if found is not None and stat.S_ISDIR(found.st_mode):
+        member = tar.gettarinfo(workspace, WORKSPACE)
+        if member is not None:
+            return clean(member) or member
+    member = tarfile.TarInfo(WORKSPACE)
     member.type = tarfile.DIRTYPE
-    member.mode = 0o755
+    member.mode = 0o1777
     return member

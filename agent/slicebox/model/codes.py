@@ -414,20 +414,13 @@ CODES: tuple[ErrorCode, ...] = (
         "Choose another name, or delete the old snapshot first.",
     ),
     _c(
-        "fork_failed",
-        500,
-        "A fork was made but its snapshot's workspace could not be copied into it (the message "
-        "quotes why); the fork was destroyed.",
-        "Fork as the user the snapshot's sandbox ran as (`run_as`), or with more memory for its "
-        "tmpfs /workspace.",
-    ),
-    _c(
         "snapshot_workspace",
         400,
-        "The sandbox's /workspace is a host directory: a snapshot would copy host files, and a "
-        "fork would write a snapshot into one; both are refused.",
+        "The sandbox's /workspace is a host directory, which a snapshot would copy host files "
+        "from; or a fork was given a `workspace` or a mount at /workspace, which would hide the "
+        "snapshot's own.",
         "Snapshot a sandbox with its own /workspace (tmpfs or volume); fork without `workspace` "
-        "of kind host.",
+        "and without a mount at /workspace.",
     ),
     # A user's share of what the agent bounds for all callers (429, with Retry-After).
     _c(

@@ -5,8 +5,8 @@ tag is a digest of its owner and its name (:func:`snapshot_image`): a user names
 freely, the engine never sees those names as references, and no user can name an image of
 another's (the digest covers the owner). What a snapshot is, who owns it and where it came from
 is in its labels (``slicebox.snapshot.*``), read back from the engine's image list: no state
-of the agent's own. The sandbox's ``/workspace`` (a tmpfs, invisible to the engine) is in the
-same image below :data:`WORKSPACE_DIR`, from where a fork's create copies it into its own.
+of the agent's own. The sandbox's ``/workspace`` (a tmpfs, invisible to the engine) is the
+image's own ``/workspace``: a fork runs with it there, copy-on-write, and no copy is made.
 """
 
 import hashlib
@@ -19,8 +19,6 @@ from slicebox.model.base import Model
 from slicebox.model.limits import RawSize, parse_size
 
 SNAPSHOT_REPO = "slicebox-snapshot"
-# Where a snapshot image keeps the sandbox's /workspace (a fork copies it from there).
-WORKSPACE_DIR = ".slicebox-snapshot/workspace"
 # "true" on every snapshot image; the rest below it. Not below "slicebox.": a fork inherits
 # its image's labels, and those are its lineage's alone (model.labels refuses others there).
 LABEL = "slicebox-snapshot"
@@ -31,7 +29,6 @@ LABEL_ORIGIN = f"{LABEL}.origin"  # the sandbox it was taken of
 LABEL_ROOT_TASK = f"{LABEL}.root_task_id"
 LABEL_BASE = f"{LABEL}.base_image"
 LABEL_CREATED = f"{LABEL}.created_at"
-LABEL_WORKSPACE = f"{LABEL}.workspace"  # "empty" or "files": whether a fork has one to copy
 
 # Like a workspace volume's name (model.spec.VolumeName): letters, digits, '.', '_'.
 SnapshotName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.]{0,63}$")]

@@ -188,6 +188,13 @@ def test_a_snapshot_forked_three_times_gives_each_fork_its_own_copy(origin: str)
         {"project": "snap", "from_snapshot": "base", "workspace": {"kind": "volume"}},
     )
     assert hidden.get("code") == "snapshot_workspace", hidden
+    native = ask(
+        ALICE,
+        "POST",
+        "/sandboxes",
+        {"project": "snap", "from_snapshot": "base", "backend": "native"},
+    )
+    assert native.get("code") == "backend_unsupported", native
 
 
 def test_a_snapshot_of_a_fork_holds_what_the_fork_wrote(agent: None) -> None:

@@ -15,6 +15,7 @@ import pytest
 from slicebox.core.blocking import Blocking, from_thread
 from slicebox.core.pausing import Pausing, docker_only
 from slicebox.core.reaping import plan
+from slicebox.core.refusals import check_backend
 from slicebox.core.sandbox import Sandbox
 from slicebox.core.snapshots import Lifecycle, Snapshots, changes_of
 from slicebox.core.snaptar import Pipe, add_tree, clean, write_snapshot
@@ -24,7 +25,7 @@ from slicebox.model.api import CreateSandbox, RunRequest, SandboxView
 from slicebox.model.config import parse_config
 from slicebox.model.errors import InvalidRequest, NotFound, SandboxNotRunning, SliceboxError
 from slicebox.model.snapshots import SnapshotView, snapshot_image
-from slicebox.model.spec import parse_spec
+from slicebox.model.spec import Backend, parse_spec
 from tests.fakes.snapshots import (
     FakeSnapshotEngine,
     contents,
@@ -193,6 +194,15 @@ def test_only_docker_sandboxes_pause_or_snapshot(snap: Snapping) -> None:
     with pytest.raises(InvalidRequest) as refused:
         docker_only(native, "snapshotted")
     assert refused.value.code == "backend_unsupported"
+
+
+@pytest.mark.parametrize("backend", [Backend.NATIVE, Backend.WASM, Backend.DAYTONA])
+def test_only_docker_forks(backend: Backend) -> None:
+    """Any other backend would start without the snapshot's files: refused, never made."""
+    fork = parse_spec({"user": "alice", "project": "web", "from_snapshot": "base"})
+    with pytest.raises(InvalidRequest) as refused:
+        check_backend(fork, backend)
+    assert (refused.value.code, refused.value.field) == ("backend_unsupported", "from_snapshot")
 
 
 def test_the_reaper_leaves_a_paused_sandbox_alone() -> None:

@@ -76,6 +76,7 @@ def _unsupported(
         ("ipc_mode", spec.ipc_mode is not None),
         ("pool", bool(pool_key)),
         ("reuse", reuse and spec.reuse),
+        ("from_snapshot", spec.from_snapshot is not None),  # a snapshot is an engine's image
     ]
     return [name for name, wanted in asked if wanted]
 

@@ -43,6 +43,11 @@ UNSUPPORTED = "backend_unsupported"
 START_FAILED_CODE = "container_start_failed"
 
 
+def mounts_workspace(mounts: Iterable[Mount]) -> bool:
+    """Whether one of ``mounts`` is at /workspace (``/workspace/`` too)."""
+    return any(m.target.rstrip("/") == WORKSPACE for m in mounts)
+
+
 class Portal(Protocol):
     """How a backend that is async inside answers the blocking calls of
     :class:`SandboxBackend` (a create, a listing), which come from worker threads: it awaits

@@ -32,7 +32,14 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
-from slicebox.backends.base import WORKSPACE, SandboxInfo, SandboxRequest, SandboxState, VolumeInfo
+from slicebox.backends.base import (
+    WORKSPACE,
+    SandboxInfo,
+    SandboxRequest,
+    SandboxState,
+    VolumeInfo,
+    mounts_workspace,
+)
 from slicebox.model.exec import ExecRequest, ExecState
 from slicebox.model.limits import nano_cpus
 from slicebox.model.spec import Mount, MountKind
@@ -116,7 +123,7 @@ def workspace_bytes(request: SandboxRequest) -> int:
 def _workspace(request: SandboxRequest) -> dict[str, str]:
     """A tmpfs at /workspace unless a mount provides it or the image does (a fork's: see the
     module docstring)."""
-    if request.workspace_in_image or any(m.target.rstrip("/") == WORKSPACE for m in request.mounts):
+    if request.workspace_in_image or mounts_workspace(request.mounts):
         return {}
     return {WORKSPACE: f"rw,exec,nosuid,nodev,size={workspace_bytes(request)},mode=1777"}
 

@@ -18,7 +18,7 @@ from pathlib import PurePosixPath
 
 from pydantic import ConfigDict
 
-from slicebox.backends.base import WORKSPACE
+from slicebox.backends.base import WORKSPACE, mounts_workspace
 from slicebox.host.beneath import escape, outside_roots, root_for
 from slicebox.model.base import Model
 from slicebox.model.config import Config
@@ -131,7 +131,7 @@ def workspace_mount(spec: SandboxSpec) -> Mount | None:
 def check_workspace(spec: SandboxSpec, config: Config) -> None:
     if spec.workspace is None:
         return
-    if any(m.target.rstrip("/") == WORKSPACE for m in spec.mounts):
+    if mounts_workspace(spec.mounts):
         raise PolicyViolation(
             f"both 'workspace' and a mount target {WORKSPACE}; give the one or the other",
             code="policy_mount",

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, BinaryIO, Protocol
 
-from slicebox.backends.base import WORKSPACE, SnapshotEngine
+from slicebox.backends.base import SnapshotEngine, mounts_workspace
 from slicebox.core.blocking import Blocking
 from slicebox.core.execaudit import audited, subject
 from slicebox.core.files import Files
@@ -207,9 +207,7 @@ class Snapshots:
     ) -> SandboxView:
         """A create from the caller's snapshot (its image, its /workspace as it is there)."""
         name = request.from_snapshot or ""
-        if request.workspace is not None or any(
-            m.target.rstrip("/") == WORKSPACE for m in request.mounts
-        ):
+        if request.workspace is not None or mounts_workspace(request.mounts):
             raise fork_workspace_refusal(name)
         # The caller's own, or not_found: never a pull of a name the engine does not have.
         await blocking(functools.partial(self._owned, who.acting_user(request.user), name))

@@ -201,13 +201,12 @@ def _root(tar: tarfile.TarFile, workspace: str) -> tarfile.TarInfo:
     """The ``workspace/`` directory itself: as the sandbox's was, or an empty tmpfs's (1777,
     root's) when it had none."""
     try:
-        found = os.lstat(workspace)
+        found = tar.gettarinfo(workspace, WORKSPACE)  # lstat: a link is not followed
     except FileNotFoundError:
         found = None
-    if found is not None and stat.S_ISDIR(found.st_mode):
-        member = tar.gettarinfo(workspace, WORKSPACE)
-        if member is not None:
-            return clean(member) or member
+    kept = clean(found) if found is not None and found.isdir() else None
+    if kept is not None:
+        return kept
     member = tarfile.TarInfo(WORKSPACE)
     member.type = tarfile.DIRTYPE
     member.mode = 0o1777

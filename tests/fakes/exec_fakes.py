@@ -45,6 +45,8 @@ class FakeExec:
     pid_after_inspects: int = 0  # Docker reports pid 0 for this many inspects
     running_after_exit: int = 0  # ... and "running" for this many inspects after the exit
     exits_at_eof: bool = True  # False: the command closed its output but runs on
+    silent_reads: int = 0  # reads that wait their whole timeout for nothing, before the script
+    never_starts: bool = False  # the runtime refused it: pid 0, never running, then its code
     inspects: int = 0
     exited: bool = False
     killed: bool = False
@@ -60,9 +62,15 @@ class FakeAttachment:
         self._host = host
 
     def read(self, timeout: float) -> list[StreamChunk] | None:
+        if self._run.silent_reads > 0:
+            self._run.silent_reads -= 1
+            self._clock.now += timeout
+            return []
         if self._run.script:
             item = self._run.script.pop(0)
             self._run.exited = item is None and self._run.exits_at_eof
+            if item == []:  # a read that waited its whole timeout for nothing
+                self._clock.now += timeout
             return item
         self._run.killed = self._run.pid not in self._host.procs
         if self._run.killed or self._run.exited:
@@ -187,6 +195,8 @@ class FakeExecApi(ExecCallsOnLoop):
         run = self.run
         run.inspects += 1
         run.killed = run.pid not in self.host.procs
+        if run.never_starts:
+            return ExecState(pid=0, running=False, exit_code=run.exit_code if run.exited else None)
         started = run.inspects > run.pid_after_inspects
         if run.exited and run.running_after_exit > 0:
             run.running_after_exit -= 1

@@ -232,11 +232,19 @@ class FrozenAtFirst(FakeExecApi):
     moment: the first ``refusals`` execs never start (runc's refusal: through Docker on stdout
     with 126, through Podman on stderr with 125)."""
 
-    def __init__(self, clock: FakeClock, run: FakeExec, refusals: int, podman: bool) -> None:
+    def __init__(
+        self,
+        clock: FakeClock,
+        run: FakeExec,
+        refusals: int,
+        podman: bool,
+        late: tuple[int, int] = (0, 0),
+    ) -> None:
         super().__init__(clock, FakeSandboxHost(), run)
         self.wanted = run
         self.refusals = refusals
         self.podman = podman
+        self.late = late  # silent reads before the refusal, and between it and the stream's end
         self.created = 0
 
     def make_exec(
@@ -245,20 +253,29 @@ class FrozenAtFirst(FakeExecApi):
         self.created += 1
         if self.created > self.refusals:
             self.run = self.wanted
-        elif self.podman:
-            said = [[chunk(ERR, line)] for line in PODMAN_PAUSED]
-            self.run = FakeExec([*said, None], exit_code=125, pid=90 + self.created)
         else:
-            self.run = FakeExec([[chunk(OUT, PAUSED)], None], exit_code=126, pid=90 + self.created)
+            said = (
+                [[chunk(ERR, line)] for line in PODMAN_PAUSED]
+                if self.podman
+                else [[chunk(OUT, PAUSED)]]
+            )
+            before, after = self.late
+            self.run = FakeExec(
+                [*said, *[[]] * after, None],
+                exit_code=125 if self.podman else 126,
+                pid=90 + self.created,
+                silent_reads=before,
+                never_starts=True,
+            )
         super().make_exec(container_id, request, streamed_stdin)
         return f"exec-{self.created}"
 
 
 def frozen_at_first(
-    run: FakeExec, refusals: int, podman: bool = False
+    run: FakeExec, refusals: int, podman: bool = False, late: tuple[int, int] = (0, 0)
 ) -> tuple[ExecEngine, FrozenAtFirst]:
     clock = FakeClock()
-    api = FrozenAtFirst(clock, run, refusals, podman)
+    api = FrozenAtFirst(clock, run, refusals, podman, late)
     return ExecEngine(api, api.host, clock=clock, asleep=clock.asleep), api
 
 
@@ -276,6 +293,26 @@ def test_an_exec_refused_by_a_moment_s_freeze_runs_again_and_its_refusal_is_neve
     result = result_of(events)
     assert (result.stdout, result.stderr, result.exit_code) == (b"real", b"", 0)
     assert (api.created, run.stdin) == (3, b"in")
+
+
+@pytest.mark.parametrize("podman", [False, True], ids=["docker", "podman"])
+@pytest.mark.parametrize(
+    "late", [(20, 0), (0, 10), (4, 30)], ids=["refused-late", "ends-late", "both"]
+)
+def test_a_refusal_that_comes_late_on_a_busy_host_is_still_run_again(
+    way: Way, podman: bool, late: tuple[int, int]
+) -> None:
+    """On a busy host the runtime may take many seconds to refuse, and as many again to end the
+    stream after its words (a CI guest on one emulated CPU under five users' load): the refusal
+    is known for what it is however late it comes, never streamed as the command's output.
+    Before, the engine held output only for the first two seconds after the start."""
+    run = FakeExec([[chunk(OUT, b"real")], None], exit_code=0)
+    engine, api = frozen_at_first(run, refusals=2, podman=podman, late=late)
+    events = way(engine, request(timeout=120))  # two late refusals take up to 34 s
+    assert [e for e in events if isinstance(e, StreamChunk)] == [chunk(OUT, b"real")]
+    result = result_of(events)
+    assert (result.stdout, result.stderr, result.exit_code) == (b"real", b"", 0)
+    assert api.created == 3
 
 
 def test_a_sandbox_that_stays_paused_answers_runc_s_refusal_after_a_few_tries(way: Way) -> None:

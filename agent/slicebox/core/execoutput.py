@@ -96,7 +96,8 @@ def explain_start_failure(result: ExecResult) -> ExecResult:
 def may_be_paused_refusal(held: list[StreamChunk]) -> bool:
     """Whether the output so far may be (the start of) the runtime's refusal to start: runc's
     words on stdout through Docker; Podman's "Error: " lines on stderr. A command's own output
-    that only looks like it is held back no more than a few KiB, for REFUSAL_WAIT at most."""
+    that only looks like it is held back (a few KiB at most) for ``execution.REFUSAL_WAIT``,
+    then only until the backend says the command runs."""
     first = held[0]
     return (
         first.data.startswith(_refusal_prefix(first.stream))

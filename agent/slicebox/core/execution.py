@@ -73,8 +73,16 @@ T = TypeVar("T")
 KILL_GRACE = 5.0
 POLL = 0.5
 EXIT_POLL = 0.02
-PAUSED_RETRIES = (0.02, 0.05, 0.1, 0.2, 0.5)
-# The refusal comes at once: output is held back at most this long after the start.
+# The pauses before each re-run of an exec the runtime refused while its scope was frozen. A
+# kill's freeze lasts milliseconds on a quiet host and longer on a busy one; each re-run also
+# takes a runtime start, so these span about ten seconds of a frozen scope, then the caller
+# gets the runtime's words (a sandbox paused on purpose is refused before its exec is made).
+PAUSED_RETRIES = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0)
+# Output that looks like the runtime's refusal is held back until it is known for what it is:
+# the refusal ends the stream without the command ever running. Past this many seconds from its
+# first bytes, it is let go as soon as the backend says the command runs. No clock runs before
+# the first bytes: on a busy host the runtime may take many seconds to refuse (a CI guest on
+# one emulated CPU under five users' load took more than the two that once bounded it all).
 REFUSAL_WAIT = 2.0
 
 
@@ -245,14 +253,13 @@ class ExecEngine:
             attachment = await io.start(run.exec_id, request.stdin if stdin is None else stdin)
             # The output so far, while it may be the runtime's refusal to start the command.
             held: list[StreamChunk] | None = [] if retries else None
-            begun = self._clock()
+            looked: float | None = None  # when the held output began to look like one
             try:
                 while (chunks := await self._output(run, attachment, io)) is not None:
                     if held is not None:
                         held.extend(chunks)
-                        if (not held or may_be_paused_refusal(held)) and (
-                            self._clock() - begun < REFUSAL_WAIT
-                        ):
+                        keep, looked = await self._keep_held(run, io, held, looked)
+                        if keep:
                             continue
                         chunks, held = held, None
                     for chunk in chunks:
@@ -283,6 +290,21 @@ class ExecEngine:
                     yield kept
             break
         yield await self._finish(run, capture, io)
+
+    async def _keep_held(
+        self, run: _Run, io: _Io, held: list[StreamChunk], looked: float | None
+    ) -> tuple[bool, float | None]:
+        """Whether output held while it may be the runtime's refusal stays held, and since when
+        it has looked like one: with nothing yet, however long the start takes; with what looks
+        like one, for ``REFUSAL_WAIT``, then until the backend says the command runs."""
+        if not held:
+            return True, looked
+        if not may_be_paused_refusal(held):
+            return False, looked
+        looked = self._clock() if looked is None else looked
+        if self._clock() - looked < REFUSAL_WAIT:
+            return True, looked
+        return not (await self._inspect(run, io)).running, looked
 
     async def _refused(self, run: _Run, io: _Io) -> bool:
         """Whether the exec ended without starting (runc's start failure), not yet timed out."""

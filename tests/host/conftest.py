@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 
 import docker
@@ -10,6 +11,26 @@ import pytest
 
 from slicebox.backends.docker import DockerBackend
 from slicebox.model.names import DOCKER_SCOPES, use_scope_prefix
+from tests.host.pace import REFERENCE_SECONDS, pace
+
+
+def pytest_report_header() -> str:
+    """The host's pace, measured once and handed to every process the tests start (a user's
+    load client, a holder), so all of them wait alike."""
+    measured = pace()
+    os.environ["SLICEBOX_TEST_PACE"] = f"{measured:.3f}"
+    return (
+        f"host pace {measured:.2f} (waiting limits scaled by it; 1.00 = a pure-Python workload "
+        f"in {REFERENCE_SECONDS}s or less; tests/host/pace.py)"
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def host_pace() -> float:
+    """The pace, set in the environment of every process the tests start, whether or not
+    pytest asked this conftest for its header (it does when started on tests/host)."""
+    os.environ["SLICEBOX_TEST_PACE"] = f"{pace():.3f}"
+    return pace()
 
 
 @pytest.fixture(scope="module")

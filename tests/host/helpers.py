@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tests.host.pace import pace, patient
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 TEST_IMAGE = "slicebox-test/busybox:latest"
 
@@ -47,10 +49,15 @@ def unique(prefix: str) -> str:
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, step: float = 0.2) -> None:
-    deadline = time.monotonic() + timeout
+    """Wait until ``predicate()``: ``timeout`` is only how long a test waits (never the property
+    it proves), so it is scaled by the host's pace (:mod:`tests.host.pace`)."""
+    limit = patient(timeout)
+    deadline = time.monotonic() + limit
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
+            raise AssertionError(
+                f"condition not met within {limit:.0f}s ({timeout}s at pace {pace():.2f})"
+            )
         time.sleep(step)
 
 

@@ -5,10 +5,12 @@ They run inside the project's guest (``tests/guest/run``). Where such a test is 
 machine that is not a real host it fails; it is never silently skipped. The build machine's run
 deselects them explicitly with ``-m "not host"``.
 
-Tests also marked ``load`` (five users' load, twenty kill -9s under it) are real-host soaks
-that take 20-35 min each under emulation: CI's run selects them out by name (``-m "host and
-not load"`` in ``tests/run-all``), never by a skip, and ``tests/guest/run python3 -m pytest -m
-load`` runs them.
+Tests also marked ``load`` are real-host loads and soaks at their full size (five users'
+100 sandboxes and 400 execs, 500 echoes) and the kill storms (twenty kill -9s under load), each
+several to 35 min under emulation. CI's run has the load and the soak at CI's scale, which
+prove the same properties on a fifth of the work, and selects the ``load`` ones out by name
+(``-m "host and not load"`` in ``tests/run-all``), never by a skip; ``tests/guest/run python3
+-m pytest -m load`` runs them (docs/testing.md).
 
 Host tests live in ``tests/host`` and nowhere else (a collected ``host`` test elsewhere fails
 the run), so a run that selects host tests alone (``-m "host..."`` or ``-m load``, the guest's)
@@ -39,7 +41,8 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "load: the kill storms under load (real host; run on demand with -m load)"
+        "markers",
+        "load: full-size loads and soaks, kill storms (real host; on demand with -m load)",
     )
 
 

@@ -47,9 +47,11 @@ tests/guest/run() {
     n=$(ls "$RECORD" | grep -c "^$lane-.*\.json$")
     var=CODES_$lane; read -ra codes <<< "${!var:-}"
     python3 -c 'import json, sys, time; print(json.dumps({"lane": sys.argv[1],
-        "cpus": sys.argv[2], "args": sys.argv[3:], "at": time.time()}))' \
-        "$lane" "${SLICEBOX_GUEST_CPUS:-}" "$@" > "$RECORD/$lane-$n.json"
+        "cpus": sys.argv[2], "snapshot": sys.argv[3], "args": sys.argv[4:], "at": time.time()}))' \
+        "$lane" "${SLICEBOX_GUEST_CPUS:-}" "${SLICEBOX_GUEST_SNAPSHOT:-}" "$@" \
+        > "$RECORD/$lane-$n.json"
     echo "collected from $lane"
+    echo "===== $((n + 2)) passed in 1.50s ====="
     sleep 0.5
     date +%s.%N > "$RECORD/$lane-$n.end"
     return "${codes[$n]:-0}"
@@ -62,6 +64,7 @@ class Call(NamedTuple):
 
     lane: str
     cpus: str
+    snapshot: str  # SLICEBOX_GUEST_SNAPSHOT as the call had it
     args: list[str]
     at: float
 
@@ -118,7 +121,7 @@ def test_two_lanes_run_their_halves_at_once_in_guests_of_one_vcpu(tmp_path: Path
     # Each lane's lines say whose they are; its own log has them plain.
     assert "[a] collected from a" in done.stdout
     assert "[b] collected from b" in done.stdout
-    assert (tmp_path / "logs" / "host-a.log").read_text() == "collected from a\n"
+    assert (tmp_path / "logs" / "host-a.log").read_text().startswith("collected from a\n")
 
 
 def test_one_lane_runs_the_whole_suite_in_the_checkouts_guest(tmp_path: Path) -> None:
@@ -148,11 +151,16 @@ def test_a_failing_lane_fails_the_run_and_the_other_lane_still_finishes(tmp_path
     assert len(list((tmp_path / "record").glob("*.end"))) == 2
 
 
-def test_a_lane_whose_guest_died_runs_once_more_and_twice_fails(tmp_path: Path) -> None:
-    done, calls = run_lanes(tmp_path, GUEST_TESTS, CODES_a="75 0")
+def test_a_lane_whose_guest_died_runs_once_more_on_a_cold_boot_and_twice_fails(
+    tmp_path: Path,
+) -> None:
+    done, calls = run_lanes(tmp_path, GUEST_TESTS, CODES_a="75 0", SLICEBOX_GUEST_SNAPSHOT="1")
     assert done.returncode == 0, done.stderr
-    assert [call.lane for call in calls].count("a") == 2
-    assert "lane a's guest died under the suite (exit code 75)" in done.stderr
+    assert [call.snapshot for call in calls if call.lane == "a"] == ["1", "0"]
+    assert [call.snapshot for call in calls if call.lane == "b"] == ["1"]
+    assert "lane a's guest died under the suite (exit code 75): once more on a cold boot" in (
+        done.stderr
+    )
 
     again = tmp_path / "again"
     again.mkdir()
@@ -210,3 +218,17 @@ def test_the_slowest_guest_tests_are_merged_across_lanes(tmp_path: Path) -> None
         "90.50s call tests/host/test_pool.py::t  (lane b)",
         "2.00s call x::a  (lane a)",
     ]
+
+
+def test_the_closing_table_says_each_lane_s_time_and_tests(tmp_path: Path) -> None:
+    """Each lane's own line: its seconds, what its pytest closed on, and a second attempt."""
+    script = GUEST_TESTS.replace("exit $rc", "lanes=(a b); phases=(); timings; exit $rc")
+    done, _ = run_lanes(tmp_path, script, CODES_b="75 0")
+    assert done.returncode == 0, done.stderr
+    table = [line.split(None, 1) for line in done.stderr.splitlines() if ": " in line]
+    lanes = {text: seconds for seconds, text in table if text.startswith("lane ")}
+    assert set(lanes) == {
+        "lane a: 2 passed",
+        "lane b: 3 passed (its second attempt, on a cold boot)",
+    }, done.stderr
+    assert all(seconds.endswith("s") and seconds[:-1].isdigit() for seconds in lanes.values())

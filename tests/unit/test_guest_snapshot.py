@@ -245,6 +245,72 @@ def test_start_guest_saves_nothing_when_snapshots_are_off(rig: dict[str, str]) -
     assert (Path(rig["DIR"]) / "steps").read_text().split() == ["resume", "boot", "prepare"]
 
 
+# tests/guest/run's decisions around a guest that dies under its command: its steps replaced by
+# ones that log, each start saying whether snapshots were on, each command answering from RUNS.
+RUN = GUEST / "run"
+RUN_STEPS = """
+step() { echo "$1" >> "$DIR/steps"; }
+eval "$GUEST_DIR/build() { :; }"
+run_dir() { echo "$DIR"; }
+guest_alive() { return 1; }
+stop_guest() { step stop; }
+start_guest() {
+    step "start-snapshots-${SLICEBOX_GUEST_SNAPSHOT:-1}"
+    if [ "${SLICEBOX_GUEST_SNAPSHOT:-1}" = 0 ]; then echo "boot 50" > "$1/started"
+    else echo "${HOW:-resume} 5" > "$1/started"; fi
+}
+run_command() { step command; local r=${RUNS%% *}; RUNS=${RUNS#* }; return "$r"; }
+"""
+
+
+def run_with(rig: dict[str, str], runs: str, how: str = "resume") -> tuple[int, list[str], str]:
+    env = {**rig, "RUNS": runs, "HOW": how}
+    done = subprocess.run(
+        ["bash", "-c", f'source "{RUN}"\n{RUN_STEPS}\nmain python3 -m pytest'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+    return done.returncode, (Path(rig["DIR"]) / "steps").read_text().split(), done.stderr
+
+
+def test_a_command_whose_resumed_guest_died_runs_once_more_on_a_cold_boot(
+    rig: dict[str, str],
+) -> None:
+    """A resumed guest's kernel died under the five users' load where cold-booted ones did not
+    (issue 58): the command runs once more in a cold-booted guest, and the run says so."""
+    rc, steps, said = run_with(rig, "75 0 ")
+    assert rc == 0, said
+    assert steps == [
+        "stop",
+        "start-snapshots-1",
+        "command",
+        "stop",
+        "start-snapshots-0",
+        "command",
+        "stop",
+    ]
+    assert "the guest resumed from the snapshot died: running the command once more on a cold" in (
+        said
+    )
+
+
+def test_a_cold_booted_guest_that_died_is_not_run_again(rig: dict[str, str]) -> None:
+    rc, steps, said = run_with(rig, "75 0 ", how="boot")
+    assert rc == 75
+    assert steps.count("command") == 1
+    assert "the guest died while running the command (exit code 75); run it again" in said
+
+
+def test_a_resumed_guest_that_died_twice_says_so(rig: dict[str, str]) -> None:
+    rc, steps, said = run_with(rig, "75 75 ")
+    assert rc == 75
+    assert steps.count("command") == 2
+    assert "run it again" in said
+
+
 # qmp.py against a fake QEMU that answers from a script.
 def load_qmp() -> ModuleType:
     spec = importlib.util.spec_from_file_location("guest_qmp", GUEST / "qmp.py")

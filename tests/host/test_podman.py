@@ -35,8 +35,9 @@ pytestmark = pytest.mark.host
 PODMAN = "unix:///run/podman/podman.sock"
 SUITE = ["tests/host/test_sandboxes.py", "tests/host/test_exec.py"]
 LEFT_OUT = {
-    # Eight at a time, 500 execs: the Docker run's soak; here it proves nothing new.
-    "tests/host/test_exec.py::test_five_hundred_echoes_lose_no_byte",
+    # Eight at a time, 100 execs: the Docker run's soak at CI's scale; here it proves nothing
+    # new (its full size, 500, is marked load and selected out with the rest of them).
+    "tests/host/test_exec.py::test_a_hundred_echoes_eight_at_a_time_lose_no_byte",
     # The monitor and runtime charged to the project's TasksMax (the docstring).
     "tests/host/test_sandboxes.py::test_fork_bombs_main_and_exec_stay_under_project_tasksmax",
 }
@@ -46,7 +47,15 @@ def test_the_lifecycle_and_exec_tests_pass_against_podman() -> None:
     sh("systemctl", "start", "podman.socket")
     try:
         deselect = [arg for test in sorted(LEFT_OUT) for arg in ("--deselect", test)]
-        pytest_argv = [sys.executable, "-m", "pytest", "-m", "host", "-q", "--tb=short"]
+        pytest_argv = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-m",
+            "host and not load",
+            "-q",
+            "--tb=short",
+        ]
         ran = subprocess.run(
             [*pytest_argv, "-p", "no:cacheprovider", *SUITE, *deselect],
             env={**os.environ, "DOCKER_HOST": PODMAN},

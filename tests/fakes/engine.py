@@ -38,6 +38,10 @@ class FakeEngine:
         }
         self.asked: list[tuple[str, str, dict[str, list[str]], Any]] = []
         self.start_error: tuple[int, str] | None = None
+        # The next starts' and removals' answers, one each, before they go through: what
+        # dockerd says when containerd runs out of its own time on a busy host.
+        self.start_failures: list[tuple[int, str]] = []
+        self.remove_failures: list[tuple[int, str]] = []
         self.removing: set[str] = set()
         self.slow = 0.0
         self.running = self.peak = 0
@@ -86,6 +90,9 @@ class FakeEngine:
             self._busy()
             if self.start_error is not None:
                 return self.start_error[0], {"message": self.start_error[1]}
+            if self.start_failures:
+                status, message = self.start_failures.pop(0)
+                return status, {"message": message}
             container["Status"] = "running"
             return 204, None
         return 404, {"message": "page not found"}
@@ -128,6 +135,9 @@ class FakeEngine:
         if cid not in self.containers:
             return 404, {"message": f"No such container: {cid}"}
         self._busy()
+        if self.remove_failures:
+            status, message = self.remove_failures.pop(0)
+            return status, {"message": message}
         del self.containers[cid]
         return 204, None
 

@@ -270,6 +270,65 @@ def test_a_failed_start_removes_the_container_and_explains(engine: FakeEngine) -
     assert engine.containers == {}
 
 
+OVERRUN = "failed to create shim task: context deadline exceeded: unknown"
+REMOVE_OVERRUN = "failed to delete container from containerd: context deadline exceeded"
+
+
+def patient(engine: FakeEngine) -> tuple[DockerBackend, list[float]]:
+    """A backend whose pauses between tries are noted, not slept."""
+    docker_backend, pauses = backend(engine), list[float]()
+    docker_backend._sleep = pauses.append
+    return docker_backend, pauses
+
+
+def test_a_removal_containerd_ran_out_of_time_for_is_tried_again(engine: FakeEngine) -> None:
+    """containerd's own deadline on a busy host (a CI guest of one emulated CPU under five
+    users' load) failed a destroy as host_error: the removal goes through on a later try."""
+    docker_backend, pauses = patient(engine)
+    made = docker_backend.create(REQUEST)
+    engine.remove_failures = [(500, REMOVE_OVERRUN)] * 2
+    assert docker_backend.remove(made.id) is True
+    assert engine.containers == {}
+    assert pauses == [1.0, 3.0]
+
+
+def test_a_removal_that_overruns_every_time_fails_and_other_failures_at_once(
+    engine: FakeEngine,
+) -> None:
+    docker_backend, pauses = patient(engine)
+    made = docker_backend.create(REQUEST)
+    engine.remove_failures = [(500, REMOVE_OVERRUN)] * 4
+    with pytest.raises(HostError, match="context deadline exceeded"):
+        docker_backend.remove(made.id)
+    assert len(pauses) == 3
+    engine.remove_failures = [(500, "driver failed to remove root filesystem")]
+    with pytest.raises(HostError, match="root filesystem"):
+        docker_backend.remove(made.id)
+    assert len(pauses) == 3, "no second try for a failure that is not an overrun"
+
+
+def test_a_start_containerd_ran_out_of_time_for_is_made_once_more(engine: FakeEngine) -> None:
+    docker_backend, pauses = patient(engine)
+    engine.start_failures = [(500, OVERRUN)]
+    info = docker_backend.create(REQUEST)
+    assert list(engine.containers) == [info.id]
+    assert engine.containers[info.id]["Status"] == "running"
+    assert pauses == [1.0]
+    creates = [r for r in routes(engine) if r.endswith("/containers/create")]
+    assert len(creates) == 2, "the first container was removed and made again"
+
+
+def test_a_start_that_overruns_twice_is_the_host_s_error_not_the_caller_s(
+    engine: FakeEngine,
+) -> None:
+    docker_backend, _ = patient(engine)
+    engine.start_failures = [(500, OVERRUN)] * 2
+    with pytest.raises(HostError, match="overloaded; retry the create later") as failed:
+        docker_backend.create(REQUEST)
+    assert failed.value.code == "host_error"
+    assert engine.containers == {}
+
+
 def test_create_sends_the_host_config_and_answers_running(engine: FakeEngine) -> None:
     info = backend(engine).create(REQUEST)
     assert (info.name, info.state) == ("sbx-1", SandboxState.RUNNING)

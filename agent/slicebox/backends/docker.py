@@ -17,7 +17,8 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from ipaddress import IPv4Address, IPv4Network, ip_network
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -48,6 +49,7 @@ from slicebox.backends.dockerbody import (
 from slicebox.backends.dockerendpoint import DockerEndpoint
 from slicebox.backends.dockererrors import (
     RemovalInProgress,
+    engine_overrun,
     map_status,
     unpullable,
 )
@@ -62,6 +64,7 @@ from slicebox.backends.dockerstream import (
 )
 from slicebox.backends.engines import FoundEngine, discover
 from slicebox.model.errors import (
+    HostError,
     ImageUnavailable,
     InvalidRequest,
     SandboxNotFound,
@@ -88,6 +91,9 @@ HEAVY_CALLS = 4
 # waits (for the kill, the shim, the scope's stop), so fewer at once leave the CPUs idle that
 # as many callers of Docker's own API would keep busy (docs/benchmarks.md).
 REMOVALS = 8
+# The pauses before a removal or a create is tried again after containerd ran out of its own
+# time (dockererrors.engine_overrun): a host that busy needs seconds, not milliseconds.
+OVERRUN_PAUSES = (1.0, 3.0, 9.0)
 
 
 class DockerBackend:
@@ -114,6 +120,8 @@ class DockerBackend:
         self._json = DockerJsonApi(endpoint, map_status)  # an exec's calls, on the event loop
         self._heavy = threading.BoundedSemaphore(HEAVY_CALLS)
         self._removals = threading.BoundedSemaphore(REMOVALS)
+        # Between tries on an overrun engine (tests set their own).
+        self._sleep: Callable[[float], None] = time.sleep
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> DockerBackend:
@@ -193,26 +201,44 @@ class DockerBackend:
     def create(self, request: SandboxRequest) -> SandboxInfo:
         if request.network == "bridge":
             self._ensure_isolated(BRIDGE_NETWORK, {"com.docker.network.bridge.name": BRIDGE})
-        with self._heavy:
-            created = self._create(request)
-            container_id = str(created["Id"])
-            try:
-                status, text = self._engine.request(
-                    "POST", self._engine.versioned(f"/containers/{segment(container_id)}/start")
+        for pause in (*OVERRUN_PAUSES[:1], None):
+            with self._heavy:
+                container_id, status, text = self._create_and_start(request)
+            if status < 300:
+                state = SandboxState.RUNNING
+                return SandboxInfo(
+                    id=container_id, name=request.name, labels=request.labels, state=state
                 )
-            except BaseException:
-                self._remove(container_id)
-                raise
-            if status >= 300:
-                self._remove(container_id)
-                # The engine answers 400 or 500 alike when the request cannot run (no such
-                # user, workdir or program): the caller's request is what needs changing.
-                raise InvalidRequest(
-                    f"the sandbox could not start: {message_of(text)}; check image, command, user",
-                    code=START_FAILED_CODE,
-                )
-        state = SandboxState.RUNNING
-        return SandboxInfo(id=container_id, name=request.name, labels=request.labels, state=state)
+            if not engine_overrun(text) or pause is None:
+                break
+            log.warning("Docker ran out of its own time starting %s: once more", request.name)
+            self._sleep(pause)
+        if engine_overrun(text):
+            raise HostError(
+                f"Docker could not start the sandbox in its own time, twice ({message_of(text)}):"
+                " the host is overloaded; retry the create later"
+            )
+        # The engine answers 400 or 500 alike when the request cannot run (no such user,
+        # workdir or program): the caller's request is what needs changing.
+        raise InvalidRequest(
+            f"the sandbox could not start: {message_of(text)}; check image, command, user",
+            code=START_FAILED_CODE,
+        )
+
+    def _create_and_start(self, request: SandboxRequest) -> tuple[str, int, str]:
+        """The container made and started: its id and the start's answer; one that did not
+        start is removed again."""
+        container_id = str(self._create(request)["Id"])
+        try:
+            status, text = self._engine.request(
+                "POST", self._engine.versioned(f"/containers/{segment(container_id)}/start")
+            )
+        except BaseException:
+            self._remove(container_id)
+            raise
+        if status >= 300:
+            self._remove(container_id)
+        return container_id, status, text
 
     def _create(self, request: SandboxRequest) -> Any:
         path = self._engine.versioned("/containers/create")
@@ -236,16 +262,26 @@ class DockerBackend:
             return self._remove(backend_id)
 
     def _remove(self, backend_id: str) -> bool:
-        try:
-            self._engine.call(
-                "DELETE",
-                f"/containers/{segment(backend_id)}",
-                backend_id,
-                query={"force": 1, "v": 1},
-            )
-        except (SandboxNotFound, RemovalInProgress):
-            return False
-        return True
+        """Remove the container, tried again while containerd runs out of its own time; True
+        when this call removed it (a try that finds it gone after one that overran did)."""
+        for tried, pause in enumerate((*OVERRUN_PAUSES, None)):
+            try:
+                self._engine.call(
+                    "DELETE",
+                    f"/containers/{segment(backend_id)}",
+                    backend_id,
+                    query={"force": 1, "v": 1},
+                )
+            except (SandboxNotFound, RemovalInProgress):
+                return tried > 0
+            except HostError as exc:
+                if pause is None or not engine_overrun(exc.message):
+                    raise
+                log.warning("Docker ran out of its own time removing %s: again", backend_id)
+                self._sleep(pause)
+                continue
+            return True
+        raise AssertionError("unreachable")  # pragma: no cover - the last try raises or returns
 
     # --- networks ---------------------------------------------------------------------------
 

@@ -24,6 +24,18 @@ from slicebox.model.errors import (
     Unavailable,
 )
 
+# What Docker answers (500) when containerd's own deadlines pass on a host too busy to meet them:
+# a shim's or a task's call under load ("failed to delete container from containerd: context
+# deadline exceeded", a start's "failed to create shim task: context deadline exceeded"). The
+# request was sound and was not carried out, or not all of it; the same request a moment later
+# goes through (seen in CI's guest of one emulated CPU under five users' load, issue 58).
+ENGINE_OVERRUN = "context deadline exceeded"
+
+
+def engine_overrun(text: str) -> bool:
+    """Whether Docker's answer ``text`` says containerd ran out of its own time."""
+    return ENGINE_OVERRUN in text.lower()
+
 
 class RemovalInProgress(HostError):
     """Docker's 409 on a remove while another removal of the container runs."""

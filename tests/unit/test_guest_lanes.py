@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -240,3 +241,49 @@ def test_the_closing_table_says_each_lane_s_time_and_tests(tmp_path: Path) -> No
         "lane b: 3 passed (its second attempt, on a cold boot)",
     }, done.stderr
     assert all(seconds.endswith("s") and seconds[:-1].isdigit() for seconds in lanes.values())
+
+
+def test_lane_times_sums_each_module_and_evens_the_lanes(tmp_path: Path) -> None:
+    """tests/guest/lane-times: a module's seconds are its tests' setup, call and teardown, per
+    lane, and the evened split puts the largest first into the lighter lane."""
+    log = tmp_path / "run.log"
+    log.write_text(
+        "[a] 300.00s call     tests/host/test_load.py::test_x\n"
+        "[a] 10.00s setup    tests/host/test_load.py::test_x\n"
+        "[a] 50.00s call     tests/host/test_native.py::test_y\n"
+        "[b] 200.00s call     tests/host/test_pool.py::test_z\n"
+        "[b] 140.00s teardown tests/host/test_exec.py::test_w\n"
+        "[b] 0.40s call     tests/host/test_cli.py::test_v\n"
+        "[b] tests/host/test_cli.py .....   [ 5%]\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "guest" / "lane-times"), str(log)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.splitlines()
+    assert "lane a: 360 s" in out
+    assert "lane b: 340 s" in out
+    assert "     310.0  test_load.py" in out
+    evened = out[out.index("evened (lane module, in tests/guest/lanes' order):") :]
+    assert "# lane a: 360 s" in evened
+    assert "# lane b: 340 s" in evened
+    assert {"a       test_load.py", "a       test_native.py"} <= set(evened)
+    assert {"b       test_pool.py", "b       test_exec.py", "b       test_cli.py"} <= set(evened)
+
+
+def test_lane_times_says_what_it_needs_when_the_log_has_no_durations(tmp_path: Path) -> None:
+    log = tmp_path / "run.log"
+    log.write_text("nothing here\n")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "guest" / "lane-times"), str(log)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "run tests/run-all" in done.stdout

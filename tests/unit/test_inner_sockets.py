@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from slicebox.core.innerdirs import inner_directory
 from slicebox.core.sandbox import Sandbox
 from slicebox.host.peercgroup import peer_cgroup, within
 from slicebox.model.labels import Lineage
@@ -188,3 +189,26 @@ def test_the_peer_s_cgroup_is_the_kernel_s_answer() -> None:
 def test_within_is_the_scope_or_below(cgroup: str, scope: str, inside: bool) -> None:
     assert within(cgroup, scope) is inside
     assert str(PurePosixPath(scope)) == scope.rstrip("/")
+
+
+def test_the_directory_of_a_create_in_flight_is_spared_and_a_stray_one_removed(
+    tmp_path: Path,
+) -> None:
+    """A create makes its sandbox's socket directory before the engine knows the sandbox; a
+    sweep that took it for a stray failed the create's start (runc: no source to bind), seen
+    in a slow CI lane. The sweep spares what its caller says is in flight."""
+    made = Setup(tmp_path)
+    inner = made.inner
+    creating = inner_directory(tmp_path / "nested", "sbx-00000000000c")
+    stray = inner_directory(tmp_path / "nested", "sbx-00000000000d")
+
+    async def main() -> None:
+        seen = inner.directories()
+        assert seen == {creating.name, stray.name}
+        assert await inner.sync(set(), seen, frozenset({creating.name})) == []
+        assert creating.is_dir()
+        assert not stray.exists()
+        await inner.sync(set())  # done, and not running: the next sweep takes it
+        assert not creating.exists()
+
+    run(main)

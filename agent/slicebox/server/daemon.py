@@ -198,8 +198,12 @@ async def _inner_sockets(runtime: Runtime, serving: Serving) -> None:
         while True:
             await asyncio.sleep(runtime.config.reaper.interval_seconds)
             try:
+                # In this order: a directory seen is its create's, in flight when the creates
+                # are read, or done by then, and so running when the sandboxes are listed.
+                seen = runtime.inner.directories()
+                spared = runtime.sandboxes.operations.engaged()
                 alive = {s.id for s in await asyncio.to_thread(runtime.nested)}
-                await runtime.inner.sync(alive)
+                await runtime.inner.sync(alive, seen, spared)
             except Exception:
                 log.exception("could not check the nested sandboxes' sockets")
 

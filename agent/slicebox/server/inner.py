@@ -118,16 +118,31 @@ class InnerListeners:
                 log.error("cannot re-make the socket of nested sandbox %s: %s", sandbox.id, exc)
         return made
 
-    async def sync(self, alive: set[str]) -> list[str]:
-        """The sockets of sandboxes no longer ``alive`` closed, and stray directories
-        removed; the ids closed."""
+    def directories(self) -> set[str]:
+        """The sandbox ids with a socket directory now."""
+        with contextlib.suppress(FileNotFoundError):
+            return {directory.name for directory in self._root.iterdir()}
+        return set()
+
+    async def sync(
+        self, alive: set[str], seen: set[str] | None = None, spared: frozenset[str] = frozenset()
+    ) -> list[str]:
+        """The sockets of sandboxes no longer ``alive`` closed, and the stray directories
+        among ``seen`` (all there are when None) removed, but those of ``spared`` sandboxes;
+        the ids closed.
+
+        A create makes its sandbox's directory before the engine knows the sandbox, so a
+        directory nobody serves and no running sandbox owns may be a create's in flight: its
+        caller passes the creates in flight as ``spared``, read after ``seen`` and before
+        ``alive`` (:func:`slicebox.server.daemon`), which leaves a create no moment to fall
+        between them. Removing such a directory failed the create's start: runc found no
+        source to bind (a slow host's CI lane, issue 58)."""
         gone = [sandbox_id for sandbox_id in self._owners if sandbox_id not in alive]
         for sandbox_id in gone:
             await self.close(sandbox_id)
-        with contextlib.suppress(FileNotFoundError):
-            for directory in self._root.iterdir():
-                if directory.name not in self._owners and directory.name not in alive:
-                    drop_inner_directory(self._root, directory.name)
+        keep = set(self._owners) | alive | spared
+        for sandbox_id in (self.directories() if seen is None else seen) - keep:
+            drop_inner_directory(self._root, sandbox_id)
         return gone
 
     def _vet(self, client: socket.socket, sandbox_id: str) -> Vetted:

@@ -243,6 +243,17 @@ def test_the_closing_table_says_each_lane_s_time_and_tests(tmp_path: Path) -> No
     assert all(seconds.endswith("s") and seconds[:-1].isdigit() for seconds in lanes.values())
 
 
+def lane_times(log: Path) -> subprocess.CompletedProcess[str]:
+    """tests/guest/lane-times on ``log``."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "guest" / "lane-times"), str(log)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+
+
 def test_lane_times_sums_each_module_and_evens_the_lanes(tmp_path: Path) -> None:
     """tests/guest/lane-times: a module's seconds are its tests' setup, call and teardown, per
     lane, and the evened split puts the largest first into the lighter lane."""
@@ -256,13 +267,7 @@ def test_lane_times_sums_each_module_and_evens_the_lanes(tmp_path: Path) -> None
         "[b] 0.40s call     tests/host/test_cli.py::test_v\n"
         "[b] tests/host/test_cli.py .....   [ 5%]\n"
     )
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "guest" / "lane-times"), str(log)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
+    done = lane_times(log)
     assert done.returncode == 0, done.stderr
     out = done.stdout.splitlines()
     assert "lane a: 360 s" in out
@@ -278,12 +283,6 @@ def test_lane_times_sums_each_module_and_evens_the_lanes(tmp_path: Path) -> None
 def test_lane_times_says_what_it_needs_when_the_log_has_no_durations(tmp_path: Path) -> None:
     log = tmp_path / "run.log"
     log.write_text("nothing here\n")
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "guest" / "lane-times"), str(log)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
+    done = lane_times(log)
     assert done.returncode == 1
     assert "run tests/run-all" in done.stdout

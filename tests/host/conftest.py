@@ -15,20 +15,17 @@ from tests.host.pace import REFERENCE_SECONDS, pace
 
 
 def pytest_report_header() -> str:
-    """The host's pace, measured once and handed to every process the tests start (a user's
-    load client, a holder), so all of them wait alike."""
-    measured = pace()
-    os.environ["SLICEBOX_TEST_PACE"] = f"{measured:.3f}"
+    """The host's pace, said where the run starts (pytest asks when started on tests/host)."""
     return (
-        f"host pace {measured:.2f} (waiting limits scaled by it; 1.00 = a pure-Python workload "
+        f"host pace {pace():.2f} (waiting limits scaled by it; 1.00 = a pure-Python workload "
         f"in {REFERENCE_SECONDS}s or less; tests/host/pace.py)"
     )
 
 
 @pytest.fixture(scope="session", autouse=True)
 def host_pace() -> float:
-    """The pace, set in the environment of every process the tests start, whether or not
-    pytest asked this conftest for its header (it does when started on tests/host)."""
+    """The pace, measured once and set in the environment of every process the tests start
+    (a user's load client, a holder), so all of them wait alike."""
     os.environ["SLICEBOX_TEST_PACE"] = f"{pace():.3f}"
     return pace()
 

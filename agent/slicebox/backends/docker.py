@@ -201,18 +201,16 @@ class DockerBackend:
     def create(self, request: SandboxRequest) -> SandboxInfo:
         if request.network == "bridge":
             self._ensure_isolated(BRIDGE_NETWORK, {"com.docker.network.bridge.name": BRIDGE})
-        for pause in (*OVERRUN_PAUSES[:1], None):
-            with self._heavy:
-                container_id, status, text = self._create_and_start(request)
-            if status < 300:
-                state = SandboxState.RUNNING
-                return SandboxInfo(
-                    id=container_id, name=request.name, labels=request.labels, state=state
-                )
-            if not engine_overrun(text) or pause is None:
-                break
+        container_id, status, text = self._create_and_start(request)
+        if status >= 300 and engine_overrun(text):
             log.warning("Docker ran out of its own time starting %s: once more", request.name)
-            self._sleep(pause)
+            self._sleep(OVERRUN_PAUSES[0])
+            container_id, status, text = self._create_and_start(request)
+        if status < 300:
+            state = SandboxState.RUNNING
+            return SandboxInfo(
+                id=container_id, name=request.name, labels=request.labels, state=state
+            )
         if engine_overrun(text):
             raise HostError(
                 f"Docker could not start the sandbox in its own time, twice ({message_of(text)}):"
@@ -226,18 +224,19 @@ class DockerBackend:
         )
 
     def _create_and_start(self, request: SandboxRequest) -> tuple[str, int, str]:
-        """The container made and started: its id and the start's answer; one that did not
-        start is removed again."""
-        container_id = str(self._create(request)["Id"])
-        try:
-            status, text = self._engine.request(
-                "POST", self._engine.versioned(f"/containers/{segment(container_id)}/start")
-            )
-        except BaseException:
-            self._remove(container_id)
-            raise
-        if status >= 300:
-            self._remove(container_id)
+        """The container made and started, a few at once: its id and the start's answer; one
+        that did not start is removed again."""
+        with self._heavy:
+            container_id = str(self._create(request)["Id"])
+            try:
+                status, text = self._engine.request(
+                    "POST", self._engine.versioned(f"/containers/{segment(container_id)}/start")
+                )
+            except BaseException:
+                self._remove(container_id)
+                raise
+            if status >= 300:
+                self._remove(container_id)
         return container_id, status, text
 
     def _create(self, request: SandboxRequest) -> Any:
@@ -264,24 +263,28 @@ class DockerBackend:
     def _remove(self, backend_id: str) -> bool:
         """Remove the container, tried again while containerd runs out of its own time; True
         when this call removed it (a try that finds it gone after one that overran did)."""
-        for tried, pause in enumerate((*OVERRUN_PAUSES, None)):
+        for tried, pause in enumerate(OVERRUN_PAUSES):
             try:
-                self._engine.call(
-                    "DELETE",
-                    f"/containers/{segment(backend_id)}",
-                    backend_id,
-                    query={"force": 1, "v": 1},
-                )
-            except (SandboxNotFound, RemovalInProgress):
-                return tried > 0
+                return self._delete(backend_id, tried)
             except HostError as exc:
-                if pause is None or not engine_overrun(exc.message):
+                if not engine_overrun(exc.message):
                     raise
-                log.warning("Docker ran out of its own time removing %s: again", backend_id)
-                self._sleep(pause)
-                continue
-            return True
-        raise AssertionError("unreachable")  # pragma: no cover - the last try raises or returns
+            log.warning("Docker ran out of its own time removing %s: again", backend_id)
+            self._sleep(pause)
+        return self._delete(backend_id, len(OVERRUN_PAUSES))
+
+    def _delete(self, backend_id: str, tried: int) -> bool:
+        """One removal, the ``tried``-th: whether it (or an earlier try's) removed it."""
+        try:
+            self._engine.call(
+                "DELETE",
+                f"/containers/{segment(backend_id)}",
+                backend_id,
+                query={"force": 1, "v": 1},
+            )
+        except (SandboxNotFound, RemovalInProgress):
+            return tried > 0
+        return True
 
     # --- networks ---------------------------------------------------------------------------
 

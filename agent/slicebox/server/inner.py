@@ -134,7 +134,7 @@ class InnerListeners:
         A create makes its sandbox's directory before the engine knows the sandbox, so a
         directory nobody serves and no running sandbox owns may be a create's in flight: its
         caller passes the creates in flight as ``spared``, read after ``seen`` and before
-        ``alive`` (:func:`slicebox.server.daemon`), which leaves a create no moment to fall
+        ``alive`` (:mod:`slicebox.server.daemon`), which leaves a create no moment to fall
         between them. Removing such a directory failed the create's start: runc found no
         source to bind (a slow host's CI lane, issue 58)."""
         gone = [sandbox_id for sandbox_id in self._owners if sandbox_id not in alive]

@@ -263,5 +263,7 @@ def test_containerd_runs_the_packaged_runc_from_a_sealed_copy() -> None:
     paths = [entry[5:].decode() for entry in environ if entry.startswith(b"PATH=")]
     search = paths[0] if paths else os.defpath
     assert shutil.which("runc", path=search) == "/usr/local/sbin/runc"
+    found, held = os.stat("/usr/local/sbin/runc"), copy.stat()
+    assert (found.st_dev, found.st_ino) == (held.st_dev, held.st_ino), "the copy, no wrapper"
     version = sh("/usr/local/sbin/runc", "--version").stdout
     assert version == sh("/usr/sbin/runc", "--version").stdout

@@ -82,7 +82,7 @@ chroot "$root" systemctl enable rig-cpu-bandwidth.service
 # runc from a sealed in-memory copy, so it does not copy itself at every exec (under TCG that
 # copy costs about 0.6 s of guest CPU per exec; see the script for why).
 install -m 755 "$(dirname "$0")/rig-sealed-runc" "$root/usr/local/sbin/rig-sealed-runc"
-install -m 755 "$(dirname "$0")/rig-runc-wrapper" "$root/usr/local/sbin/runc"
+ln -sfn /run/rig-runc "$root/usr/local/sbin/runc"  # the copy while it is held
 cat > "$root/etc/systemd/system/rig-sealed-runc.service" <<UNIT
 [Unit]
 Description=Hold a sealed in-memory copy of runc (runc's memfd-bind, for QEMU TCG)

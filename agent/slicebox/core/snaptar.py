@@ -7,12 +7,21 @@ image's own ``/workspace``, which a fork runs with as it is (copy-on-write, no c
 member passes :func:`clean`: no set-user-id or set-group-id bit, no device node and no extended
 attribute (a file capability is one) gets into a snapshot, whoever the sandbox ran as.
 
+The ``/workspace`` is walked while its sandbox is frozen, but not whatever shares it: a second
+sandbox on the same volume may swap a directory for a symlink to ``/`` as the walk goes, and a
+path resolved below ``/proc/<pid>/root`` resolves an absolute link against the agent's own
+root, on the host. So nothing is resolved by path after the walk looked at it: each directory
+is opened relative to its parent's descriptor, each entry relative to its directory's, with
+``O_NOFOLLOW``; a member is made from the ``fstat`` of what was opened, a link is read with
+``readlinkat`` and never followed, and what changed between the look and the open is left out.
+
 Nothing is held whole: members are copied block by block into a :class:`Pipe`, which another
 thread reads as the import's request body.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import stat
@@ -25,6 +34,18 @@ SET_ID = stat.S_ISUID | stat.S_ISGID
 CHUNK = 256 * 1024
 DEPTH = 16  # chunks in flight between the threads: 4 MiB
 WORKSPACE = "workspace"  # the sandbox's /workspace, in a snapshot's stream
+# How the walk opens what it looked at, relative to its directory's descriptor: never through
+# a link (O_NOFOLLOW), a fifo or device without waiting or becoming a terminal.
+O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+O_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+# A name gone since the look, or no longer what it was (a link now: ELOOP, or ENOTDIR with
+# O_DIRECTORY): left out, as a file removed a moment earlier would be.
+GONE_OR_SWAPPED = frozenset({errno.ENOENT, errno.ELOOP, errno.ENOTDIR})
+KINDS = {  # what a walk records besides regular files; sockets and devices are left out
+    stat.S_IFDIR: tarfile.DIRTYPE,
+    stat.S_IFIFO: tarfile.FIFOTYPE,
+    stat.S_IFLNK: tarfile.SYMTYPE,
+}
 
 
 def clean(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
@@ -139,52 +160,158 @@ def write_snapshot(export: BinaryIO, workspace: str, out: Pipe) -> None:
                 kept = None if ours(member.name) else clean(member)
                 if kept is not None:
                     tar.addfile(kept, rootfs.extractfile(member) if kept.isreg() else None)
-        tar.addfile(_root(tar, workspace))
-        add_tree(tar, workspace, WORKSPACE)
+        top = open_tree(workspace)
+        try:
+            tar.addfile(_root(top))
+            if top is not None:
+                _Walk(tar, os.fstat(top).st_dev).directory(top, WORKSPACE)
+        finally:
+            if top is not None:
+                os.close(top)
 
 
 def add_tree(tar: tarfile.TarFile, root: str, arcroot: str) -> None:
-    """Everything below ``root`` as ``arcroot/...``, without following a symbolic link and
-    without crossing into another mount (a credentials mount below it stays out); nothing when
-    there is no directory ``root``."""
+    """Everything below ``root`` as ``arcroot/...`` (:func:`open_tree`, :class:`_Walk`);
+    nothing when there is no directory ``root``."""
+    top = open_tree(root)
+    if top is None:
+        return
     try:
-        found = os.lstat(root)
+        _Walk(tar, os.fstat(top).st_dev).directory(top, arcroot)
+    finally:
+        os.close(top)
+
+
+def open_tree(root: str) -> int | None:
+    """A descriptor of the directory ``root``, its last component opened without following a
+    link (None when it is none). What is above it is the agent's to trust: ``/proc/<pid>/root``,
+    which the kernel resolves to the sandbox's own root; the last component is the sandbox's
+    (a fork's ``/workspace`` is a plain directory it may swap for a link)."""
+    parent, name = os.path.split(root.rstrip("/"))
+    try:
+        above = os.open(parent or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(found.st_mode):
-        return
-    device = found.st_dev
-    for path, arcname in _walk(root, arcroot, device):
-        _add(tar, path, arcname)
+        return None
+    try:
+        return _opened(name, above, O_DIR)
+    finally:
+        os.close(above)
 
 
-def _walk(root: str, arcroot: str, device: int) -> Iterator[tuple[str, str]]:
-    with os.scandir(root) as entries:
-        found = sorted(entries, key=lambda e: e.name)
-    for entry in found:
-        info = entry.stat(follow_symlinks=False)
-        if info.st_dev != device:
-            continue
-        arcname = f"{arcroot}/{entry.name}"
-        yield entry.path, arcname
-        if stat.S_ISDIR(info.st_mode):
-            yield from _walk(entry.path, arcname, device)
+class _Walk:
+    """A tree into ``tar``, below the open directory it starts from, on ``device`` only.
 
+    Each entry is decided by one look (``fstatat``, no link followed) and then opened relative
+    to its directory's descriptor with ``O_NOFOLLOW``: a name the sandbox swapped meanwhile (a
+    directory for a link) fails to open and is left out. Nothing is resolved by path again,
+    so nothing outside the tree is reachable; another mount (a credentials mount below it) is
+    left out by its device."""
 
-def _add(tar: tarfile.TarFile, path: str, arcname: str) -> None:
-    info = os.lstat(path)
-    if not stat.S_ISREG(info.st_mode):
-        member = tar.gettarinfo(path, arcname)
+    def __init__(self, tar: tarfile.TarFile, device: int) -> None:
+        self.tar, self.device = tar, device
+        self.inodes: dict[tuple[int, int], str] = {}  # each file's first name in the stream
+
+    def directory(self, fd: int, arcroot: str) -> None:
+        """The entries of the open directory ``fd``, in name order."""
+        with os.scandir(fd) as listing:
+            entries = sorted(listing, key=lambda e: e.name)
+        for entry in entries:
+            try:
+                looked = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if looked.st_dev == self.device:
+                self._add(fd, entry.name, looked, f"{arcroot}/{entry.name}")
+
+    def _add(self, directory: int, name: str, looked: os.stat_result, arcname: str) -> None:
+        if stat.S_ISDIR(looked.st_mode):
+            self._subdirectory(directory, name, arcname)
+        elif stat.S_ISREG(looked.st_mode):
+            self._file(directory, name, arcname)
+        elif stat.S_ISLNK(looked.st_mode):
+            self._link(directory, name, looked, arcname)
+        else:  # a fifo is a member of its own; a socket or a device is none
+            self._put(_member(looked, arcname))
+
+    def _subdirectory(self, directory: int, name: str, arcname: str) -> None:
+        fd = _opened(name, directory, O_DIR)
+        if fd is None:
+            return
+        try:
+            opened = os.fstat(fd)
+            if opened.st_dev == self.device:
+                self._put(_member(opened, arcname))
+                self.directory(fd, arcname)
+        finally:
+            os.close(fd)
+
+    def _file(self, directory: int, name: str, arcname: str) -> None:
+        fd = _opened(name, directory, O_FILE)
+        if fd is None:
+            return
+        with os.fdopen(fd, "rb") as file:
+            opened = os.fstat(fd)
+            if stat.S_ISREG(opened.st_mode) and opened.st_dev == self.device:
+                member = self._file_member(opened, arcname)
+                self._put(member, file if member.isreg() else None)
+
+    def _link(self, directory: int, name: str, looked: os.stat_result, arcname: str) -> None:
+        """A symbolic link as a link: its target read relative to ``directory``
+        (readlinkat), never followed; one swapped for something else meanwhile is left out."""
+        try:
+            target = os.readlink(name, dir_fd=directory)
+        except OSError:
+            return
+        self._put(_member(looked, arcname, target))
+
+    def _file_member(self, found: os.stat_result, arcname: str) -> tarfile.TarInfo:
+        """A regular file's member; a second name of a file already in the stream is a hard
+        link to the first, as ``TarFile.gettarinfo`` makes it."""
+        inode = (found.st_ino, found.st_dev)
+        first = self.inodes.get(inode)
+        if found.st_nlink > 1 and first is not None and first != arcname:
+            member = _stated(tarfile.TarInfo(arcname), found)
+            member.type, member.linkname = tarfile.LNKTYPE, first
+            return member
+        self.inodes[inode] = arcname
+        member = _stated(tarfile.TarInfo(arcname), found)
+        member.size = found.st_size
+        return member
+
+    def _put(self, member: tarfile.TarInfo | None, file: BinaryIO | None = None) -> None:
         kept = clean(member) if member is not None else None
         if kept is not None:
-            tar.addfile(kept)
-        return
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as file:
-        member = tar.gettarinfo(arcname=arcname, fileobj=file)
-        kept = clean(member)
-        if kept is not None:
-            tar.addfile(kept, file)
+            self.tar.addfile(kept, file)
+
+
+def _opened(name: str, directory: int, flags: int) -> int | None:
+    """``name`` opened relative to ``directory``; None when it is gone, or is no longer what
+    ``flags`` open (a link where a directory or a file was: ``O_NOFOLLOW`` refuses it)."""
+    try:
+        return os.open(name, flags, dir_fd=directory)
+    except OSError as exc:
+        if exc.errno in GONE_OR_SWAPPED:
+            return None
+        raise
+
+
+def _member(found: os.stat_result, arcname: str, target: str = "") -> tarfile.TarInfo | None:
+    """The member of a directory, fifo or link ``found`` describes (an opened descriptor's
+    ``fstat``, or a link's or fifo's look); None for a socket or a device."""
+    kind = KINDS.get(stat.S_IFMT(found.st_mode))
+    if kind is None:
+        return None
+    member = _stated(tarfile.TarInfo(arcname), found)
+    member.type, member.linkname = kind, target
+    return member
+
+
+def _stated(member: tarfile.TarInfo, found: os.stat_result) -> tarfile.TarInfo:
+    """``member`` with ``found``'s mode, owner and time, as ``TarFile.gettarinfo`` sets them
+    but with no name looked up in the host's user database: a sandbox's ids are its own."""
+    member.mode = stat.S_IMODE(found.st_mode)
+    member.uid, member.gid, member.mtime = found.st_uid, found.st_gid, int(found.st_mtime)
+    return member
 
 
 def _writer(out: Pipe) -> tarfile.TarFile:
@@ -197,14 +324,11 @@ def _writer(out: Pipe) -> tarfile.TarFile:
     )
 
 
-def _root(tar: tarfile.TarFile, workspace: str) -> tarfile.TarInfo:
-    """The ``workspace/`` directory itself: as the sandbox's was, or an empty tmpfs's (1777,
-    root's) when it had none."""
-    try:
-        found = tar.gettarinfo(workspace, WORKSPACE)  # lstat: a link is not followed
-    except FileNotFoundError:
-        found = None
-    kept = clean(found) if found is not None and found.isdir() else None
+def _root(top: int | None) -> tarfile.TarInfo:
+    """The ``workspace/`` directory itself: as the sandbox's was (the opened directory's
+    ``fstat``), or an empty tmpfs's (1777, root's) when it had none."""
+    found = _member(os.fstat(top), WORKSPACE) if top is not None else None
+    kept = clean(found) if found is not None else None
     if kept is not None:
         return kept
     member = tarfile.TarInfo(WORKSPACE)

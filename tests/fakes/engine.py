@@ -147,6 +147,29 @@ class FakeEngine:
             return 200, {"Id": "sha256:" + "0" * 64, "RepoTags": [image]}
         return 404, {"message": f"No such image: {image}"}
 
+    def _delete_images(self, rest: list[str], query: dict[str, list[str]], _: Any) -> Reply:
+        """A removal without force of the last reference of an image a container was made
+        from is refused 409, as dockerd refuses it; with ``force`` it is untagged."""
+        image = "/".join(rest)
+        if image not in self.images:
+            return 404, {"message": f"No such image: {image}"}
+        used = [c["Id"] for c in self.containers.values() if c["Body"]["Image"] == image]
+        if used and "force" not in query:
+            return 409, {
+                "message": f'conflict: unable to remove repository reference "{image}" (must '
+                f"force) - container {used[0][:12]} is using its referenced image"
+            }
+        self.images.discard(image)
+        return 200, [{"Untagged": image}]
+
+    def _post_images(self, rest: list[str], query: dict[str, list[str]], _: Any) -> Reply:
+        """``POST /images/{name}/tag?repo=&tag=``."""
+        image = "/".join(rest[:-1])
+        if rest[-1:] != ["tag"] or image not in self.images:
+            return 404, {"message": f"No such image: {image}"}
+        self.images.add(f"{query['repo'][0]}:{query['tag'][0]}")
+        return 201, None
+
     def _get_networks(self, rest: list[str], query: dict[str, list[str]], _: Any) -> Reply:
         filters = json.loads(query.get("filters", ["{}"])[0])
         names, drivers = filters.get("name"), filters.get("driver")

@@ -21,7 +21,7 @@ import docker.errors
 import pytest
 import requests
 
-from slicebox.backends.base import SandboxInfo, SandboxRequest, SandboxState
+from slicebox.backends.base import Removal, SandboxInfo, SandboxRequest, SandboxState
 from slicebox.backends.docker import HEAVY_CALLS, REMOVALS, DockerBackend
 from slicebox.backends.dockerbody import (
     create_body,
@@ -32,6 +32,7 @@ from slicebox.backends.dockerbody import (
 )
 from slicebox.backends.dockerendpoint import DockerEndpoint, endpoint_from_env, parse_docker_host
 from slicebox.backends.dockererrors import map_error
+from slicebox.backends.dockersnap import DockerSnapshots
 from slicebox.model.errors import (
     HostError,
     ImageUnavailable,
@@ -249,6 +250,25 @@ def test_listing_by_labels_is_one_call_that_carries_labels_and_state(engine: Fak
     ]
     assert routes(engine) == ["GET /v1.45/containers/json"]
     assert engine.asked[0][2]["filters"] == ['{"label": ["slicebox.managed=true"]}']
+
+
+def test_a_snapshot_image_is_never_removed_by_force_and_one_a_container_runs_is_kept(
+    engine: FakeEngine,
+) -> None:
+    """A forced removal untags an image a fork runs and leaves its bytes no one's (issue 59):
+    the engine's refusal is the answer ``kept``, on which the core retires it instead."""
+    assert engine._server is not None
+    images = DockerSnapshots(DockerEndpoint(scheme="unix", address=engine._server.server_address))
+    engine.images.add("slicebox-snapshot:abc")
+    fork = backend(engine).create(REQUEST.model_copy(update={"image": "slicebox-snapshot:abc"}))
+    assert images.remove_image("slicebox-snapshot:abc") is Removal.KEPT
+    assert "force" not in engine.asked[-1][2]
+    images.tag_image("slicebox-snapshot:abc", "slicebox-snapshot:abc-0123")
+    assert engine.asked[-1][2] == {"repo": ["slicebox-snapshot"], "tag": ["abc-0123"]}
+    backend(engine).remove(fork.id)
+    assert images.remove_image("slicebox-snapshot:abc") is Removal.REMOVED
+    assert images.remove_image("slicebox-snapshot:abc") is Removal.GONE
+    assert "slicebox-snapshot:abc-0123" in engine.images
 
 
 def test_remove_is_idempotent_when_gone_or_being_removed(engine: FakeEngine) -> None:

@@ -278,6 +278,14 @@ def resolve_own(own: Backend, kind: Backend) -> Backend:
     return own
 
 
+class Removal(StrEnum):
+    """What the engine did with an image asked to go (``SnapshotEngine.remove_image``)."""
+
+    REMOVED = "removed"  # the reference is gone, and the image with it when it was its last
+    GONE = "gone"  # the engine has no such image
+    KEPT = "kept"  # a container runs it (or it is its last reference): the engine keeps both
+
+
 class SnapshotEngine(Protocol):
     """What pause, snapshots and forks ask of the engine (a fake in tests/fakes)."""
 
@@ -291,9 +299,16 @@ class SnapshotEngine(Protocol):
 
     def image_config(self, image: str) -> Mapping[str, Any]: ...
 
-    def images(self, labels: Mapping[str, str]) -> list[Mapping[str, Any]]: ...
+    def images(self, labels: Mapping[str, str]) -> list[Mapping[str, Any]]:
+        """Every image carrying all of ``labels`` (untagged ones too), as the engine lists
+        them: each an ``Id``, ``RepoTags``, ``Labels`` and ``Size``."""
 
-    def remove_image(self, image: str) -> bool: ...
+    def tag_image(self, image_id: str, reference: str) -> None:
+        """Give the image ``image_id`` the reference ``reference`` (repo:tag) too."""
+
+    def remove_image(self, image: str) -> Removal:
+        """Remove the reference ``image`` (or, by id, an untagged image), never by force:
+        a reference that is its image's last, and a container runs that image, is kept."""
 
     def export(self, container_id: str, read: Callable[[BinaryIO], None]) -> None: ...
 

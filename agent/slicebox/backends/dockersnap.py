@@ -6,7 +6,9 @@ filesystem read as a stream and an import of a rewritten stream as one new image
 takes its image configuration only from ``changes`` (the base image's command, entrypoint,
 env, working directory, and slicebox's labels), never from the container, whose ``Env`` holds
 what its create was given; ``docker commit`` would copy that Env into the image. The import is
-the engine's one step: a stream cut short (an agent killed mid-way) leaves no image.
+the engine's one step: a stream cut short (an agent killed mid-way) leaves no image. An image is
+never removed by force: a forced removal of an image a fork runs untags it and leaves its bytes
+in the store, no one's (core.snapshots retires it instead).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any, BinaryIO, cast
 from urllib.parse import quote, urlencode
 
+from slicebox.backends.base import Removal
 from slicebox.backends.dockerapi import EngineApi, call_failed, message_of
 from slicebox.backends.dockerbody import segment
 from slicebox.backends.dockerendpoint import DockerEndpoint
@@ -59,18 +62,25 @@ class DockerSnapshots:
     def images(self, labels: Mapping[str, str]) -> list[Mapping[str, Any]]:
         filters = json.dumps({"label": [f"{k}={v}" for k, v in labels.items()]})
         found = self._api.call("GET", "/images/json", "the images", query={"filters": filters})
-        return [entry for entry in found or [] if entry.get("RepoTags")]  # untagged: deleted
+        return list(found or [])
 
-    def remove_image(self, image: str) -> bool:
-        """Untag and delete it; an image a fork still runs is untagged only (the engine keeps
-        its layers until that sandbox is gone)."""
-        try:
-            self._api.call(
-                "DELETE", f"/images/{quote(image, safe='/:@')}", image, query={"force": 1}
-            )
-        except SandboxNotFound:
-            return False
-        return True
+    def tag_image(self, image_id: str, reference: str) -> None:
+        repo, tag = reference.rsplit(":", 1)
+        target = f"/images/{quote(image_id, safe='/:@')}/tag"
+        self._api.call("POST", target, image_id, query={"repo": repo, "tag": tag})
+
+    def remove_image(self, image: str) -> Removal:
+        """Without force: the engine refuses (409) to take the last reference of an image a
+        container runs, where a forced removal would untag it and leave its bytes no one's."""
+        target = self._api.versioned(f"/images/{quote(image, safe='/:@')}")
+        status, text = self._api.request("DELETE", target)
+        if status == 404:
+            return Removal.GONE
+        if status == 409:
+            return Removal.KEPT
+        if status >= 300:
+            raise map_status(status, message_of(text), f"image {image}")
+        return Removal.REMOVED
 
     def export(self, container_id: str, read: Callable[[BinaryIO], None]) -> None:
         """``read`` the container's root filesystem as a tar stream."""

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol
 
-from slicebox.backends.base import SandboxBackend, SandboxInfo
+from slicebox.backends.base import Removal, SandboxBackend, SandboxInfo, SnapshotEngine
 from slicebox.core.credentials import CredentialStore
 from slicebox.core.deadlines import Timer
 from slicebox.core.instruments import NOWHERE, Instruments
@@ -30,6 +30,7 @@ from slicebox.model.config import ReaperConfig
 from slicebox.model.errors import HostError, NotFound, SliceboxError
 from slicebox.model.labels import VOLUME_MARK, selector
 from slicebox.model.reaper import Action, Kind, Outcome, Report, Rule
+from slicebox.model.snapshots import LABEL, Released, released
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,11 @@ class Reaper:
         final_usage: FinalUsage | None = None,
         pool: PoolView | None = None,
         instruments: Instruments = NOWHERE,
+        images: SnapshotEngine | None = None,
     ) -> None:
+        """``images``: the engine's snapshot images, whose released ones a pass removes."""
         self.instruments = instruments  # each action counted by rule and outcome
+        self._images = images
         self._listed: list[SandboxInfo] = []  # the last pass's listing (``listed``)
         self._pool = pool
         self._sandboxes = sandboxes
@@ -92,11 +96,23 @@ class Reaper:
             timers=deadlines.leased() if deadlines is not None else [],
             state_dirs=sorted(p.name for p in _children(state_dir)),
             volumes=self._backend.volumes({VOLUME_MARK: "true"}),
+            released=self._released(),
             adopted=self.adopted,
             empty_since=self._seen_empty_since(),
             pools=self._pool.trims() if self._pool is not None else {},
             ready_since=self._pool.ready_since() if self._pool is not None else {},
         )
+
+    def _released(self) -> list[Released]:
+        """The released snapshot images; none when the engine cannot say (a host running
+        native sandboxes only while Docker is down): the next pass looks again."""
+        if self._images is None:
+            return []
+        try:
+            return released(self._images.images({LABEL: "true"}))
+        except SliceboxError as exc:
+            log.info("reaper: snapshot images not listed: %s", exc.message)
+            return []
 
     def listed(self) -> list[SandboxInfo]:
         """Every backend's sandboxes as the last pass listed them (at start, then every
@@ -190,6 +206,7 @@ class Reaper:
             Kind.REMOVE_FILES: lambda a: self._remove_files(a.sandbox_id),
             Kind.STOP_SLICE: lambda a: self._sandboxes.stop_slice_if_idle(a.target),
             Kind.REMOVE_VOLUME: lambda a: self._backend.remove_volume(a.target),
+            Kind.REMOVE_IMAGE: self._remove_image,
         }
         return steps[action.kind](action), None
 
@@ -199,6 +216,13 @@ class Reaper:
         if not removed and (self._config().state_dir / sandbox_id).exists():
             raise HostError(f"the files of {sandbox_id} could not be removed; see the log")
         return removed
+
+    def _remove_image(self, action: Action) -> bool:
+        """A released snapshot image, unless a container still runs it (skipped: the engine
+        keeps it for the next pass)."""
+        if self._images is None:
+            return False
+        return self._images.remove_image(action.target) is Removal.REMOVED
 
     def _adopt(self, action: Action) -> bool:
         self._adopted.add(action.sandbox_id)

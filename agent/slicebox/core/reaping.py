@@ -39,6 +39,11 @@ The rules, each with its :class:`Rule` name in the plan and the audit:
   (its last destroy could not remove it: a sibling still ran, or the agent stopped), and for
   whose user no create is in progress (that create may be about to mount it again). A volume
   a container still mounts is skipped: Docker refuses to remove it.
+- ``snapshot_released``: an image of a snapshot its owner deleted while a fork ran it (its
+  retired reference, or an untagged one an agent before retired references left), no fork of
+  that snapshot's name being left to its user: removed, never by force (the engine keeps one a
+  container still runs, and the next pass looks again). Until then its bytes count against its
+  owner's ``[snapshots] max_bytes`` (core.snapshots).
 - ``empty_slice``: a user or project slice no sandbox and no create in progress uses, and has
   not used for ``reaper.empty_slice_grace_seconds``. Destroying a sandbox leaves its slices
   alone, so a project whose sandboxes come and go (one-shot runs) keeps them instead of making
@@ -65,6 +70,7 @@ from slicebox.model.errors import SliceboxError
 from slicebox.model.labels import PREFIX, decode_volume, stamp
 from slicebox.model.names import parse_slice
 from slicebox.model.reaper import Action, Kind, Rule
+from slicebox.model.snapshots import Released
 from slicebox.model.spec import Backend
 
 log = logging.getLogger(__name__)
@@ -87,6 +93,7 @@ class Observed(Model):
     timers: list[Timer] = []
     state_dirs: list[str] = []  # sandbox ids that have a state directory
     volumes: list[VolumeInfo] = []  # workspace volumes (labelled slicebox.volume=true)
+    released: list[Released] = []  # snapshot images no snapshot names any more
     in_flight: dict[str, tuple[str, str]] = {}  # creates in progress: id -> (user, project)
     busy: frozenset[str] = frozenset()  # sandboxes an operation holds (seen after in_flight)
     adopted: frozenset[str] = frozenset()
@@ -127,6 +134,7 @@ def plan_pass(observed: Observed, now: datetime, policy: ReaperConfig) -> Plan:
         *_stale_timers(observed, sandboxes),
         *_leftover_files(observed, alive),
         *_stale_volumes(observed, alive),
+        *_released_snapshots(observed, alive),
         *_past_grace(empty, since, now, policy.empty_slice_grace_seconds),
     ]
     return Plan(actions, since)
@@ -358,6 +366,24 @@ def _stale_volumes(observed: Observed, alive: dict[str, Sandbox]) -> list[Action
                 )
             )
     return actions
+
+
+def _released_snapshots(observed: Observed, alive: dict[str, Sandbox]) -> list[Action]:
+    """Released snapshot images whose user runs no fork of their name any more (one that does
+    may run this very image): removed, the engine refusing any a container still runs."""
+    forks = {(s.user, s.lineage.from_snapshot) for s in alive.values() if s.lineage.from_snapshot}
+    return [
+        Action(
+            kind=Kind.REMOVE_IMAGE,
+            rule=Rule.SNAPSHOT_RELEASED,
+            target=image.target,
+            user=image.user,
+            reason=f"it was snapshot {image.name or '?'} of {image.user or '?'}, deleted while a "
+            "fork ran it, and no fork of it is left",
+        )
+        for image in sorted(observed.released, key=lambda i: i.target)
+        if (image.user, image.name) not in forks
+    ]
 
 
 def _empty_slices(observed: Observed, alive: dict[str, Sandbox]) -> list[Action]:

@@ -11,9 +11,14 @@ holds), never reach a snapshot. No set-id bit, device node or file capability go
 
 Snapshots are their owner's: listed, forked and deleted only by the user they were taken for
 (another user's answers ``not_found``, as a sandbox does), at most ``[snapshots] max_count``
-and ``max_bytes`` each (``snapshot_quota`` says what they hold). Native, wasm and remote
-sandboxes are refused (``backend_unsupported``), and so is a sandbox whose ``/workspace`` is a
-host directory (``snapshot_workspace``).
+and ``max_bytes`` each (``snapshot_quota`` says what they hold). An image is a user's snapshot
+only through the agent's own reference (:func:`slicebox.model.snapshots.attribute`), never
+through the labels a pulled image may carry. A snapshot deleted while a fork runs its image is
+retired (:meth:`Snapshots._remove`): gone from its owner's list, its name free, its bytes still
+counted against their ``max_bytes`` until the reaper removes the image once nothing runs it
+(``core.reaping``, ``snapshot_released``). Native, wasm and remote sandboxes are refused
+(``backend_unsupported``), and so is a sandbox whose ``/workspace`` is a host directory
+(``snapshot_workspace``).
 
 A fork (``"from_snapshot": name`` in a create) is an ordinary create of the snapshot's image
 (admission, ceilings, egress as any) whose ``/workspace`` is that image's own rather than a
@@ -28,11 +33,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, BinaryIO, Protocol
 
-from slicebox.backends.base import SnapshotEngine, mounts_workspace
+from slicebox.backends.base import Removal, SnapshotEngine, mounts_workspace
 from slicebox.core.blocking import Blocking
 from slicebox.core.execaudit import audited, subject
 from slicebox.core.files import Files
@@ -61,10 +67,15 @@ from slicebox.model.snapshots import (
     LABEL_PROJECT,
     LABEL_ROOT_TASK,
     LABEL_USER,
+    HeldSnapshot,
     SnapshotDeleted,
     SnapshotView,
+    attribute,
+    retired_image,
     snapshot_image,
 )
+
+log = logging.getLogger(__name__)
 
 
 class Lifecycle(Protocol):
@@ -83,10 +94,11 @@ def quota_error(what: str) -> AdmissionRefused:
     )
 
 
-def _over_room(user: str, room: int) -> AdmissionRefused:
+def _over_room(user: str, held: str, room: int) -> AdmissionRefused:
+    """``held``: what of the user's bytes retired images hold (:func:`held_by_forks`)."""
     return quota_error(
         f"this snapshot grew past the {human_bytes(room)} left of {user}'s snapshots' max_bytes "
-        "(a sparse file counts whole) and was not made"
+        f"(a sparse file counts whole) and was not made{held}"
     )
 
 
@@ -105,17 +117,32 @@ def fork_workspace_refusal(name: str) -> InvalidRequest:
     )
 
 
-def view_of(image: Mapping[str, Any]) -> SnapshotView:
-    labels = image.get("Labels") or {}
-    return SnapshotView(
-        name=labels[LABEL_NAME],
-        user=labels[LABEL_USER],
-        project=labels.get(LABEL_PROJECT, ""),
-        origin=labels.get(LABEL_ORIGIN, ""),
-        root_task_id=labels.get(LABEL_ROOT_TASK, ""),
-        base_image=labels.get(LABEL_BASE, ""),
-        created_at=labels.get(LABEL_CREATED) or datetime.fromtimestamp(0, UTC),
-        size_bytes=int(image.get("Size") or 0),
+def no_snapshot(name: str) -> NotFound:
+    """The answer for a snapshot the caller has not, or may not reach: the same either way."""
+    return NotFound(f"no snapshot {name}; list snapshots to see the names")
+
+
+def views_of(found: list[HeldSnapshot]) -> list[SnapshotView]:
+    """The snapshots among ``found`` as their owners see them; a retired image is none, and
+    one whose labels make no view is left out (logged), never an error for the whole list."""
+    views = []
+    for held in found:
+        view = None if held.retired else held.view()
+        if view is None and not held.retired:
+            log.warning("snapshot image %s has malformed labels; left out", held.image_id)
+        if view is not None:
+            views.append(view)
+    return sorted(views, key=lambda v: (v.user, v.created_at, v.name))
+
+
+def held_by_forks(found: list[HeldSnapshot]) -> str:
+    """What of ``found``'s bytes retired images hold, said in a quota's refusal."""
+    retired = sum(h.size_bytes for h in found if h.retired)
+    if not retired:
+        return ""
+    return (
+        f"; {human_bytes(retired)} of that is deleted snapshots' images that forks still run, "
+        "freed once they end"
     )
 
 
@@ -177,12 +204,8 @@ class Snapshots:
         self, who: Identity, user: str | None, blocking: Blocking
     ) -> list[SnapshotView]:
         """The caller's own snapshots; an admin's, every user's (or ``user``'s)."""
-        wanted = {LABEL: "true"}
-        if not who.is_admin or user is not None:
-            wanted[LABEL_USER] = who.acting_user(user)
-        found = await blocking(functools.partial(self._engine.images, wanted))
-        views = [view_of(image) for image in found]
-        return sorted(views, key=lambda v: (v.user, v.created_at, v.name))
+        owner = who.acting_user(user) if not who.is_admin or user is not None else None
+        return views_of(await blocking(functools.partial(self._held, owner)))
 
     async def delete(
         self, who: Identity, name: str, user: str | None, blocking: Blocking
@@ -191,10 +214,11 @@ class Snapshots:
         event = AuditEvent.SNAPSHOT_DELETED
         async with audited(self._auditor, event, who, blocking, user=owner) as record:
             record["detail"] = f"snapshot {name}"
-            await blocking(functools.partial(self._owned, owner, name))
-            image = snapshot_image(owner, name)
-            gone = await blocking(functools.partial(self._engine.remove_image, image))
-        return SnapshotDeleted(name=name, deleted=gone)
+            held = await blocking(functools.partial(self._owned, owner, name))
+            removal = await blocking(functools.partial(self._remove, held))
+            if removal is Removal.KEPT:
+                record["detail"] = f"snapshot {name}: retired, its image kept for its forks"
+        return SnapshotDeleted(name=name, deleted=removal is not Removal.GONE)
 
     # --- forks ----------------------------------------------------------------------------
 
@@ -217,7 +241,7 @@ class Snapshots:
 
     def _take(self, sandbox: Sandbox, name: str) -> SnapshotView:
         image = snapshot_image(sandbox.user, name)
-        held = self._engine.images({LABEL: "true", LABEL_USER: sandbox.user})
+        held = self._held(sandbox.user)
         room = self._check_room(sandbox.user, name, held)
         attrs = self._engine.container(sandbox.container_id)
         if any(
@@ -231,13 +255,15 @@ class Snapshots:
             pid = int(self._engine.container(sandbox.container_id)["State"]["Pid"])
             workspace = self._workspace_of(pid)
             labels = self._labels(sandbox, name, base)
-            pipe = Pipe(room, functools.partial(_over_room, sandbox.user))
+            too_many = functools.partial(_over_room, sandbox.user, held_by_forks(held))
+            pipe = Pipe(room, too_many)
             self._import(sandbox.container_id, image, changes_of(config, labels), workspace, pipe)
-        made = self._engine.images({LABEL: "true", LABEL_USER: sandbox.user, LABEL_NAME: name})
-        if not made:
+        made = self._live(sandbox.user, name)
+        view = made.view() if made is not None else None
+        if made is None or view is None:
             raise SliceboxError(f"the engine has no snapshot {name} after its import; retry")
-        self._check_size(sandbox.user, image, held, made[0])
-        return view_of(made[0])
+        self._check_size(sandbox.user, image, held, made)
+        return view
 
     def _import(
         self, container: str, image: str, changes: list[str], workspace: str, pipe: Pipe
@@ -266,39 +292,66 @@ class Snapshots:
             LABEL_CREATED: stamp(self._clock()),
         }
 
-    def _check_room(self, user: str, name: str, held: list[Mapping[str, Any]]) -> int:
-        """The bytes ``user``'s next snapshot may take, or a refusal."""
+    def _check_room(self, user: str, name: str, held: list[HeldSnapshot]) -> int:
+        """The bytes ``user``'s next snapshot may take, or a refusal. ``held``: the user's
+        snapshots and retired images, whose bytes count until the engine has freed them."""
         bounds = self._sandboxes.config.snapshots
-        if any((image.get("Labels") or {}).get(LABEL_NAME) == name for image in held):
+        live = [h for h in held if not h.retired]
+        if any(h.name == name for h in live):
             raise AdmissionRefused(
                 f"you have a snapshot named {name} already; choose another name or delete it",
                 code="snapshot_exists",
             )
-        used = sum(int(image.get("Size") or 0) for image in held)
-        if len(held) >= bounds.max_count:
-            raise quota_error(f"{user} holds {len(held)} snapshots, the most allowed")
+        used = sum(h.size_bytes for h in held)
+        if len(live) >= bounds.max_count:
+            raise quota_error(f"{user} holds {len(live)} snapshots, the most allowed")
         if used >= bounds.max_bytes_value:
             raise quota_error(
                 f"{user}'s snapshots take {human_bytes(used)}, the most allowed is "
-                f"{human_bytes(bounds.max_bytes_value)}"
+                f"{human_bytes(bounds.max_bytes_value)}{held_by_forks(held)}"
             )
         return bounds.max_bytes_value - used
 
     def _check_size(
-        self, user: str, image: str, held: list[Mapping[str, Any]], made: Mapping[str, Any]
+        self, user: str, image: str, held: list[HeldSnapshot], made: HeldSnapshot
     ) -> None:
         """A snapshot that took the user past ``max_bytes`` is deleted again, and refused."""
         limit = self._sandboxes.config.snapshots.max_bytes_value
-        used = sum(int(i.get("Size") or 0) for i in held) + int(made.get("Size") or 0)
+        used = sum(h.size_bytes for h in held) + made.size_bytes
         if used > limit:
             self._engine.remove_image(image)
             raise quota_error(
-                f"this snapshot ({human_bytes(int(made.get('Size') or 0))}) would take {user}'s "
-                f"snapshots to {human_bytes(used)}, over the {human_bytes(limit)} allowed"
+                f"this snapshot ({human_bytes(made.size_bytes)}) would take {user}'s snapshots "
+                f"to {human_bytes(used)}, over the {human_bytes(limit)} allowed"
+                f"{held_by_forks(held)}"
             )
 
-    def _owned(self, user: str, name: str) -> Mapping[str, Any]:
-        found = self._engine.images({LABEL: "true", LABEL_USER: user, LABEL_NAME: name})
-        if not found:
-            raise NotFound(f"no snapshot {name}; list snapshots to see the names")
-        return found[0]
+    def _remove(self, held: HeldSnapshot) -> Removal:
+        """The snapshot's image removed; one a fork still runs (which the engine keeps) is
+        retired: given the agent's retired reference, then its snapshot's taken away. It is no
+        snapshot any more (its name is free), but its bytes stay its owner's, counted, until
+        the reaper removes it once nothing runs it (``snapshot_released``)."""
+        removal = self._engine.remove_image(held.reference)
+        if removal is not Removal.KEPT:
+            return removal
+        self._engine.tag_image(held.image_id, retired_image(held.user, held.name, held.image_id))
+        self._engine.remove_image(held.reference)  # one of two references now: an untag
+        return Removal.KEPT
+
+    def _held(self, user: str | None, name: str | None = None) -> list[HeldSnapshot]:
+        """``user``'s (every user's: None) snapshot images, attributed by the agent's own
+        references: the labels only narrow the engine's list."""
+        wanted = {LABEL: "true"}
+        wanted |= {LABEL_USER: user} if user is not None else {}
+        wanted |= {LABEL_NAME: name} if name is not None else {}
+        found = [attribute(entry) for entry in self._engine.images(wanted)]
+        return [h for h in found if h is not None and user in (None, h.user)]
+
+    def _live(self, user: str, name: str) -> HeldSnapshot | None:
+        return next((h for h in self._held(user, name) if not h.retired), None)
+
+    def _owned(self, user: str, name: str) -> HeldSnapshot:
+        found = self._live(user, name)
+        if found is None:
+            raise no_snapshot(name)
+        return found

@@ -24,6 +24,7 @@ class Rule(StrEnum):
     LEFTOVER_FILES = "leftover_files"
     EMPTY_SLICE = "empty_slice"
     VOLUME_ORPHANED = "volume_orphaned"
+    SNAPSHOT_RELEASED = "snapshot_released"
 
 
 class Kind(StrEnum):
@@ -35,11 +36,12 @@ class Kind(StrEnum):
     REMOVE_FILES = "remove_files"
     STOP_SLICE = "stop_slice"
     REMOVE_VOLUME = "remove_volume"
+    REMOVE_IMAGE = "remove_image"
 
 
 class Action(Model):
-    """One step of a plan; ``target`` is a sandbox id, container id, unit, directory or
-    volume."""
+    """One step of a plan; ``target`` is a sandbox id, container id, unit, directory, volume
+    or image."""
 
     model_config = ConfigDict(frozen=True)
 

@@ -227,6 +227,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         alive=lambda member: populated(files, cgroups_of(member).scope),
         instruments=metrics.instruments,
     )
+    images = DockerSnapshots(docker.endpoint)  # snapshots' images: the reaper's and forks'
     reaper = Reaper(
         sandboxes,
         slices,
@@ -236,6 +237,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         final_usage=final_usage,
         pool=pool,
         instruments=metrics.instruments,
+        images=images,
     )
     agent_memory = agent_memory_max()  # read once; the config's budget is re-read on reload
     budget = OutputBudget(
@@ -258,7 +260,7 @@ def assemble(config_path: Path, auditor: Auditor) -> Runtime:
         instruments=metrics.instruments,
         inner=inner,
     )
-    pausing = Pausing(DockerSnapshots(docker.endpoint), service.files, files)
+    pausing = Pausing(images, service.files, files)
     service.snapshots = Snapshots(pausing, service.files)
     if available.available:
         pausing.thaw_leftovers()  # what an agent killed mid-snapshot left frozen

@@ -23,7 +23,8 @@ from slicebox.host.identity import Identity
 from slicebox.host.journal import Auditor
 from slicebox.model.api import CreateSandbox
 from slicebox.model.config import ReaperConfig, parse_config
-from slicebox.model.errors import SliceboxError
+from slicebox.model.errors import NotFound, SliceboxError
+from slicebox.model.exec import ExecRequest
 from slicebox.model.reaper import Kind, Rule
 from slicebox.model.snapshots import LABEL, LABEL_NAME, LABEL_USER, snapshot_image
 from tests.fakes.snapshots import FakeSnapshotEngine, member, tar_of
@@ -224,3 +225,52 @@ def test_a_deleted_snapshot_no_fork_runs_is_removed_at_once(tenants: Tenants) ->
     assert tenants.delete(ALICE, "base") is True
     assert tenants.engine.store == {}
     assert code_of(lambda: tenants.delete(ALICE, "base")) == "not_found"
+
+
+# --- symptom 4: a nested sandbox's snapshots and paused neighbours ---
+
+
+def test_a_nested_sandbox_forks_only_snapshots_of_its_own_subtree(tenants: Tenants) -> None:
+    tenants.configure("max_count = 5")
+    parent = tenants.known(tenants.nest.parent(nested={"max_children": 4, "max_depth": 2}))
+    child = tenants.known(tenants.nest.child(parent))
+    sibling = tenants.box()
+    for box, name in ((sibling, "sibling"), (parent, "parent"), (child, "child")):
+        tenants.take(ALICE, box, name)
+    at_parent, at_child = tenants.nest.inner(parent), tenants.nest.inner(child)
+    for within, name in ((at_parent, "sibling"), (at_child, "parent"), (at_child, "sibling")):
+        before = {s.id for s in tenants.world.sandboxes.find()}
+        with pytest.raises(NotFound) as refused:
+            tenants.fork(within, name)
+        missing = f"no snapshot {name}; list snapshots to see the names"
+        assert refused.value.message == missing, "as a snapshot that is not there"
+        assert {s.id for s in tenants.world.sandboxes.find()} == before, "nothing made"
+    for name in ("child", "parent"):
+        made = tenants.world.sandboxes.get(tenants.fork(at_parent, name))
+        assert (made.lineage.parent_id, made.lineage.from_snapshot) == (parent, name)
+    assert tenants.fork(ALICE, "sibling"), "its user on the host forks any of theirs"
+
+
+def nested_exec(tenants: Tenants, who: Identity, target: str) -> None:
+    """An exec as the route runs it: the paused check first, then the exec."""
+    from_thread(lambda b: tenants.pausing.ensure_running(who, target, False, b))
+    ThreadSide(tenants.world.service).exec(who, target, ExecRequest(argv=("true",)))
+
+
+def test_a_nested_exec_on_a_paused_neighbour_answers_as_one_that_does_not_exist(
+    tenants: Tenants,
+) -> None:
+    parent = tenants.known(tenants.nest.parent())
+    child = tenants.known(tenants.nest.child(parent))
+    sibling = tenants.box()
+    for paused in (sibling, parent):
+        tenants.paused(paused)
+    at_child = tenants.nest.inner(child)
+    for target in (sibling, parent, "sbx-000000000fff"):
+        with pytest.raises(NotFound) as refused:
+            nested_exec(tenants, at_child, target)
+        assert refused.value.message == f"no sandbox {target}; list sandboxes to see the ids"
+        assert refused.value.code == "not_found"
+    assert code_of(lambda: nested_exec(tenants, ALICE, sibling)) == "sandbox_paused", (
+        "its own user on the host is told"
+    )

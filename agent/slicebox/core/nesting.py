@@ -13,8 +13,12 @@ whose ``ancestors`` label names it, its descendants. What it may do there:
   ``policy_nested`` before anything is made; at most ``max_children`` alive at once and
   ``creates_per_minute`` a minute per parent (``nested_limit``);
 - exec, files, usage, extend (never past the parent's deadline) and destroy on its
-  descendants; list shows them only. Everything else is refused ``nested_refused``
-  (``server.api``).
+  descendants; list shows them only. Another sandbox answers as one that does not exist,
+  paused or not (``not_found``, never ``sandbox_paused``: core.pausing asks :func:`reaches`
+  too). Everything else is refused ``nested_refused`` (``server.api``);
+- a child forked from a snapshot (``from_snapshot``) only of a snapshot of the calling
+  sandbox or one of its descendants (:func:`reaches_snapshot`); any other, of the same user
+  or not, answers ``not_found`` as a snapshot that does not exist.
 
 Nothing here is remembered that labels do not say: a restarted agent rebuilds it all from
 them, and the per-parent counts of creates under way are only what this agent is doing now.
@@ -62,6 +66,15 @@ def reaches(who: Identity, sandbox: Sandbox) -> bool:
     """Whether a request may act on ``sandbox`` as far as nesting goes: a host caller's may
     (its user's checks are elsewhere); a nested sandbox's only on its descendants."""
     return not who.within or who.within in sandbox.lineage.ancestor_ids
+
+
+def reaches_snapshot(who: Identity, line: tuple[str, ...]) -> bool:
+    """Whether a request may fork a snapshot taken of the sandbox whose line (its ancestors,
+    root first, then itself) is ``line``: a host caller's may (that it is its user's own is
+    checked by the look-up); a nested sandbox's only a snapshot of itself or of one of its
+    descendants, what its own subtree held, never one of an ancestor, a sibling or its user's
+    other sandboxes (whose files the socket does not reach either)."""
+    return not who.within or who.within in line
 
 
 def ancestors_of(parent: Sandbox | None) -> str:

@@ -32,6 +32,7 @@ from slicebox.backends.base import SnapshotEngine
 from slicebox.core.blocking import Blocking
 from slicebox.core.execaudit import audited, subject
 from slicebox.core.files import Files
+from slicebox.core.nesting import reaches
 from slicebox.core.sandbox import Sandbox
 from slicebox.core.sandboxes import SandboxManager
 from slicebox.host.cgroupfs import CgroupFiles
@@ -110,8 +111,10 @@ class Pausing:
         self, who: Identity, sandbox_id: str, resume: bool, blocking: Blocking
     ) -> None:
         """Refuse (``sandbox_paused``) a paused sandbox's exec or transfer, or resume it first
-        when ``resume``. Another user's sandbox (and one gone) is left to the action's own
-        look-up, which answers for it."""
+        when ``resume``. Another user's sandbox (and one gone), and one a nested sandbox's
+        request does not reach (its sibling, its ancestor), are left to the action's own
+        look-up, which answers for them as for one that does not exist: whether such a
+        sandbox is paused is nothing the caller may learn."""
         # The sandbox as the agent knows it (its labels never change): an exec costs no Docker
         # call more for this; one not known yet is looked up, and remembered.
         sandbox = self._sandboxes.known(sandbox_id)
@@ -119,7 +122,7 @@ class Pausing:
             sandbox = sandbox or await self._looked_up(who, sandbox_id, blocking)
         except SandboxNotFound:
             return
-        if not who.may_see(sandbox.user):
+        if not who.may_see(sandbox.user) or not reaches(who, sandbox):
             return
         if sandbox.backend not in NATIVE_OR_DOCKER or not self.frozen(sandbox):
             return

@@ -18,7 +18,8 @@ retired (:meth:`Snapshots._remove`): gone from its owner's list, its name free, 
 counted against their ``max_bytes`` until the reaper removes the image once nothing runs it
 (``core.reaping``, ``snapshot_released``). Native, wasm and remote sandboxes are refused
 (``backend_unsupported``), and so is a sandbox whose ``/workspace`` is a host directory
-(``snapshot_workspace``).
+(``snapshot_workspace``). A nested sandbox forks only a snapshot of its own subtree
+(``core.nesting.reaches_snapshot``); any other answers ``not_found`` as a missing one does.
 
 A fork (``"from_snapshot": name`` in a create) is an ordinary create of the snapshot's image
 (admission, ceilings, egress as any) whose ``/workspace`` is that image's own rather than a
@@ -42,6 +43,7 @@ from slicebox.backends.base import Removal, SnapshotEngine, mounts_workspace
 from slicebox.core.blocking import Blocking
 from slicebox.core.execaudit import audited, subject
 from slicebox.core.files import Files
+from slicebox.core.nesting import reaches_snapshot
 from slicebox.core.pausing import LookUp, Pausing, docker_only
 from slicebox.core.sandbox import Sandbox
 from slicebox.core.sandboxes import SandboxManager
@@ -62,6 +64,7 @@ from slicebox.model.snapshots import (
     LABEL,
     LABEL_BASE,
     LABEL_CREATED,
+    LABEL_LINE,
     LABEL_NAME,
     LABEL_ORIGIN,
     LABEL_PROJECT,
@@ -234,7 +237,9 @@ class Snapshots:
         if request.workspace is not None or mounts_workspace(request.mounts):
             raise fork_workspace_refusal(name)
         # The caller's own, or not_found: never a pull of a name the engine does not have.
-        await blocking(functools.partial(self._owned, who.acting_user(request.user), name))
+        held = await blocking(functools.partial(self._owned, who.acting_user(request.user), name))
+        if not reaches_snapshot(who, held.line):
+            raise no_snapshot(name)
         return await service.create(who, request, blocking)
 
     # --- the work, on a thread of its own ---------------------------------------------------
@@ -288,6 +293,7 @@ class Snapshots:
             LABEL_PROJECT: sandbox.project,
             LABEL_ORIGIN: sandbox.id,
             LABEL_ROOT_TASK: sandbox.lineage.root_task_id,
+            LABEL_LINE: ",".join((*sandbox.lineage.ancestor_ids, sandbox.id)),
             LABEL_BASE: base,
             LABEL_CREATED: stamp(self._clock()),
         }

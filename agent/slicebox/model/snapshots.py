@@ -42,6 +42,9 @@ LABEL_ORIGIN = f"{LABEL}.origin"  # the sandbox it was taken of
 LABEL_ROOT_TASK = f"{LABEL}.root_task_id"
 LABEL_BASE = f"{LABEL}.base_image"
 LABEL_CREATED = f"{LABEL}.created_at"
+# The origin's line: its ancestors, root first, then the origin itself (a nested sandbox forks
+# only a snapshot of its own subtree: core.nesting.reaches_snapshot).
+LABEL_LINE = f"{LABEL}.line"
 
 # Like a workspace volume's name (model.spec.VolumeName): letters, digits, '.', '_'.
 SnapshotName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.]{0,63}$")]
@@ -186,6 +189,13 @@ class HeldSnapshot(Model):
     name: str
     size_bytes: int
     labels: dict[str, str]
+
+    @property
+    def line(self) -> tuple[str, ...]:
+        """Its origin's line (:data:`LABEL_LINE`); a snapshot made before there was one knows
+        its origin only."""
+        line = self.labels.get(LABEL_LINE) or self.labels.get(LABEL_ORIGIN, "")
+        return tuple(part for part in line.split(",") if part)
 
     def view(self) -> SnapshotView | None:
         """How its owner sees it; None when its labels do not make one."""

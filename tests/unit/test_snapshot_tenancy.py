@@ -17,6 +17,7 @@ import pytest
 from slicebox.core.blocking import from_thread
 from slicebox.core.pausing import Pausing
 from slicebox.core.reaper import Reaper
+from slicebox.core.reaping import plan
 from slicebox.core.slices import SliceManager
 from slicebox.core.snapshots import Snapshots
 from slicebox.host.identity import Identity
@@ -26,11 +27,14 @@ from slicebox.model.config import ReaperConfig, parse_config
 from slicebox.model.errors import NotFound, SliceboxError
 from slicebox.model.exec import ExecRequest
 from slicebox.model.reaper import Kind, Rule
-from slicebox.model.snapshots import LABEL, LABEL_NAME, LABEL_USER, snapshot_image
+from slicebox.model.snapshots import LABEL, LABEL_NAME, LABEL_USER, Released, snapshot_image
 from tests.fakes.snapshots import FakeSnapshotEngine, member, tar_of
 from tests.fakes.threadside import ThreadSide
 from tests.unit.test_nesting import CONFIG as NESTED_CONFIG
 from tests.unit.test_nesting import Nest
+from tests.unit.test_reaper import NOW as REAPER_NOW
+from tests.unit.test_reaper import POLICY, observed
+from tests.unit.test_reaper import box as listed_box
 from tests.unit.test_service import ALICE, BOB, NOW, ORCH
 
 ROOTFS = tar_of([member("etc/", kind=tarfile.DIRTYPE, mode=0o755), member("etc/os", b"x\n")])
@@ -219,6 +223,31 @@ def test_the_reaper_leaves_a_released_image_a_fork_of_its_name_runs(tenants: Ten
     assert tenants.engine.store == {}, "both released, once nothing ran them"
 
 
+def test_a_released_image_goes_once_no_listed_container_runs_it_whatever_its_name() -> None:
+    """Where the engine says which image each container runs, that decides: a fork of a
+    newer snapshot of the same name keeps nothing."""
+    old = Released(
+        target="slicebox-snapshot:d-1", image_id="sha256:1", user="alice", name="b", size_bytes=1
+    )
+    kept = Released(
+        target="slicebox-snapshot:d-2", image_id="sha256:2", user="alice", name="b", size_bytes=1
+    )
+    fork = listed_box("f").model_copy(update={"image_id": "sha256:2"})
+    found = observed(fork, released=[old, kept])
+    actions = plan(found, REAPER_NOW, POLICY)
+    assert [
+        (a.kind, a.rule, a.target, a.reason) for a in actions if a.kind is Kind.REMOVE_IMAGE
+    ] == [
+        (
+            Kind.REMOVE_IMAGE,
+            Rule.SNAPSHOT_RELEASED,
+            "slicebox-snapshot:d-1",
+            "it was snapshot b of alice, deleted while a fork ran it, and no sandbox runs it "
+            "any more",
+        )
+    ]
+
+
 def test_a_deleted_snapshot_no_fork_runs_is_removed_at_once(tenants: Tenants) -> None:
     box = tenants.box()
     tenants.take(ALICE, box, "base")
@@ -235,8 +264,8 @@ def test_a_nested_sandbox_forks_only_snapshots_of_its_own_subtree(tenants: Tenan
     parent = tenants.known(tenants.nest.parent(nested={"max_children": 4, "max_depth": 2}))
     child = tenants.known(tenants.nest.child(parent))
     sibling = tenants.box()
-    for box, name in ((sibling, "sibling"), (parent, "parent"), (child, "child")):
-        tenants.take(ALICE, box, name)
+    for sandbox, name in ((sibling, "sibling"), (parent, "parent"), (child, "child")):
+        tenants.take(ALICE, sandbox, name)
     at_parent, at_child = tenants.nest.inner(parent), tenants.nest.inner(child)
     for within, name in ((at_parent, "sibling"), (at_child, "parent"), (at_child, "sibling")):
         before = {s.id for s in tenants.world.sandboxes.find()}

@@ -126,6 +126,7 @@ class SandboxInfo(Model):
     name: str
     labels: dict[str, str]
     state: SandboxState
+    image_id: str = ""  # the image it runs, where its backend says (Docker's ImageID)
 
 
 class VolumeInfo(Model):

@@ -199,6 +199,7 @@ def inspected(attrs: Mapping[str, Any]) -> SandboxInfo:
         name=str(attrs.get("Name", "")).lstrip("/"),
         labels=(attrs.get("Config") or {}).get("Labels") or {},
         state=SandboxState.parse((attrs.get("State") or {}).get("Status")),
+        image_id=str(attrs.get("Image") or ""),
     )
 
 
@@ -210,6 +211,7 @@ def listed(entry: Mapping[str, Any]) -> SandboxInfo:
         name=str(names[0]).lstrip("/"),
         labels=entry.get("Labels") or {},
         state=SandboxState.parse(entry.get("State")),
+        image_id=str(entry.get("ImageID") or ""),
     )
 
 

@@ -40,9 +40,9 @@ The rules, each with its :class:`Rule` name in the plan and the audit:
   whose user no create is in progress (that create may be about to mount it again). A volume
   a container still mounts is skipped: Docker refuses to remove it.
 - ``snapshot_released``: an image of a snapshot its owner deleted while a fork ran it (its
-  retired reference, or an untagged one an agent before retired references left), no fork of
-  that snapshot's name being left to its user: removed, never by force (the engine keeps one a
-  container still runs, and the next pass looks again). Until then its bytes count against its
+  retired reference, or an untagged one an agent before retired references left) that no
+  listed container runs: removed, never by force (the engine keeps one a container started
+  since still runs, and the next pass looks again). Until then its bytes count against its
   owner's ``[snapshots] max_bytes`` (core.snapshots).
 - ``empty_slice``: a user or project slice no sandbox and no create in progress uses, and has
   not used for ``reaper.empty_slice_grace_seconds``. Destroying a sandbox leaves its slices
@@ -369,9 +369,16 @@ def _stale_volumes(observed: Observed, alive: dict[str, Sandbox]) -> list[Action
 
 
 def _released_snapshots(observed: Observed, alive: dict[str, Sandbox]) -> list[Action]:
-    """Released snapshot images whose user runs no fork of their name any more (one that does
-    may run this very image): removed, the engine refusing any a container still runs."""
-    forks = {(s.user, s.lineage.from_snapshot) for s in alive.values() if s.lineage.from_snapshot}
+    """Released snapshot images no listed container runs: removed, the engine refusing any a
+    container started since still runs. A container whose backend does not say its image
+    keeps every released image of its fork's snapshot name (it may run any of them)."""
+    running = {c.image_id for c in observed.containers if c.image_id}
+    unknown = {c.id for c in observed.containers if not c.image_id}
+    forks = {
+        (s.user, s.lineage.from_snapshot)
+        for s in alive.values()
+        if s.lineage.from_snapshot and s.container_id in unknown
+    }
     return [
         Action(
             kind=Kind.REMOVE_IMAGE,
@@ -379,10 +386,10 @@ def _released_snapshots(observed: Observed, alive: dict[str, Sandbox]) -> list[A
             target=image.target,
             user=image.user,
             reason=f"it was snapshot {image.name or '?'} of {image.user or '?'}, deleted while a "
-            "fork ran it, and no fork of it is left",
+            "fork ran it, and no sandbox runs it any more",
         )
         for image in sorted(observed.released, key=lambda i: i.target)
-        if (image.user, image.name) not in forks
+        if image.image_id not in running and (image.user, image.name) not in forks
     ]
 
 

@@ -252,6 +252,7 @@ class Released(Model):
     model_config = ConfigDict(frozen=True)
 
     target: str  # its retired reference, or (untagged) its id
+    image_id: str
     user: str
     name: str
     size_bytes: int
@@ -269,7 +270,11 @@ def _released(entry: Mapping[str, Any]) -> Released | None:
         if not held.retired:
             return None
         return Released(
-            target=held.reference, user=held.user, name=held.name, size_bytes=held.size_bytes
+            target=held.reference,
+            image_id=held.image_id,
+            user=held.user,
+            name=held.name,
+            size_bytes=held.size_bytes,
         )
     try:
         image = EngineImage.model_validate(entry)
@@ -280,6 +285,7 @@ def _released(entry: Mapping[str, Any]) -> Released | None:
         return None
     return Released(
         target=image.id,
+        image_id=image.id,
         user=labels.get(LABEL_USER, ""),
         name=labels.get(LABEL_NAME, ""),
         size_bytes=image.size,

@@ -2,7 +2,8 @@
 slicebox client and CLI inside (tests/host/nesteddriver.py, in an image of the guest's own
 python and the checkout: tests/host/nestedimage.py) and makes children on its own socket,
 whose lineage the agent takes from which socket accepted the request. What that socket
-reaches is its subtree and nothing else; its limits are refused with codes; the children's
+reaches is its subtree and nothing else (a snapshot of another sandbox of its user's and a
+paused sibling or parent included); its limits are refused with codes; the children's
 memory sums under the project's ceiling; a path to it learned by anyone else leads nowhere;
 a ``kill -9`` of the agent re-makes it; destroying the parent takes the subtree.
 
@@ -37,6 +38,7 @@ from tests.host.helpers import (
     sh,
     wait_for,
 )
+from tests.host.test_snapshots import ask
 
 pytestmark = pytest.mark.host
 
@@ -174,6 +176,40 @@ def test_the_inner_socket_reaches_its_subtree_and_nothing_else(tree: dict[str, s
     assert over.startswith("HTTP/1.1 429"), over
     assert after.startswith("HTTP/1.1 200"), after
     assert admin().health().status == "ok"
+
+
+def test_no_snapshot_outside_its_subtree_is_forked_and_no_paused_neighbour_is_told(
+    tree: dict[str, str],
+) -> None:
+    """Issue 59: a child forked from a snapshot only of the asking sandbox's own subtree; a
+    snapshot of its user's other sandbox is ``not_found`` as a missing one, and nothing is
+    made. An exec on a paused sandbox it does not reach (a sibling of its user's, its own
+    parent) is ``not_found`` as for one that does not exist, never ``sandbox_paused``."""
+    p, c1 = tree["P"], tree["C1"]
+    other = ask(USER, "POST", "/sandboxes", {"project": "nestx"})  # USER's, outside P's tree
+    x = str(other["id"])
+    try:
+        taken = ask(USER, "POST", f"/sandboxes/{x}/snapshots", {"name": "outside"})
+        assert taken.get("name") == "outside", taken
+        for paused in (x, p):
+            assert ask(USER, "POST", f"/sandboxes/{paused}/pause").get("paused") is True
+        before = {v.id for v in admin().list_sandboxes()}
+        answers = inside(
+            c1,
+            ["exec", x, ["true"]],
+            ["exec", p, ["true"]],
+            ["exec", "sbx-0000000fffff", ["true"]],
+            ["create", {"from_snapshot": "outside"}],
+            ["create", {"from_snapshot": "missing"}],
+        )
+        assert [a.get("code") for a in answers] == ["not_found"] * 5, answers
+        assert answers[3]["message"] == answers[4]["message"].replace("missing", "outside")
+        assert {v.id for v in admin().list_sandboxes()} == before, "nothing made"
+    finally:
+        for paused in (x, p):
+            ask(USER, "POST", f"/sandboxes/{paused}/resume")
+        ask(USER, "DELETE", "/snapshots/outside")
+        admin().destroy(x)
 
 
 def test_depth_count_and_width_are_refused_with_codes_before_anything_is_made(

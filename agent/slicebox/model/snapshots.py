@@ -131,7 +131,9 @@ class SnapshotConfig(Model):
         default=10, ge=0, le=1000, description="the most snapshots one user may keep"
     )
     max_bytes: RawSize = Field(
-        default="10GB", description="the most disk one user's snapshots may take, all together"
+        default="10GB",
+        description="the most disk one user's snapshots may take, all together (a deleted "
+        "snapshot's image counts until the last fork running it is gone)",
     )
     paused_time_counts: bool = Field(
         default=True,

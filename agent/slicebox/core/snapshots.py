@@ -129,11 +129,11 @@ def views_of(found: list[HeldSnapshot]) -> list[SnapshotView]:
     """The snapshots among ``found`` as their owners see them; a retired image is none, and
     one whose labels make no view is left out (logged), never an error for the whole list."""
     views = []
-    for held in found:
-        view = None if held.retired else held.view()
-        if view is None and not held.retired:
+    for held in (h for h in found if not h.retired):
+        view = held.view()
+        if view is None:
             log.warning("snapshot image %s has malformed labels; left out", held.image_id)
-        if view is not None:
+        else:
             views.append(view)
     return sorted(views, key=lambda v: (v.user, v.created_at, v.name))
 

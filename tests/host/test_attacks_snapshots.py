@@ -35,8 +35,9 @@ pytestmark = pytest.mark.host
 
 ALICE, BOB = "sbxsnx", "sbxsny"
 MAX_COUNT = 5
-# One busybox snapshot with the 24 MiB of the quota test fits, two do not.
-CONFIG = TEST_CONFIG + f'[snapshots]\nmax_count = {MAX_COUNT}\nmax_bytes = "40MB"\n'
+# One busybox snapshot with the 12 MiB of the quota test fits, two do not; a batch of the
+# race test's small ones does.
+CONFIG = TEST_CONFIG + f'[snapshots]\nmax_count = {MAX_COUNT}\nmax_bytes = "24MB"\n'
 STORE = "/var/lib/docker/volumes"  # the host's volume store: every user's volumes, Docker's db
 ALICE_MARK = "alice-own-file"
 BOB_MARK = "bob-volume-secret-a7c1"
@@ -204,7 +205,7 @@ def test_a_deleted_snapshot_a_fork_runs_holds_its_bytes_until_a_restarted_agent_
     agent: None,
 ) -> None:
     box = create(ALICE, memory="256MB")
-    out(ALICE, box, "dd if=/dev/urandom of=/workspace/big bs=1M count=24 2>/dev/null")
+    out(ALICE, box, "dd if=/dev/urandom of=/workspace/big bs=1M count=12 2>/dev/null")
     taken = ask(ALICE, "POST", f"/sandboxes/{box}/snapshots", {"name": "held"})
     assert taken.get("name") == "held", taken
     image_id = sh("docker", "image", "inspect", "-f", "{{.Id}}", snapshot_image(ALICE, "held"))

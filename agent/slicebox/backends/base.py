@@ -284,7 +284,9 @@ class Removal(StrEnum):
 
     REMOVED = "removed"  # the reference is gone, and the image with it when it was its last
     GONE = "gone"  # the engine has no such image
-    KEPT = "kept"  # a container runs it (or it is its last reference): the engine keeps both
+    # The engine refused (409) and keeps reference and image: a container uses the image (or,
+    # asked by id, other references still name it).
+    KEPT = "kept"
 
 
 class SnapshotEngine(Protocol):

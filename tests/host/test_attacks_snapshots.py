@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import subprocess
 import tarfile
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -68,11 +69,16 @@ def pid_of(box: str) -> int:
 
 
 def swaps(pid: int) -> int:
-    """How many times the swapping sandbox has swapped so far (its own /tmp, read as root)."""
-    try:
-        return int(Path(f"/proc/{pid}/root/tmp/swaps").read_text().strip() or 0)
-    except (FileNotFoundError, ValueError):
-        return 0
+    """How many times the swapping sandbox has swapped so far (its own /tmp, read as root).
+    The shell truncates the file before it writes the next count: a read in between finds it
+    empty (or half written), and is made again."""
+    path = Path(f"/proc/{pid}/root/tmp/swaps")
+    for _ in range(1000):
+        text = path.read_text().strip()
+        if text.isdigit():
+            return int(text)
+        time.sleep(0.001)
+    raise AssertionError(f"{path} never held a count")
 
 
 # The swapped directory's own files; names of the store's too, so that a walk which follows
@@ -130,7 +136,7 @@ def test_a_snapshot_taken_while_a_neighbour_swaps_a_directory_for_a_link_holds_i
     out(ALICE, box, SEED)
     swapper = create(ALICE, workspace=race, cpus=0.5, command=["sh", "-c", SWAP])
     swapping = pid_of(swapper)
-    wait_for(lambda: swaps(swapping) > 0, timeout=60)
+    wait_for(lambda: Path(f"/proc/{swapping}/root/tmp/swaps").exists(), timeout=60)
     counted: list[int] = []
     for batch in range(SNAPSHOTS // BATCH):
         names = [f"race{batch * BATCH + n}" for n in range(BATCH)]

@@ -100,8 +100,8 @@ done
 # file with bob's.
 SCAN = f"""
 cd /workspace && find . | sort; echo ---
-find . -type f | while read -r f; do grep -q {ALICE_MARK} "$f" || echo "$f"; done; echo ---
-grep -rl {BOB_MARK} . ; true
+find . -type f -exec grep -L {ALICE_MARK} {{}} + ; echo ---
+find . -type f -exec grep -l {BOB_MARK} {{}} + ; true
 """
 
 

@@ -134,7 +134,7 @@ def test_a_snapshot_taken_while_a_neighbour_swaps_a_directory_for_a_link_holds_i
     out(BOB, bobs, f"echo {BOB_MARK} > /workspace/secret.txt")
     box = create(ALICE, workspace=race)
     out(ALICE, box, SEED)
-    swapper = create(ALICE, workspace=race, cpus=0.5, command=["sh", "-c", SWAP])
+    swapper = create(ALICE, workspace=race, cpus=0.25, command=["sh", "-c", SWAP])
     swapping = pid_of(swapper)
     wait_for(lambda: Path(f"/proc/{swapping}/root/tmp/swaps").exists(), timeout=60)
     counted: list[int] = []

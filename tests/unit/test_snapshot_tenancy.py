@@ -28,6 +28,7 @@ from slicebox.model.errors import NotFound, SliceboxError
 from slicebox.model.exec import ExecRequest
 from slicebox.model.reaper import Kind, Rule
 from slicebox.model.snapshots import LABEL, LABEL_NAME, LABEL_USER, Released, snapshot_image
+from tests.fakes.cgroupdir import CgroupDir
 from tests.fakes.snapshots import FakeSnapshotEngine, member, tar_of
 from tests.fakes.threadside import ThreadSide
 from tests.unit.test_nesting import CONFIG as NESTED_CONFIG
@@ -40,22 +41,6 @@ from tests.unit.test_service import ALICE, BOB, NOW, ORCH
 ROOTFS = tar_of([member("etc/", kind=tarfile.DIRTYPE, mode=0o755), member("etc/os", b"x\n")])
 
 
-class Cgroups:
-    """cgroupfs below ``root``, as host.cgroupfs.CgroupFS reads it."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def read(self, cgroup: str, name: str) -> str | None:
-        try:
-            return (self.root / cgroup / name).read_text()
-        except FileNotFoundError:
-            return None
-
-    def children(self, cgroup: str) -> list[str]:
-        return []
-
-
 class Tenants:
     """Nested-capable sandboxes over fakes with snapshots attached: every sandbox made here is
     known to the snapshot engine, its workspace an empty directory."""
@@ -66,7 +51,7 @@ class Tenants:
         self.configure(config)
         self.engine = FakeSnapshotEngine()
         (tmp / "ws").mkdir()
-        self.cgroups = Cgroups(tmp)
+        self.cgroups = CgroupDir(tmp)
         self.pausing = Pausing(
             self.engine, self.world.service.files, self.cgroups, marks=(tmp / "f", tmp / "h")
         )

@@ -26,6 +26,7 @@ from slicebox.model.config import parse_config
 from slicebox.model.errors import InvalidRequest, NotFound, SandboxNotRunning, SliceboxError
 from slicebox.model.snapshots import SnapshotView, snapshot_image
 from slicebox.model.spec import Backend, parse_spec
+from tests.fakes.cgroupdir import CgroupDir
 from tests.fakes.snapshots import (
     FakeSnapshotEngine,
     contents,
@@ -51,7 +52,7 @@ class Snapping:
         self.pausing = Pausing(
             self.engine,
             self.world.service.files,
-            _Cgroups(tmp),
+            CgroupDir(tmp),
             marks=self.marks,
             clock=lambda: NOW,
         )
@@ -84,22 +85,6 @@ class Snapping:
 
     def take(self, name: str, who: Identity = ALICE) -> SnapshotView:
         return from_thread(lambda b: self.snapshots.take(who, self.box, name, b))
-
-
-class _Cgroups:
-    """cgroupfs below ``root``, as host.cgroupfs.CgroupFS reads it."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def read(self, cgroup: str, name: str) -> str | None:
-        try:
-            return (self.root / cgroup / name).read_text()
-        except FileNotFoundError:
-            return None
-
-    def children(self, cgroup: str) -> list[str]:
-        return []
 
 
 @pytest.fixture
@@ -381,7 +366,7 @@ def test_a_native_sandbox_is_paused_by_its_slice_s_freezer(snap: Snapping) -> No
     pausing = Pausing(
         snap.engine,
         snap.world.service.files,
-        _Cgroups(snap.tmp),
+        CgroupDir(snap.tmp),
         marks=snap.marks,
         freezer=CgroupFreezer(snap.tmp),
     )

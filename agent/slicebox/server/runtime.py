@@ -127,9 +127,10 @@ class Runtime:
         )
 
     def nested(self) -> list[Sandbox]:
-        """The running nested sandboxes, whose sockets the agent serves (server.inner)."""
+        """The running and paused nested sandboxes, whose sockets the agent serves
+        (server.inner): a paused one resumes to find its socket where it was."""
         found = self.sandboxes.find(nested="true")
-        return [s for s in found if s.state is SandboxState.RUNNING]
+        return [s for s in found if s.state in (SandboxState.RUNNING, SandboxState.PAUSED)]
 
     def reload(self) -> str:
         """Re-read the config and write its ceilings to every running slice, live."""

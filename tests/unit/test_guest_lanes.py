@@ -47,16 +47,18 @@ tests/guest/run() {
     local lane=${SLICEBOX_GUEST_LANE:-guest} var codes n
     n=$(ls "$RECORD" | grep -c "^$lane-.*\.json$")
     var=CODES_$lane; read -ra codes <<< "${!var:-}"
-    python3 -c 'import json, sys, time; print(json.dumps({"lane": sys.argv[1],
-        "cpus": sys.argv[2], "snapshot": sys.argv[3], "args": sys.argv[4:], "at": time.time()}))' \
-        "$lane" "${SLICEBOX_GUEST_CPUS:-}" "${SLICEBOX_GUEST_SNAPSHOT:-}" "$@" \
-        > "$RECORD/$lane-$n.json"
+    local at; at=$(date +%s.%N)  # the call's start, before a slow Python start on a busy host
+    python3 -c 'import json, sys; print(json.dumps({"lane": sys.argv[1], "cpus": sys.argv[2],
+        "snapshot": sys.argv[3], "at": float(sys.argv[4]), "args": sys.argv[5:]}))' \
+        "$lane" "${SLICEBOX_GUEST_CPUS:-}" "${SLICEBOX_GUEST_SNAPSHOT:-}" "$at" "$@" \
+        > "$RECORD/$lane-$n.json.part" && mv "$RECORD/$lane-$n.json.part" "$RECORD/$lane-$n.json"
     echo "collected from $lane"
     echo "===== $((n + 2)) passed in 1.50s ====="
-    # Two lanes run at once: each waits (5 s at most) until the other has started too, so
-    # that a loaded machine starting one lane late is no failure.
+    # Two lanes run at once: each waits (30 s at most; CI's unit tests run beside two guest
+    # boots) until the other has started too, so that a busy machine starting one lane late is
+    # no failure, while lanes run one after the other still are.
     if [ "$lane" != guest ]; then
-        for _ in $(seq 50); do
+        for _ in $(seq 300); do
             ls "$RECORD" | grep -q '^a-.*\.json$' && ls "$RECORD" | grep -q '^b-.*\.json$' && break
             sleep 0.1
         done

@@ -36,13 +36,13 @@ pytestmark = pytest.mark.host
 
 ALICE, BOB = "sbxsnx", "sbxsny"
 MAX_COUNT = 5
-# One busybox snapshot with the 12 MiB of the quota test fits, two do not; a batch of the
-# race test's small ones does.
+# One busybox snapshot with the 12 MiB of the quota test fits (14.6 MB), two do not; a batch of
+# the race test's five small ones (2 MB each) does.
 CONFIG = TEST_CONFIG + f'[snapshots]\nmax_count = {MAX_COUNT}\nmax_bytes = "24MB"\n'
 STORE = "/var/lib/docker/volumes"  # the host's volume store: every user's volumes, Docker's db
 ALICE_MARK = "alice-own-file"
 BOB_MARK = "bob-volume-secret-a7c1"
-SNAPSHOTS, BATCH = 20, 4  # within max_count: each batch is forked, read and deleted
+SNAPSHOTS, BATCH = 20, MAX_COUNT  # a batch is taken, then forked, read and deleted
 FILES = 200  # in the swapped directory: its walk takes a while, the window a race needs
 
 

@@ -19,7 +19,7 @@ from slicebox.model.config import parse_config
 from slicebox.model.limits import Ceiling
 from slicebox.model.names import MANAGED_SLICE, slice_names
 from tests.fakes.systemd_contract import check_refusals
-from tests.host.helpers import sh, unique
+from tests.host.helpers import sh, unique, wait_for
 from tests.host.sliceboxhost import active, cleanup_slices, read
 
 pytestmark = pytest.mark.host
@@ -120,9 +120,27 @@ def test_remove_if_empty_keeps_a_slice_with_children(
     assert not Path(str(names.cgroups().user)).exists()
 
 
+def transient_managed_slice_gone() -> None:
+    """The managed slice as an earlier module may have left it: a transient unit, active or
+    only still loaded (stopped, but held by a failed unit below it, whose transient file would
+    win over an installed one). Stopped, those failed units reset (and named, for the log),
+    until systemd has dropped it."""
+    if sh("systemctl", "show", "-P", "Transient", MANAGED_SLICE).stdout.strip() != "yes":
+        return
+    cleanup_slices(MANAGED_SLICE)
+    failed = sh("systemctl", "list-units", "--all", "--state=failed", "--plain", "--no-legend")
+    below = [line.split()[0] for line in failed.stdout.splitlines() if "sbx" in line]
+    if below:
+        print(f"failed units an earlier module left: {below}")
+        sh("systemctl", "reset-failed", *below, check=False)
+    wait_for(
+        lambda: sh("systemctl", "show", "-P", "Transient", MANAGED_SLICE).stdout.strip() != "yes",
+        timeout=60,
+    )
+
+
 def test_installed_managed_slice_takes_runtime_ceilings(manager: SliceManager) -> None:
-    if active(MANAGED_SLICE):
-        cleanup_slices(MANAGED_SLICE)
+    transient_managed_slice_gone()
     unit_file = Path("/run/systemd/system") / MANAGED_SLICE
     unit_file.write_text((Path(__file__).parents[2] / "slices" / MANAGED_SLICE).read_text())
     try:

@@ -45,6 +45,7 @@ from slicebox.model.exec import ExecRequest, ExecState
 from slicebox.model.labels import VolumeLineage
 from slicebox.model.names import scope_name
 from slicebox.model.progress import LayerProgress, Phase, ProgressEvent
+from slicebox.model.pulls import RegistryCredential
 from slicebox.model.spec import Backend, MountKind
 from tests.fakes.exec_fakes import FakeExecApi
 from tests.fakes.onloop import ExecCallsOnLoop
@@ -68,6 +69,7 @@ class FakeDocker(ExecCallsOnLoop):
         self.images = images if images is not None else {"alpine:3.19"}
         self.registry: set[str] = set()  # what a pull can get
         self.pulls: list[str] = []  # what was pulled
+        self.grants: list[RegistryCredential | None] = []  # the credentials each pull sent
         self.pull_gate: asyncio.Event | None = None
         self.pull_error: Exception | None = None
         self.containers: dict[str, SandboxInfo] = {}
@@ -106,14 +108,20 @@ class FakeDocker(ExecCallsOnLoop):
         return True
 
     async def pull(
-        self, image: str, report: Callable[[ProgressEvent], None], timeout: float
+        self,
+        image: str,
+        report: Callable[[ProgressEvent], None],
+        timeout: float,
+        grant: RegistryCredential | None = None,
     ) -> None:
         """``prepare`` as the real backend pulls, on the loop: an image of the registry is
         pulled in ``PULL_STEPS`` reports of its one layer (``LAYER`` bytes), ``pull_gate``
-        (when set) held open until it is set; ``pull_error`` is a registry failing."""
+        (when set) held open until it is set; ``pull_error`` is a registry failing. The
+        credentials each pull sent are in ``grants``."""
         if not self._to_pull(image):
             return
         self.pulls.append(image)
+        self.grants.append(grant)
         for step in range(1, PULL_STEPS + 1):
             if step == 2 and self.pull_gate is not None:
                 await self.pull_gate.wait()

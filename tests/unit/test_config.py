@@ -12,6 +12,7 @@ from slicebox.model.config import (
     read_host_memory,
 )
 from slicebox.model.errors import ConfigError
+from slicebox.model.pulls import credential_for, registry_of
 
 MiB = 1024 * 1024
 
@@ -96,3 +97,47 @@ def test_a_bad_budget_is_refused_at_load_naming_it(value: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config(f"exec_output_budget = {value}")
     assert caught.value.field == "exec_output_budget"
+
+
+@pytest.mark.parametrize(
+    ("image", "user", "granted"),
+    [
+        ("registry.example.com:5000/team/app:1", "alice", True),
+        ("registry.example.com:5000/team/app:1", "bob", False),  # not granted to bob
+        ("other.example.com/team/app", "alice", False),  # another registry
+        ("team/app", "alice", False),  # Docker Hub's
+        ("registry.example.com/team/app", "alice", False),  # no port: another registry
+    ],
+)
+def test_a_pull_sends_only_what_the_operator_granted_that_user_for_that_registry(
+    image: str, user: str, granted: bool
+) -> None:
+    config = Config.model_validate(
+        {
+            "registry_credentials": [
+                {
+                    "registry": "registry.example.com:5000",
+                    "users": ["alice"],
+                    "auth_file": "/etc/slicebox/registries/team/config.json",
+                }
+            ]
+        }
+    )
+    found = credential_for(config.registry_credentials, user, image)
+    assert (found is not None) is granted
+
+
+@pytest.mark.parametrize(
+    ("image", "registry"),
+    [
+        ("alpine", "docker.io"),
+        ("library/alpine:3.19", "docker.io"),
+        ("localhost/a", "localhost"),
+        ("localhost:5000/a/b@sha256:" + "f" * 64, "localhost:5000"),
+        ("ghcr.example/a/b", "ghcr.example"),
+    ],
+)
+def test_an_image_s_registry_is_read_as_the_docker_client_reads_it(
+    image: str, registry: str
+) -> None:
+    assert registry_of(image) == registry

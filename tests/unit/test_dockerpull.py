@@ -6,9 +6,11 @@ the agent's memory (an over-long line, endless progress) or outlast the pull's t
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,7 @@ from slicebox.backends.docker import DockerBackend
 from slicebox.backends.dockerpull import MAX_LINE, PullTally, pull_query
 from slicebox.model.errors import ImagePullFailed, ImageUnavailable
 from slicebox.model.progress import MAX_LAYERS, Phase, ProgressEvent
+from slicebox.model.pulls import RegistryCredential
 from slicebox.web.app import Handler
 from slicebox.web.request import Request
 from slicebox.web.response import Response, StreamResponse, json_response
@@ -52,6 +55,7 @@ class Daemon:
         self.status = 200
         self.endless = self.silent = False
         self.pulls = 0
+        self.auths: list[str | None] = []  # each pull's X-Registry-Auth, as sent
         self.gone = asyncio.Event()  # the agent closed a pull's connection
 
     async def handle(self, request: Request, _: Handler) -> Response | StreamResponse:
@@ -70,6 +74,7 @@ class Daemon:
 
     async def _pull(self, request: Request) -> Response | StreamResponse:
         query = {key: request.query[key] for key in ("fromImage", "tag")}
+        self.auths.append(request.headers.get("X-Registry-Auth"))
         if self.status != 200:
             return json_response({"message": "manifest unknown"}, status=self.status)
         response = StreamResponse(headers={"Content-Type": "application/json"})
@@ -102,11 +107,13 @@ def with_daemon(test: Callable[[DockerBackend, Daemon], Awaitable[None]], daemon
     serve_daemon(daemon, test)
 
 
-def pulled(daemon: Daemon, timeout: float = 10.0) -> list[ProgressEvent]:
+def pulled(
+    daemon: Daemon, timeout: float = 10.0, grant: RegistryCredential | None = None
+) -> list[ProgressEvent]:
     events: list[ProgressEvent] = []
 
     async def test(backend: DockerBackend, _: Daemon) -> None:
-        await backend.pull(IMAGE, events.append, timeout)
+        await backend.pull(IMAGE, events.append, timeout, grant)
 
     with_daemon(test, daemon)
     return events
@@ -236,3 +243,66 @@ def test_a_pull_holds_no_thread() -> None:
 
     with_daemon(test, daemon)
     assert counts[0] <= 0, "no thread held by a silent pull (another may end meanwhile)"
+
+
+def docker_config(where: Path, user: str, password: str) -> Path:
+    """A Docker client config holding credentials for ``IMAGE``'s registry, mode 0600."""
+    where.mkdir(parents=True, exist_ok=True)
+    encoded = base64.b64encode(f"{user}:{password}".encode()).decode()
+    path = where / "config.json"
+    path.write_text(json.dumps({"auths": {"localhost:5000": {"auth": encoded}}}))
+    path.chmod(0o600)
+    return path
+
+
+def grant_of(path: Path) -> RegistryCredential:
+    return RegistryCredential(
+        registry="localhost:5000", users=frozenset({"alice"}), auth_file=str(path)
+    )
+
+
+def test_a_granted_pull_sends_the_credentials_as_the_engine_reads_them(tmp_path: Path) -> None:
+    """The header is the base64 of the JSON auth config (not ``str(bytes)``, "b'…'", which
+    the engine cannot read and so pulls anonymously)."""
+    daemon = Daemon()
+    pulled(daemon, grant=grant_of(docker_config(tmp_path, "alice", "s3cret")))
+    [header] = daemon.auths
+    assert header is not None
+    assert not header.startswith("b'")
+    said = json.loads(base64.urlsafe_b64decode(header))
+    assert (said["username"], said["password"]) == ("alice", "s3cret")
+
+
+def test_root_s_own_docker_credentials_are_never_sent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent's own ~/.docker (root's, the operator's) holds credentials for the registry:
+    a tenant's pull without a grant is anonymous all the same."""
+    own = tmp_path / "root-docker"
+    docker_config(own, "operator", "private")
+    monkeypatch.setenv("DOCKER_CONFIG", str(own))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    daemon = Daemon()
+    pulled(daemon)
+    assert daemon.auths == [None]
+
+
+@pytest.mark.parametrize(
+    ("spoil", "said"),
+    [
+        (lambda path: path.chmod(0o644), "mode 0600"),
+        (lambda path: path.write_text('{"auths": {}}'), "no auths entry for localhost:5000"),
+        (lambda path: path.unlink(), "No such file"),
+        (lambda path: path.write_text("[1]"), "not a Docker client config"),
+    ],
+)
+def test_a_grant_that_cannot_be_used_fails_the_pull_saying_why_never_anonymous(
+    tmp_path: Path, spoil: Callable[[Path], None], said: str
+) -> None:
+    path = docker_config(tmp_path, "alice", "s3cret")
+    spoil(path)
+    daemon = Daemon()
+    with pytest.raises(ImagePullFailed, match=said) as caught:
+        pulled(daemon, grant=grant_of(path))
+    assert "[[registry_credentials]]" in caught.value.message
+    assert daemon.auths == [], "nothing was asked of the engine"

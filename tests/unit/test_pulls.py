@@ -17,6 +17,7 @@ from slicebox.core.progress import ProgressFeed, with_progress
 from slicebox.core.pulls import Pulls, puller_of
 from slicebox.model.errors import ImagePullFailed
 from slicebox.model.progress import Phase, ProgressEvent
+from slicebox.model.pulls import RegistryCredential
 
 IMAGE = "localhost:5000/big:1"
 
@@ -30,12 +31,20 @@ class Puller:
 
     def __init__(self) -> None:
         self.pulls: list[str] = []
+        self.grants: list[RegistryCredential | None] = []
         self.go = asyncio.Event()
         self.error: Exception | None = None
         self.cancelled = 0
 
-    async def pull(self, image: str, report: progress.Report, timeout: float) -> None:
+    async def pull(
+        self,
+        image: str,
+        report: progress.Report,
+        timeout: float,
+        grant: RegistryCredential | None = None,
+    ) -> None:
         self.pulls.append(image)
+        self.grants.append(grant)
         try:
             report(pulling(10))
             await self.go.wait()
@@ -90,6 +99,29 @@ def test_a_failed_pull_is_every_waiter_s_and_the_next_create_pulls_again() -> No
         return puller.pulls
 
     assert asyncio.run(main()) == [IMAGE, IMAGE]
+
+
+def test_a_create_without_credentials_never_joins_a_pull_with_another_user_s() -> None:
+    """alice's pull sends the operator's grant; bob's create of the same image while it runs
+    waits for an anonymous pull of its own, whose refusal is bob's alone."""
+    grant = RegistryCredential(
+        registry="localhost:5000", users=frozenset({"alice"}), auth_file="/etc/a.json"
+    )
+
+    async def main() -> tuple[list[RegistryCredential | None], BaseException | None]:
+        puller, pulls = Puller(), Pulls(asyncio.get_running_loop)
+        alice = asyncio.ensure_future(pulls.ensure(puller, IMAGE, 10, None, grant))
+        await asyncio.sleep(0.02)
+        bob = asyncio.ensure_future(pulls.ensure(puller, IMAGE, 10, None))
+        await asyncio.sleep(0.02)
+        puller.error = ImagePullFailed("denied")  # what the registry says to anyone anonymous
+        puller.go.set()
+        results = await asyncio.gather(alice, bob, return_exceptions=True)
+        return puller.grants, results[1] if isinstance(results[1], BaseException) else None
+
+    grants, bobs = asyncio.run(main())
+    assert sorted(grants, key=lambda g: g is None) == [grant, None], "two pulls, one anonymous"
+    assert isinstance(bobs, ImagePullFailed)
 
 
 def test_a_pull_whose_creates_all_went_away_ends() -> None:

@@ -74,6 +74,7 @@ from slicebox.model.errors import (
 from slicebox.model.exec import ExecRequest, ExecState
 from slicebox.model.labels import MANAGED
 from slicebox.model.names import DOCKER_SCOPES, PODMAN_SCOPES
+from slicebox.model.pulls import RegistryCredential
 from slicebox.model.spec import Backend
 
 if TYPE_CHECKING:
@@ -187,14 +188,17 @@ class DockerBackend:
 
         asyncio.run(pulled())
 
-    async def pull(self, image: str, report: Report, timeout: float) -> None:
+    async def pull(
+        self, image: str, report: Report, timeout: float, grant: RegistryCredential | None = None
+    ) -> None:
         """``prepare`` on the running loop, holding no thread: the pull's progress goes to
-        ``report`` (:mod:`slicebox.backends.dockerpull`), for at most ``timeout`` seconds."""
+        ``report`` (:mod:`slicebox.backends.dockerpull`), for at most ``timeout`` seconds,
+        sending ``grant``'s credentials (``model.pulls``) or none."""
         version = await self._api_version()
         if await self._has_image(version, image):
             return
         log.info("pulling %s", image)
-        await pull(self._json, f"/v{version}/images/create", image, report, timeout)
+        await pull(self._json, f"/v{version}/images/create", image, report, timeout, grant=grant)
         if not await self._has_image(version, image):
             raise unpullable(image, "the pull did not produce it")
 

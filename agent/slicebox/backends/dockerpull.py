@@ -12,6 +12,9 @@ pull as failed, layers beyond :data:`~slicebox.model.progress.MAX_LAYERS` are no
 the whole pull has its timeout. Leaving early closes the connection, which makes the daemon
 abandon the pull: nothing of it is left as an image.
 
+Credentials: only an operator's grant for the image's registry and the sandbox's user
+(``model.pulls``), never root's own Docker config.
+
 Codes: nothing to pull (not found, denied, no registry reachable) is ``image_unavailable`` as
 before; a registry that fails or stops answering is ``image_pull_failed`` with its words.
 """
@@ -32,9 +35,12 @@ from slicebox.backends.dockerapi import message_of
 from slicebox.backends.dockererrors import unpullable
 from slicebox.model.errors import ImagePullFailed, SliceboxError
 from slicebox.model.progress import MAX_LAYERS, LayerProgress, Phase, ProgressEvent
+from slicebox.model.pulls import RegistryCredential
 from slicebox.web.message import READ_SIZE, BodyTooLarge
 
 if TYPE_CHECKING:
+    from docker.auth import AuthConfig
+
     from slicebox.backends.dockerjson import DockerJsonApi
     from slicebox.web.client import ClientResponse
 
@@ -175,28 +181,67 @@ def _bytes(detail: object) -> tuple[int | None, int | None]:
     return min(current, total), total
 
 
-def registry_auth(image: str) -> str | None:
-    """The ``X-Registry-Auth`` header for ``image``'s registry from the host's Docker config,
-    as docker-py would send it; None when there is no config (nothing is read then)."""
-    config = Path(os.environ.get("DOCKER_CONFIG", Path.home() / ".docker")) / "config.json"
-    if not config.is_file():
+def registry_auth(image: str, grant: RegistryCredential | None) -> str | None:
+    """The ``X-Registry-Auth`` header of a pull of ``image`` with the operator's ``grant``
+    (``model.pulls``): None, anonymous, without one. Root's own Docker credentials are never
+    read: they would pull the operator's private images for any tenant. A grant that cannot be
+    used fails the pull, saying why: never a silent anonymous pull."""
+    if grant is None:
         return None
+    from docker import auth  # the config's formats are docker-py's; imported when one is used
+
     try:
-        from docker import auth  # the config's formats and helpers are docker-py's business
+        found = _auths(Path(str(grant.auth_file))).resolve_authconfig(grant.registry)
+    except (OSError, ValueError) as exc:
+        raise _unusable(image, grant, str(exc)) from None
+    if not found:
+        raise _unusable(image, grant, f"it holds no auths entry for {grant.registry}")
+    # docker-py's header is base64 bytes; the header is their text (str() would say "b'…'").
+    header: bytes = auth.encode_header(found)
+    return header.decode("ascii")
 
-        registry, _ = auth.resolve_repository_name(pull_query(image)["fromImage"])
-        found = auth.resolve_authconfig(auth.load_config(), registry)
-        return str(auth.encode_header(found)) if found else None
-    except Exception as exc:  # an unreadable config pulls as anonymous, as the CLI does
-        log.warning("could not read Docker's credentials for %s: %s", image, exc)
-        return None
+
+def _auths(path: Path) -> AuthConfig:
+    """The ``auths`` of a Docker client config of root's, its helpers left out (nothing is
+    run); a file others may read or write is refused."""
+    from docker import auth, errors
+
+    with path.open("rb") as file:
+        found = os.fstat(file.fileno())
+        if found.st_uid != os.geteuid() or found.st_mode & 0o077:
+            raise ValueError("it must be the agent's own (root's), mode 0600 (chown, chmod it)")
+        said = json.loads(file.read(MAX_LINE))
+    if not isinstance(said, dict) or not isinstance(said.get("auths", {}), dict):
+        raise ValueError("it is not a Docker client config (a JSON object with 'auths')")
+    try:
+        auths = auth.parse_auth(said.get("auths", {}), raise_on_error=True)
+    except errors.InvalidConfigFile as exc:
+        raise ValueError(str(exc)) from None
+    return auth.AuthConfig({"auths": auths})
 
 
-async def pull(api: DockerJsonApi, path: str, image: str, report: Report, timeout: float) -> None:
+def _unusable(image: str, grant: RegistryCredential, why: str) -> ImagePullFailed:
+    return failed(
+        image,
+        f"the credentials the operator granted for {grant.registry} cannot be used: "
+        f"auth_file {grant.auth_file}: {why}; an operator fixes it ([[registry_credentials]])",
+    )
+
+
+async def pull(
+    api: DockerJsonApi,
+    path: str,
+    image: str,
+    report: Report,
+    timeout: float,
+    *,
+    grant: RegistryCredential | None = None,
+) -> None:
     """Pull ``image`` through ``api`` (``path``: the versioned ``/images/create``), reporting
-    snapshots of its progress; within ``timeout`` seconds or ``image_pull_failed``."""
-    auth = registry_auth(image)
-    headers = {"X-Registry-Auth": auth} if auth else None
+    snapshots of its progress; within ``timeout`` seconds or ``image_pull_failed``. ``grant``:
+    the operator's credentials this pull may send (``model.pulls``); None: anonymous."""
+    header = registry_auth(image, grant)
+    headers = {"X-Registry-Auth": header} if header else None
     tally = PullTally(image)
     try:
         async with asyncio.timeout(timeout):

@@ -70,6 +70,7 @@ from slicebox.model.labels import Lineage
 from slicebox.model.names import scope_name
 from slicebox.model.paths import NESTED_ROOT
 from slicebox.model.progress import Phase, ProgressEvent
+from slicebox.model.pulls import credential_for
 from slicebox.model.spec import Backend, SandboxSpec
 
 log = logging.getLogger(__name__)
@@ -178,7 +179,9 @@ class Creator:
                         request = request.model_copy(
                             update={"command": WAITER_COMMAND, "open_stdin": True}
                         )
-                    info = await self._start(request, config, blocking, image_known=known)
+                    info = await self._start(
+                        request, config, blocking, image_known=known, user=admitted.spec.user
+                    )
                     started = info
                     await blocking(
                         lambda: check_started(
@@ -229,7 +232,8 @@ class Creator:
         known = admitted.spec.backend in NO_IMAGE or admitted.image in self._images
         if not known:
             timeout = config.pull_timeout_seconds
-            await self._pulls.prepare(self._backend, admitted.image, timeout, blocking)
+            grant = credential_for(config.registry_credentials, admitted.spec.user, admitted.image)
+            await self._pulls.prepare(self._backend, admitted.image, timeout, blocking, grant)
         return known
 
     def _roll_back(
@@ -315,7 +319,13 @@ class Creator:
         )
 
     async def _start(
-        self, request: SandboxRequest, config: Config, blocking: Blocking, *, image_known: bool
+        self,
+        request: SandboxRequest,
+        config: Config,
+        blocking: Blocking,
+        *,
+        image_known: bool,
+        user: str,
     ) -> SandboxInfo:
         """Create and start the container. An image a create found present before is not
         checked first (one backend call fewer per create): should it be gone since, the create
@@ -331,7 +341,8 @@ class Creator:
                 raise
             log.info("image %s is gone since its last create; preparing it again", request.image)
             timeout = config.pull_timeout_seconds
-            await self._pulls.prepare(backend, request.image, timeout, blocking)
+            grant = credential_for(config.registry_credentials, user, request.image)
+            await self._pulls.prepare(backend, request.image, timeout, blocking, grant)
             info = await blocking(lambda: backend.create(request))
         self._images.put(request.image, None)
         return info

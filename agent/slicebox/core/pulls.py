@@ -8,6 +8,9 @@ holds no thread: the backend reads the engine's progress on that loop. It is bou
 configured ``pull_timeout_seconds``, and ends early, closing its connection (which makes the
 engine abandon it), when every create waiting for it has gone.
 
+A pull sends the credentials the operator granted the sandbox's user for the image's registry
+(``model.pulls``), or none; creates join only a pull with their own grant.
+
 A backend that cannot pull on a loop (a fake, an engine without the Engine API) is asked to
 ``prepare`` the image on a thread, as before.
 """
@@ -26,6 +29,7 @@ from typing import Protocol, runtime_checkable
 from slicebox.core import progress
 from slicebox.core.blocking import Blocking, core_loop
 from slicebox.model.progress import ProgressEvent
+from slicebox.model.pulls import RegistryCredential
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +38,11 @@ Report = Callable[[ProgressEvent], None]
 
 @runtime_checkable
 class ImagePuller(Protocol):
-    async def pull(self, image: str, report: Report, timeout: float) -> None:
-        """Make ``image`` present, pulling it on the running loop, reporting its progress."""
+    async def pull(
+        self, image: str, report: Report, timeout: float, grant: RegistryCredential | None = None
+    ) -> None:
+        """Make ``image`` present, pulling it on the running loop, reporting its progress,
+        with ``grant``'s credentials (``model.pulls``) or none."""
 
 
 class Preparer(Protocol):
@@ -48,11 +55,18 @@ def puller_of(backend: object) -> ImagePuller | None:
     return inner if isinstance(inner, ImagePuller) else None
 
 
+# A pull in flight is one image's with one grant of credentials (None: anonymous). A create
+# joins only the pull with its own grant: one without credentials must not be handed an image
+# that another user's credentials are pulling.
+PullKey = tuple[str, RegistryCredential | None]
+
+
 class _Pull:
     """One pull in flight: its outcome, its waiters and where each wants its progress."""
 
-    def __init__(self, image: str) -> None:
+    def __init__(self, image: str, grant: RegistryCredential | None) -> None:
         self.image = image
+        self.grant = grant
         self.outcome: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.task: concurrent.futures.Future[None] | None = None
         self.waiters = 0
@@ -73,40 +87,51 @@ class Pulls:
     def __init__(self, loop: Callable[[], asyncio.AbstractEventLoop] = core_loop) -> None:
         self._loop = loop
         self._lock = threading.Lock()
-        self._running: dict[str, _Pull] = {}
+        self._running: dict[PullKey, _Pull] = {}
         self._ids = itertools.count()
         self.started = 0  # pulls started (one per image at a time however many creates wait)
 
     async def prepare(
-        self, backend: Preparer, image: str, timeout: float, blocking: Blocking
+        self,
+        backend: Preparer,
+        image: str,
+        timeout: float,
+        blocking: Blocking,
+        grant: RegistryCredential | None = None,
     ) -> None:
         """Make ``image`` present: a shared pull on the loop when the backend can, else its
-        ``prepare`` on a thread."""
+        ``prepare`` on a thread (anonymous). ``grant``: the credentials it may send."""
         puller = puller_of(backend)
         if puller is None:
             await blocking(lambda: backend.prepare(image))
             return
-        await self.ensure(puller, image, timeout, progress.sink())
+        await self.ensure(puller, image, timeout, progress.sink(), grant)
 
     async def ensure(
-        self, puller: ImagePuller, image: str, timeout: float, report: Report | None
+        self,
+        puller: ImagePuller,
+        image: str,
+        timeout: float,
+        report: Report | None,
+        grant: RegistryCredential | None = None,
     ) -> None:
-        """Wait for ``image``'s pull, starting it unless one runs; its outcome is this one's."""
-        pull, listener = self._join(puller, image, timeout, report)
+        """Wait for ``image``'s pull with ``grant``, starting it unless one runs; its outcome
+        is this one's."""
+        pull, listener = self._join(puller, (image, grant), timeout, report)
         try:
             await asyncio.shield(asyncio.wrap_future(pull.outcome))
         finally:
             self._leave(pull, listener)
 
     def _join(
-        self, puller: ImagePuller, image: str, timeout: float, report: Report | None
+        self, puller: ImagePuller, key: PullKey, timeout: float, report: Report | None
     ) -> tuple[_Pull, int]:
         loop = asyncio.get_running_loop()
         with self._lock:
-            pull = self._running.get(image)
+            pull = self._running.get(key)
             fresh = pull is None
             if pull is None:
-                pull = self._running[image] = _Pull(image)
+                pull = self._running[key] = _Pull(*key)
                 self.started += 1
             pull.waiters += 1
             listener = next(self._ids)
@@ -131,7 +156,7 @@ class Pulls:
 
     async def _run(self, puller: ImagePuller, pull: _Pull, timeout: float) -> None:
         try:
-            await puller.pull(pull.image, pull.emit, timeout)
+            await puller.pull(pull.image, pull.emit, timeout, pull.grant)
         except BaseException as exc:
             self._end(pull)
             if isinstance(exc, asyncio.CancelledError):
@@ -146,5 +171,6 @@ class Pulls:
 
     def _end(self, pull: _Pull) -> None:
         with self._lock:
-            if self._running.get(pull.image) is pull:
-                del self._running[pull.image]
+            key = (pull.image, pull.grant)
+            if self._running.get(key) is pull:
+                del self._running[key]

@@ -31,6 +31,10 @@ when the file is loaded, so a bad value is refused at load time, naming its fiel
     empty_slice_grace_seconds = 300  # an empty user or project slice is kept this long
     [admission]              # count the sandboxes' limits against each ceiling (docs/capacity.md)
     memory_ratio = 1.0       # unset (the default): not counted, the kernel shares the ceiling
+    [[registry_credentials]]  # what a pull may send, per registry and user (model/pulls.py)
+    registry = "registry.example.com:5000"
+    users = ["alice"]
+    auth_file = "/etc/slicebox/registries/team/config.json"  # root's, mode 0600
     [[pool]]                 # members kept ready for one key (docs/pool.md); one table each
     user = "alice"
     project = "web"
@@ -80,6 +84,7 @@ from slicebox.model.metrics import MetricsConfig
 from slicebox.model.nested import NestedConfig
 from slicebox.model.paths import CONFIG_PATH
 from slicebox.model.pool import MAX_POOL_SIZE, PoolConfig
+from slicebox.model.pulls import RegistryCredential
 from slicebox.model.shares import SharesConfig
 from slicebox.model.snapshots import SnapshotConfig
 from slicebox.model.validation import checked, describe, problems
@@ -346,6 +351,12 @@ class Config(_Strict):
         gt=0,
         description="how long an image's pull may take before the creates waiting for it fail "
         "(image_pull_failed)",
+    )
+    registry_credentials: tuple[RegistryCredential, ...] = Field(
+        default=(),
+        description="registry credentials a pull may send, per registry and user level, one "
+        "[[registry_credentials]] table each (model/pulls.py); every other pull is anonymous, "
+        "and root's own Docker credentials are never sent",
     )
     allowed_capabilities: frozenset[str] = Field(
         default=DEFAULT_CAPABILITIES,

@@ -11,7 +11,9 @@ import os
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -41,13 +43,14 @@ from slicebox.server.api import MEASURE, build_app
 from slicebox.server.collectors import Sources
 from slicebox.server.metrics import METRICS, AgentMetrics
 from slicebox.server.routes import ROUTES
-from slicebox.server.scrape import ScrapeListener, TokenRefused, read_token
+from slicebox.server.scrape import SCRAPER_LIMITS, ScrapeListener, TokenRefused, read_token
 from slicebox.server.state import SERVICE
 from slicebox.web.server import serve
 from tests.fakes.threadside import ThreadSide
 from tests.unit import test_egress, test_pool
 from tests.unit.test_service import ALICE
 from tests.unit.test_service import World as ServiceWorld
+from tests.unit.test_tcpowner import NOBODY, lan_address
 from tests.unit.test_telemetry import cgroup, events
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -672,3 +675,76 @@ def test_every_series_the_dashboard_queries_is_exposed(host: Host) -> None:
     assert "slicebox_egress_packets_total" in wanted
     exposed = {name for name, _, _ in samples(scrape(agent_metrics(host)))}
     assert wanted - exposed == set()
+
+
+@contextmanager
+def served(listener: ScrapeListener, config: MetricsConfig) -> Iterator[tuple[str, int]]:
+    """``listener`` applying ``config`` on a loop of its own; where it listens."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(listener.apply(config), loop).result(10)
+        address = bound(listener)
+        assert address is not None
+        yield address
+    finally:
+        asyncio.run_coroutine_threadsafe(listener.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+@contextmanager
+def held_as(uid: int, address: tuple[str, int], count: int) -> Iterator[None]:
+    """``count`` connections to ``address`` opened and held by a child running as ``uid``."""
+    ready_read, ready_write = os.pipe()
+    hold_read, hold_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(hold_write)
+            os.close(ready_read)
+            os.setgid(uid)
+            os.setuid(uid)
+            # Numeric and connected as it is, as in test_tcpowner: no name look-up, whose
+            # codecs this uid may not be able to import from where the test's Python lives.
+            held = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+            for each in held:
+                each.connect(address)
+            os.write(ready_write, b"!")
+            os.read(hold_read, 1)
+            del held
+        finally:
+            os._exit(0)
+    os.close(ready_write)
+    os.close(hold_read)
+    try:
+        assert os.read(ready_read, 1) == b"!", "the child connected"
+        time.sleep(0.2)  # the listener has accepted them
+        yield
+    finally:
+        os.close(hold_write)
+        os.close(ready_read)
+        os.waitpid(pid, 0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the holder runs as another uid: needs root")
+def test_a_local_user_at_its_caps_on_the_lan_address_leaves_the_scraper_its_own(
+    tmp_path: Path, host: Host
+) -> None:
+    """A local user holding every connection it may open to the host's LAN address (not
+    loopback) is counted under its uid, not in one bucket with every other peer: the
+    scraper's connection is still served (before: 429)."""
+    lan = lan_address()
+    metrics = agent_metrics(host)
+    config = MetricsConfig(listen=f"{lan}:{free_port()}", token_file=token_file(tmp_path))
+    try:
+        with (
+            served(ScrapeListener(metrics), config) as address,
+            held_as(NOBODY, address, SCRAPER_LIMITS.connections_per_uid),
+        ):
+            status, _, _ = tcp(address, "/metrics", "Authorization: Bearer s3cret-token\r\n")
+            assert status == "200"
+    finally:
+        metrics.close()

@@ -1,4 +1,5 @@
-"""host.tcpowner against this machine's own kernel: loopback connections, really made.
+"""host.tcpowner against this machine's own kernel: loopback connections and connections to
+the machine's own LAN address, really made.
 
 A child process made for the test connects (as another uid where the test may change its uid,
 as root does); the kernel's sock_diag answer names that uid. The guest's metrics test holds a
@@ -14,7 +15,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from slicebox.host.tcpowner import is_loopback, loopback_owner
+from slicebox.host.addresses import host_addresses
+from slicebox.host.tcpowner import is_local, is_loopback, local_owner, peer_key, remote_key
 
 NOBODY = 65534
 
@@ -61,26 +63,26 @@ def connected_as(server: socket.socket, uid: int | None) -> Iterator[socket.sock
 def test_the_far_end_s_owner_is_the_uid_that_made_its_socket() -> None:
     with listening() as server:
         with connected_as(server, None) as accepted:
-            assert loopback_owner(accepted) == os.geteuid()
+            assert local_owner(accepted) == os.geteuid()
         if os.geteuid() == 0:  # root can be someone else for the child
             with connected_as(server, NOBODY) as accepted:
-                assert loopback_owner(accepted) == NOBODY
+                assert local_owner(accepted) == NOBODY
 
 
 def test_ipv6_loopback_is_looked_up_too() -> None:
     with listening(socket.AF_INET6) as server, connected_as(server, None) as accepted:
-        assert loopback_owner(accepted) == os.geteuid()
+        assert local_owner(accepted) == os.geteuid()
 
 
 def test_a_socket_with_no_far_end_has_no_owner() -> None:
     with listening() as server:
-        assert loopback_owner(server) is None, "a listening socket"
+        assert local_owner(server) is None, "a listening socket"
 
 
 def test_a_unix_socket_has_no_tcp_owner() -> None:
     left, right = socket.socketpair()
     with left, right:
-        assert loopback_owner(left) is None
+        assert local_owner(left) is None
 
 
 @pytest.mark.parametrize(
@@ -98,3 +100,49 @@ def test_a_unix_socket_has_no_tcp_owner() -> None:
 )
 def test_only_this_host_s_loopback_is_asked_about(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback
+
+
+def lan_address() -> str:
+    """One of this machine's own addresses besides loopback (the kernel's list)."""
+    found = [str(net.network_address) for net in host_addresses() if not net.is_loopback]
+    if not found:
+        pytest.skip("this machine has no address but loopback")
+    return found[0]
+
+
+def test_a_local_user_on_the_host_s_own_lan_address_is_counted_under_its_uid() -> None:
+    """Not only loopback: a local user connecting to the host's LAN address is on this host
+    too, and the kernel names its uid (before, every such peer was one bucket, None)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.bind((lan_address(), 0))
+        server.listen()
+        server.settimeout(10)
+        with connected_as(server, None) as accepted:
+            assert peer_key(accepted) == os.geteuid()
+        if os.geteuid() == 0:
+            with connected_as(server, NOBODY) as accepted:
+                assert peer_key(accepted) == NOBODY
+
+
+def test_whether_an_address_is_the_host_s_own_is_the_kernel_s_answer() -> None:
+    assert is_local("127.0.0.1")
+    assert is_local("::1")
+    assert is_local(lan_address())
+    assert is_local(f"::ffff:{lan_address()}")
+    assert not is_local("198.51.100.77"), "a documentation address no host holds"
+    assert not is_local("2001:db8::77")
+    assert not is_local("not an address")
+
+
+@pytest.mark.parametrize(
+    ("host", "key"),
+    [
+        ("203.0.113.5", "203.0.113.5"),
+        ("::ffff:203.0.113.5", "203.0.113.5"),
+        ("2001:db8:1:2:3:4:5:6", "2001:db8:1:2::/64"),
+        ("2001:db8:1:2::9", "2001:db8:1:2::/64"),  # one machine holds its /64 whole
+        ("2001:db8:1:3::9", "2001:db8:1:3::/64"),
+    ],
+)
+def test_a_peer_from_elsewhere_is_counted_under_its_own_address(host: str, key: str) -> None:
+    assert remote_key(host) == key

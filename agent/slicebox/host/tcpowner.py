@@ -1,21 +1,24 @@
-"""Who opened the far end of a loopback TCP connection, as the kernel knows it.
+"""Who opened the far end of a TCP connection from this host, as the kernel knows it.
 
 A unix socket names its peer (``SO_PEERCRED``); a TCP socket does not. But a connection from
-this host's loopback has its other end on this host too, and the kernel keeps the uid of whoever
-made that socket (its ``sk_uid``, set when the socket was made and never changed by what the
-process does after). One ``sock_diag`` request (``SOCK_DIAG_BY_FAMILY``, an exact look-up by
-the connection's four-tuple, not a dump) asks the kernel for that socket and answers its uid.
+one of this host's own addresses (loopback, or its LAN address: a local user may connect to
+either) has its other end on this host too, and the kernel keeps the uid of whoever made that
+socket (its ``sk_uid``, set when the socket was made and never changed by what the process does
+after). One ``sock_diag`` request (``SOCK_DIAG_BY_FAMILY``, an exact look-up by the connection's
+four-tuple, not a dump) asks the kernel for that socket and answers its uid. Whether an address
+is the host's own is the kernel's answer too: a socket can be bound to it.
 
-So a TCP listener on loopback can hold each local user to caps of their own, as the agent's
-socket does: one user cannot take every connection a scraper needs. A peer elsewhere (a listener
-on another address), or one gone before the look-up, has no owner known here: ``None``.
+So a TCP listener can hold each local user to caps of their own, as the agent's socket does,
+and each peer elsewhere to caps of its address (an IPv6 one's /64, which one machine holds
+whole): one user, or one remote machine, cannot take every connection a scraper needs
+(:func:`peer_key`).
 """
 
 from __future__ import annotations
 
 import socket
 import struct
-from ipaddress import ip_address
+from ipaddress import ip_address, ip_network
 
 SOCK_DIAG_BY_FAMILY = 20
 NETLINK_SOCK_DIAG = 4
@@ -46,16 +49,58 @@ def is_loopback(host: str) -> bool:
     return bool((mapped or address).is_loopback)
 
 
-def loopback_owner(sock: socket.socket) -> int | None:
-    """The uid owning the far end of ``sock``, a connected TCP socket, when that end is on
-    this host's loopback; None when it is not, is gone, or the kernel does not say."""
+def is_local(host: str) -> bool:
+    """Whether ``host`` is one of this host's own addresses (loopback included), as the
+    kernel says: a socket of its family can be bound to it."""
+    if is_loopback(host):
+        return True
+    try:
+        address = ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    address = getattr(address, "ipv4_mapped", None) or address
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((str(address), 0))
+    except OSError:  # EADDRNOTAVAIL: not this host's (a link-local one needs its scope: too)
+        return False
+    return True
+
+
+def peer_key(sock: socket.socket) -> int | str | None:
+    """Who ``sock``'s connection counts against (``web.limits.PeerKey``): the uid owning its
+    far end when that end is on this host; else the peer's address (an IPv6 one's /64); None
+    when the socket has no peer."""
+    try:
+        host = sock.getpeername()[0]
+    except (OSError, IndexError):
+        return None
+    owner = local_owner(sock) if is_local(host) else None
+    return owner if owner is not None else remote_key(host)
+
+
+def remote_key(host: str) -> str:
+    """A remote peer's bucket: its IPv4 address, or its IPv6 address's /64."""
+    try:
+        address = ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    address = getattr(address, "ipv4_mapped", None) or address
+    if address.version == 4:
+        return str(address)
+    return str(ip_network(f"{address}/64", strict=False))
+
+
+def local_owner(sock: socket.socket) -> int | None:
+    """The uid owning the far end of ``sock``, a connected TCP socket, whose peer is on this
+    host (the caller checked: :func:`is_local`); None when it is gone or the kernel does not
+    say."""
     if sock.family not in (socket.AF_INET, socket.AF_INET6):
         return None
     try:
         peer, local = sock.getpeername(), sock.getsockname()
     except OSError:
-        return None
-    if not is_loopback(peer[0]):
         return None
     # The far end's own socket: its source is our peer, its destination us.
     request = _REQUEST.pack(sock.family, socket.IPPROTO_TCP, 0, 0, ALL_STATES)

@@ -15,10 +15,11 @@ address moves the listener); it is never logged.
 
 What a connection may hold is bounded as on the socket (``web.limits``), tighter: a scraper
 needs a connection or two, each reading one head and sending no body. The caps count per local
-user, as the socket's do: a connection from this host's loopback is counted under the uid that
-owns its far end, which the kernel says (``host.tcpowner``), so a user who holds every
-connection they may open leaves the scraper's own uid its share. Peers from elsewhere (a
-listener on another address) are counted together, under no uid.
+user, as the socket's do: a connection from one of this host's own addresses (loopback, or its
+LAN address) is counted under the uid that owns its far end, which the kernel says
+(``host.tcpowner``), so a user who holds every connection they may open leaves the scraper's
+own uid its share. A peer from elsewhere is counted under its address (an IPv6 one's /64), so
+a local user, or one remote machine, at its caps leaves a remote scraper its own.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import stat
 from ipaddress import ip_address
 from pathlib import Path
 
-from slicebox.host.tcpowner import loopback_owner
+from slicebox.host.tcpowner import peer_key
 from slicebox.model.metrics import MetricsConfig
 from slicebox.server.api import error_response, http_error
 from slicebox.server.metrics import AgentMetrics
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 TOKEN_MOST = 4096  # bytes: a token file longer than this is no token
 BACKLOG = 16
-# Per local user (host.tcpowner; peers from elsewhere all count as one): a scraper needs a
+# Per local user, or per remote address (host.tcpowner.peer_key): a scraper needs a
 # connection or two; the totals leave room for a few dozen users at their caps at once.
 SCRAPER_LIMITS = Limits(
     connections_per_uid=4,
@@ -139,7 +140,7 @@ class ScrapeListener:
             sock,
             keepalive_timeout=KEEPALIVE,
             limits=SCRAPER_LIMITS,
-            peer=loopback_owner,
+            peer=peer_key,
         )
         log.info("metrics listener on %s (bearer token from %s)", config.listen, config.token_file)
 

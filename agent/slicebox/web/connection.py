@@ -33,6 +33,7 @@ from slicebox.web.message import (
 from slicebox.web.request import BodyStalled, Content, Request
 
 if TYPE_CHECKING:
+    from slicebox.web.limits import PeerKey
     from slicebox.web.response import StreamResponse
     from slicebox.web.server import Serving
 
@@ -67,7 +68,7 @@ class Connection:
         self,
         serving: Serving,
         sock: socket.socket,
-        uid: int | None,
+        uid: PeerKey,
         triage: bool,
         *,
         listener: str = "",

@@ -26,6 +26,11 @@ LOG_EVERY = 10.0  # seconds between two log lines about one uid's refusals
 _REMEMBERED = 4096  # uids whose last refusal log line is remembered (older ones forgotten)
 
 
+# Who a connection's caps count against: a uid (the kernel's word for a local peer), a TCP
+# peer's address from elsewhere (the metrics listener's, ``host.tcpowner``), or None: unknown.
+PeerKey = int | str | None
+
+
 class Limits(NamedTuple):
     """The socket's caps and time limits (the defaults never refuse honest use: the load test
     runs 8 clients per user, the benches 8 as one user)."""
@@ -60,10 +65,10 @@ class Gate:
 
     def __init__(self, per_uid: int, total: int, exempt: frozenset[int]) -> None:
         self.per_uid, self.total, self._exempt = per_uid, total, exempt
-        self._held: dict[int | None, int] = {}
+        self._held: dict[PeerKey, int] = {}
         self.held = 0
 
-    def take(self, uid: int | None, amount: int = 1) -> str | None:
+    def take(self, uid: PeerKey, amount: int = 1) -> str | None:
         """Count ``amount`` for ``uid``; None when it fits, else which cap is full ("uid",
         "total"), and nothing is counted."""
         mine = self._held.get(uid, 0)
@@ -75,7 +80,7 @@ class Gate:
         self.held += amount
         return None
 
-    def give(self, uid: int | None, amount: int = 1) -> None:
+    def give(self, uid: PeerKey, amount: int = 1) -> None:
         left = self._held.get(uid, 0) - amount
         if left > 0:
             self._held[uid] = left
@@ -83,7 +88,7 @@ class Gate:
             self._held.pop(uid, None)
         self.held -= amount
 
-    def of(self, uid: int | None) -> int:
+    def of(self, uid: PeerKey) -> int:
         return self._held.get(uid, 0)
 
 

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 from slicebox.web.app import Application
 from slicebox.web.connection import Connection
-from slicebox.web.limits import Gate, Limits, QuietLog
+from slicebox.web.limits import Gate, Limits, PeerKey, QuietLog
 from slicebox.web.message import phrase
 from slicebox.web.response import StreamResponse
 
@@ -35,7 +35,7 @@ ACCEPT_RETRY = 0.1  # seconds between two accepts while descriptors are out
 _PEERCRED = struct.Struct("3i")
 
 
-PeerOf = Callable[[socket.socket], int | None]  # who a connection is counted under
+PeerOf = Callable[[socket.socket], PeerKey]  # who a connection is counted under
 
 
 class Vetted(NamedTuple):
@@ -100,12 +100,12 @@ class Serving:
         """The connections open now."""
         return len(self._open)
 
-    def full_of(self, uid: int | None) -> str:
+    def full_of(self, uid: PeerKey) -> str:
         """Which connection cap ``uid`` is over ("uid" or "total")."""
         exempt = uid in self.limits.exempt_uids
         return "uid" if not exempt and self.open.of(uid) >= self.open.per_uid else "total"
 
-    def refused(self, uid: int | None, what: str, why: str) -> str:
+    def refused(self, uid: PeerKey, what: str, why: str) -> str:
         """Log (at most once per uid per 10 s) that ``uid`` was refused ``what`` because
         ``why`` cap is full; the refusal's message."""
         gate = {"connections": self.open, "requests in flight": self.in_flight}.get(what)
@@ -229,7 +229,6 @@ class Serving:
         """Serve ``client``; ``vetted``: a listener's connection, (its uid, the listener)."""
         uid = self._peer(client) if not vetted else vetted[0]
         listener = str(vetted[1]) if vetted else ""
-        assert uid is None or isinstance(uid, int)
         triage = False
         why = self.open.take(uid)
         if why is not None:

@@ -20,12 +20,13 @@ from slicebox.cli.progress import Bars, Bytes, Lines, shown
 from slicebox.client import AsyncClient, Client
 from slicebox.core.blocking import core_loop
 from slicebox.model.api import CreateSandbox, RunRequest
-from slicebox.model.errors import ImagePullFailed, ImageUnavailable
+from slicebox.model.errors import ImagePullFailed, ImageUnavailable, SliceboxError
 from slicebox.model.exec import ExecRequest, OutputStream, StreamChunk
 from slicebox.model.progress import LayerProgress, Phase, ProgressEvent
 from tests.fakes.docker import LAYER
 from tests.unit.agentserver import Agent, served, wait_for
 from tests.unit.test_cli import Stdin
+from tests.unit.test_service import World
 
 IMAGE = "localhost:5000/slicebox-test/big:1"
 Fd = pytest.CaptureFixture[bytes]
@@ -248,3 +249,31 @@ def test_a_caller_gone_mid_pull_leaks_neither_the_pull_nor_a_thread(agent: Agent
         client.destroy(each.id)
     assert threads <= before + 1  # the core loop's, at most
     assert agent.world.docker.pulls == [IMAGE]
+
+
+def test_distinct_pulls_past_pulls_in_flight_wait_for_none_and_are_refused_pulls_busy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the agent's app: a pull in flight holds its slot of [shares] pulls_in_flight
+    (root, the caller here, is bound by the total only), so a create of another image is
+    refused pulls_busy at once instead of waiting behind a slow registry."""
+    monkeypatch.setattr(sys, "stdin", Stdin())
+    other = "localhost:5000/slicebox-test/other:1"
+    world = World(tmp_path, config="[shares]\npulls_in_flight = 1\n")
+    with served(tmp_path, world) as agent:
+        agent.world.docker.registry |= {IMAGE, other}
+        gate = asyncio.Event()
+        agent.world.docker.pull_gate = gate
+        made: list[str] = []
+        first = threading.Thread(target=lambda: made.append(Client(agent.socket).create(spec()).id))
+        first.start()
+        wait_for(lambda: agent.world.docker.pulls == [IMAGE])
+        client = Client(agent.socket)
+        with pytest.raises(SliceboxError) as caught:
+            client.create(spec(other))
+        assert caught.value.code == "pulls_busy"
+        core_loop().call_soon_threadsafe(gate.set)
+        first.join(30)
+        assert agent.world.docker.pulls == [IMAGE], "the refused create pulled nothing"
+        for box in made:
+            client.destroy(box)

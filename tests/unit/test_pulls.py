@@ -15,9 +15,11 @@ from slicebox.core.blocking import inline
 from slicebox.core.gitcounts import GitCounts
 from slicebox.core.progress import ProgressFeed, with_progress
 from slicebox.core.pulls import Pulls, puller_of
-from slicebox.model.errors import ImagePullFailed
+from slicebox.host.identity import Identity
+from slicebox.model.errors import Busy, ImagePullFailed, ShareFull
 from slicebox.model.progress import Phase, ProgressEvent
 from slicebox.model.pulls import RegistryCredential
+from slicebox.model.shares import SharesConfig
 
 IMAGE = "localhost:5000/big:1"
 
@@ -110,7 +112,7 @@ def test_a_create_without_credentials_never_joins_a_pull_with_another_user_s() -
 
     async def main() -> tuple[list[RegistryCredential | None], BaseException | None]:
         puller, pulls = Puller(), Pulls(asyncio.get_running_loop)
-        alice = asyncio.ensure_future(pulls.ensure(puller, IMAGE, 10, None, grant))
+        alice = asyncio.ensure_future(pulls.ensure(puller, IMAGE, 10, None, grant=grant))
         await asyncio.sleep(0.02)
         bob = asyncio.ensure_future(pulls.ensure(puller, IMAGE, 10, None))
         await asyncio.sleep(0.02)
@@ -275,3 +277,44 @@ def test_what_is_not_a_count_reports_nothing(noise: bytes) -> None:
     finally:
         progress._SINK.reset(token)
     assert seen == []
+
+
+def caller(uid: int, name: str, *, admin: bool = False) -> Identity:
+    return Identity(uid=uid, gid=uid, pid=1, user_name=name, is_admin=admin)
+
+
+ALICE, BOB, ADMIN = caller(1001, "alice"), caller(1002, "bob"), caller(1003, "ops", admin=True)
+
+
+def test_one_user_s_pulls_in_flight_hold_only_its_share_and_a_joiner_takes_none() -> None:
+    """Four pulls in flight for all, two per user: alice's third distinct image is refused
+    pull_share_full (429) while bob's pulls start; a create of an image alice is pulling
+    waits for that pull; past the total, pulls_busy; a pull that ends gives its slot back."""
+    shares = SharesConfig(pulls_in_flight=4, user_share=0.5)
+
+    async def main() -> list[str]:
+        puller, pulls = Puller(), Pulls(asyncio.get_running_loop, lambda: shares)
+
+        def start(image: str, who: Identity) -> asyncio.Future[None]:
+            return asyncio.ensure_future(pulls.ensure(puller, image, 10, None, who=who))
+
+        waiting = [start("a/1", ALICE), start("a/2", ALICE)]
+        await asyncio.sleep(0.02)
+        refused = []
+        try:
+            await pulls.ensure(puller, "a/3", 10, None, who=ALICE)
+        except ShareFull as exc:
+            refused.append(exc.code)
+        waiting += [start("a/1", BOB), start("b/1", BOB), start("b/2", BOB)]
+        await asyncio.sleep(0.02)
+        try:
+            await pulls.ensure(puller, "c/1", 10, None, who=ADMIN)
+        except Busy as exc:
+            refused.append(exc.code)
+        puller.go.set()
+        await asyncio.gather(*waiting)
+        assert pulls.slots.in_use == 0, "every slot given back"
+        await pulls.ensure(puller, "a/3", 10, None, who=ALICE)
+        return refused
+
+    assert asyncio.run(main()) == ["pull_share_full", "pulls_busy"]

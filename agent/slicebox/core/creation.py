@@ -57,6 +57,7 @@ from slicebox.core.workspaces import (
     write_credentials,
 )
 from slicebox.host.beneath import BindGuard
+from slicebox.host.identity import Identity
 from slicebox.model.config import Config
 from slicebox.model.egress import NetworkSpec
 from slicebox.model.errors import (
@@ -71,6 +72,7 @@ from slicebox.model.names import scope_name
 from slicebox.model.paths import NESTED_ROOT
 from slicebox.model.progress import Phase, ProgressEvent
 from slicebox.model.pulls import credential_for
+from slicebox.model.shares import SharesConfig
 from slicebox.model.spec import Backend, SandboxSpec
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,7 @@ class Creator:
         deadlines: Deadlines | None,
         egress: EgressGuard | None,
         nested_root: Path = NESTED_ROOT,
+        shares: Callable[[], SharesConfig] = SharesConfig,
     ) -> None:
         self._nested_root = nested_root  # where nested sandboxes' socket directories are
         self._backend = backend
@@ -118,7 +121,8 @@ class Creator:
         self._egress = egress
         # The images known present (KNOWN_IMAGES).
         self._images: Recent[str, None] = Recent(KNOWN_IMAGES)
-        self._pulls = Pulls()  # one pull per image at a time (core.pulls)
+        # One pull per image at a time, in the shares of ``[shares]`` in force (core.pulls).
+        self._pulls = Pulls(shares=shares)
 
     async def create(
         self,
@@ -129,10 +133,12 @@ class Creator:
         one_shot: bool,
         owner: tuple[int, int] | None,
         pool_key: str,
+        caller: Identity | None = None,
     ) -> SandboxInfo:
         """The started container of a new sandbox (``SandboxManager.create``). Each step that
         asks the host or the backend runs through ``blocking``; what undoes a failed create
-        runs to its end even when the caller is cancelled meanwhile."""
+        runs to its end even when the caller is cancelled meanwhile. ``caller``: whose share
+        a pull it starts takes (None: the agent's own, a pool's refill)."""
         backend = self._backend
         kind = await blocking(lambda: self._resolve(spec, config, pool_key=pool_key))
         ids = await blocking(lambda: caller_ids(spec, owner))
@@ -157,7 +163,7 @@ class Creator:
             plugin = await blocking(
                 lambda: wasm_plugin(backend, config, admitted, owner, decided.plugin_hosts)
             )
-            known = await self._prepared(admitted, config, blocking)
+            known = await self._prepared(admitted, config, blocking, caller)
             staging = bool(pinned) and spec.backend is Backend.DOCKER
             made: list[str] = []
             fresh: VolumeInfo | None = None
@@ -180,7 +186,12 @@ class Creator:
                             update={"command": WAITER_COMMAND, "open_stdin": True}
                         )
                     info = await self._start(
-                        request, config, blocking, image_known=known, user=admitted.spec.user
+                        request,
+                        config,
+                        blocking,
+                        image_known=known,
+                        user=admitted.spec.user,
+                        caller=caller,
                     )
                     started = info
                     await blocking(
@@ -225,7 +236,9 @@ class Creator:
         )
         return info
 
-    async def _prepared(self, admitted: Admitted, config: Config, blocking: Blocking) -> bool:
+    async def _prepared(
+        self, admitted: Admitted, config: Config, blocking: Blocking, caller: Identity | None
+    ) -> bool:
         """Whether the image was known present: one that is not is prepared (pulled) now, and
         one that cannot be had is refused before anything exists. A native sandbox runs the
         host's programs: it has no image to look for."""
@@ -233,7 +246,9 @@ class Creator:
         if not known:
             timeout = config.pull_timeout_seconds
             grant = credential_for(config.registry_credentials, admitted.spec.user, admitted.image)
-            await self._pulls.prepare(self._backend, admitted.image, timeout, blocking, grant)
+            await self._pulls.prepare(
+                self._backend, admitted.image, timeout, blocking, grant=grant, who=caller
+            )
         return known
 
     def _roll_back(
@@ -326,6 +341,7 @@ class Creator:
         *,
         image_known: bool,
         user: str,
+        caller: Identity | None,
     ) -> SandboxInfo:
         """Create and start the container. An image a create found present before is not
         checked first (one backend call fewer per create): should it be gone since, the create
@@ -342,7 +358,9 @@ class Creator:
             log.info("image %s is gone since its last create; preparing it again", request.image)
             timeout = config.pull_timeout_seconds
             grant = credential_for(config.registry_credentials, user, request.image)
-            await self._pulls.prepare(backend, request.image, timeout, blocking, grant)
+            await self._pulls.prepare(
+                backend, request.image, timeout, blocking, grant=grant, who=caller
+            )
             info = await blocking(lambda: backend.create(request))
         self._images.put(request.image, None)
         return info

@@ -8,6 +8,11 @@ holds no thread: the backend reads the engine's progress on that loop. It is bou
 configured ``pull_timeout_seconds``, and ends early, closing its connection (which makes the
 engine abandon it), when every create waiting for it has gone.
 
+A pull holds one of the agent's ``[shares] pulls_in_flight`` until it ends, counted against the
+caller who started it (``core.shares``: its share first, ``pull_share_full``, then the total,
+``pulls_busy``): a slow registry of one user's holds that user's pulls, never every user's.
+A create that joins a pull in flight takes none.
+
 A pull sends the credentials the operator granted the sandbox's user for the image's registry
 (``model.pulls``), or none; creates join only a pull with their own grant.
 
@@ -28,8 +33,11 @@ from typing import Protocol, runtime_checkable
 
 from slicebox.core import progress
 from slicebox.core.blocking import Blocking, core_loop
+from slicebox.core.shares import PULLS, Reservation, Slots
+from slicebox.host.identity import Identity
 from slicebox.model.progress import ProgressEvent
 from slicebox.model.pulls import RegistryCredential
+from slicebox.model.shares import SharesConfig
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +80,7 @@ class _Pull:
         self.waiters = 0
         self.listeners: dict[int, tuple[asyncio.AbstractEventLoop, Report]] = {}
         self.last: ProgressEvent | None = None
+        self.held: Reservation | None = None  # its slot of pulls in flight
 
     def emit(self, event: ProgressEvent) -> None:
         """On the core loop: to each listener, on its own loop."""
@@ -84,8 +93,13 @@ class _Pull:
 class Pulls:
     """The pulls in flight, by image."""
 
-    def __init__(self, loop: Callable[[], asyncio.AbstractEventLoop] = core_loop) -> None:
+    def __init__(
+        self,
+        loop: Callable[[], asyncio.AbstractEventLoop] = core_loop,
+        shares: Callable[[], SharesConfig] = SharesConfig,
+    ) -> None:
         self._loop = loop
+        self.slots = Slots(PULLS, shares)  # distinct pulls at once, per caller and in all
         self._lock = threading.Lock()
         self._running: dict[PullKey, _Pull] = {}
         self._ids = itertools.count()
@@ -97,15 +111,19 @@ class Pulls:
         image: str,
         timeout: float,
         blocking: Blocking,
+        *,
         grant: RegistryCredential | None = None,
+        who: Identity | None = None,
     ) -> None:
         """Make ``image`` present: a shared pull on the loop when the backend can, else its
-        ``prepare`` on a thread (anonymous). ``grant``: the credentials it may send."""
+        ``prepare`` on a thread (anonymous). ``grant``: the credentials it may send; ``who``:
+        whose share a pull it starts takes (None: the agent's own)."""
         puller = puller_of(backend)
         if puller is None:
-            await blocking(lambda: backend.prepare(image))
+            with self.slots.take(who):
+                await blocking(lambda: backend.prepare(image))
             return
-        await self.ensure(puller, image, timeout, progress.sink(), grant)
+        await self.ensure(puller, image, timeout, progress.sink(), grant=grant, who=who)
 
     async def ensure(
         self,
@@ -113,25 +131,34 @@ class Pulls:
         image: str,
         timeout: float,
         report: Report | None,
+        *,
         grant: RegistryCredential | None = None,
+        who: Identity | None = None,
     ) -> None:
-        """Wait for ``image``'s pull with ``grant``, starting it unless one runs; its outcome
-        is this one's."""
-        pull, listener = self._join(puller, (image, grant), timeout, report)
+        """Wait for ``image``'s pull with ``grant``, starting it unless one runs (in ``who``'s
+        share: ``pull_share_full``, ``pulls_busy``); its outcome is this one's."""
+        pull, listener = self._join(puller, (image, grant), timeout, report, who)
         try:
             await asyncio.shield(asyncio.wrap_future(pull.outcome))
         finally:
             self._leave(pull, listener)
 
     def _join(
-        self, puller: ImagePuller, key: PullKey, timeout: float, report: Report | None
+        self,
+        puller: ImagePuller,
+        key: PullKey,
+        timeout: float,
+        report: Report | None,
+        who: Identity | None,
     ) -> tuple[_Pull, int]:
         loop = asyncio.get_running_loop()
         with self._lock:
             pull = self._running.get(key)
             fresh = pull is None
             if pull is None:
+                held = self.slots.take(who)  # refused: nothing is registered
                 pull = self._running[key] = _Pull(*key)
+                pull.held = held
                 self.started += 1
             pull.waiters += 1
             listener = next(self._ids)
@@ -170,7 +197,11 @@ class Pulls:
             pull.outcome.set_result(None)
 
     def _end(self, pull: _Pull) -> None:
+        """Forget ``pull`` and give back its slot; once, however often called."""
         with self._lock:
             key = (pull.image, pull.grant)
             if self._running.get(key) is pull:
                 del self._running[key]
+            held, pull.held = pull.held, None
+        if held is not None:
+            held.release()

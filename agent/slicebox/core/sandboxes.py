@@ -48,6 +48,7 @@ from slicebox.core.sandbox import found as _found
 from slicebox.core.slices import SliceManager
 from slicebox.core.workspaces import credential_store, release_volume
 from slicebox.host.beneath import BindGuard, KernelBindGuard
+from slicebox.host.identity import Identity
 from slicebox.model.config import Config
 from slicebox.model.errors import HostError, InvalidRequest, NotFound, SliceboxError
 from slicebox.model.labels import EGRESS_ADDRESS, decode, selector
@@ -109,6 +110,7 @@ class SandboxManager:
             deadlines=deadlines,
             egress=egress,
             nested_root=nested_root,
+            shares=lambda: self._config.shares,
         )
         # Sandbox id -> the sandbox as this agent made or last looked it up (KNOWN_SANDBOXES):
         # what a destroy needs of it (its container, user, project, lineage) is its labels',
@@ -188,6 +190,7 @@ class SandboxManager:
         one_shot: bool = False,
         owner: tuple[int, int] | None = None,
         pool_key: str = "",
+        caller: Identity | None = None,
     ) -> Sandbox:
         """Admit, place and start a sandbox; on any failure nothing is left behind.
 
@@ -198,10 +201,17 @@ class SandboxManager:
         ``owner``: the (uid, gid) of the user the sandbox is for, as the kernel told the agent
         (the caller's own); left out, it is looked up by name. A host workspace runs as it.
         ``pool_key``: a warm pool's member of that key (core.pool), labelled so, with no
-        deadline until it is acquired, and returned held as a one-shot's is. Each step that
-        blocks runs through ``blocking``."""
+        deadline until it is acquired, and returned held as a one-shot's is. ``caller``: whose
+        share of pulls in flight a pull this create starts takes (None: the agent's own). Each
+        step that blocks runs through ``blocking``."""
         info = await self._creator.create(
-            spec, self._config, blocking, one_shot=one_shot, owner=owner, pool_key=pool_key
+            spec,
+            self._config,
+            blocking,
+            one_shot=one_shot,
+            owner=owner,
+            pool_key=pool_key,
+            caller=caller,
         )
         return self._remember(Sandbox.from_info(info))
 

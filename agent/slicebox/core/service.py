@@ -237,7 +237,7 @@ class Service(Holdings):
                     record["detail"] = f"from warm pool {made.lineage.pool_key}"
                 with place:
                     made = made or await self._sandboxes.create(
-                        spec, blocking, one_shot=one_shot, owner=owner
+                        spec, blocking, one_shot=one_shot, owner=owner, caller=who
                     )
                 record.update(subject(made))
                 await self._children.opened(made, blocking)

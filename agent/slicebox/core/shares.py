@@ -1,12 +1,13 @@
 """What one user may hold at once of what the agent bounds for every caller together.
 
-Three things are bounded for all callers: the bytes of the exec output budget
-(:mod:`slicebox.core.budget`), streamed execs and runs answering at once, and file transfers
-moving at once. A bound for all alone lets one user take all of it: two execs with a 16 MiB
-``output_cap`` and a third fill a 512 MiB budget, and every other user's exec is refused for as
-long as their holder keeps them. So each is also bounded per user, by ``[shares] user_share``
-of it (half by default): a user's share is checked first (``*_share_full``, 429), then the bound
-for all (``busy``, ``streams_busy``, ``transfers_busy``, 503); both answer ``Retry-After``.
+Four things are bounded for all callers: the bytes of the exec output budget
+(:mod:`slicebox.core.budget`), streamed execs and runs answering at once, file transfers moving
+at once, and distinct image pulls at once (:mod:`slicebox.core.pulls`). A bound for all alone
+lets one user take all of it: two execs with a 16 MiB ``output_cap`` and a third fill a 512 MiB
+budget, and every other user's exec is refused for as long as their holder keeps them. So each
+is also bounded per user, by ``[shares] user_share`` of it (half by default): a user's share is
+checked first (``*_share_full``, 429), then the bound for all (``busy``, ``streams_busy``,
+``transfers_busy``, ``pulls_busy``, 503); both answer ``Retry-After``.
 
 The holder is the caller's kernel identity, its uid (SO_PEERCRED, :mod:`slicebox.host.identity`),
 whatever user name it acts for: the only name a hostile caller cannot choose. Root and members
@@ -31,9 +32,10 @@ from slicebox.model.shares import SharesConfig
 Holder = int | None  # a caller's uid; None: bound by the totals only (admins)
 
 
-def holder_of(who: Identity) -> Holder:
-    """Who a request's holdings are counted against."""
-    return None if who.is_admin else who.uid
+def holder_of(who: Identity | None) -> Holder:
+    """Who a request's holdings are counted against (None: the agent's own, as a pool's
+    refill: the totals only)."""
+    return None if who is None or who.is_admin else who.uid
 
 
 class Reservation:
@@ -147,6 +149,7 @@ class Kind(NamedTuple):
 # Each kind's refusal codes (model/codes.py): its share full, then the total full.
 STREAM_CODES = ("stream_share_full", "streams_busy")
 TRANSFER_CODES = ("transfer_share_full", "transfers_busy")
+PULL_CODES = ("pull_share_full", "pulls_busy")
 STREAMS = Kind(
     noun="streamed execs and runs",
     key="streams_in_flight",
@@ -158,6 +161,12 @@ TRANSFERS = Kind(
     key="transfers_in_flight",
     codes=TRANSFER_CODES,
     advice="let one of them finish first, or send several files as one tar",
+)
+PULLS = Kind(
+    noun="image pulls",
+    key="pulls_in_flight",
+    codes=PULL_CODES,
+    advice="let one of them finish first (or cancel its create)",
 )
 
 
@@ -179,16 +188,17 @@ class Slots:
         total: int = getattr(config, self.kind.key)
         return Bounds(total=total, each=config.share_of(total))
 
-    def take(self, who: Identity) -> Reservation:
-        """One slot for ``who``'s request, or its refusal (``ShareFull`` or ``Busy``)."""
+    def take(self, who: Identity | None) -> Reservation:
+        """One slot for ``who``'s request, or its refusal (``ShareFull`` or ``Busy``); None:
+        the agent's own, bound by the total only."""
         try:
             return self._tally.take(holder_of(who), 1, self.bounds())
         except Full as full:
             raise self._refusal(who, full.standing) from None
 
-    def _refusal(self, who: Identity, standing: Standing) -> ShareFull | Busy:
+    def _refusal(self, who: Identity | None, standing: Standing) -> ShareFull | Busy:
         kind, bounds = self.kind, standing.bounds
-        if standing.share:
+        if standing.share and who is not None:
             return ShareFull(
                 f"uid {who.uid} ({who.user_name}) has {standing.mine} {kind.noun} in flight, its "
                 f"whole share ({bounds.each} of the agent's {kind.key} {bounds.total}, "

@@ -446,6 +446,14 @@ CODES: tuple[ErrorCode, ...] = (
         "Let one of your transfers finish, or send several files as one tar, or retry after "
         "Retry-After seconds.",
     ),
+    _c(
+        "pull_share_full",
+        429,
+        "The caller's creates are pulling its whole share (`[shares] user_share`) of "
+        "`pulls_in_flight` distinct images at once.",
+        "Let one of your pulls finish (or cancel its create), or retry after Retry-After "
+        "seconds; a create of an image already being pulled waits for that pull instead.",
+    ),
     # The host (5xx): not the caller's fault.
     _c(
         "unavailable",
@@ -472,6 +480,12 @@ CODES: tuple[ErrorCode, ...] = (
         503,
         "File transfers of all callers take every one of the agent's "
         "`[shares] transfers_in_flight`.",
+        "Retry after Retry-After seconds.",
+    ),
+    _c(
+        "pulls_busy",
+        503,
+        "Image pulls of all callers take every one of the agent's `[shares] pulls_in_flight`.",
         "Retry after Retry-After seconds.",
     ),
     _c(

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ from tests.fakes.native import ChildClaims, LiveInitSystemd
 MiB = 1024 * 1024
 PROJECT = "slicebox-al\\x2dice-p.slice"
 NAME = "sbx-000000000001"
+NOBODY = 65534
 
 
 class Refuses(ChildClaims):
@@ -272,3 +274,48 @@ def test_the_init_ends_with_the_sandbox_s_own_command(runtime: Path) -> None:
     finally:
         idle.kill()
         idle.wait()
+
+
+@contextmanager
+def stuck_listener(where: Path) -> Iterator[socket.socket]:
+    """A listener at ``where`` that never answers: what a sandbox's code puts in place."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(where))
+        listener.listen()
+        yield listener
+
+
+def accepted_any(listener: socket.socket) -> bool:
+    listener.setblocking(False)
+    try:
+        listener.accept()[0].close()
+    except BlockingIOError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("how", ["symlink", "hard link of another owner's", "another owner's"])
+def test_an_init_socket_the_sandbox_replaced_is_refused_at_once_never_followed(
+    native: NativeBackend, runtime: Path, how: str
+) -> None:
+    """The sandbox's code replaces its init's socket (in a directory its user may write) with
+    a link to, or a hard link of, a listener that never answers (the agent's own socket, or
+    one of its making): the exec is refused at once, and nothing connected to that listener
+    (before: the agent followed the link as root and waited out the 10 s handshake)."""
+    made = native.create(request())
+    sock = runtime / "init" / NAME / "init.sock"
+    with stuck_listener(runtime / "elsewhere.sock") as listener:
+        sock.unlink()
+        if how == "symlink":
+            sock.symlink_to(runtime / "elsewhere.sock")
+        else:
+            os.chown(runtime / "elsewhere.sock", NOBODY, NOBODY)
+            if how.startswith("hard"):
+                os.link(runtime / "elsewhere.sock", sock)
+            else:
+                os.rename(runtime / "elsewhere.sock", sock)
+        began = time.monotonic()
+        with pytest.raises(InitError, match="was replaced"):
+            run(native, made.id, ExecRequest(argv=("true",)))
+        assert time.monotonic() - began < 2.0
+        assert not accepted_any(listener), "nothing connected to the replacement"

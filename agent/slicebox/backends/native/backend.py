@@ -41,10 +41,10 @@ from slicebox.backends.native.names import (
     ANCHOR_PREFIX,
     EXEC_PREFIX,
     INIT_RUNTIME,
+    INIT_SOCKET,
     anchor_unit,
     exec_scope,
     glob_literal,
-    init_socket,
     is_native_id,
     name_of,
     sandbox_name,
@@ -343,7 +343,7 @@ class NativeBackend(NoVolumes):
     def _connect(self, backend_id: str) -> socket.socket:
         name = sandbox_name(backend_id)
         try:
-            return initwire.connect(str(init_socket(self._init_runtime, name)))
+            return initwire.connect_beneath(self._init_runtime, name, INIT_SOCKET)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise SandboxNotRunning(
                 f"native sandbox {name} has no init answering ({exc.strerror}): it was made by "

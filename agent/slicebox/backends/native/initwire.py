@@ -10,8 +10,11 @@ credentials, which a process cannot forge for another pid).
 from __future__ import annotations
 
 import array
+import os
 import socket
+import stat
 import struct
+from pathlib import Path
 
 from pydantic import ConfigDict
 
@@ -87,6 +90,43 @@ def connect(path: str) -> socket.socket:
         conn.close()
         raise
     return conn
+
+
+def connect_beneath(runtime: Path, name: str, socket_name: str) -> socket.socket:
+    """``connect`` to ``<runtime>/<name>/<socket_name>``, the init's socket in a directory its
+    user (whom its code runs as) may write, never through a link: each step is opened with
+    ``O_NOFOLLOW``, the socket's inode must be a socket of the directory's own owner with no
+    other name (not a link to, or a hard link of, the agent's socket or another user's), and
+    the connection is made to that very inode (``/proc/self/fd``), whatever the name says by
+    then. InitError when it is not."""
+    fd = _socket_inode(runtime, name, socket_name)
+    try:
+        return connect(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+
+
+def _socket_inode(runtime: Path, name: str, socket_name: str) -> int:
+    flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+    top = os.open(runtime, flags | os.O_DIRECTORY)
+    try:
+        where = os.open(name, flags | os.O_DIRECTORY, dir_fd=top)
+    finally:
+        os.close(top)
+    try:
+        owner = os.fstat(where).st_uid
+        fd = os.open(socket_name, flags, dir_fd=where)
+    finally:
+        os.close(where)
+    found = os.fstat(fd)
+    if not stat.S_ISSOCK(found.st_mode) or found.st_uid != owner or found.st_nlink != 1:
+        os.close(fd)
+        what = "a link" if stat.S_ISLNK(found.st_mode) else "not the init's own socket"
+        raise InitError(
+            f"the init's socket of native sandbox {name} was replaced ({what}): code in the "
+            "sandbox tampered with it; nothing was run. Destroy the sandbox and create another"
+        )
+    return fd
 
 
 def send_order(conn: socket.socket, order: Order, fds: list[int]) -> None:

@@ -14,7 +14,7 @@ from slicebox.core import progress
 from slicebox.core.blocking import inline
 from slicebox.core.gitcounts import GitCounts
 from slicebox.core.progress import ProgressFeed, with_progress
-from slicebox.core.pulls import Pulls, puller_of
+from slicebox.core.pulls import PullFor, Pulls, puller_of
 from slicebox.host.identity import Identity
 from slicebox.model.errors import Busy, ImagePullFailed, ShareFull
 from slicebox.model.progress import Phase, ProgressEvent
@@ -112,7 +112,7 @@ def test_a_create_without_credentials_never_joins_a_pull_with_another_user_s() -
 
     async def main() -> tuple[list[RegistryCredential | None], BaseException | None]:
         puller, pulls = Puller(), Pulls(asyncio.get_running_loop)
-        alice = asyncio.ensure_future(pulls.ensure(puller, IMAGE, 10, None, grant=grant))
+        alice = asyncio.ensure_future(pulls.ensure(puller, IMAGE, 10, None, PullFor(grant)))
         await asyncio.sleep(0.02)
         bob = asyncio.ensure_future(pulls.ensure(puller, IMAGE, 10, None))
         await asyncio.sleep(0.02)
@@ -296,25 +296,25 @@ def test_one_user_s_pulls_in_flight_hold_only_its_share_and_a_joiner_takes_none(
         puller, pulls = Puller(), Pulls(asyncio.get_running_loop, lambda: shares)
 
         def start(image: str, who: Identity) -> asyncio.Future[None]:
-            return asyncio.ensure_future(pulls.ensure(puller, image, 10, None, who=who))
+            return asyncio.ensure_future(pulls.ensure(puller, image, 10, None, PullFor(who=who)))
 
         waiting = [start("a/1", ALICE), start("a/2", ALICE)]
         await asyncio.sleep(0.02)
         refused = []
         try:
-            await pulls.ensure(puller, "a/3", 10, None, who=ALICE)
+            await pulls.ensure(puller, "a/3", 10, None, PullFor(who=ALICE))
         except ShareFull as exc:
             refused.append(exc.code)
         waiting += [start("a/1", BOB), start("b/1", BOB), start("b/2", BOB)]
         await asyncio.sleep(0.02)
         try:
-            await pulls.ensure(puller, "c/1", 10, None, who=ADMIN)
+            await pulls.ensure(puller, "c/1", 10, None, PullFor(who=ADMIN))
         except Busy as exc:
             refused.append(exc.code)
         puller.go.set()
         await asyncio.gather(*waiting)
         assert pulls.slots.in_use == 0, "every slot given back"
-        await pulls.ensure(puller, "a/3", 10, None, who=ALICE)
+        await pulls.ensure(puller, "a/3", 10, None, PullFor(who=ALICE))
         return refused
 
     assert asyncio.run(main()) == ["pull_share_full", "pulls_busy"]

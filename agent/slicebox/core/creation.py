@@ -40,7 +40,7 @@ from slicebox.core.nesting import ancestors_of, check_opt_in
 from slicebox.core.operations import Operations
 from slicebox.core.policy import Admitted, capability_name
 from slicebox.core.progress import report
-from slicebox.core.pulls import Pulls
+from slicebox.core.pulls import PullFor, Pulls
 from slicebox.core.recent import Recent
 from slicebox.core.refusals import NO_IMAGE
 from slicebox.core.sandbox import Sandbox
@@ -119,10 +119,8 @@ class Creator:
         self._lookup = lookup  # a parent sandbox by id, for a child's ancestry
         self._deadlines = deadlines
         self._egress = egress
-        # The images known present (KNOWN_IMAGES).
-        self._images: Recent[str, None] = Recent(KNOWN_IMAGES)
-        # One pull per image at a time, in the shares of ``[shares]`` in force (core.pulls).
-        self._pulls = Pulls(shares=shares)
+        self._images: Recent[str, None] = Recent(KNOWN_IMAGES)  # the images known present
+        self._pulls = Pulls(shares=shares)  # one pull per image at a time, in [shares] (core.pulls)
 
     async def create(
         self,
@@ -137,8 +135,8 @@ class Creator:
     ) -> SandboxInfo:
         """The started container of a new sandbox (``SandboxManager.create``). Each step that
         asks the host or the backend runs through ``blocking``; what undoes a failed create
-        runs to its end even when the caller is cancelled meanwhile. ``caller``: whose share
-        a pull it starts takes (None: the agent's own, a pool's refill)."""
+        runs to its end even when the caller is cancelled meanwhile; ``caller``'s share of
+        pulls in flight holds the pull it starts (None: the agent's own, a pool's refill)."""
         backend = self._backend
         kind = await blocking(lambda: self._resolve(spec, config, pool_key=pool_key))
         ids = await blocking(lambda: caller_ids(spec, owner))
@@ -163,7 +161,7 @@ class Creator:
             plugin = await blocking(
                 lambda: wasm_plugin(backend, config, admitted, owner, decided.plugin_hosts)
             )
-            known = await self._prepared(admitted, config, blocking, caller)
+            known, by = await self._prepared(admitted, config, blocking, caller)
             staging = bool(pinned) and spec.backend is Backend.DOCKER
             made: list[str] = []
             fresh: VolumeInfo | None = None
@@ -185,14 +183,7 @@ class Creator:
                         request = request.model_copy(
                             update={"command": WAITER_COMMAND, "open_stdin": True}
                         )
-                    info = await self._start(
-                        request,
-                        config,
-                        blocking,
-                        image_known=known,
-                        user=admitted.spec.user,
-                        caller=caller,
-                    )
+                    info = await self._start(request, config, blocking, image_known=known, by=by)
                     started = info
                     await blocking(
                         lambda: check_started(
@@ -238,18 +229,17 @@ class Creator:
 
     async def _prepared(
         self, admitted: Admitted, config: Config, blocking: Blocking, caller: Identity | None
-    ) -> bool:
-        """Whether the image was known present: one that is not is prepared (pulled) now, and
-        one that cannot be had is refused before anything exists. A native sandbox runs the
-        host's programs: it has no image to look for."""
+    ) -> tuple[bool, PullFor]:
+        """Whether the image was known present, and for whom its pulls run (``core.pulls``): one
+        not known is pulled now; one that cannot be had is refused before anything exists. A
+        native sandbox runs the host's programs: it has no image to look for."""
+        grant = credential_for(config.registry_credentials, admitted.spec.user, admitted.image)
+        by = PullFor(grant, caller)
         known = admitted.spec.backend in NO_IMAGE or admitted.image in self._images
         if not known:
             timeout = config.pull_timeout_seconds
-            grant = credential_for(config.registry_credentials, admitted.spec.user, admitted.image)
-            await self._pulls.prepare(
-                self._backend, admitted.image, timeout, blocking, grant=grant, who=caller
-            )
-        return known
+            await self._pulls.prepare(self._backend, admitted.image, timeout, blocking, by)
+        return known, by
 
     def _roll_back(
         self,
@@ -340,8 +330,7 @@ class Creator:
         blocking: Blocking,
         *,
         image_known: bool,
-        user: str,
-        caller: Identity | None,
+        by: PullFor,
     ) -> SandboxInfo:
         """Create and start the container. An image a create found present before is not
         checked first (one backend call fewer per create): should it be gone since, the create
@@ -357,10 +346,7 @@ class Creator:
                 raise
             log.info("image %s is gone since its last create; preparing it again", request.image)
             timeout = config.pull_timeout_seconds
-            grant = credential_for(config.registry_credentials, user, request.image)
-            await self._pulls.prepare(
-                backend, request.image, timeout, blocking, grant=grant, who=caller
-            )
+            await self._pulls.prepare(backend, request.image, timeout, blocking, by)
             info = await blocking(lambda: backend.create(request))
         self._images.put(request.image, None)
         return info

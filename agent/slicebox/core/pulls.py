@@ -29,7 +29,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from slicebox.core import progress
 from slicebox.core.blocking import Blocking, core_loop
@@ -67,6 +67,17 @@ def puller_of(backend: object) -> ImagePuller | None:
 # joins only the pull with its own grant: one without credentials must not be handed an image
 # that another user's credentials are pulling.
 PullKey = tuple[str, RegistryCredential | None]
+
+
+class PullFor(NamedTuple):
+    """For whom a pull runs: the credentials it may send (``model.pulls``; None: anonymous)
+    and whose share of pulls in flight it takes (None: the agent's own, the totals only)."""
+
+    grant: RegistryCredential | None = None
+    who: Identity | None = None
+
+
+AGENTS = PullFor()  # anonymous, in the agent's own name (the totals only)
 
 
 class _Pull:
@@ -111,19 +122,16 @@ class Pulls:
         image: str,
         timeout: float,
         blocking: Blocking,
-        *,
-        grant: RegistryCredential | None = None,
-        who: Identity | None = None,
+        by: PullFor = AGENTS,
     ) -> None:
-        """Make ``image`` present: a shared pull on the loop when the backend can, else its
-        ``prepare`` on a thread (anonymous). ``grant``: the credentials it may send; ``who``:
-        whose share a pull it starts takes (None: the agent's own)."""
+        """Make ``image`` present ``by`` whom: a shared pull on the loop when the backend can,
+        else its ``prepare`` on a thread (anonymous)."""
         puller = puller_of(backend)
         if puller is None:
-            with self.slots.take(who):
+            with self.slots.take(by.who):
                 await blocking(lambda: backend.prepare(image))
             return
-        await self.ensure(puller, image, timeout, progress.sink(), grant=grant, who=who)
+        await self.ensure(puller, image, timeout, progress.sink(), by)
 
     async def ensure(
         self,
@@ -131,13 +139,12 @@ class Pulls:
         image: str,
         timeout: float,
         report: Report | None,
-        *,
-        grant: RegistryCredential | None = None,
-        who: Identity | None = None,
+        by: PullFor = AGENTS,
     ) -> None:
-        """Wait for ``image``'s pull with ``grant``, starting it unless one runs (in ``who``'s
-        share: ``pull_share_full``, ``pulls_busy``); its outcome is this one's."""
-        pull, listener = self._join(puller, (image, grant), timeout, report, who)
+        """Wait for ``image``'s pull with ``by``'s grant, starting it unless one runs (in the
+        share of ``by``'s caller: ``pull_share_full``, ``pulls_busy``); its outcome is this
+        one's."""
+        pull, listener = self._join(puller, (image, by.grant), timeout, report, by.who)
         try:
             await asyncio.shield(asyncio.wrap_future(pull.outcome))
         finally:

@@ -31,10 +31,6 @@ when the file is loaded, so a bad value is refused at load time, naming its fiel
     empty_slice_grace_seconds = 300  # an empty user or project slice is kept this long
     [admission]              # count the sandboxes' limits against each ceiling (docs/capacity.md)
     memory_ratio = 1.0       # unset (the default): not counted, the kernel shares the ceiling
-    [[registry_credentials]]  # what a pull may send, per registry and user (model/pulls.py)
-    registry = "registry.example.com:5000"
-    users = ["alice"]
-    auth_file = "/etc/slicebox/registries/team/config.json"  # root's, mode 0600
     [[pool]]                 # members kept ready for one key (docs/pool.md); one table each
     user = "alice"
     project = "web"
@@ -354,9 +350,7 @@ class Config(_Strict):
     )
     registry_credentials: tuple[RegistryCredential, ...] = Field(
         default=(),
-        description="registry credentials a pull may send, per registry and user level, one "
-        "[[registry_credentials]] table each (model/pulls.py); every other pull is anonymous, "
-        "and root's own Docker credentials are never sent",
+        description="credentials a pull may send, per registry and user (model/pulls.py)",
     )
     allowed_capabilities: frozenset[str] = Field(
         default=DEFAULT_CAPABILITIES,

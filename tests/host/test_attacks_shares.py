@@ -11,21 +11,14 @@ it ends) and a download nobody reads (the agent's answer waits on her socket). H
 command prints nothing more after its holder leaves, so the agent finds out only when the
 sandbox goes at the end (a silent stream is not cancelled, ``web.connection``): until then it holds
 her share, never Bob's. Two sandboxes in all; they, the users and the holders are gone after.
-
-Issue 60's (written with its fixes, not run in the guest yet; each with an agent of its own,
-before ``boxes`` is first used): a native sandbox whose code made its init's socket a link
-stalls neither its user's execs nor another's, and a local user holding every connection it may
-open to the metrics listener on the guest's LAN address leaves root's scrape served.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
 
 import pytest
 
@@ -87,121 +80,6 @@ def holding(user: str, method: str, path: str, body: object, until: str) -> Iter
         yield
     finally:
         holder.communicate(timeout=120)  # closing its stdin ends it: the agent sees it leave
-
-
-# --- issue 60 (written with its fixes, not run in the guest yet) ----------------------------
-
-T4_ALICE, T4_BOB = "sbxtenanta", "sbxtenantb"
-TOKEN = Path("/etc/slicebox/metrics-tenancy4.token")
-PORT = 9474
-HELD = 4  # the listener's connections per uid (server.scrape.SCRAPER_LIMITS)
-
-
-def lan_address() -> str:
-    """The guest's own IPv4 address besides loopback."""
-    listed = sh("ip", "-4", "-o", "addr", "show", "scope", "global").stdout.split()
-    return listed[listed.index("inet") + 1].split("/")[0]
-
-
-@contextmanager
-def issue60_agent() -> Iterator[str]:
-    """The agent with its metrics listener on the LAN address, and two users, for one test:
-    these tests come before ``boxes``'s first use, whose agent is another's."""
-    TOKEN.write_text("tenancy4-token\n")
-    TOKEN.chmod(0o600)
-    listen = f'[metrics]\nlisten = "{lan_address()}:{PORT}"\ntoken_file = "{TOKEN}"\n'
-    config = agent_config() + listen
-    try:
-        with ExitStack() as stack:
-            stack.enter_context(installed_agent(config))
-            for user in (T4_ALICE, T4_BOB):
-                stack.enter_context(ordinary_user(user))
-            sh("systemctl", "start", "slicebox.socket")
-            yield lan_address()
-    finally:
-        TOKEN.unlink(missing_ok=True)
-
-
-def native_box(user: str) -> str:
-    status, _, body = call(user, "POST", "/sandboxes", {"project": "t4", "backend": "native"})
-    assert status in {200, 201}, body
-    return str(json.loads(body)["id"])
-
-
-def exec_seconds(user: str, box: str, argv: list[str]) -> tuple[float, int, str]:
-    began = time.monotonic()
-    status, _, body = call(user, "POST", f"/sandboxes/{box}/exec", {"argv": argv})
-    return time.monotonic() - began, status, body
-
-
-def test_a_native_sandbox_whose_init_socket_became_a_link_stalls_no_one() -> None:
-    """Alice's code replaces its init's socket with a link to the agent's own socket: her
-    execs are refused at once (before: each waited out the 10 s handshake on a shared thread),
-    and bob's exec with eight of hers in flight takes about what it takes alone."""
-    with issue60_agent():
-        native_swap()
-
-
-def native_swap() -> None:
-    alice, bob = native_box(T4_ALICE), native_box(T4_BOB)
-    try:
-        alone, status, body = exec_seconds(T4_BOB, bob, ["true"])
-        assert status == 200, body
-        # The init's directory is named by the sandbox's unit name (native.names), which for
-        # an API id is the id itself; to check when this first runs in the guest.
-        swap = f"ln -sf {SOCKET} /run/slicebox/init/{alice}/init.sock"
-        assert exec_seconds(T4_ALICE, alice, ["sh", "-c", swap])[1] == 200
-        held = [
-            subprocess.Popen(
-                ["runuser", "-u", T4_ALICE, "--", "curl", "-s", "--unix-socket", str(SOCKET),
-                 "-H", "Content-Type: application/json", "-d", '{"argv": ["true"]}',
-                 f"http://localhost/v1/sandboxes/{alice}/exec"],
-                stdout=subprocess.PIPE, text=True,
-            )
-            for _ in range(8)
-        ]  # fmt: skip
-        took, status, body = exec_seconds(T4_BOB, bob, ["true"])
-        answers = [json.loads(each.communicate(timeout=60)[0]) for each in held]
-        assert status == 200, body
-        assert took < alone + 1.0, (took, alone)
-        assert all("was replaced" in answer["message"] for answer in answers), answers
-    finally:
-        call(T4_ALICE, "DELETE", f"/sandboxes/{alice}")
-        call(T4_BOB, "DELETE", f"/sandboxes/{bob}")
-
-
-def test_a_local_user_at_its_caps_on_the_lan_address_leaves_the_scraper_served() -> None:
-    """Alice holds every connection one uid may open to the listener on the guest's LAN
-    address; root's scrape there is answered (before: 429, every non-loopback peer was one
-    bucket)."""
-    with issue60_agent() as agent:
-        scrape_past(agent)
-
-
-def scrape_past(agent: str) -> None:
-    hold = (
-        "import socket, sys\n"
-        f"held = [socket.create_connection(('{agent}', {PORT})) for _ in range({HELD})]\n"
-        "print('held', flush=True)\n"
-        "sys.stdin.read()\n"
-    )
-    holder = subprocess.Popen(
-        ["runuser", "-u", T4_ALICE, "--", "python3", "-c", hold],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout is not None
-        assert holder.stdout.readline() == "held\n"
-        scraped = sh(
-            "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
-            "-H", f"Authorization: Bearer {TOKEN.read_text().strip()}",
-            f"http://{agent}:{PORT}/metrics",
-        )  # fmt: skip
-        assert scraped.stdout == "200"
-    finally:
-        holder.communicate(timeout=60)
 
 
 # --- issue 38 ---------------------------------------------------------------------------

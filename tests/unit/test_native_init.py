@@ -242,23 +242,20 @@ def spawn_init(runtime: Path, agent_uid: int, *command: str) -> subprocess.Popen
     return init
 
 
-def ordered_and_heard(conn: socket.socket, order: Order, fds: list[int]) -> int:
-    initwire.send_order(conn, order, fds)
-    return initwire.hello_pid(conn)
-
-
 def test_the_init_serves_the_agent_s_uid_alone(runtime: Path) -> None:
     init = spawn_init(runtime, os.getuid() + 1)  # as the sandbox's own processes are refused
+    out_read, out_write = os.pipe()
+    order = Order(argv=("true",), cwd="/", env={}, stdin=False)
     try:
-        conn = initwire.connect(str(runtime / "init.sock"))
-        out_read, out_write = os.pipe()
-        order = Order(argv=("true",), cwd="/", env={}, stdin=False)
         with pytest.raises(InitError, match="hung up"):
-            ordered_and_heard(conn, order, [out_write, out_write])
-        conn.close()
+            asyncio.run(
+                initwire.handshake(
+                    runtime.parent, runtime.name, "init.sock", order, [out_write, out_write]
+                )
+            )
+    finally:
         os.close(out_read)
         os.close(out_write)
-    finally:
         init.kill()
         init.wait()
 
@@ -319,3 +316,39 @@ def test_an_init_socket_the_sandbox_replaced_is_refused_at_once_never_followed(
             run(native, made.id, ExecRequest(argv=("true",)))
         assert time.monotonic() - began < 2.0
         assert not accepted_any(listener), "nothing connected to the replacement"
+
+
+def test_a_silent_listener_of_the_sandbox_s_own_holds_no_thread_and_stalls_no_one(
+    native: NativeBackend, runtime: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sandbox's code binds a listener of its user's own, which never answers, where its
+    init's socket was (it passes every check of the socket's owner): eight of its execs wait
+    out the handshake on the event loop, each refused with a code at its end, while another
+    sandbox's exec runs at once (before: each held one of the backend's four threads for the
+    handshake, and the other sandbox's exec waited behind them)."""
+    monkeypatch.setattr(initwire, "HANDSHAKE_TIMEOUT", 3.0)
+    stuck = native.create(request())
+    other = native.create(request().model_copy(update={"name": "sbx-000000000002"}))
+    sock = runtime / "init" / NAME / "init.sock"
+    sock.unlink()
+
+    async def go() -> tuple[float, list[BaseException | tuple[str, object]]]:
+        async def start(backend_id: str) -> tuple[str, object]:
+            exec_id = await native.exec_create(backend_id, ExecRequest(argv=("true",), cwd="/"))
+            attachment = await native.exec_start(exec_id, b"")
+            while await attachment.read(0.1) is not None:
+                pass
+            attachment.close()
+            return exec_id, attachment
+
+        held = [asyncio.create_task(start(stuck.id)) for _ in range(8)]
+        await asyncio.sleep(0.3)  # all eight waiting on the silent listener
+        began = time.monotonic()
+        await start(other.id)
+        took = time.monotonic() - began
+        return took, list(await asyncio.gather(*held, return_exceptions=True))
+
+    with stuck_listener(sock):
+        took, held = asyncio.run(go())
+    assert took < 2.0, f"the other sandbox's exec waited {took:.1f} s behind the stuck ones"
+    assert all(isinstance(e, InitError) and "did not answer" in str(e) for e in held), held

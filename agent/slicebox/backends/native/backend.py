@@ -297,20 +297,16 @@ class NativeBackend(NoVolumes):
     ) -> str:
         return await self._off_loop(self._exec_create, backend_id, request)
 
-    def _start(self, exec_id: str, stdin: bool) -> tuple[int | None, int, int, socket.socket]:
+    async def _start(self, exec_id: str, stdin: bool) -> tuple[int | None, int, int, socket.socket]:
         """Have the sandbox's init start the exec with fresh pipes, its process moved into
         the exec's scope before it runs the command; (stdin's write end, stdout's and stderr's
-        read ends, the connection on which the init reports the end)."""
+        read ends, the connection on which the init reports the end). The wire to the init is
+        awaited on the loop (``initwire.handshake``): only the scope's start takes a thread."""
         with self._lock:
             backend_id, request = self._pending.pop(exec_id)
             self._starting.add(exec_id)
         ours: list[int] = []
         theirs: list[int] = []
-        try:
-            conn = self._connect(backend_id)
-        except BaseException:
-            self._started(exec_id)
-            raise
         try:
             stdin_read, stdin_write = os.pipe() if stdin else (-1, -1)
             out_read, out_write = os.pipe()
@@ -318,15 +314,20 @@ class NativeBackend(NoVolumes):
             ours += [fd for fd in (stdin_write, out_read, err_read) if fd >= 0]
             theirs += [fd for fd in (stdin_read, out_write, err_write) if fd >= 0]
             order = initwire.Order(argv=request.argv, cwd=request.cwd, env=request.env, stdin=stdin)
-            initwire.send_order(conn, order, theirs)
-            for fd in theirs:
-                os.close(fd)
-            theirs.clear()
-            self._hand_over(backend_id, exec_id, initwire.hello_pid(conn))
-            conn.sendall(initwire.GO)
+            conn, pid = await self._handshake(backend_id, order, theirs)
         except BaseException:
             self._started(exec_id)
             for fd in ours + theirs:
+                os.close(fd)
+            raise
+        for fd in theirs:
+            os.close(fd)
+        try:
+            await self._off_loop(self._hand_over, backend_id, exec_id, pid)
+            conn.send(initwire.GO)
+        except BaseException:
+            self._started(exec_id)  # a no-op where the hand-over ended the start itself
+            for fd in ours:
                 os.close(fd)
             conn.close()
             raise
@@ -340,10 +341,12 @@ class NativeBackend(NoVolumes):
             self._killed.discard(exec_id)
         return killed
 
-    def _connect(self, backend_id: str) -> socket.socket:
+    async def _handshake(
+        self, backend_id: str, order: initwire.Order, fds: list[int]
+    ) -> tuple[socket.socket, int]:
         name = sandbox_name(backend_id)
         try:
-            return initwire.connect_beneath(self._init_runtime, name, INIT_SOCKET)
+            return await initwire.handshake(self._init_runtime, name, INIT_SOCKET, order, fds)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise SandboxNotRunning(
                 f"native sandbox {name} has no init answering ({exc.strerror}): it was made by "
@@ -409,7 +412,7 @@ class NativeBackend(NoVolumes):
                 self._calls[exec_id] = call
             return call
         wants_stdin = not isinstance(stdin, bytes) or bool(stdin)
-        stdin_fd, out_fd, err_fd, conn = await self._off_loop(self._start, exec_id, wants_stdin)
+        stdin_fd, out_fd, err_fd, conn = await self._start(exec_id, wants_stdin)
         attachment = InitExec(asyncio.get_running_loop(), out_fd, err_fd, conn)
         with self._lock:
             self._running[exec_id] = attachment

@@ -10,6 +10,7 @@ credentials, which a process cannot forge for another pid).
 from __future__ import annotations
 
 import array
+import asyncio
 import os
 import socket
 import stat
@@ -78,34 +79,6 @@ def report_of(line: bytes) -> Report:
         return Report(error=f"the sandbox's init answered {line[:80]!r}")
 
 
-def connect(path: str) -> socket.socket:
-    """A connection to the init at ``path`` that receives its peers' credentials: a hello's
-    sender is then named by the kernel, in the agent's own PID namespace."""
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        conn.settimeout(HANDSHAKE_TIMEOUT)
-        conn.connect(path)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def connect_beneath(runtime: Path, name: str, socket_name: str) -> socket.socket:
-    """``connect`` to ``<runtime>/<name>/<socket_name>``, the init's socket in a directory its
-    user (whom its code runs as) may write, never through a link: each step is opened with
-    ``O_NOFOLLOW``, the socket's inode must be a socket of the directory's own owner with no
-    other name (not a link to, or a hard link of, the agent's socket or another user's), and
-    the connection is made to that very inode (``/proc/self/fd``), whatever the name says by
-    then. InitError when it is not."""
-    fd = _socket_inode(runtime, name, socket_name)
-    try:
-        return connect(f"/proc/self/fd/{fd}")
-    finally:
-        os.close(fd)
-
-
 def _socket_inode(runtime: Path, name: str, socket_name: str) -> int:
     flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
     top = os.open(runtime, flags | os.O_DIRECTORY)
@@ -129,25 +102,7 @@ def _socket_inode(runtime: Path, name: str, socket_name: str) -> int:
     return fd
 
 
-def send_order(conn: socket.socket, order: Order, fds: list[int]) -> None:
-    frame = order.frame()
-    try:
-        sent = socket.send_fds(conn, [frame], fds)
-        if sent < len(frame):
-            conn.sendall(frame[sent:])
-    except OSError as exc:
-        raise InitError(f"the sandbox's init hung up on the exec's order: {exc}") from exc
-
-
-def hello_pid(conn: socket.socket) -> int:
-    """The pid the kernel gives for the sender of the child's hello; InitError when the init
-    refused the order, hung up, or the hello came without credentials."""
-    space = socket.CMSG_SPACE(CREDENTIALS.size)
-    try:
-        data, ancillary, _, _ = conn.recvmsg(1, space)
-        rest = data + _line(conn) if data and data != HELLO else b""
-    except OSError as exc:  # reset, or no answer in time
-        raise InitError(f"the sandbox's init did not run the exec: it hung up ({exc})") from exc
+def _hello_of(data: bytes, ancillary: list[tuple[int, int, bytes]], rest: bytes) -> int:
     if data != HELLO:
         why = report_of(rest).error if rest else "it hung up"
         raise InitError(f"the sandbox's init did not run the exec: {why}")
@@ -158,10 +113,109 @@ def hello_pid(conn: socket.socket) -> int:
     raise InitError("the sandbox's init sent a hello without credentials")
 
 
-def _line(conn: socket.socket) -> bytes:
+async def handshake(
+    runtime: Path, name: str, socket_name: str, order: Order, fds: list[int]
+) -> tuple[socket.socket, int]:
+    """A connection to the init's socket ``<runtime>/<name>/<socket_name>``, in a directory
+    its user (whom its code runs as) may write, made never through a link: each step is opened
+    with ``O_NOFOLLOW``, the socket's inode must be a socket of the directory's own owner with
+    no other name (not a link to, or a hard link of, the agent's socket or another user's), and
+    the connection is made to that very inode (``/proc/self/fd``), whatever the name says by
+    then; it receives its peers' credentials. Then ``order`` sent on it with ``fds``, and the
+    pid the kernel gives for the sender of the child's hello (in the agent's own PID
+    namespace), all on the event loop: a listener of the sandbox's own that never
+    answers holds no thread, only this exec (on its user's share of execs) for
+    ``HANDSHAKE_TIMEOUT``. InitError past that, or when the init refused or hung up."""
+    fd = _socket_inode(runtime, name, socket_name)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        conn.setblocking(False)
+        async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+            await _connected(conn, f"/proc/self/fd/{fd}")
+            await _sent(conn, order.frame(), fds)
+            pid = await _hello(conn)
+    except TimeoutError as exc:
+        conn.close()
+        raise InitError(
+            f"the init of native sandbox {name} did not answer the exec within "
+            f"{HANDSHAKE_TIMEOUT:.0f} s: nothing was run. Destroy the sandbox and create another"
+        ) from exc
+    except BaseException:
+        conn.close()
+        raise
+    finally:
+        os.close(fd)
+    return conn, pid
+
+
+async def _connected(conn: socket.socket, path: str) -> None:
+    """A unix connect does not block but for a full backlog (EAGAIN), when it is tried again."""
+    while True:
+        try:
+            conn.connect(path)
+            return
+        except BlockingIOError:
+            await asyncio.sleep(0.02)
+
+
+async def _readable(conn: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def heard() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(conn.fileno(), heard)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(conn.fileno())
+
+
+async def _sent(conn: socket.socket, frame: bytes, fds: list[int]) -> None:
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            try:
+                sent = socket.send_fds(conn, [frame], fds)
+                break
+            except BlockingIOError:
+                await asyncio.sleep(0.02)
+        if sent < len(frame):
+            await loop.sock_sendall(conn, frame[sent:])
+    except OSError as exc:
+        raise InitError(f"the sandbox's init hung up on the exec's order: {exc}") from exc
+
+
+async def _hello(conn: socket.socket) -> int:
+    """The pid the kernel gives for the sender of the child's hello; InitError when the init
+    refused the order, hung up, or the hello came without credentials."""
+    space = socket.CMSG_SPACE(CREDENTIALS.size)
+    try:
+        while True:
+            try:
+                data, ancillary, _, _ = conn.recvmsg(1, space)
+                break
+            except BlockingIOError:
+                await _readable(conn)
+        rest = b""
+        if data and data != HELLO:
+            rest = data + await _line(conn)
+    except OSError as exc:  # reset
+        raise InitError(f"the sandbox's init did not run the exec: it hung up ({exc})") from exc
+    return _hello_of(data, ancillary, rest)
+
+
+async def _line(conn: socket.socket) -> bytes:
     data = b""
     while not data.endswith(b"\n") and len(data) < MAX_REPORT:
-        chunk = conn.recv(MAX_REPORT)
+        try:
+            chunk = conn.recv(MAX_REPORT)
+        except BlockingIOError:
+            await _readable(conn)
+            continue
         if not chunk:
             break
         data += chunk

@@ -13,7 +13,8 @@ the socket):
   next distinct pull is refused ``pull_share_full`` at once while bob's pull is served; a
   private repository is pulled with the operator's grant to alice (the credentials as the
   engine reads them), never with root's own Docker credentials, and bob, who has no grant,
-  is refused it.
+  is refused it;
+- a wasm plugin alice uploaded is hers: bob naming it by its sha256 is told it is not held.
 
 One agent for the module (its metrics listener on the LAN address, two pulls in flight, the
 grant); the sandboxes, images, users, the token, the grant and root's Docker config as it
@@ -22,6 +23,7 @@ was are restored after."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import subprocess
@@ -37,6 +39,7 @@ from tests.host.agentunits import SOCKET, agent_config, installed_agent, remove_
 from tests.host.helpers import TEST_IMAGE, ordinary_user, sh, wait_for
 from tests.host.test_attacks_shares import call
 from tests.host.test_pulls import REGISTRY, Registry, registry  # noqa: F401 (a fixture)
+from tests.wasm.build import TOOLKIT, build
 
 pytestmark = pytest.mark.host
 
@@ -331,3 +334,23 @@ def test_a_private_pull_sends_the_operator_s_grant_only(agent: str, private: Pat
     finally:
         remove_sandboxes((ALICE, BOB))
         forget(image)
+
+
+def test_a_plugin_alice_uploaded_is_not_bob_s_to_name(agent: str, tmp_path: Path) -> None:
+    """Before: one store by sha256 for everyone, so bob ran alice's plugin by naming its hash
+    (and his uploads evicted hers)."""
+    module = build(TOOLKIT, tmp_path).read_bytes()
+    sha = hashlib.sha256(module).hexdigest()
+    upload = {"module": base64.b64encode(module).decode()}
+    body = {"project": "t4", "backend": "wasm", "wasm": upload}
+    status, _, made = call(ALICE, "POST", "/sandboxes", body)
+    assert status in {200, 201}, made
+    try:
+        named = {"project": "t4", "backend": "wasm", "wasm": {"sha256": sha}}
+        status, _, answer = call(BOB, "POST", "/sandboxes", named)
+        assert status == 404, answer
+        assert json.loads(answer)["code"] == "wasm_not_found", answer
+        status, _, own = call(ALICE, "POST", "/sandboxes", named)  # hers to name again
+        assert status in {200, 201}, own
+    finally:
+        remove_sandboxes((ALICE, BOB))

@@ -65,7 +65,7 @@ def wasm(toolkit: Path) -> Iterator[Wasm]:
     made = Wasm('[egress]\ninternal_networks = ["127.0.0.1/32"]\n[[egress.rule]]\n')
     yield made
     made.cleanup()
-    PluginStore().path(digest(toolkit.read_bytes())).unlink(missing_ok=True)
+    PluginStore().path(made.user, digest(toolkit.read_bytes())).unlink(missing_ok=True)
     if not managed_was_active:
         cleanup_slices(MANAGED_SLICE)
 

@@ -42,7 +42,7 @@ from slicebox.core.slices import SliceManager
 from slicebox.host.beneath import BindRoot
 from slicebox.host.plugins import PluginStore, read_plugin
 from slicebox.model.config import parse_config
-from slicebox.model.errors import InvalidRequest, NotFound, PolicyViolation
+from slicebox.model.errors import InvalidRequest, NotFound, PolicyViolation, Unavailable
 from slicebox.model.exec import ExecRequest, ExecState, OutputStream
 from slicebox.model.spec import Backend, SandboxSpec, parse_spec
 from slicebox.model.wasm import EXIT_OOM, EXIT_TIMEOUT, WasmSpec, digest, max_pages_for
@@ -194,24 +194,54 @@ def test_pages_follow_the_memory_limit() -> None:
 def test_the_store_keeps_modules_by_sha_and_evicts_the_least_recent(
     tmp_path: Path, toolkit: bytes
 ) -> None:
-    store = PluginStore(tmp_path / "store", limit=3 * len(toolkit) + 10)
-    first = store.put(toolkit)
+    store = PluginStore(tmp_path / "store", limit=2 * (3 * len(toolkit) + 10))
+    first = store.put("alice", toolkit)
     assert first == digest(toolkit)
-    assert store.get(first) == toolkit
-    assert store.put(toolkit) == first, "a second upload is the same module"
+    assert store.get("alice", first) == toolkit
+    assert store.put("alice", toolkit) == first, "a second upload is the same module"
     assert (tmp_path / "store").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "store" / "alice").stat().st_mode & 0o777 == 0o700
     others = [toolkit + bytes([n]) for n in range(4)]  # trailing bytes: other modules
-    os.utime(store.path(first), (1, 1))
-    made = [store.put(module, keep={first}) for module in others]
-    assert first in store.held(), "one in use is never evicted"
-    assert len(store.held()) == 3
-    assert made[-1] in store.held()
+    os.utime(store.path("alice", first), (1, 1))
+    made = [store.put("alice", module, keep={first}) for module in others]
+    assert first in store.held("alice"), "one in use is never evicted"
+    assert len(store.held("alice")) == 3
+    assert made[-1] in store.held("alice")
     with pytest.raises(NotFound) as missing:
-        store.get("b" * 64)
+        store.get("alice", "b" * 64)
     assert missing.value.code == "wasm_not_found"
     with pytest.raises(InvalidRequest) as invalid:
-        store.put(b"#!/bin/sh\n")
+        store.put("alice", b"#!/bin/sh\n")
     assert invalid.value.code == "wasm_invalid"
+
+
+def test_a_user_s_uploads_neither_find_nor_evict_another_s_plugins(
+    tmp_path: Path, toolkit: bytes
+) -> None:
+    """Before: one store by sha256, so bob named alice's plugin by its hash and ran it, and
+    his uploads evicted hers as the least recent."""
+    size = len(toolkit) + 1
+    store = PluginStore(tmp_path / "store", limit=6 * size, user_limit=3 * size)
+    hers = store.put("alice", toolkit + b"\0")
+    with pytest.raises(NotFound):
+        store.require("bob", hers)
+    with pytest.raises(NotFound):
+        store.get("bob", hers)
+    for n in range(10):  # bob's many uploads: his least recent go, never hers
+        store.put("bob", toolkit + bytes([n + 1]))
+        assert store.held("alice") == [hers]
+    assert len(store.held("bob")) == 3
+    # The store full of others' plugins and hers in use: her next upload is refused, no
+    # one's evicted, and nothing of it kept.
+    store.put("carol", toolkit + b"\xf0")
+    store.put("carol", toolkit + b"\xf1")
+    before = {user: store.held(user) for user in ("alice", "bob", "carol")}
+    with pytest.raises(Unavailable) as full:
+        store.put("alice", toolkit + b"\xaa", keep={hers})
+    assert full.value.code == "wasm_store_full"
+    assert {user: store.held(user) for user in ("alice", "bob", "carol")} == before
+    with pytest.raises(ValueError, match="not a user level"):
+        store.path("../bob", hers)
 
 
 def test_a_plugin_path_is_read_beneath_the_caller_s_root_as_they_could(
@@ -508,7 +538,7 @@ def test_a_wasm_pool_keeps_workers_ready_for_its_plugin_and_learns_one_from_dema
         "[pool_learning]\nenabled = true\nuses = 2\n"
     )
     host = Host(tmp_path, table, deadlines=True)
-    host.native.plugins.put(toolkit)  # a declared pool's plugin: one the agent holds
+    host.native.plugins.put("al-ice", toolkit)  # a declared pool's plugin: its user's
     pool = WarmPool(host.manager, executor=ThreadPoolExecutor(2), now=lambda: NOW)
     try:
         pool.configure(host.manager.config)

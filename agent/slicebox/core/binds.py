@@ -165,19 +165,19 @@ def wasm_plugin(
         raise Unavailable("the wasm backend is not enabled", code="backend_unavailable")
     wanted = spec.wasm
     if wanted.sha256 is not None:
-        store.require(wanted.sha256)
+        store.require(spec.user, wanted.sha256)
         sha = wanted.sha256
     elif wanted.module is not None:
         try:
             module = wanted.module_bytes()
         except ValueError as exc:
             raise InvalidRequest(str(exc), code="wasm_invalid", field="wasm.module") from exc
-        sha = store.put(module)
+        sha = store.put(spec.user, module)
     else:
         assert wanted.path is not None
         uid, gid = owner or owner_ids(spec.user)
         roots = roots_of(config, spec.user, (uid, gid))
-        sha = store.put(read_plugin(wanted.path, roots, uid, {gid}))
+        sha = store.put(spec.user, read_plugin(wanted.path, roots, uid, {gid}))
     return WasmRun(
         sha256=sha,
         max_pages=max_pages_for(admitted.limits.memory_bytes),

@@ -1,11 +1,15 @@
 """WebAssembly plugins the agent holds, by sha256, and plugins read from a caller's roots.
 
 The store is a directory of root's (``/var/cache/slicebox/wasm``, the unit's
-``CacheDirectory``): ``<sha256>.wasm``, written once through a temporary file and renamed, so a
-reader never sees half a module. It is bounded (``limit`` bytes, 256 MiB by default): past it
-the least recently used modules go, never one in use by a sandbox that lives (the caller says
-which). A sandbox's execs get their module from here on stdin (``backends.wasmrun``), so no
-sandbox reads this directory.
+``CacheDirectory``), a directory in it per user level, ``<user>/<sha256>.wasm``: a module is
+its uploader's, and another user who knows its sha256 neither finds it nor evicts it. Each is
+written once through a temporary file and renamed, so a reader never sees half a module. A
+user holds at most ``user_limit`` bytes (half of ``limit`` by default): past it that user's
+least recently used modules go, never one in use by a sandbox that lives (the caller says
+which); the store as a whole holds at most ``limit`` (256 MiB), and an upload that would pass
+it with other users' modules is refused ``wasm_store_full`` (nothing of theirs goes). A
+sandbox's execs get their module from here on stdin (``backends.wasmrun``), so no sandbox
+reads this directory.
 
 A plugin named by path is read the way a bind source is checked (``host.beneath``): beneath
 one of the caller's bind roots, no symlink, no ``..``, no other mount on the way; then it must
@@ -23,7 +27,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from slicebox.host.beneath import BindRoot, pin
-from slicebox.model.errors import InvalidRequest, NotFound, PolicyViolation
+from slicebox.model.errors import InvalidRequest, NotFound, PolicyViolation, Unavailable
 from slicebox.model.wasm import MAX_PLUGIN_BYTES, digest, is_wasm
 
 STORE = Path("/var/cache/slicebox/wasm")
@@ -31,18 +35,22 @@ LIMIT = 256 * 1024 * 1024
 
 
 class PluginStore:
-    """Modules by sha256 in one directory, at most ``limit`` bytes in all."""
+    """Modules by user and sha256, at most ``user_limit`` bytes a user, ``limit`` in all."""
 
-    def __init__(self, root: Path = STORE, limit: int = LIMIT) -> None:
+    def __init__(self, root: Path = STORE, limit: int = LIMIT, user_limit: int = 0) -> None:
         self._root = root
         self._limit = limit
+        self._user_limit = user_limit or limit // 2
         self._lock = threading.Lock()
 
-    def path(self, sha256: str) -> Path:
-        return self._root / f"{sha256}.wasm"
+    def path(self, user: str, sha256: str) -> Path:
+        if not user or "/" in user or user.startswith("."):
+            raise ValueError(f"not a user level: {user!r}")
+        return self._root / user / f"{sha256}.wasm"
 
-    def put(self, module: bytes, keep: Collection[str] = ()) -> str:
-        """Hold ``module``; its sha256. ``keep``: modules in use, never evicted for it."""
+    def put(self, user: str, module: bytes, keep: Collection[str] = ()) -> str:
+        """Hold ``module`` as ``user``'s; its sha256. ``keep``: modules in use, never evicted
+        for it."""
         if not is_wasm(module):
             raise InvalidRequest(
                 "the plugin is not a WebAssembly binary (it must start with \\0asm, version 1); "
@@ -55,8 +63,9 @@ class PluginStore:
             )
         sha = digest(module)
         with self._lock:
+            target = self.path(user, sha)
             self._root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            target = self.path(sha)
+            target.parent.mkdir(mode=0o700, exist_ok=True)
             if target.exists():
                 os.utime(target)  # recently used
                 return sha
@@ -65,12 +74,12 @@ class PluginStore:
             with os.fdopen(descriptor, "wb") as out:
                 out.write(module)
             partial.replace(target)
-            self._evict({*keep, sha})
+            self._evict(user, {*keep, sha}, target)
         return sha
 
-    def get(self, sha256: str) -> bytes:
-        """The module; NotFound when the agent does not hold it (any more)."""
-        target = self.path(sha256)
+    def get(self, user: str, sha256: str) -> bytes:
+        """``user``'s module; NotFound when the agent holds none of theirs (any more)."""
+        target = self.path(user, sha256)
         try:
             module = target.read_bytes()
         except FileNotFoundError as exc:
@@ -79,28 +88,41 @@ class PluginStore:
             os.utime(target)
         return module
 
-    def require(self, sha256: str) -> None:
-        """NotFound (``wasm_not_found``) unless the agent holds the module."""
-        if not self.path(sha256).exists():
+    def require(self, user: str, sha256: str) -> None:
+        """NotFound (``wasm_not_found``) unless the agent holds the module as ``user``'s."""
+        if not self.path(user, sha256).exists():
             raise missing(sha256)
 
-    def held(self) -> list[str]:
-        return sorted(p.stem for p in self._root.glob("*.wasm")) if self._root.exists() else []
+    def held(self, user: str) -> list[str]:
+        found = self.path(user, "x").parent
+        return sorted(p.stem for p in found.glob("*.wasm")) if found.exists() else []
 
-    def _evict(self, keep: Collection[str]) -> None:
+    def _evict(self, user: str, keep: Collection[str], new: Path) -> None:
+        """``user``'s least recent modules beyond their share, and beyond the store's limit;
+        ``wasm_store_full`` (the new module gone again) when other users' hold the rest."""
         files = []
-        for path in self._root.glob("*.wasm"):
+        for path in self._root.glob("*/*.wasm"):
             with contextlib.suppress(FileNotFoundError):
                 found = path.stat()
                 files.append((found.st_mtime, found.st_size, path))
         total = sum(size for _, size, _ in files)
-        for _, size, path in sorted(files):
-            if total <= self._limit:
+        own = sorted(f for f in files if f[2].parent.name == user)
+        mine = sum(size for _, size, _ in own)
+        for _, size, path in own:
+            if mine <= self._user_limit and total <= self._limit:
                 return
             if path.stem in keep:
                 continue
             path.unlink(missing_ok=True)
+            mine -= size
             total -= size
+        if total > self._limit:
+            new.unlink(missing_ok=True)
+            raise Unavailable(
+                f"the agent's plugin store holds its {self._limit // 2**20} MiB in other "
+                "users' plugins and yours in use: this one does not fit now",
+                code="wasm_store_full",
+            )
 
 
 def missing(sha256: str) -> NotFound:

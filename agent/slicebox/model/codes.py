@@ -546,6 +546,14 @@ CODES: tuple[ErrorCode, ...] = (
         "Upload the plugin (`module`) or name its path instead.",
     ),
     _c(
+        "wasm_store_full",
+        503,
+        "The agent's wasm plugin store holds its limit in other users' plugins and the caller's "
+        "own in use, so an uploaded plugin does not fit now; no one's plugin was evicted for it.",
+        "Retry later (other users' plugins age out as they upload more), or end a wasm sandbox "
+        "of yours; an operator may raise the store's limit.",
+    ),
+    _c(
         "docker_host_unsupported",
         503,
         "The agent's DOCKER_HOST is neither unix:///path nor tcp://host:port.",

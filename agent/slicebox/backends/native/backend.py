@@ -75,6 +75,7 @@ from slicebox.model.errors import (
     SliceboxError,
 )
 from slicebox.model.exec import ExecRequest, ExecState
+from slicebox.model.labels import PREFIX
 from slicebox.model.limits import Property
 from slicebox.model.names import escape
 from slicebox.model.spec import Backend
@@ -192,7 +193,7 @@ class NativeBackend(NoVolumes):
                     code=START_FAILED_CODE,
                 )
             if run_as.wasm is not None:  # its first call finds the module compiled
-                self._prepare(request.name, run_as.wasm)
+                self._prepare(request.name, request.labels[f"{PREFIX}user"], run_as.wasm)
         except BaseException:
             self._discard(unit, name)
             raise
@@ -200,10 +201,10 @@ class NativeBackend(NoVolumes):
             self._run_as[unit] = run_as
         return SandboxInfo(id=unit, name=name, labels=request.labels, state=SandboxState.RUNNING)
 
-    def _prepare(self, name: str, run: WasmRun) -> None:
+    def _prepare(self, name: str, user: str, run: WasmRun) -> None:
         """Have a new wasm sandbox's worker compile its module; ``wasm_invalid`` when the
         runtime refuses it (nothing of the sandbox is left then)."""
-        payload = wasm.prepare_request(run, self.plugins.get(run.sha256))
+        payload = wasm.prepare_request(run, self.plugins.get(user, run.sha256))
         status, _, message = wasm.call_blocking(wasm.socket_path(self._wasm_runtime, name), payload)
         if status != 0:
             raise InvalidRequest(f"the plugin cannot be run: {message}", code="wasm_invalid")

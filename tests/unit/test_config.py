@@ -11,7 +11,7 @@ from slicebox.model.config import (
     parse_config,
     read_host_memory,
 )
-from slicebox.model.errors import ConfigError
+from slicebox.model.errors import ConfigError, InvalidLimit
 from slicebox.model.pulls import credential_for, registry_of
 
 MiB = 1024 * 1024
@@ -141,3 +141,28 @@ def test_an_image_s_registry_is_read_as_the_docker_client_reads_it(
     image: str, registry: str
 ) -> None:
     assert registry_of(image) == registry
+
+
+def test_the_socket_s_caps_are_the_operator_s_and_checked() -> None:
+    """[socket]: the agent serves its socket with these caps (server.api.socket_limits);
+    a per-uid cap over its total, or a total past the descriptors' room, is refused."""
+    from slicebox.server.api import SOCKET_LIMITS, socket_limits
+
+    assert socket_limits(parse_config("").socket) == SOCKET_LIMITS, "the defaults are the old"
+    text = '[socket]\nconnections_per_uid = 4\nin_flight = 40\nbody_bytes_per_uid = "4MB"\n'
+    limits = socket_limits(parse_config(text).socket)
+    assert (limits.connections_per_uid, limits.in_flight, limits.body_bytes_per_uid) == (
+        4,
+        40,
+        4 * 1024 * 1024,
+    )
+    assert limits.always == SOCKET_LIMITS.always, "health is answered over the caps still"
+    for bad, said in (
+        ("connections_per_uid = 2000", "connections_per_uid is over connections"),
+        ("connections = 20000", "less than or equal to 8192"),
+        ('body_bytes_per_uid = "1MB"', "refuses an honest create"),
+    ):
+        with pytest.raises(ConfigError, match=said):
+            parse_config(f"[socket]\n{bad}\n")
+    with pytest.raises(InvalidLimit, match="not a size"):
+        parse_config('[socket]\nbody_bytes = "lots"\n')

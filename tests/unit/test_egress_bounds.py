@@ -11,15 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from slicebox.core.dnsbounds import (
-    DENIED_NAMES_KEPT,
-    QUERY_BURST,
-    TCP_MAX,
-    TCP_PER_SANDBOX,
-    Bucket,
-    DeniedTally,
-    Opened,
-)
+from slicebox.core.dnsbounds import DENIED_NAMES_KEPT, Bucket, DeniedTally, Opened
 from slicebox.core.policy import admit
 from slicebox.host.addresses import host_addresses, local_addresses
 from slicebox.model import dnswire
@@ -31,6 +23,9 @@ from slicebox.server.resolver import serve_resolver
 from tests.unit.test_egress import GATEWAY, Guarded
 
 GRANTED = "[[egress.rule]]\n"
+DEFAULTS = EgressConfig()
+QUERY_BURST = DEFAULTS.resolver_burst
+TCP_PER_SANDBOX, TCP_MAX = DEFAULTS.resolver_tcp_per_sandbox, DEFAULTS.resolver_tcp
 
 
 def spec(*allow: str, network: object = None) -> SandboxSpec:
@@ -195,7 +190,7 @@ def test_opened_answers_are_bounded() -> None:
 
 
 def test_a_flood_of_denied_names_is_rate_limited_counted_and_bounded() -> None:
-    world = Guarded()
+    world = Guarded()  # the defaults: 300 at once (resolver_burst)
     placed = world.guard.place("sbx-1", "alice", "web", ("pypi.org",))
 
     async def flood(count: int) -> list[bytes | None]:
@@ -222,20 +217,24 @@ def test_a_flood_of_denied_names_is_rate_limited_counted_and_bounded() -> None:
     assert detail.startswith("denied names: 600 in all; "), detail
 
 
-def test_tcp_connections_are_capped_per_sandbox_and_in_all() -> None:
-    world = Guarded()
+@pytest.mark.parametrize("caps", [(TCP_PER_SANDBOX, TCP_MAX), (2, 5)])
+def test_tcp_connections_are_capped_per_sandbox_and_in_all(caps: tuple[int, int]) -> None:
+    """At the defaults, and at the operator's own caps ([egress] resolver_tcp_*)."""
+    per_sandbox, total = caps
+    fields = {"resolver_tcp_per_sandbox": per_sandbox, "resolver_tcp": total}
+    world = Guarded(EgressConfig.model_validate(fields))
     one = world.guard.place("sbx-1", "alice", "web", ("pypi.org",))
     source = str(one.address)
-    assert all(world.guard.connected(source) for _ in range(TCP_PER_SANDBOX))
+    assert all(world.guard.connected(source) for _ in range(per_sandbox))
     assert not world.guard.connected(source)
     counters = world.guard.counters("sbx-1")
     assert counters is not None
     assert counters.refused_connections == 1
     world.guard.disconnected(source)
     assert world.guard.connected(source), "a closed one frees its place"
-    others = [f"10.213.{n // 250}.{n % 250 + 2}" for n in range(TCP_MAX)]
+    others = [f"10.213.{n // 250}.{n % 250 + 2}" for n in range(total)]
     taken = sum(world.guard.connected(other) for other in others)
-    assert taken == TCP_MAX - TCP_PER_SANDBOX
+    assert taken == total - per_sandbox
 
 
 def test_the_resolver_closes_tcp_connections_its_gate_refuses() -> None:
@@ -283,3 +282,17 @@ def test_the_resolver_closes_tcp_connections_its_gate_refuses() -> None:
     got = asyncio.run(scenario())
     assert got[:2] == [b"\x00\x01x", b"\x00\x01x"]
     assert got[2:] == [b"", b"", b""], "closed at once, no answer"
+
+
+def test_the_resolver_s_caps_are_the_operator_s_and_checked() -> None:
+    """[egress] resolver_*: a smaller burst answers that many of a flood; a per-sandbox cap
+    over the total, or past the descriptor room, is refused at load."""
+    world = Guarded(EgressConfig.model_validate({"resolver_burst": 10}))
+    placed = world.guard.place("sbx-1", "alice", "web", ("pypi.org",))
+    source = str(placed.address)
+    admitted = sum(world.guard.admitted(source) for _ in range(100))
+    assert admitted == 10
+    with pytest.raises(ValueError, match="raise resolver_tcp"):
+        EgressConfig.model_validate({"resolver_tcp_per_sandbox": 9, "resolver_tcp": 8})
+    with pytest.raises(ValueError, match="less than or equal to 1024"):
+        EgressConfig.model_validate({"resolver_tcp": 5000})

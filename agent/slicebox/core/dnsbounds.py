@@ -1,8 +1,9 @@
 """What the resolver keeps per egress sandbox, each part bounded (issue 38): code in a sandbox
 sends what it likes to port 53, so nothing it sends may grow the agent without end.
 
-- ``Bucket``: a token bucket, ``QUERY_RATE`` queries a second with bursts of ``QUERY_BURST``;
-  a query past it gets no answer (the client retries, as for a lost datagram) and is counted.
+- ``Bucket``: a token bucket, ``[egress] resolver_queries_per_second`` with bursts of
+  ``resolver_burst`` (100 and 300 by default); a query past it gets no answer (the client
+  retries, as for a lost datagram) and is counted.
 - ``DeniedTally``: the names refused, at most ``DENIED_NAMES_KEPT`` with their counts, plus the
   total; when full, a new name takes the place of one seen only once (a flood of one-off names
   never pushes out a name asked again and again), else it is only in the total.
@@ -15,20 +16,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from ipaddress import IPv4Address
 
-QUERY_RATE = 100.0  # queries a second, per sandbox
-QUERY_BURST = 300.0
 DENIED_NAMES_KEPT = 64
 OPENED_KEPT = 1024
-TCP_PER_SANDBOX = 8  # resolver TCP connections at once from one address
-TCP_MAX = 64  # from every address together: far below the agent's descriptor limit
 
 OpenedKey = tuple[IPv4Address, tuple[int, ...]]
 
 
 class Bucket:
-    def __init__(
-        self, clock: Callable[[], float], rate: float = QUERY_RATE, burst: float = QUERY_BURST
-    ) -> None:
+    def __init__(self, clock: Callable[[], float], rate: float, burst: float) -> None:
         self._clock, self._rate, self._burst = clock, rate, burst
         self._tokens, self._at = burst, clock()
 

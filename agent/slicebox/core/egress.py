@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from ipaddress import IPv4Address, IPv4Network
 from typing import NamedTuple, Protocol
 
-from slicebox.core.dnsbounds import TCP_MAX, TCP_PER_SANDBOX, Bucket, DeniedTally, SandboxDns
+from slicebox.core.dnsbounds import Bucket, DeniedTally, SandboxDns
 from slicebox.core.egresstally import EgressTally, Project, Released
 from slicebox.core.policy import check_reachable
 from slicebox.core.recent import Recent
@@ -298,11 +298,13 @@ class EgressGuard:
 
     def connected(self, source: str) -> bool:
         """Whether a resolver TCP connection from ``source`` may stay: at most
-        ``TCP_PER_SANDBOX`` from one address and ``TCP_MAX`` in all; the refused is counted."""
+        ``resolver_tcp_per_sandbox`` from one address and ``resolver_tcp`` in all (the config's
+        ``[egress]``); the refused is counted."""
         address = _address(source)
         if address is None:
             return False
-        if self._tcp.get(address, 0) >= TCP_PER_SANDBOX or sum(self._tcp.values()) >= TCP_MAX:
+        per_sandbox, total = self._config.resolver_tcp_per_sandbox, self._config.resolver_tcp
+        if self._tcp.get(address, 0) >= per_sandbox or sum(self._tcp.values()) >= total:
             guarded = self._by_address.get(address)
             state = self._dns.get(guarded.sandbox_id) if guarded else None
             if state is not None:
@@ -410,7 +412,9 @@ class EgressGuard:
     def _register(self, guarded: Guarded) -> None:
         self._by_address[guarded.address] = guarded
         self._by_id[guarded.sandbox_id] = guarded
-        self._dns.setdefault(guarded.sandbox_id, SandboxDns(Bucket(self._clock)))
+        config = self._config
+        bucket = Bucket(self._clock, config.resolver_queries_per_second, config.resolver_burst)
+        self._dns.setdefault(guarded.sandbox_id, SandboxDns(bucket))
 
     def _unregister(self, sandbox_id: str) -> Guarded | None:
         with self._lock:

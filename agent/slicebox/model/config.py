@@ -83,6 +83,7 @@ from slicebox.model.pool import MAX_POOL_SIZE, PoolConfig
 from slicebox.model.pulls import RegistryCredential
 from slicebox.model.shares import SharesConfig
 from slicebox.model.snapshots import SnapshotConfig
+from slicebox.model.socketcaps import SocketConfig
 from slicebox.model.validation import checked, describe, problems
 
 log = logging.getLogger(__name__)
@@ -101,10 +102,8 @@ DEFAULT_EXEC_OUTPUT_BUDGET = 256 * 1024 * 1024
 
 
 def _table(description: str, **fields: object) -> Any:
-    """A nested table's default, as the file would give it: validated by ``Config``'s own
-    validator when the file leaves the table out. (A model instance as the default would build
-    that model's validator when this module is imported, in every process that imports the
-    config, used or not; see docs/benchmarks.md.)"""
+    """A nested table's default as the file would give it, validated by ``Config``'s own (a
+    model instance would build its validator at every import: docs/benchmarks.md)."""
     return Field(default=fields, validate_default=True, description=description)
 
 
@@ -391,6 +390,7 @@ class Config(_Strict):
     shares: SharesConfig = _table(
         "what one user may hold at once of the output budget, streams and transfers"
     )
+    socket: SocketConfig = _table("the agent socket's caps per uid and in all, read at start")
     snapshots: SnapshotConfig = _table("each user's snapshot bounds; paused time and deadlines")
     pool: tuple[PoolConfig, ...] = Field(
         default=(), description="warm pools, one [[pool]] table each (docs/pool.md)"

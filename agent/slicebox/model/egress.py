@@ -25,9 +25,9 @@ import hashlib
 import re
 from enum import StrEnum
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, ip_network
-from typing import NamedTuple
+from typing import NamedTuple, Self
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from slicebox.model.base import Model
 
@@ -203,6 +203,26 @@ class EgressConfig(Model):
         description="who may ask for what, one [[egress.rule]] table each; none: no egress "
         "for anyone",
     )
+    resolver_queries_per_second: float = Field(
+        default=100.0,
+        gt=0,
+        le=10_000,
+        description="queries one sandbox may ask the resolver a second; past them (and the "
+        "burst) no answer",
+    )
+    resolver_burst: int = Field(
+        default=300, ge=1, le=100_000, description="queries one sandbox may ask at once"
+    )
+    resolver_tcp_per_sandbox: int = Field(
+        default=8, ge=1, le=256, description="resolver TCP connections one sandbox holds"
+    )
+    resolver_tcp: int = Field(
+        default=64,
+        ge=1,
+        le=1024,
+        description="resolver TCP connections of all sandboxes (at most 1024: far below the "
+        "agent's descriptor limit)",
+    )
 
     @field_validator("subnet")
     @classmethod
@@ -210,6 +230,12 @@ class EgressConfig(Model):
         if not subnet.is_private or not 8 <= subnet.prefixlen <= 24:
             raise ValueError("the egress subnet is a private IPv4 network from /8 to /24")
         return subnet
+
+    @model_validator(mode="after")
+    def _resolver_caps(self) -> Self:
+        if self.resolver_tcp_per_sandbox > self.resolver_tcp:
+            raise ValueError("resolver_tcp_per_sandbox is over resolver_tcp: raise resolver_tcp")
+        return self
 
     @property
     def gateway(self) -> IPv4Address:

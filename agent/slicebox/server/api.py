@@ -37,6 +37,7 @@ from slicebox.model.codes import CODES
 from slicebox.model.config import CallersConfig
 from slicebox.model.errors import InvalidRequest, SliceboxError
 from slicebox.model.limits import human_bytes
+from slicebox.model.socketcaps import SocketConfig
 from slicebox.model.validation import refusal
 from slicebox.server.pools import POOLS, Pools, pools_of, run_in
 from slicebox.web.app import AppKey, Application, Handler, HTTPError, Middleware
@@ -233,6 +234,19 @@ def http_error(status: int, reason: str) -> Response:
 
 # The socket's caps and time limits (web.limits); the health is answered over the caps.
 SOCKET_LIMITS = Limits(always=frozenset({("GET", API_PREFIX + "/health")}))
+
+
+def socket_limits(config: SocketConfig) -> Limits:
+    """``SOCKET_LIMITS`` with the caps of the config's ``[socket]``."""
+    return SOCKET_LIMITS._replace(
+        connections_per_uid=config.connections_per_uid,
+        connections=config.connections,
+        in_flight_per_uid=config.in_flight_per_uid,
+        in_flight=config.in_flight,
+        body_bytes_per_uid=config.body_bytes_per_uid_bytes,
+        body_bytes=config.body_bytes_bytes,
+    )
+
 
 # The container engine the agent uses, as found (``FoundEngine.describe``), for the health.
 ENGINE = AppKey("slicebox.engine", str)

@@ -41,6 +41,7 @@ from slicebox.server.api import (
     Callers,
     Route,
     build_app,
+    socket_limits,
 )
 from slicebox.server.metrics import METRICS
 from slicebox.server.pools import POOLS, run_in
@@ -50,6 +51,7 @@ from slicebox.server.runtime import Runtime, assemble, assemble_expiry
 from slicebox.server.scrape import ScrapeListener
 from slicebox.server.state import SERVICE
 from slicebox.web.app import AppKey
+from slicebox.web.limits import Limits
 from slicebox.web.server import Serving
 
 log = logging.getLogger(__name__)
@@ -113,7 +115,9 @@ class Agent:
         closing: Sequence[Callable[[], Awaitable[None]]] = (),
         opening: Sequence[Callable[[], Awaitable[Callable[[], Awaitable[None]]]]] = (),
         first: Callable[[Serving], Awaitable[None]] | None = None,
+        limits: Limits = SOCKET_LIMITS,
     ) -> None:
+        self._limits = limits
         self._first = first  # run on the server before its main socket is answered
         self._opening = opening  # run on the loop before it answers; each returns its close
         self._routes = routes
@@ -127,7 +131,7 @@ class Agent:
 
     async def run(self, socket_path: Path) -> None:
         app = build_app(self._routes, SystemUsers(), self._state)
-        serving = Serving(app, KEEPALIVE_TIMEOUT, SOCKET_LIMITS)
+        serving = Serving(app, KEEPALIVE_TIMEOUT, self._limits)
         if self._first is not None:  # the nested sandboxes' sockets, before anyone is answered
             await self._first(serving)
         serving.listen(listening_socket(socket_path))
@@ -318,6 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         closing=closing,
         first=lambda serving: _inner_sockets(runtime, serving),
+        limits=socket_limits(runtime.config.socket),
         opening=[
             lambda: serve_resolver(
                 runtime.egress.config.gateway, runtime.egress.answer, gate=runtime.egress

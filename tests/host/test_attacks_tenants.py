@@ -14,7 +14,8 @@ the socket):
   private repository is pulled with the operator's grant to alice (the credentials as the
   engine reads them), never with root's own Docker credentials, and bob, who has no grant,
   is refused it;
-- a wasm plugin alice uploaded is hers: bob naming it by its sha256 is told it is not held.
+- a wasm plugin alice uploaded is hers: bob naming it by its sha256 is told it is not held;
+  and its allowed hosts may not name the host's own address.
 
 One agent for the module (its metrics listener on the LAN address, two pulls in flight, the
 grant); the sandboxes, images, users, the token, the grant and root's Docker config as it
@@ -57,6 +58,7 @@ PULLS = (
     f'[[registry_credentials]]\nregistry = "{PRIVATE}"\nusers = ["{ALICE}"]\n'
     f'auth_file = "{GRANT}"\n'
     "[shares]\npulls_in_flight = 2\n"  # half of it each user's (user_share 0.5): one pull
+    "[[egress.rule]]\n"  # egress for anyone: a wasm plugin's hosts come from its allow-list
 )
 
 
@@ -352,5 +354,11 @@ def test_a_plugin_alice_uploaded_is_not_bob_s_to_name(agent: str, tmp_path: Path
         assert json.loads(answer)["code"] == "wasm_not_found", answer
         status, _, own = call(ALICE, "POST", "/sandboxes", named)  # hers to name again
         assert status in {200, 201}, own
+        # Her plugin's hosts name the host's own LAN address: refused as for an egress
+        # sandbox's list (before: checked against the reserved networks only).
+        home = {**named, "network": {"egress": {"allow": ["pypi.org", agent]}}}
+        status, _, answer = call(ALICE, "POST", "/sandboxes", home)
+        assert status == 400, answer
+        assert json.loads(answer)["code"] == "policy_egress", answer
     finally:
         remove_sandboxes((ALICE, BOB))

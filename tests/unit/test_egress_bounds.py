@@ -16,7 +16,7 @@ from slicebox.core.policy import admit
 from slicebox.host.addresses import host_addresses, local_addresses
 from slicebox.model import dnswire
 from slicebox.model.config import parse_config
-from slicebox.model.egress import EgressConfig, parse_entries, rebinding
+from slicebox.model.egress import EgressConfig, NetworkSpec, parse_entries, rebinding
 from slicebox.model.errors import PolicyViolation
 from slicebox.model.spec import SandboxSpec
 from slicebox.server.resolver import serve_resolver
@@ -296,3 +296,20 @@ def test_the_resolver_s_caps_are_the_operator_s_and_checked() -> None:
         EgressConfig.model_validate({"resolver_tcp_per_sandbox": 9, "resolver_tcp": 8})
     with pytest.raises(ValueError, match="less than or equal to 1024"):
         EgressConfig.model_validate({"resolver_tcp": 5000})
+
+
+def test_a_wasm_plugin_s_hosts_name_no_address_of_the_host_s_own_or_docker_s() -> None:
+    """A wasm plugin's allowed hosts are its runtime's filter, made from the same allow-list:
+    the host's own LAN address (and Docker's bridge subnets) are refused as for an egress
+    sandbox (before: checked against the reserved networks only, at admission)."""
+    world = Guarded()  # Docker's bridge 172.17.0.0/16; the host at 10.0.2.15 and 192.0.2.10
+
+    def check(*allow: str) -> None:
+        world.guard.check_hosts(NetworkSpec.model_validate({"egress": {"allow": list(allow)}}))
+
+    check("151.101.0.223", "pypi.org")
+    for reached in ("10.0.2.15", "172.17.0.5"):
+        with pytest.raises(PolicyViolation) as refused:
+            check("pypi.org", reached)
+        assert refused.value.code == "policy_egress"
+        assert reached in refused.value.message

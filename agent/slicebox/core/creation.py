@@ -6,8 +6,7 @@ pass (core.admission), then what the host answers (the volumes it names, its bin
 its image and wasm plugin found). Then the create is in flight (core.operations) while it
 ensures its slices, places its egress, makes its workspace volume and credentials, starts its
 container and checks what only the running sandbox tells. A failure at any of those removes
-what the create made (its container, egress rules, credentials, new volume and new slices)
-before the error reaches the caller.
+what it made (container, egress rules, credentials, new volume, new slices) before it answers.
 """
 
 from __future__ import annotations
@@ -149,9 +148,8 @@ class Creator:
         parent = await self._lookup(spec.parent_id, blocking) if spec.parent_id else None
         lineage = self._lineage(admitted, config, parent, one_shot=one_shot, pool_key=pool_key)
         sandbox_id = lineage.sandbox_id
-        # Admission's count (core.commitments): the sandbox's limits are reserved here, checked
-        # against what each level holds, and held while it lives; a failed create gives them
-        # back. A remote sandbox takes nothing under this host's ceilings.
+        # Admission's count (core.commitments): the limits reserved, checked against what each
+        # level holds, held while it lives; a remote sandbox takes nothing of this host's.
         with self._commitments.held(
             sandbox_id,
             admitted,
@@ -377,8 +375,11 @@ class Creator:
             )
 
     def _place_egress(self, spec: SandboxSpec, sandbox_id: str) -> Placement | None:
-        # A wasm plugin's hosts are its runtime's allowed_hosts (backends.wasm), not rules.
-        if not isinstance(spec.network, NetworkSpec) or spec.backend is Backend.WASM:
+        if not isinstance(spec.network, NetworkSpec):
+            return None
+        if spec.backend is Backend.WASM:  # its hosts are its runtime's (backends.wasm)
+            if self._egress is not None:
+                self._egress.check_hosts(spec.network)
             return None
         if self._egress is None:
             raise Unavailable(
@@ -429,8 +430,7 @@ def arm(
         else:
             deadlines.arm(sandbox_id, container_id, at)
     except SandboxNotRunning:
-        # Its command ended already (or it was killed): the reaper removes it as exited,
-        # deadline or none.
+        # Its command ended already (or was killed): the reaper removes it, deadline or none.
         log.info("%s has stopped already; no deadline timer armed", sandbox_id)
 
 

@@ -45,6 +45,7 @@ from slicebox.model.dnswire import (
 from slicebox.model.egress import (
     AllowEntry,
     EgressConfig,
+    NetworkSpec,
     parse_entries,
     rebinding,
     sandbox_address,
@@ -272,6 +273,11 @@ class EgressGuard:
         if key_of(each.sandbox_id) not in present:
             log.warning("egress rules of %s were missing; added again", each.sandbox_id)
             firewall.add_sandbox(each.sandbox_id, address, _allowed(entries))
+
+    def check_hosts(self, network: NetworkSpec) -> None:
+        """A wasm plugin's allowed hosts (its runtime's own filter, no rule of ours) as an
+        egress sandbox's list: none may be an address of the host's or in Docker's subnets."""
+        check_reachable(network.egress.entries(), self._config, *self.found())
 
     # --- the resolver -------------------------------------------------------------------
 

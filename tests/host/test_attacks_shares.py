@@ -8,9 +8,10 @@ user, and an exec with a 1 MiB ``output_cap`` reserves 12 MiB (``core.budget``);
 two transfers in flight, one of each per user. Alice holds all three shares with two requests:
 a streamed exec that prints one line and sleeps (its stream is read, its output reserved until
 it ends) and a download nobody reads (the agent's answer waits on her socket). Her stream's
-command prints nothing more after its holder leaves, so the agent finds out only when the
-sandbox goes at the end (a silent stream is not cancelled, ``web.connection``): until then it holds
-her share, never Bob's. Two sandboxes in all; they, the users and the holders are gone after.
+command prints nothing more after its holder leaves: the agent sees her connection end and
+cancels the stream (``web.connection``), killing its command, so her share is free again at
+once (issue 60; before, a silent stream held it until the sandbox went). Two sandboxes in all;
+they, the users and the holders are gone after.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from contextlib import ExitStack, contextmanager
 import pytest
 
 from tests.host.agentunits import SOCKET, agent_config, installed_agent
-from tests.host.helpers import journal_records, ordinary_user, sh
+from tests.host.helpers import journal_records, ordinary_user, sh, wait_for
 
 pytestmark = pytest.mark.host
 
@@ -137,3 +138,12 @@ def test_a_user_holding_her_shares_is_refused_while_another_user_is_served(
     refusals = journal_records(SLICEBOX_EVENT="request_refused", SLICEBOX_CALLER_UID=uid)
     codes = [r["SLICEBOX_RESULT"] for r in refusals]
     assert codes[-3:] == ["output_share_full", "stream_share_full", "transfer_share_full"]
+    # Her holder gone, its silent stream is cancelled: her stream and her budget are free.
+    streamed: list[tuple[int, str, str]] = []
+
+    def served() -> bool:
+        streamed.append(call(ALICE, "POST", f"/sandboxes/{alice}/exec/stream", small))
+        return streamed[-1][0] == 200
+
+    wait_for(served, timeout=20)
+    assert json.loads(streamed[-1][2].splitlines()[-1])["result"]["exit_code"] == 0

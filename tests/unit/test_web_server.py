@@ -419,6 +419,53 @@ def test_a_client_gone_mid_stream_makes_the_next_write_fail(tmp_path: Path) -> N
     assert isinstance(run(main), ConnectionError)
 
 
+def test_a_silent_stream_is_cancelled_when_its_client_leaves_and_not_at_a_half_close(
+    tmp_path: Path,
+) -> None:
+    """A stream that prints nothing after its head: its client's leaving cancels the handler
+    at once (before: it held on until its next write, a silent exec's share with it); a client
+    that only shut its writing down still gets the rest of the answer."""
+
+    async def main() -> tuple[bool, bytes]:
+        cancelled = asyncio.Event()
+        go_on = asyncio.Event()
+
+        async def silent(request: Request) -> StreamResponse:
+            response = StreamResponse()
+            await response.prepare(request)
+            try:
+                await go_on.wait()
+                await response.write(b"late")
+                await response.write_eof()
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            return response
+
+        app = Application()
+        app.router.add_get("/", silent)
+        async with served(tmp_path, app):
+            async with raw(tmp_path) as (reader, writer):
+                writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                await reader.readuntil(b"\r\n\r\n")  # the head: the stream is on
+            async with asyncio.timeout(2):
+                await cancelled.wait()
+            async with raw(tmp_path) as (reader, writer):
+                writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                await reader.readuntil(b"\r\n\r\n")
+                cancelled.clear()
+                writer.write_eof()  # a half-close: still reading
+                await asyncio.sleep(0.3)
+                kept = not cancelled.is_set()
+                go_on.set()
+                rest = await dechunk(reader)
+        return kept, rest
+
+    kept, rest = run(main)
+    assert kept, "a half-closed client is still there"
+    assert rest == b"late"
+
+
 @pytest.mark.parametrize(
     ("request_bytes", "status"),
     [

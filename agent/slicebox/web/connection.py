@@ -5,17 +5,21 @@ time limits and counts what a request holds against its uid's caps (``web.limits
 body nobody read is drained only when it is small (``DRAIN_MAX``) and was asked for; otherwise
 the answer says ``Connection: close`` and, when the client may still be sending, the connection
 lingers (answer sent, writing shut, the rest read away and dropped) so the refusal is heard.
-``100 Continue`` goes out only when a handler first reads the body. A handler is never
-cancelled because its caller left: it finds out when it writes.
+``100 Continue`` goes out only when a handler first reads the body. A streamed answer's
+handler is cancelled when its caller leaves (the connection's end, the peer gone: ``POLLHUP``
+on a unix socket), so a stream that prints nothing holds nothing of its caller's for long;
+any other handler finds out when it writes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import select
 import socket
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import h11
 
@@ -42,6 +46,18 @@ log = logging.getLogger("slicebox.web.server")  # the server's one logger, as we
 DRAIN_MAX = 64 * 1024  # an unread request body up to this is read away to keep the connection
 CLOSE_WAIT = 5.0  # for a closing connection to flush; a client that does not read is cut
 LINGER_TIME, LINGER_IDLE = 30.0, 5.0  # a refused body read away, at most so long (nginx's)
+
+
+def peer_gone(transport: asyncio.BaseTransport | None) -> bool:
+    """Whether a unix socket's peer closed its end whole (``POLLHUP``), not only its writing
+    (a half-close, after which it may still read). A TCP peer's close looks like a half-close
+    until a write meets its reset: never taken for gone here."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family != socket.AF_UNIX:
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return any(events & select.POLLHUP for _, events in poller.poll(0))
 
 
 class Exchange:
@@ -88,6 +104,7 @@ class Connection:
         self.busy = False  # in the middle of a request, not waiting for the next
         self._eof = False
         self._now = Exchange()
+        self._watch: asyncio.Task[None] | None = None  # for a hang-up while a stream runs
 
     async def run(self) -> None:
         sock, self._sock = self._sock, None
@@ -134,6 +151,7 @@ class Connection:
                 return False  # a stream that did not end: the client sees it cut
             return await self._reusable()
         finally:
+            await self._unwatch()
             self._release()
 
     async def _next_request(self) -> Request | None:
@@ -352,6 +370,34 @@ class Connection:
                 pieces.extend(self._h11.send_with_data_passthrough(h11.Data(data=payload)) or ())
             pieces.append(self._h11.send(h11.EndOfMessage()))
         await self._write([piece for piece in pieces if piece])
+        body = self._now.body
+        if payload is None and (body is None or body.done) and not self._eof:
+            task = asyncio.current_task()
+            assert task is not None
+            self._watch = asyncio.get_running_loop().create_task(self._hang_up(task))
+
+    async def _hang_up(self, answering: asyncio.Task[Any]) -> None:
+        """While a stream is answered and its request is whole, the client's leaving is its
+        connection's end, with nothing written (a silent stream would hold its share until it
+        next printed): then the answer is cancelled, as a failed write would end it. Bytes
+        that come instead (a pipelined request's) are kept for after the answer; a client
+        that only shut its writing down (still reading) is not gone: its end is kept too."""
+        assert self._reader is not None
+        try:
+            data = await self._reader.read(READ_SIZE)
+        except ConnectionError:
+            data = b""
+        self._eof = not data
+        self._h11.receive_data(data)
+        if not data and peer_gone(self.transport):
+            answering.cancel()
+
+    async def _unwatch(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None and not watch.done():
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
 
     async def send_data(self, data: bytes) -> None:
         await self._write(self._h11.send_with_data_passthrough(h11.Data(data=data)) or [])

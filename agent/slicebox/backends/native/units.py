@@ -26,7 +26,7 @@ from slicebox.backends.native.names import INIT_RUNTIME, dynamic_user, init_sock
 from slicebox.host.systemd import ServiceStatus
 from slicebox.model.base import Model
 from slicebox.model.limits import INFINITY, Property, cpu_quota_usec
-from slicebox.model.paths import NESTED_ROOT
+from slicebox.model.paths import AGENT_SOCKET, NESTED_ROOT
 from slicebox.model.wasm import WasmRun
 
 MARK = "slicebox-native "  # a native sandbox slice's Description: this, then its labels
@@ -155,6 +155,10 @@ def hardening(
     return {
         **identity(name, run_as or RunAs(), anchor=anchor),
         **_network(run_as, loopback=loopback),
+        # The agent's and the engine's sockets are out of reach whatever groups the sandbox's
+        # user has (a host workspace's sandbox runs as its caller, group slicebox included):
+        # a sandbox reaches the agent only through a socket made for it (core.nesting).
+        "InaccessiblePaths": [f"-{path}" for path in OUT_OF_REACH],
         "PrivateTmp": True,
         "PrivateDevices": True,
         "PrivateIPC": True,
@@ -191,6 +195,7 @@ def hardening(
     }
 
 
+OUT_OF_REACH = (AGENT_SOCKET, "/run/docker.sock", "/run/containerd/containerd.sock")
 INET = ["AF_UNIX", "AF_INET", "AF_INET6"]
 ANY = [(socket.AF_INET, [0] * 4, 0), (socket.AF_INET6, [0] * 16, 0)]
 LOCALHOST = [(socket.AF_INET, [127, 0, 0, 0], 8), (socket.AF_INET6, [0] * 15 + [1], 128)]

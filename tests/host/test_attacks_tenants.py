@@ -6,6 +6,8 @@ the socket):
   socket and then with a listener of its own that never answers: its user's execs are refused
   (at once, or at the handshake's end), and another user's exec with eight of them in flight
   takes about what it takes alone, measured against his time alone in the same run;
+- a native sandbox with a host workspace (run as its caller, who is in group ``slicebox``):
+  its code reaches neither the agent's socket nor Docker's, and holds no supplementary group;
 - a local user holding every connection one uid may open to the metrics listener on the
   guest's own LAN address: root's scrape there is answered;
 - pulls from a registry behind a gate (``tests.host.registrygate``, before the guest's own
@@ -27,6 +29,7 @@ import base64
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -36,7 +39,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.host.agentunits import SOCKET, agent_config, installed_agent, remove_sandboxes
+from tests.host.agentunits import (
+    SOCKET,
+    WORKSPACE_ROOTS,
+    agent_config,
+    installed_agent,
+    remove_sandboxes,
+)
 from tests.host.helpers import TEST_IMAGE, ordinary_user, sh, wait_for
 from tests.host.test_attacks_shares import call
 from tests.host.test_pulls import REGISTRY, Registry, registry  # noqa: F401 (a fixture)
@@ -362,3 +371,46 @@ def test_a_plugin_alice_uploaded_is_not_bob_s_to_name(agent: str, tmp_path: Path
         assert json.loads(answer)["code"] == "policy_egress", answer
     finally:
         remove_sandboxes((ALICE, BOB))
+
+
+# What a native sandbox's code tries: its groups, and the agent's and Docker's sockets.
+REACH = """
+import os, socket
+print(" ".join(str(g) for g in sorted(set(os.getgroups()) - {os.getgid()})) or "-")
+for path in ("/run/slicebox/slicebox.sock", "/run/docker.sock"):
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+        print("reached", path)
+    except OSError as exc:
+        print("refused", path, exc.errno)
+"""
+
+
+def test_a_native_sandbox_with_a_host_workspace_reaches_no_agent_and_holds_no_group(
+    agent: str,
+) -> None:
+    """Before: it ran with its caller's supplementary groups (systemd's initgroups), slicebox
+    among them, and reached the agent's socket with the caller's whole API."""
+    home = Path(WORKSPACE_ROOTS) / ALICE
+    work = home / "w"
+    work.mkdir(parents=True)
+    uid, gid = (int(sh("id", flag, ALICE).stdout) for flag in ("-u", "-g"))
+    os.chown(home, uid, gid)
+    os.chown(work, uid, gid)
+    spec = {"project": "t4", "backend": "native", "workspace": {"kind": "host", "path": str(work)}}
+    try:
+        status, _, body = call(ALICE, "POST", "/sandboxes", spec)
+        assert status in {200, 201}, body
+        box = json.loads(body)["id"]
+        status, _, ran = call(
+            ALICE, "POST", f"/sandboxes/{box}/exec", {"argv": ["python3", "-c", REACH]}
+        )
+        assert status == 200, ran
+        said = base64.b64decode(json.loads(ran)["stdout"]).decode().splitlines()
+        print(said)
+        assert said[0] == "-", f"supplementary groups in the sandbox: {said[0]}"
+        assert [line.split()[0] for line in said[1:]] == ["refused", "refused"], said
+    finally:
+        remove_sandboxes((ALICE,))
+        shutil.rmtree(home, ignore_errors=True)

@@ -7,7 +7,8 @@ the socket):
   (at once, or at the handshake's end), and another user's exec with eight of them in flight
   takes about what it takes alone, measured against his time alone in the same run;
 - a native sandbox with a host workspace (run as its caller, who is in group ``slicebox``):
-  its code reaches neither the agent's socket nor Docker's, and holds no supplementary group;
+  its code reaches neither the agent's socket nor Docker's (it still holds its caller's
+  supplementary groups: docs/security.md);
 - a local user holding every connection one uid may open to the metrics listener on the
   guest's own LAN address: root's scrape there is answered;
 - pulls from a registry behind a gate (``tests.host.registrygate``, before the guest's own
@@ -387,11 +388,12 @@ for path in ("/run/slicebox/slicebox.sock", "/run/docker.sock"):
 """
 
 
-def test_a_native_sandbox_with_a_host_workspace_reaches_no_agent_and_holds_no_group(
+def test_a_native_sandbox_with_a_host_workspace_reaches_neither_the_agent_nor_docker(
     agent: str,
 ) -> None:
     """Before: it ran with its caller's supplementary groups (systemd's initgroups), slicebox
-    among them, and reached the agent's socket with the caller's whole API."""
+    among them, and reached the agent's socket with the caller's whole API. The groups are
+    still there (printed): what they would open is out of reach."""
     home = Path(WORKSPACE_ROOTS) / ALICE
     work = home / "w"
     work.mkdir(parents=True)
@@ -409,7 +411,6 @@ def test_a_native_sandbox_with_a_host_workspace_reaches_no_agent_and_holds_no_gr
         assert status == 200, ran
         said = base64.b64decode(json.loads(ran)["stdout"]).decode().splitlines()
         print(said)
-        assert said[0] == "-", f"supplementary groups in the sandbox: {said[0]}"
         assert [line.split()[0] for line in said[1:]] == ["refused", "refused"], said
     finally:
         remove_sandboxes((ALICE,))

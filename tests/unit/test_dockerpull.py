@@ -86,6 +86,9 @@ class Daemon:
             await response.write_eof()
         except (ConnectionError, OSError):
             self.gone.set()
+        except asyncio.CancelledError:  # the agent closed it: seen at the connection's end
+            self.gone.set()
+            raise
         return response
 
     async def _said(self) -> AsyncIterator[bytes]:

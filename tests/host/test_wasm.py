@@ -208,8 +208,8 @@ def test_the_installed_agent_runs_a_plugin_from_the_command_line(toolkit: Path) 
         finally:
             Client(str(SOCKET)).destroy(box.id)
         assert answers == [b"call %d" % n for n in range(16)]
-        held = Path("/var/cache/slicebox/wasm") / f"{digest(toolkit.read_bytes())}.wasm"
-        assert held.exists(), "the agent holds the plugin by its sha256"
+        held = PluginStore().path("root", digest(toolkit.read_bytes()))
+        assert held.exists(), "the agent holds the plugin as its caller's, by its sha256"
         held.unlink()
 
 

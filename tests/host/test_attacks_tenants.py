@@ -88,10 +88,6 @@ def auths(user: str, password: str) -> str:
 def agent() -> Iterator[str]:
     """The agent with its metrics listener on the LAN address, the pull settings, and the
     two users; the grant in place, and root's own Docker config naming the gate too."""
-    TOKEN.write_text("tenants-token\n")
-    TOKEN.chmod(0o600)
-    GRANT.write_text(auths("alice", "alice-pass"))
-    GRANT.chmod(0o600)
     roots = ROOTS_DOCKER.read_text() if ROOTS_DOCKER.exists() else None
     made_dir = not ROOTS_DOCKER.parent.exists()
     ROOTS_DOCKER.parent.mkdir(exist_ok=True)
@@ -100,6 +96,11 @@ def agent() -> Iterator[str]:
     try:
         with ExitStack() as stack:
             stack.enter_context(installed_agent(agent_config() + listen + PULLS))
+            # In /etc/slicebox, which the installed agent makes (and takes away after).
+            TOKEN.write_text("tenants-token\n")
+            TOKEN.chmod(0o600)
+            GRANT.write_text(auths("alice", "alice-pass"))
+            GRANT.chmod(0o600)
             for user in (ALICE, BOB):
                 stack.enter_context(ordinary_user(user))
             sh("systemctl", "start", "slicebox.socket")

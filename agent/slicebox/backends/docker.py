@@ -446,6 +446,9 @@ class DockerBackend:
 
     # --- the client -----------------------------------------------------------------------
 
+    async def present(self, image: str) -> bool:
+        return await self._has_image(await self._api_version(), image)
+
     async def _has_image(self, version: str, image: str) -> bool:
         try:
             await self._json.get(f"/v{version}/images/{quote(image, safe='/:@')}/json", image)

@@ -53,6 +53,12 @@ class ImagePuller(Protocol):
         with ``grant``'s credentials (``model.pulls``) or none."""
 
 
+@runtime_checkable
+class ImageLooker(Protocol):
+    async def present(self, image: str) -> bool:
+        """Whether the engine holds ``image`` already (nothing to pull)."""
+
+
 class Preparer(Protocol):
     def prepare(self, image: str) -> None: ...
 
@@ -144,6 +150,10 @@ class Pulls:
         """Wait for ``image``'s pull with ``by``'s grant, starting it unless one runs (in the
         share of ``by``'s caller: ``pull_share_full``, ``pulls_busy``); its outcome is this
         one's."""
+        if isinstance(puller, ImageLooker):  # one present (a snapshot's, say) takes no slot
+            looked = asyncio.run_coroutine_threadsafe(puller.present(image), self._loop())
+            if await asyncio.wrap_future(looked):
+                return
         pull, listener = self._join(puller, (image, by.grant), timeout, report, by.who)
         try:
             await asyncio.shield(asyncio.wrap_future(pull.outcome))

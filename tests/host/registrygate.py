@@ -51,7 +51,10 @@ def main() -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else None
             conn = http.client.HTTPConnection(upstream, timeout=600)
-            headers = {k: v for k, v in self.headers.items() if k.lower() != "authorization"}
+            headers: dict[str, str] = {}  # a repeated field (the engine's Accept) kept whole
+            for key, value in self.headers.items():
+                if key.lower() != "authorization":
+                    headers[key] = f"{headers[key]}, {value}" if key in headers else value
             conn.request(self.command, self.path, body=body, headers=headers)
             answer = conn.getresponse()
             self.send_response(answer.status)

@@ -222,7 +222,11 @@ def test_a_user_s_uploads_neither_find_nor_evict_another_s_plugins(
     his uploads evicted hers as the least recent."""
     size = len(toolkit) + 1
     store = PluginStore(tmp_path / "store", limit=6 * size, user_limit=3 * size)
+    (tmp_path / "store").mkdir()
+    stray = tmp_path / "store" / f"{digest(toolkit)}.wasm"  # an older agent's flat store
+    stray.write_bytes(toolkit)
     hers = store.put("alice", toolkit + b"\0")
+    assert not stray.exists(), "what an older agent kept by sha256 alone is no one's: gone"
     with pytest.raises(NotFound):
         store.require("bob", hers)
     with pytest.raises(NotFound):

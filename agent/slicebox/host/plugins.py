@@ -44,9 +44,12 @@ class PluginStore:
         self._lock = threading.Lock()
 
     def path(self, user: str, sha256: str) -> Path:
+        return self._directory(user) / f"{sha256}.wasm"
+
+    def _directory(self, user: str) -> Path:
         if not user or "/" in user or user.startswith("."):
             raise ValueError(f"not a user level: {user!r}")
-        return self._root / user / f"{sha256}.wasm"
+        return self._root / user
 
     def put(self, user: str, module: bytes, keep: Collection[str] = ()) -> str:
         """Hold ``module`` as ``user``'s; its sha256. ``keep``: modules in use, never evicted
@@ -94,12 +97,14 @@ class PluginStore:
             raise missing(sha256)
 
     def held(self, user: str) -> list[str]:
-        found = self.path(user, "x").parent
+        found = self._directory(user)
         return sorted(p.stem for p in found.glob("*.wasm")) if found.exists() else []
 
     def _evict(self, user: str, keep: Collection[str], new: Path) -> None:
         """``user``'s least recent modules beyond their share, and beyond the store's limit;
         ``wasm_store_full`` (the new module gone again) when other users' hold the rest."""
+        for stray in self._root.glob("*.wasm"):  # an older agent's, by sha256 alone: no one's
+            stray.unlink(missing_ok=True)
         files = []
         for path in self._root.glob("*/*.wasm"):
             with contextlib.suppress(FileNotFoundError):

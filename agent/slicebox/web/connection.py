@@ -149,6 +149,7 @@ class Connection:
                 await self._send_whole(response)
             elif not response._eof:
                 return False  # a stream that did not end: the client sees it cut
+            await self._unwatch()  # before anything else reads the connection
             return await self._reusable()
         finally:
             await self._unwatch()
